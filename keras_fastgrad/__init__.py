@@ -1,0 +1,13 @@
+"""keras_fastgrad: exact, fast and safe gradient steps for Keras 3 models.
+
+Swap `keras.Model` for `keras_fastgrad.FastGradModel` and train with the
+usual `compile` / `fit`.
+"""
+
+from keras_fastgrad import callbacks
+from keras_fastgrad.model import FastGradModel
+from keras_fastgrad.telemetry import LOG_KEYS
+
+__version__ = "0.1.0"
+
+__all__ = ["FastGradModel", "callbacks", "LOG_KEYS", "__version__"]

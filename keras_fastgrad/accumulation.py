@@ -1,0 +1,111 @@
+"""Exact gradient accumulation over a window of micro-batches.
+
+The loss Keras minimises is a mean over the batch ("sum_over_batch_size"),
+so the gradient of the concatenated window is
+
+    g = sum_j (n_j / N) g_j,    N = sum_j n_j,
+
+where `n_j` is micro-batch j's number of samples. The accumulator keeps
+`sum_j n_j g_j` and `N` in float32 variables (model state, saved with the
+model) and divides once, at the update. A micro-batch left out (non-finite)
+adds neither to the sum nor to `N`.
+"""
+
+import keras
+import tensorflow as tf
+
+
+class WindowAccumulator:
+    """Sample-weighted sum of micro-batch gradients over `steps` batches.
+
+    Args:
+        steps: Integer >= 2, micro-batches per optimizer update.
+
+    Example:
+
+    >>> v = keras.Variable([0.0, 0.0])
+    >>> acc = WindowAccumulator(steps=2)
+    >>> acc.build([v])
+    >>> _ = acc.add([tf.constant([1.0, 1.0])], 4.0, tf.constant(True))
+    >>> done = acc.add([tf.constant([4.0, 4.0])], 2.0, tf.constant(True))
+    >>> bool(done), acc.mean()[0].numpy().tolist()  # (4*1 + 2*4) / 6
+    (True, [2.0, 2.0])
+    """
+
+    def __init__(self, steps):
+        self.steps = steps
+        self.sums = []
+        self.samples = None
+        self.micro_step = None
+
+    def build(self, variables):
+        """Creates the float32 state for the given trainable variables."""
+        self.sums = [
+            keras.Variable(
+                tf.zeros(v.shape, tf.float32),
+                trainable=False,
+                autocast=False,
+                name=f"accumulated_{i}",
+            )
+            for i, v in enumerate(variables)
+        ]
+        self.samples = keras.Variable(
+            0.0, dtype="float32", trainable=False, name="accumulated_samples"
+        )
+        self.micro_step = keras.Variable(
+            0, dtype="int64", trainable=False, name="micro_step"
+        )
+
+    @property
+    def variables(self):
+        return self.sums + [self.samples, self.micro_step]
+
+    def add(self, grads, num_samples, include):
+        """Adds one micro-batch; returns whether its window is now complete.
+
+        Args:
+            grads: List of float32 gradients (`None` where a variable has
+                none; its sum stays zero).
+            num_samples: float32 scalar, the micro-batch's number of samples.
+            include: boolean scalar; `False` leaves the micro-batch out.
+
+        Returns:
+            Boolean scalar: `True` on the window's last micro-batch.
+        """
+        for total, g in zip(self.sums, grads):
+            if g is not None:
+                # `where`, not multiplication by 0: NaN * 0 is NaN.
+                total.assign_add(
+                    tf.where(include, tf.cast(g, tf.float32) * num_samples, 0.0)
+                )
+        self.samples.assign_add(tf.where(include, num_samples, 0.0))
+        self.micro_step.assign_add(1)
+        return tf.equal(self.micro_step % self.steps, 0)
+
+    def has_samples(self):
+        """Boolean scalar: the window holds at least one included sample."""
+        return self.samples > 0.0
+
+    def mean(self, grads_template=None):
+        """The window's gradient `sum_j n_j g_j / N`.
+
+        Args:
+            grads_template: Optional list; where its entry is `None` the
+                result is `None` too (variables that never get a gradient).
+        """
+        template = grads_template or self.sums
+        return [
+            None if t is None else total / self.samples
+            for total, t in zip(self.sums, template)
+        ]
+
+    def reset(self):
+        """Empties the window's sums (the micro-step count runs on)."""
+        for total in self.sums:
+            total.assign(tf.zeros_like(total))
+        self.samples.assign(0.0)
+
+    def restart(self):
+        """Empties the window and starts the next one at micro-step 0."""
+        self.reset()
+        self.micro_step.assign(0)

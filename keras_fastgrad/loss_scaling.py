@@ -1,0 +1,77 @@
+"""Dynamic loss scaling that cooperates with accumulation.
+
+Keras' `LossScaleOptimizer` unscales, checks and applies in one call. The
+step needs those apart: gradients are unscaled before they are accumulated,
+measured or clipped, and an overflowing micro-batch is dropped while the
+others of its window still count. This unit drives the optimizer's own
+`dynamic_scale` and `step_counter` variables with the same rule as Keras
+(halve on a non-finite micro-batch, double after `dynamic_growth_steps`
+finite ones), so the scale is saved and restored with the optimizer.
+"""
+
+import keras
+import tensorflow as tf
+
+
+class LossScaling:
+    """Scale, unscale and update the loss scale of a `LossScaleOptimizer`.
+
+    Inactive (identity) when the optimizer is not a `LossScaleOptimizer`,
+    e.g. in float32 or under `mixed_bfloat16`.
+
+    Args:
+        optimizer: The model's compiled optimizer.
+
+    Example:
+
+    >>> scaling = LossScaling(keras.optimizers.SGD())
+    >>> scaling.active
+    False
+    """
+
+    def __init__(self, optimizer):
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self.scaler = optimizer
+            self.update_optimizer = optimizer.inner_optimizer
+        else:
+            self.scaler = None
+            self.update_optimizer = optimizer
+
+    @property
+    def active(self):
+        return self.scaler is not None
+
+    def scale(self, loss):
+        """The loss to differentiate (scaled when active)."""
+        return self.scaler.scale_loss(loss) if self.active else loss
+
+    def unscale(self, grads):
+        """Divides the gradients by the current scale (float32)."""
+        if not self.active:
+            return grads
+        inverse = 1.0 / self.scaler.dynamic_scale
+        return [None if g is None else tf.cast(g, tf.float32) * inverse for g in grads]
+
+    def update(self, finite):
+        """Halves the scale after a non-finite micro-batch, grows it after
+        `dynamic_growth_steps` finite ones (Keras' rule)."""
+        if not self.active:
+            return
+        counter = self.scaler.step_counter
+        scale = self.scaler.dynamic_scale
+        grow = tf.logical_and(
+            finite,
+            tf.equal(counter, self.scaler.dynamic_growth_steps - 1),
+        )
+        scale.assign(
+            tf.where(finite, tf.where(grow, scale * 2.0, scale), scale * 0.5)
+        )
+        counter.assign(
+            tf.where(finite, tf.where(grow, 0, counter + 1), 0)
+        )
+
+    def current_scale(self):
+        """float32 scalar: the loss scale, 1 when inactive."""
+        if not self.active:
+            return tf.constant(1.0)
+        return tf.cast(self.scaler.dynamic_scale, tf.float32)

@@ -1,0 +1,363 @@
+"""`FastGradModel`: a `keras.Model` whose train step owns the gradient path.
+
+The step reads as a chain of small units, each with its own module:
+
+    forward + loss (tape watches only the trainable variables)
+      -> unscale (loss_scaling) -> finite check (finite)
+      -> accumulate (accumulation) -> clip (clipping) -> apply (applying)
+
+and records what it measured in `telemetry`. `train_step` orchestrates; the
+units do the maths.
+"""
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses.loss import unscale_loss_for_distribution
+
+from keras_fastgrad import _validation
+from keras_fastgrad.accumulation import WindowAccumulator
+from keras_fastgrad.applying import apply_if
+from keras_fastgrad.clipping import clip_by_global_norm, global_norm
+from keras_fastgrad.finite import finite_flags
+from keras_fastgrad.loss_scaling import LossScaling
+from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry
+
+_STATE_PREFIX = "fastgrad_"
+
+
+@keras.saving.register_keras_serializable(package="keras_fastgrad")
+class FastGradModel(keras.Model):
+    """A `keras.Model` with exact accumulation, clipping and NaN safety.
+
+    Use it wherever you would use `keras.Model` (functional or subclassed),
+    then `compile` and `fit` as usual. With default options it trains
+    exactly like `keras.Model`.
+
+    Args:
+        accumulation_steps: Integer >= 1, defaults to `1`. Number of batches
+            (micro-batches) per optimizer update. The update equals one step
+            on the concatenation of the window's batches: each micro-batch
+            counts by its share of the window's samples, so uneven batches
+            and sample weights are exact. `optimizer.iterations` counts
+            updates. A window left partial at the end of an epoch is applied
+            at the end of that epoch.
+        clip_norm: Float > 0 or `None` (default). Clips the final gradient of
+            each update (after accumulation) to this global L2 norm.
+        multitask: `None` (default): the task losses are summed as in
+            `keras.Model`. Multi-task merging methods are planned.
+        skip_nonfinite: Boolean, defaults to `True`. A micro-batch whose loss
+            or gradient holds NaN/Inf is dropped: it never touches the
+            weights or the optimizer state, it is left out of its window's
+            normalisation and counted (`nonfinite_count`). `False` applies
+            such gradients like `keras.Model` does (a loss-scaled model still
+            drops them: loss scaling needs it).
+        telemetry: Boolean, defaults to `False`. Adds the step's measurements
+            (`grad_norm`, `nonfinite_count`, `loss_scale`, ... see
+            `keras_fastgrad.telemetry.LOG_KEYS`) to the logs. The callbacks
+            of `keras_fastgrad.callbacks` switch it on when attached.
+        *args, **kwargs: Passed to `keras.Model`.
+
+    Raises:
+        ValueError, TypeError: on invalid options, naming the option, the
+            rule and the value received. `compile` raises `ValueError` if
+            the optimizer also accumulates or clips while the model does.
+
+    Example:
+
+    >>> inputs = keras.Input((3,))
+    >>> outputs = keras.layers.Dense(1)(inputs)
+    >>> model = FastGradModel(inputs, outputs, accumulation_steps=2,
+    ...                       clip_norm=1.0)
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> x, y = np.ones((8, 3)), np.zeros((8, 1))
+    >>> history = model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    >>> int(model.optimizer.iterations.numpy())  # 4 batches, 2 per update
+    2
+    """
+
+    def __init__(
+        self,
+        *args,
+        accumulation_steps=1,
+        clip_norm=None,
+        multitask=None,
+        skip_nonfinite=True,
+        telemetry=False,
+        **kwargs,
+    ):
+        accumulation_steps = _validation.check_accumulation_steps(
+            accumulation_steps
+        )
+        clip_norm = _validation.check_clip_norm(clip_norm)
+        multitask = _validation.check_multitask(multitask)
+        skip_nonfinite = _validation.check_bool("skip_nonfinite", skip_nonfinite)
+        telemetry = _validation.check_bool("telemetry", telemetry)
+        super().__init__(*args, **kwargs)
+        self.accumulation_steps = accumulation_steps
+        self.clip_norm = clip_norm
+        self.multitask = multitask
+        self.skip_nonfinite = skip_nonfinite
+        self.telemetry = telemetry
+        self._fg_accumulator = None
+        self._fg_telemetry = None
+        self._fg_state_for = None
+        self._fg_scaling = None
+        self._fg_flush_function = None
+        self._fg_in_fit = False
+        self._fg_tape_variables = None
+        self._fg_no_gradient = None
+        self._fg_log_keys = set(LOG_KEYS) if telemetry else set()
+
+    # ------------------------------------------------------------------ state
+    def _fg_build_state(self):
+        """Creates the step's state for the current trainable variables."""
+        variables = self.trainable_variables
+        key = tuple(id(v) for v in variables)
+        if self._fg_state_for == key:
+            return
+        with self.distribute_strategy.scope(), keras.name_scope("fastgrad"):
+            telemetry = StepTelemetry()
+            telemetry.build()
+            accumulator = None
+            if self.accumulation_steps > 1:
+                accumulator = WindowAccumulator(self.accumulation_steps)
+                accumulator.build(variables)
+        self._fg_telemetry, self._fg_accumulator = telemetry, accumulator
+        self._fg_state_for = key
+
+    def _fg_state_variables(self):
+        self._fg_build_state()
+        state = list(self._fg_telemetry.variables)
+        if self._fg_accumulator is not None:
+            state += self._fg_accumulator.variables
+        return state
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        if self.built:
+            for i, v in enumerate(self._fg_state_variables()):
+                store[f"{_STATE_PREFIX}{i}"] = v.numpy()
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        own = {k: store[k] for k in keys if not k.startswith(_STATE_PREFIX)}
+        super().load_own_variables(own)
+        state_keys = [k for k in keys if k.startswith(_STATE_PREFIX)]
+        if not state_keys:  # e.g. weights saved by a plain `keras.Model`
+            return
+        state = self._fg_state_variables()
+        if len(state_keys) != len(state):
+            warnings.warn(
+                f"FastGradModel: the saved step state has {len(state_keys)} "
+                f"variables but this model's has {len(state)} (different "
+                "`accumulation_steps` or trainable variables?). The "
+                "accumulation window and counters start fresh; the weights "
+                "were loaded."
+            )
+            return
+        for i, v in enumerate(state):
+            v.assign(store[f"{_STATE_PREFIX}{i}"])
+
+    # ------------------------------------------------------------ compile/fit
+    def compile(self, *args, **kwargs):
+        super().compile(*args, **kwargs)
+        _validation.check_optimizer_ownership(
+            self.optimizer, self.accumulation_steps, self.clip_norm
+        )
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        self._fg_build_state()
+        self._fg_scaling = LossScaling(self.optimizer)
+        self._fg_flush_function = None
+        return super().make_train_function(force=force)
+
+    def fit(self, *args, **kwargs):
+        self._fg_in_fit = True
+        try:
+            return super().fit(*args, **kwargs)
+        finally:
+            self._fg_in_fit = False
+
+    def _get_metrics_result_or_logs(self, logs):
+        # Keras calls this right after an epoch's last batch, before
+        # validation and `on_epoch_end`: the place to apply a partial window.
+        if self._fg_in_fit:
+            flushed = self.apply_partial_window()
+            if flushed is not None and isinstance(logs, dict):
+                logs = {**logs, **{k: flushed[k] for k in logs if k in flushed}}
+        return super()._get_metrics_result_or_logs(logs)
+
+    def apply_partial_window(self):
+        """Applies the accumulated gradient of an incomplete window now.
+
+        `fit` calls this at the end of every epoch. Call it yourself after a
+        loop of `train_on_batch` calls. Does nothing without accumulation or
+        when the window is empty.
+
+        Returns:
+            The telemetry logs (Python floats) after the flush, or `None`
+            when nothing was pending.
+        """
+        acc = self._fg_accumulator
+        if acc is None or int(acc.micro_step.numpy()) % acc.steps == 0:
+            return None
+        if self._fg_flush_function is None:
+            self._fg_flush_function = tf.function(
+                lambda: self.distribute_strategy.run(self._fg_flush_step),
+                jit_compile=bool(self.jit_compile),
+            )
+        self._fg_flush_function()
+        return {
+            k: float(v)
+            for k, v in self._fg_telemetry.logs(
+                self._fg_scaling.current_scale(), self._fg_tape_variables or 0
+            ).items()
+        }
+
+    def _fg_flush_step(self):
+        acc = self._fg_accumulator
+        apply_if(acc.has_samples(), self._fg_apply_window)
+        acc.restart()
+
+    # ------------------------------------------------------------- the step
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        variables = self.trainable_variables
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.")
+        scaling = self._fg_scaling
+
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            for v in variables:
+                tape.watch(v.value)
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                training=True,
+            )
+            scaled_loss = scaling.scale(loss)
+        grads = tape.gradient(scaled_loss, [v.value for v in variables])
+        self._fg_record_trace_facts(variables, grads)
+
+        grads = scaling.unscale(grads)
+        finite, first_bad, num_bad = finite_flags(grads, loss)
+        scaling.update(finite)
+        keep = finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
+        self._fg_telemetry.record_micro_batch(finite, first_bad, num_bad)
+
+        num_samples = tf.cast(
+            tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+            tf.float32,
+        )
+        self._loss_tracker.update_state(
+            tf.where(keep, unscale_loss_for_distribution(loss), 0.0),
+            sample_weight=tf.where(keep, num_samples, 0.0),
+        )
+
+        if self._fg_accumulator is None:
+            apply_if(keep, self._fg_update, args=(grads,))
+        else:
+            acc = self._fg_accumulator
+            window_complete = acc.add(grads, num_samples, keep)
+            apply_if(
+                tf.logical_and(window_complete, acc.has_samples()),
+                self._fg_apply_window,
+            )
+
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self._fg_log_keys:
+            measured = self._fg_telemetry.logs(
+                scaling.current_scale(), self._fg_tape_variables
+            )
+            logs.update({k: measured[k] for k in LOG_KEYS if k in self._fg_log_keys})
+        return logs
+
+    def _fg_apply_window(self):
+        acc = self._fg_accumulator
+        self._fg_update(acc.mean(self._fg_no_gradient_template()))
+        acc.reset()
+
+    def _fg_update(self, grads):
+        """Clip (optionally), apply, record. Runs inside the update branch."""
+        norm = was_clipped = None
+        if "grad_norm" in self._fg_log_keys or self.clip_norm is not None:
+            norm = global_norm(grads)
+        if self.clip_norm is not None:
+            grads, was_clipped = clip_by_global_norm(grads, self.clip_norm, norm)
+        self._fg_scaling.update_optimizer.apply(grads, self.trainable_variables)
+        self._fg_telemetry.record_update(norm, was_clipped)
+
+    # --------------------------------------------------- trace-time facts
+    def _fg_record_trace_facts(self, variables, grads):
+        # Python side effect at trace time on purpose: these are facts of
+        # the traced graph (how many variables the tape watched, which got
+        # no gradient), not per-step values.
+        self._fg_tape_variables = len(variables)
+        self._fg_no_gradient = [
+            v.path for v, g in zip(variables, grads) if g is None
+        ]
+        self._fg_grad_is_none = [g is None for g in grads]
+
+    def _fg_no_gradient_template(self):
+        flags = getattr(self, "_fg_grad_is_none", None)
+        if flags is None:
+            return None
+        return [None if none else True for none in flags]
+
+    @property
+    def tape_variable_count(self):
+        """Number of variables the tape watched in the traced train step
+        (`None` before the first trace)."""
+        return self._fg_tape_variables
+
+    @property
+    def variables_without_gradient(self):
+        """Paths of trainable variables that got no gradient in the traced
+        step (unused, or cut off by `stop_gradient`); `None` before the
+        first trace."""
+        return self._fg_no_gradient
+
+    def enable_telemetry(self, keys=LOG_KEYS):
+        """Adds telemetry keys to the step's logs (used by the callbacks).
+
+        Args:
+            keys: Iterable of names from `keras_fastgrad.LOG_KEYS`.
+
+        Raises:
+            ValueError: for a name that is not a telemetry key.
+
+        The train function is rebuilt (retraced) on the next `fit` when the
+        set of keys grows.
+        """
+        keys = set(keys)
+        unknown = keys - set(LOG_KEYS)
+        if unknown:
+            raise ValueError(
+                f"`keys` must be names from {list(LOG_KEYS)}. Received "
+                f"unknown names: {sorted(unknown)}"
+            )
+        if not keys <= self._fg_log_keys:
+            self._fg_log_keys |= keys
+            self.train_function = None
+
+    # ---------------------------------------------------------------- config
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "accumulation_steps": self.accumulation_steps,
+                "clip_norm": self.clip_norm,
+                "multitask": self.multitask,
+                "skip_nonfinite": self.skip_nonfinite,
+                "telemetry": self.telemetry,
+            }
+        )
+        return config
