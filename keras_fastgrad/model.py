@@ -23,7 +23,7 @@ from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
 from keras_fastgrad.finite import finite_flags
 from keras_fastgrad.loss_scaling import LossScaling
-from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry
+from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 _STATE_PREFIX = "fastgrad_"
 
@@ -110,26 +110,40 @@ class FastGradModel(keras.Model):
         self._fg_tape_variables = None
         self._fg_no_gradient = None
         self._fg_log_keys = set(LOG_KEYS) if telemetry else set()
+        self._fg_trace_count = 0
 
     # ------------------------------------------------------------------ state
     def _fg_build_state(self):
         """Creates the step's state for the current trainable variables."""
         variables = self.trainable_variables
-        key = tuple(id(v) for v in variables)
+        optional = sorted(k for k in self._fg_log_keys if is_optional_key(k))
+        key = (tuple(id(v) for v in variables), tuple(optional))
         if self._fg_state_for == key:
             return
+        old_state = self._fg_state_values()
         with self.distribute_strategy.scope(), keras.name_scope("fastgrad"):
             telemetry = StepTelemetry()
-            telemetry.build()
+            telemetry.build([v.path for v in variables], optional)
             accumulator = None
             if self.accumulation_steps > 1:
                 accumulator = WindowAccumulator(self.accumulation_steps)
                 accumulator.build(variables)
+        same_variables = self._fg_state_for and self._fg_state_for[0] == key[0]
         self._fg_telemetry, self._fg_accumulator = telemetry, accumulator
         self._fg_state_for = key
+        if same_variables:  # only the requested keys changed: keep the state
+            for v, value in zip(self._fg_state_variables(), old_state):
+                v.assign(value)
+
+    def _fg_state_values(self):
+        if self._fg_state_for is None:
+            return []
+        return [v.numpy() for v in self._fg_state_variables()]
 
     def _fg_state_variables(self):
-        self._fg_build_state()
+        """The step's training state: saved and restored with the model."""
+        if self._fg_state_for is None:
+            self._fg_build_state()
         state = list(self._fg_telemetry.variables)
         if self._fg_accumulator is not None:
             state += self._fg_accumulator.variables
@@ -167,6 +181,15 @@ class FastGradModel(keras.Model):
         _validation.check_optimizer_ownership(
             self.optimizer, self.accumulation_steps, self.clip_norm
         )
+
+    def compile_from_config(self, config):
+        # Keras skips recompiling on load when `compile` is overridden; ours
+        # keeps the signature, so recompile (unless a subclass overrides it).
+        if type(self).compile is not FastGradModel.compile:
+            return super().compile_from_config(config)
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -277,7 +300,7 @@ class FastGradModel(keras.Model):
             measured = self._fg_telemetry.logs(
                 scaling.current_scale(), self._fg_tape_variables
             )
-            logs.update({k: measured[k] for k in LOG_KEYS if k in self._fg_log_keys})
+            logs.update({k: v for k, v in measured.items() if k in self._fg_log_keys})
         return logs
 
     def _fg_apply_window(self):
@@ -287,19 +310,25 @@ class FastGradModel(keras.Model):
 
     def _fg_update(self, grads):
         """Clip (optionally), apply, record. Runs inside the update branch."""
+        telemetry = self._fg_telemetry
+        variables = self.trainable_variables
         norm = was_clipped = None
         if "grad_norm" in self._fg_log_keys or self.clip_norm is not None:
             norm = global_norm(grads)
+        telemetry.record_layer_norms(grads)
         if self.clip_norm is not None:
             grads, was_clipped = clip_by_global_norm(grads, self.clip_norm, norm)
-        self._fg_scaling.update_optimizer.apply(grads, self.trainable_variables)
-        self._fg_telemetry.record_update(norm, was_clipped)
+        before = telemetry.snapshot(variables)
+        self._fg_scaling.update_optimizer.apply(grads, variables)
+        telemetry.record_update_ratio(before, variables)
+        telemetry.record_update(norm, was_clipped)
 
     # --------------------------------------------------- trace-time facts
     def _fg_record_trace_facts(self, variables, grads):
         # Python side effect at trace time on purpose: these are facts of
         # the traced graph (how many variables the tape watched, which got
         # no gradient), not per-step values.
+        self._fg_trace_count += 1
         self._fg_tape_variables = len(variables)
         self._fg_no_gradient = [
             v.path for v, g in zip(variables, grads) if g is None
@@ -317,6 +346,17 @@ class FastGradModel(keras.Model):
         """Number of variables the tape watched in the traced train step
         (`None` before the first trace)."""
         return self._fg_tape_variables
+
+    @property
+    def train_step_trace_count(self):
+        """How many times `train_step` was traced (retracing shows here)."""
+        return self._fg_trace_count
+
+    def layer_norm_keys(self):
+        """The `grad_norm/<layer>` keys this model's layers would log."""
+        from keras_fastgrad.telemetry import layer_key
+
+        return list(dict.fromkeys(layer_key(v.path) for v in self.trainable_variables))
 
     @property
     def variables_without_gradient(self):
@@ -338,11 +378,12 @@ class FastGradModel(keras.Model):
         set of keys grows.
         """
         keys = set(keys)
-        unknown = keys - set(LOG_KEYS)
+        unknown = {k for k in keys if k not in LOG_KEYS and not is_optional_key(k)}
         if unknown:
             raise ValueError(
-                f"`keys` must be names from {list(LOG_KEYS)}. Received "
-                f"unknown names: {sorted(unknown)}"
+                f"`keys` must be names from {list(LOG_KEYS)}, "
+                "`update_ratio` or `grad_norm/<layer>`. Received unknown "
+                f"names: {sorted(unknown)}"
             )
         if not keys <= self._fg_log_keys:
             self._fg_log_keys |= keys

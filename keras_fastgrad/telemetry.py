@@ -20,6 +20,14 @@ Log keys (fixed, all float scalars):
 - `loss_scale`: the current loss scale (1 without loss scaling).
 - `tape_variables`: how many variables the tape watched (a trace-time
   constant).
+
+On request only (they cost extra work in the update branch):
+
+- `grad_norm/<layer>`: per-layer L2 norm of the latest update's gradient
+  (before clipping); `<layer>` is the variable path without its last part,
+  e.g. `grad_norm/dense_1`. Partial sums of the global norm: nearly free.
+- `update_ratio`: `||w_after - w_before|| / ||w_before||` over all trainable
+  variables for the latest update (copies the weights before the update).
 """
 
 import keras
@@ -35,6 +43,17 @@ LOG_KEYS = (
     "loss_scale",
     "tape_variables",
 )
+LAYER_NORM_PREFIX = "grad_norm/"
+UPDATE_RATIO = "update_ratio"
+
+
+def layer_key(variable_path):
+    """The per-layer log key of a variable path: `grad_norm/<layer>`."""
+    return LAYER_NORM_PREFIX + variable_path.rsplit("/", 1)[0]
+
+
+def is_optional_key(key):
+    return key == UPDATE_RATIO or key.startswith(LAYER_NORM_PREFIX)
 
 
 def _scalar(name, value):
@@ -55,7 +74,24 @@ class StepTelemetry:
     (1.0, 3.0)
     """
 
-    def build(self):
+    def build(self, variable_paths=(), optional_keys=()):
+        """Creates the state variables.
+
+        Args:
+            variable_paths: Paths of the watched variables, in order.
+            optional_keys: Requested optional keys (`grad_norm/<layer>`,
+                `update_ratio`); their variables are measurements, not
+                training state, and are not saved with the model.
+        """
+        self.layer_of_variable = [layer_key(p) for p in variable_paths]
+        self.layer_norms = {
+            key: _scalar(key.replace("/", "_"), 0.0)
+            for key in dict.fromkeys(self.layer_of_variable)
+            if key in optional_keys
+        }
+        self.update_ratio = (
+            _scalar(UPDATE_RATIO, 0.0) if UPDATE_RATIO in optional_keys else None
+        )
         self.grad_norm = _scalar("grad_norm", 0.0)
         self.clipped_updates = _scalar("clipped_updates", 0.0)
         self.updates = _scalar("updates", 0.0)
@@ -85,6 +121,38 @@ class StepTelemetry:
             tf.where(bad, tf.cast(num_bad, tf.float32), self.nonfinite_num_variables)
         )
 
+    @property
+    def needs_norm(self):
+        return bool(self.layer_norms)
+
+    def record_layer_norms(self, grads):
+        """Per-layer norms of the update's gradient (before clipping)."""
+        if not self.layer_norms:
+            return
+        squares = {}
+        for layer, g in zip(self.layer_of_variable, grads):
+            if g is not None and layer in self.layer_norms:
+                sq = tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+                squares[layer] = squares.get(layer, 0.0) + sq
+        for layer, variable in self.layer_norms.items():
+            variable.assign(tf.sqrt(squares.get(layer, tf.constant(0.0))))
+
+    def record_update_ratio(self, before, variables):
+        """`||w_after - w_before|| / ||w_before||` (inside the branch)."""
+        if self.update_ratio is None:
+            return
+        delta = tf.add_n(
+            [tf.reduce_sum(tf.square(tf.cast(v.value, tf.float32) - b)) for v, b in zip(variables, before)]
+        )
+        size = tf.add_n([tf.reduce_sum(tf.square(b)) for b in before])
+        self.update_ratio.assign(tf.sqrt(delta) / tf.maximum(tf.sqrt(size), 1e-12))
+
+    def snapshot(self, variables):
+        """float32 copies of the weights before an update, if needed."""
+        if self.update_ratio is None:
+            return None
+        return [tf.identity(tf.cast(v.value, tf.float32)) for v in variables]
+
     def record_update(self, norm, was_clipped):
         """Records one optimizer update (inside the update branch)."""
         self.updates.assign_add(1.0)
@@ -98,4 +166,8 @@ class StepTelemetry:
         values = {v.name: tf.identity(v.value) for v in self.variables}
         values["loss_scale"] = loss_scale
         values["tape_variables"] = tf.constant(float(tape_variables))
-        return {key: values[key] for key in LOG_KEYS}
+        logs = {key: values[key] for key in LOG_KEYS}
+        logs.update({k: tf.identity(v.value) for k, v in self.layer_norms.items()})
+        if self.update_ratio is not None:
+            logs[UPDATE_RATIO] = tf.identity(self.update_ratio.value)
+        return logs
