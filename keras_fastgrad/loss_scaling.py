@@ -66,9 +66,8 @@ class LossScaling:
         scale.assign(
             tf.where(finite, tf.where(grow, scale * 2.0, scale), scale * 0.5)
         )
-        counter.assign(
-            tf.where(finite, tf.where(grow, 0, counter + 1), 0)
-        )
+        zero = tf.zeros([], counter.dtype)
+        counter.assign(tf.where(finite, tf.where(grow, zero, counter + 1), zero))
 
     def current_scale(self):
         """float32 scalar: the loss scale, 1 when inactive."""

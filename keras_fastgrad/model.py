@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 from keras.src import tree
 from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.models.model import functional_init_arguments
 
 from keras_fastgrad import _validation
 from keras_fastgrad.accumulation import WindowAccumulator
@@ -95,7 +96,12 @@ class FastGradModel(keras.Model):
         multitask = _validation.check_multitask(multitask)
         skip_nonfinite = _validation.check_bool("skip_nonfinite", skip_nonfinite)
         telemetry = _validation.check_bool("telemetry", telemetry)
-        super().__init__(*args, **kwargs)
+        if functional_init_arguments(args, kwargs):
+            super().__init__(*args, **kwargs)
+        else:
+            # Subclassing form. Not `super()`: after a functional use, Keras
+            # has injected `Functional` into this class's bases.
+            keras.Model.__init__(self, *args, **kwargs)
         self.accumulation_steps = accumulation_steps
         self.clip_norm = clip_norm
         self.multitask = multitask
@@ -195,6 +201,8 @@ class FastGradModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         self._fg_build_state()
+        if not self.optimizer.built:  # state must exist before tracing
+            self.optimizer.build(self.trainable_variables)
         self._fg_scaling = LossScaling(self.optimizer)
         self._fg_flush_function = None
         return super().make_train_function(force=force)

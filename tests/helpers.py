@@ -1,0 +1,37 @@
+"""Small models and data shared by the tests. References are plain
+`keras.Model`s built with the same initial weights."""
+
+import keras
+import numpy as np
+
+import keras_fastgrad
+
+
+def data(n=12, features=3, outputs=1, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.normal(size=(n, outputs)).astype("float32")
+    return x, y
+
+
+def mlp(cls=keras.Model, features=3, outputs=1, seed=7, **options):
+    """A two-layer MLP; the same `seed` gives the same initial weights."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    hidden = keras.layers.Dense(5, activation="tanh", name="hidden")(inputs)
+    out = keras.layers.Dense(outputs, name="out")(hidden)
+    return cls(inputs, out, **options)
+
+
+def fast(**options):
+    return mlp(keras_fastgrad.FastGradModel, **options)
+
+
+def max_weight_diff(a, b):
+    return max(
+        float(np.max(np.abs(x - y))) for x, y in zip(a.get_weights(), b.get_weights())
+    )
+
+
+def same_start(a, b):
+    assert max_weight_diff(a, b) == 0.0

@@ -1,0 +1,81 @@
+"""Every bad argument gets an error naming the argument, the rule and the
+value received."""
+
+import keras
+import pytest
+from helpers import fast
+
+import keras_fastgrad
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (0, ValueError, r"`accumulation_steps` must be an integer >= 1.*Received: accumulation_steps=0"),
+        (-2, ValueError, r"`accumulation_steps` must be an integer >= 1.*Received: accumulation_steps=-2"),
+        (1.5, TypeError, r"`accumulation_steps` must be an integer >= 1.*accumulation_steps=1.5 of type float"),
+        ("2", TypeError, r"`accumulation_steps` must be an integer.*accumulation_steps='2' of type str"),
+        (True, TypeError, r"`accumulation_steps` must be an integer.*accumulation_steps=True"),
+    ],
+)
+def test_bad_accumulation_steps(value, error, match):
+    with pytest.raises(error, match=match):
+        fast(accumulation_steps=value)
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (0, ValueError, r"`clip_norm` must be a finite number > 0 or None.*Received: clip_norm=0"),
+        (-1.0, ValueError, r"`clip_norm` must be a finite number > 0.*clip_norm=-1.0"),
+        (float("inf"), ValueError, r"`clip_norm` must be a finite number > 0.*clip_norm=inf"),
+        ("1.0", TypeError, r"`clip_norm` must be a number > 0.*clip_norm='1.0' of type str"),
+    ],
+)
+def test_bad_clip_norm(value, error, match):
+    with pytest.raises(error, match=match):
+        fast(clip_norm=value)
+
+
+def test_unknown_multitask_lists_the_valid_names():
+    with pytest.raises(ValueError, match=r"`multitask` must be None or one of \[.*'pcgrad'.*\]\. Received: multitask='pcgard'"):
+        fast(multitask="pcgard")
+
+
+@pytest.mark.parametrize("name", ["skip_nonfinite", "telemetry"])
+def test_bool_options_reject_non_bools(name):
+    with pytest.raises(TypeError, match=rf"`{name}` must be a boolean.*{name}=1 of type int"):
+        fast(**{name: 1})
+
+
+def test_accumulation_owned_twice_is_refused():
+    model = fast(accumulation_steps=4)
+    optimizer = keras.optimizers.Adam(gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match=r"accumulation_steps=4.*gradient_accumulation_steps=4.*Fix: remove `gradient_accumulation_steps`"):
+        model.compile(optimizer=optimizer, loss="mse")
+
+
+@pytest.mark.parametrize("attr", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_clipping_owned_twice_is_refused(attr):
+    model = fast(clip_norm=1.0)
+    optimizer = keras.optimizers.SGD(**{attr: 2.0})
+    with pytest.raises(ValueError, match=rf"clip_norm=1.0.*`{attr}=2.0`.*Fix: remove `{attr}`"):
+        model.compile(optimizer=optimizer, loss="mse")
+
+
+def test_clipping_owned_twice_is_refused_under_loss_scaling():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = fast(clip_norm=1.0)
+    with pytest.raises(ValueError, match=r"`global_clipnorm=2.0`"):
+        model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=2.0), loss="mse")
+
+
+def test_optimizer_options_alone_stay_allowed():
+    # One owner is fine: the optimizer may clip when the model does not.
+    model = fast()
+    model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0), loss="mse")
+
+
+def test_unknown_telemetry_key_is_refused():
+    with pytest.raises(ValueError, match=r"`keys` must be names from .*Received unknown names: \['grad_nrom'\]"):
+        fast().enable_telemetry(["grad_nrom"])
