@@ -1,19 +1,33 @@
 """Shared base of the FastGradModel callbacks: checks the model they are
-attached to and asks its step for the telemetry keys they read."""
+attached to, asks its step for the telemetry keys they read, and holds the
+argument checks they share (Keras-style messages)."""
+
+import numbers
+import os
 
 import keras
+
+# The step's cumulative counters that callbacks difference between calls.
+COUNTERS = ("updates", "clipped_updates", "nonfinite_count")
 
 
 class FastGradCallback(keras.callbacks.Callback):
     """Base class of the callbacks that read `FastGradModel`'s telemetry.
 
-    Subclasses list the step's log keys they need in `telemetry_keys`.
+    Subclasses list the step's log keys they need in `telemetry_keys`, or
+    override `required_telemetry(model)` when the keys depend on the model
+    (e.g. one `grad_norm/<layer>` key per layer). Keras calls `set_model`
+    before it builds the train function, so the step is traced with the
+    keys already switched on.
     """
 
     telemetry_keys = ()
 
+    def required_telemetry(self, model):
+        """The telemetry keys this callback reads from `model`'s logs."""
+        return self.telemetry_keys
+
     def set_model(self, model):
-        super().set_model(model)
         from keras_fastgrad.model import FastGradModel
 
         if not isinstance(model, FastGradModel):
@@ -24,4 +38,67 @@ class FastGradCallback(keras.callbacks.Callback):
                 "model with `keras_fastgrad.FastGradModel(inputs, outputs)` "
                 "(or subclass it) instead of `keras.Model`."
             )
-        model.enable_telemetry(self.telemetry_keys)
+        super().set_model(model)
+        self.check_model(model)
+        model.enable_telemetry(self.required_telemetry(model))
+
+    def check_model(self, model):
+        """Hook: raise if this callback's settings do not fit `model`."""
+
+
+def read_counters(model):
+    """The model's cumulative step counters now, as Python floats.
+
+    Callbacks difference the counters between calls; this gives the value
+    before the first call of a `fit` (the counters live as long as the
+    model, and are saved with it). Reads three scalars from the device.
+    Returns zeros before the step's state exists.
+    """
+    # The step keeps its counters in `model._fg_telemetry` (see
+    # `keras_fastgrad.telemetry.StepTelemetry`); there is no public reader.
+    telemetry = getattr(model, "_fg_telemetry", None)
+    if telemetry is None:
+        return dict.fromkeys(COUNTERS, 0.0)
+    return {name: float(getattr(telemetry, name).numpy()) for name in COUNTERS}
+
+
+# ------------------------------------------------------------ argument checks
+def check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"`{name}` must be a boolean (True or False). Received: "
+            f"{name}={value!r} of type {type(value).__name__}."
+        )
+    return value
+
+
+def check_int(name, value, minimum, what=""):
+    """An integer >= `minimum` (bools refused); `what` explains the value."""
+    rule = f"`{name}` must be an integer >= {minimum}{what}."
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{rule} Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if value < minimum:
+        raise ValueError(f"{rule} Received: {name}={value!r}")
+    return int(value)
+
+
+def check_choice(name, value, choices):
+    rule = f"`{name}` must be one of {list(choices)}."
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{rule} Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if value not in choices:
+        raise ValueError(f"{rule} Received: {name}={value!r}")
+    return value
+
+
+def check_optional_path(name, value):
+    if value is None or isinstance(value, (str, os.PathLike)):
+        return None if value is None else os.fspath(value)
+    raise TypeError(
+        f"`{name}` must be a directory path (str or path-like) or None. "
+        f"Received: {name}={value!r} of type {type(value).__name__}."
+    )

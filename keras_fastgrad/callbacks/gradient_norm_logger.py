@@ -1,27 +1,195 @@
-"""`GradientNormLogger`: puts the step's gradient norm into the logs."""
+"""`GradientNormLogger`: puts the step's gradient measurements into the logs
+and, optionally, into TensorBoard (written from the host)."""
 
-import keras
+import os
 
-from keras_fastgrad.callbacks._base import FastGradCallback
+import tensorflow as tf
+
+from keras_fastgrad.callbacks import _base
+
+CLIPPED_FRACTION = "clipped_fraction"
 
 
-class GradientNormLogger(FastGradCallback):
-    """Logs `grad_norm`: the global L2 norm, before clipping, of the gradient
-    of the model's most recent optimizer update.
+class GradientNormLogger(_base.FastGradCallback):
+    """Logs the gradient norm measured inside the compiled train step.
 
-    The value is computed inside the compiled train step (graph mode and
-    XLA alike) and arrives with the step's logs, so it shows in the progress
-    bar, `History` and `CSVLogger` without any extra pass over the data.
+    `grad_norm` is the global L2 norm, before clipping, of the gradient of
+    the model's most recent optimizer update. It is computed in the train
+    step (graph mode and XLA alike) and arrives with the step's logs, so it
+    shows in the progress bar, `History` and `CSVLogger` with no extra pass
+    over the data. Values added by this callback (`clipped_fraction`) reach
+    only the callbacks listed after it: put it before `CSVLogger`.
+
+    Args:
+        per_layer: Boolean, defaults to `False`. Also logs
+            `grad_norm/<layer>`, the norm of each layer's part of the
+            gradient (`model.layer_norm_keys()` lists the keys).
+        clip_fraction: Boolean, defaults to `False`. Also logs
+            `clipped_fraction`: the fraction of the epoch's optimizer updates
+            whose gradient was clipped (per epoch, not cumulative: computed
+            on the host from the step's cumulative `clipped_updates` and
+            `updates` counters, as the difference between the epoch's begin
+            and end; in batch logs, the fraction so far in the epoch; 0 when
+            the epoch made no update). Needs `FastGradModel(clip_norm=...)`.
+        update_ratio: Boolean, defaults to `False`. Also logs
+            `update_ratio`, `||w_after - w_before|| / ||w_before||` of the
+            latest update (costs one copy of the weights per update).
+        tensorboard_dir: Directory path or `None` (default). When set, the
+            logged values are also written as TensorBoard scalars by a
+            `tf.summary` file writer on the host (into
+            `<tensorboard_dir>/train`, with Keras' `epoch_`/`batch_` tag
+            prefixes, next to `keras.callbacks.TensorBoard`'s curves).
+        histogram_freq: Integer >= 0, defaults to `0`. Every
+            `histogram_freq` epochs, writes a histogram of each trainable
+            weight (tag: the weight's path) to TensorBoard. This is the only
+            time the callback reads weights to the host. Needs
+            `tensorboard_dir`.
+        update_freq: `"epoch"` (default), `"batch"` or an integer >= 1: how
+            often scalars go to TensorBoard. `"batch"` writes after every
+            train function call (every `steps_per_execution` batches), an
+            integer N after calls at least N batches apart.
+
+    Raises:
+        TypeError, ValueError: for invalid arguments, naming the argument,
+            the rule and the value received; at `fit`, `ValueError` when the
+            model is not a `FastGradModel`, or when `clip_fraction=True` and
+            the model does not clip.
 
     Example:
 
+    >>> import keras, numpy as np, keras_fastgrad
     >>> inputs = keras.Input((2,))
-    >>> model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model = keras_fastgrad.FastGradModel(
+    ...     inputs, keras.layers.Dense(1, name="head")(inputs), clip_norm=1.0)
     >>> model.compile(optimizer="sgd", loss="mse")
-    >>> history = model.fit(np.ones((4, 2)), np.zeros((4, 1)), verbose=0,
-    ...                     callbacks=[GradientNormLogger()])
-    >>> "grad_norm" in history.history
-    True
+    >>> logger = keras_fastgrad.callbacks.GradientNormLogger(
+    ...     per_layer=True, clip_fraction=True)
+    >>> history = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0,
+    ...                     callbacks=[logger])
+    >>> sorted(k for k in history.history if "norm" in k or "clip" in k)
+    ['clipped_fraction', 'clipped_updates', 'grad_norm', 'grad_norm/head']
     """
 
-    telemetry_keys = ("grad_norm",)
+    def __init__(
+        self,
+        per_layer=False,
+        clip_fraction=False,
+        update_ratio=False,
+        tensorboard_dir=None,
+        histogram_freq=0,
+        update_freq="epoch",
+    ):
+        super().__init__()
+        self.per_layer = _base.check_bool("per_layer", per_layer)
+        self.clip_fraction = _base.check_bool("clip_fraction", clip_fraction)
+        self.update_ratio = _base.check_bool("update_ratio", update_ratio)
+        self.tensorboard_dir = _base.check_optional_path(
+            "tensorboard_dir", tensorboard_dir
+        )
+        self.histogram_freq = _base.check_int(
+            "histogram_freq", histogram_freq, 0,
+            " (epochs between weight histograms; 0 for none)",
+        )
+        if self.histogram_freq and self.tensorboard_dir is None:
+            raise ValueError(
+                "`histogram_freq` needs `tensorboard_dir`: histograms are "
+                "written to TensorBoard. Received: "
+                f"histogram_freq={histogram_freq}, tensorboard_dir=None. Fix: "
+                "pass `tensorboard_dir=...` or `histogram_freq=0`."
+            )
+        if isinstance(update_freq, str):
+            update_freq = _base.check_choice(
+                "update_freq", update_freq, ("epoch", "batch")
+            )
+        else:
+            update_freq = _base.check_int(
+                "update_freq", update_freq, 1, ' or "epoch" or "batch"'
+            )
+        self.update_freq = 1 if update_freq == "batch" else update_freq
+        self._writer = None
+
+    # ---------------------------------------------------------------- model
+    def required_telemetry(self, model):
+        keys = ["grad_norm"]
+        if self.per_layer:
+            keys += model.layer_norm_keys()
+        if self.clip_fraction:
+            keys += ["clipped_updates", "updates"]
+        if self.update_ratio:
+            keys.append("update_ratio")
+        return keys
+
+    def check_model(self, model):
+        if self.clip_fraction and model.clip_norm is None:
+            raise ValueError(
+                "`clip_fraction=True` needs a model that clips, but the "
+                "model has clip_norm=None. Fix: build it with "
+                "`FastGradModel(..., clip_norm=...)`, or pass "
+                "`clip_fraction=False`."
+            )
+
+    def _logged_keys(self):
+        """The keys this callback puts in the logs (and in TensorBoard)."""
+        keys = self.required_telemetry(self.model)
+        keys = [k for k in keys if k not in ("clipped_updates", "updates")]
+        return keys + [CLIPPED_FRACTION] if self.clip_fraction else keys
+
+    # ------------------------------------------------------------- training
+    def on_train_begin(self, logs=None):
+        self._epoch_start = _base.read_counters(self.model)
+        self._keys = self._logged_keys()
+        self._batches_before_epoch = self._last_written = self._step = 0
+        if self.tensorboard_dir is not None:
+            self._writer = tf.summary.create_file_writer(
+                os.path.join(self.tensorboard_dir, "train")
+            )
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is None:
+            return
+        self._add_clipped_fraction(logs)
+        steps = self.params.get("steps") if self.params else None
+        if steps:  # the last call of a `steps_per_execution` group may be short
+            batch = min(batch, steps - 1)
+        step = self._batches_before_epoch + batch + 1
+        if self._writer is not None and self.update_freq != "epoch":
+            if step - self._last_written >= self.update_freq:
+                self._write_scalars("batch_", logs, step)
+                self._last_written = step
+        self._step = step
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._batches_before_epoch = self._step
+        if logs is None:
+            return
+        self._add_clipped_fraction(logs)
+        if self.clip_fraction:
+            self._epoch_start = {k: logs.get(k, 0.0) for k in _base.COUNTERS}
+        if self._writer is not None:
+            self._write_scalars("epoch_", logs, epoch)
+            if self.histogram_freq and (epoch + 1) % self.histogram_freq == 0:
+                self._write_histograms(epoch)
+            self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _add_clipped_fraction(self, logs):
+        if not self.clip_fraction or "updates" not in logs:
+            return
+        updates = logs["updates"] - self._epoch_start["updates"]
+        clipped = logs["clipped_updates"] - self._epoch_start["clipped_updates"]
+        logs[CLIPPED_FRACTION] = clipped / updates if updates > 0 else 0.0
+
+    def _write_scalars(self, prefix, logs, step):
+        with self._writer.as_default(step=step):
+            for key in self._keys:
+                if key in logs:
+                    tf.summary.scalar(prefix + key, logs[key])
+
+    def _write_histograms(self, epoch):
+        with self._writer.as_default(step=epoch):
+            for weight in self.model.trainable_weights:
+                tf.summary.histogram(weight.path, weight.numpy())

@@ -1,0 +1,134 @@
+"""`NonFiniteGuard`: acts on NaN/Inf found by the step's finite check, and
+says where it was."""
+
+import warnings
+
+from keras_fastgrad.callbacks import _base
+
+ACTIONS = ("raise", "stop", "warn")
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by `NonFiniteGuard(action="raise")` when a micro-batch's loss
+    or gradient held NaN/Inf. The message names the epoch, the batch(es) and
+    the first variable whose gradient was non-finite (or the loss).
+
+    Example:
+
+    >>> import keras_fastgrad
+    >>> issubclass(keras_fastgrad.callbacks.NonFiniteError, RuntimeError)
+    True
+    """
+
+
+class NonFiniteGuard(_base.FastGradCallback):
+    """Raises, stops or warns when the train step meets NaN/Inf.
+
+    `FastGradModel` checks every micro-batch's loss and gradients inside the
+    compiled step (a plain `is_finite` reduction, so it also works under
+    `jit_compile=True`, where `tf.debugging.check_numerics` does nothing),
+    drops a non-finite micro-batch and counts it. This callback compares
+    the cumulative count between calls, so a NaN in any step of a
+    `steps_per_execution` group is noticed, and reports where it was: the
+    path of the first variable (in `model.trainable_variables`) whose
+    gradient was non-finite and how many were, or the loss when every
+    gradient was finite, plus the epoch and batch (0-based, as Keras passes
+    them to callbacks). Under
+    `steps_per_execution > 1` the batch is known to the group (e.g.
+    "batches 0-3"), and when several micro-batches went bad in one call the
+    location is that of the latest.
+
+    With dynamic loss scaling (`mixed_float16`), overflowing gradients are
+    non-finite too and expected now and then: prefer `action="warn"` there.
+
+    Args:
+        action: `"raise"` (default): raise `NonFiniteError`. `"stop"`: set
+            `model.stop_training = True`, so `fit` ends cleanly after the
+            current batch (the epoch still ends and is logged). `"warn"`:
+            issue a `RuntimeWarning` and go on (the model already dropped
+            the micro-batch, unless it has `skip_nonfinite=False`).
+
+    Raises:
+        NonFiniteError: during `fit` with `action="raise"`.
+        TypeError, ValueError: for an invalid `action`; at `fit`,
+            `ValueError` when the model is not a `FastGradModel`.
+
+    Example:
+
+    >>> import keras, numpy as np, keras_fastgrad
+    >>> inputs = keras.Input((2,))
+    >>> model = keras_fastgrad.FastGradModel(
+    ...     inputs, keras.layers.Dense(1, name="head")(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> x = np.ones((4, 2)); x[2, 0] = np.nan
+    >>> guard = keras_fastgrad.callbacks.NonFiniteGuard(action="raise")
+    >>> try:
+    ...     model.fit(x, np.ones((4, 1)), batch_size=2, shuffle=False,
+    ...               verbose=0, callbacks=[guard])
+    ... except keras_fastgrad.callbacks.NonFiniteError as error:
+    ...     print(error)
+    Non-finite gradient in epoch 0, batch 1 (0-based): 1 micro-batch(es) ... first non-finite gradient: `head/kernel` (2 of 2 gradients non-finite).
+    """
+
+    telemetry_keys = (
+        "nonfinite_count",
+        "nonfinite_first_index",
+        "nonfinite_num_variables",
+    )
+
+    def __init__(self, action="raise"):
+        super().__init__()
+        self.action = _base.check_choice("action", action, ACTIONS)
+
+    def on_train_begin(self, logs=None):
+        self._seen = _base.read_counters(self.model)["nonfinite_count"]
+        self._epoch = self._begin = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        count = (logs or {}).get("nonfinite_count")
+        if count is None or count <= self._seen:
+            return
+        new, self._seen = count - self._seen, count
+        message = self._describe(int(new), batch, logs)
+        if self.action == "raise":
+            raise NonFiniteError(message)
+        if self.action == "stop":
+            self.model.stop_training = True
+            message += " Stopping training (action='stop')."
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _describe(self, new, batch, logs):
+        steps = self.params.get("steps") if self.params else None
+        if steps:  # a `steps_per_execution` group may be cut short
+            batch = min(batch, steps - 1)
+        where = (
+            f"batch {batch}" if batch == self._begin
+            else f"batches {self._begin}-{batch}"
+        )
+        index = int(logs.get("nonfinite_first_index", -1))
+        if index < 0:
+            kind, what = "loss", "the loss was NaN/Inf, every gradient finite."
+        else:
+            variables = self.model.trainable_variables
+            name = variables[index].path if index < len(variables) else f"#{index}"
+            total = int(logs.get("tape_variables", len(variables)))
+            kind = "gradient"
+            what = (
+                f"first non-finite gradient: `{name}` "
+                f"({int(logs.get('nonfinite_num_variables', 1))} of {total} "
+                "gradients non-finite)."
+            )
+        fate = (
+            "dropped" if self.model.skip_nonfinite
+            else "APPLIED (skip_nonfinite=False)"
+        )
+        return (
+            f"Non-finite {kind} in epoch {self._epoch}, {where} (0-based): {new} "
+            f"micro-batch(es) {fate}; in the latest, {what}"
+        )
