@@ -1,6 +1,11 @@
+"""Shared pytest setup: a clean Keras session per test and the doctest
+namespace of the public docstrings' examples."""
+
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,0 +1,102 @@
+"""Core step-time ratios of FastGradModel (issue: core), one process, interleaved.
+
+    python benchmarks/bench_core.py [--quick]
+
+Ratios (median, min, max over rounds; each round = one epoch of `steps`
+batches through `fit`, after a warm-up fit that excludes tracing):
+- FastGradModel default / keras.Model                         target <= 1.03
+- FastGradModel(accumulation_steps=4) / keras.Model with
+  Adam(gradient_accumulation_steps=4)                         target <= 1.00
+- telemetry on / off (FastGradModel, accumulation 4)          target <= 1.05
+on an MLP (784 -> 3 x 1024 -> 10, batch 256) and a small CNN (28x28x1,
+Conv 32/64, batch 128).
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+from harness import interleaved_ratios, report, synthetic  # noqa: E402
+
+import keras_fastgrad  # noqa: E402
+
+
+def mlp(cls, **options):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((784,))
+    h = inputs
+    for _ in range(3):
+        h = keras.layers.Dense(1024, activation="relu")(h)
+    return cls(inputs, keras.layers.Dense(10)(h), **options)
+
+
+def cnn(cls, **options):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((28, 28, 1))
+    h = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Conv2D(64, 3, activation="relu")(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    return cls(inputs, keras.layers.Dense(10)(h), **options)
+
+
+MODELS = {"mlp": (mlp, (784,), 256), "cnn": (cnn, (28, 28, 1), 128)}
+
+
+def fit_fn(model, x, y, batch):
+    def run():
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+
+    run()  # warm-up: trace and compile outside the timed rounds
+    return run
+
+
+def compiled(model, optimizer):
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rounds, steps = (5, 8) if args.quick else (12, 16)
+    fg = keras_fastgrad.FastGradModel
+    results = {}
+    for name, (build, shape, batch) in MODELS.items():
+        x, y = synthetic(shape, 10, batch * steps)
+        adam = keras.optimizers.Adam
+        plain = fit_fn(compiled(build(keras.Model), adam()), x, y, batch)
+        default = fit_fn(compiled(build(fg), adam()), x, y, batch)
+        keras_acc = fit_fn(
+            compiled(build(keras.Model), adam(gradient_accumulation_steps=4)), x, y, batch
+        )
+        fg_acc = fit_fn(compiled(build(fg, accumulation_steps=4), adam()), x, y, batch)
+        fg_acc_tel = fit_fn(
+            compiled(build(fg, accumulation_steps=4, telemetry=True), adam()), x, y, batch
+        )
+        pairs = [
+            (f"{name}: FastGradModel default / keras.Model", default, plain),
+            (f"{name}: FastGradModel(acc=4) / Adam(grad_acc_steps=4)", fg_acc, keras_acc),
+            (f"{name}: telemetry on / off (acc=4)", fg_acc_tel, fg_acc),
+        ]
+        results.update(interleaved_ratios(pairs, rounds))
+    targets = {}
+    for name in results:
+        targets[name] = "<= 1.03" if "default" in name else ("<= 1.00" if "grad_acc" in name else "<= 1.05")
+    report(
+        f"FastGradModel core step-time ratios ({rounds} rounds x {steps} steps)",
+        results,
+        targets,
+        "core",
+    )
+
+
+if __name__ == "__main__":
+    main()

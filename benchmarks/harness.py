@@ -1,0 +1,74 @@
+"""Side-by-side timing: configurations run interleaved in one process, and
+each round's time is divided by the baseline's time of the same round, so a
+slow moment of a noisy machine hits both sides of a ratio."""
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+
+def machine():
+    import keras
+    import tensorflow as tf
+
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"TF {tf.__version__}, Keras {keras.__version__}, "
+        f"GPUs: {len(tf.config.list_physical_devices('GPU'))}"
+    )
+
+
+def time_call(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved_ratios(pairs, rounds):
+    """Times each (name, numerator_fn, denominator_fn) pair, interleaved.
+
+    Every round runs every function once, alternating the order of the two
+    sides from round to round. Returns {name: dict(median, min, max, n)} of
+    the per-round ratios numerator / denominator.
+    """
+    ratios = {name: [] for name, _, _ in pairs}
+    for r in range(rounds):
+        for name, numerator, denominator in pairs:
+            if r % 2:
+                t_den, t_num = time_call(denominator), time_call(numerator)
+            else:
+                t_num, t_den = time_call(numerator), time_call(denominator)
+            ratios[name].append(t_num / t_den)
+    return {
+        name: {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "rounds": len(values),
+        }
+        for name, values in ratios.items()
+    }
+
+
+def report(title, results, targets, out_name):
+    """Prints a table and writes JSON to benchmarks/out/<out_name>.json."""
+    print(f"\n{title}\n{machine()}")
+    print(f"{'ratio':58s} {'median':>7s} {'min':>7s} {'max':>7s}  target")
+    for name, s in results.items():
+        target = targets.get(name, "")
+        print(f"{name:58s} {s['median']:7.3f} {s['min']:7.3f} {s['max']:7.3f}  {target}")
+    out_dir = os.path.join(os.path.dirname(__file__), "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{out_name}.json"), "w") as f:
+        json.dump({"machine": machine(), "results": results, "targets": targets}, f, indent=2)
+
+
+def synthetic(shape, classes, n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    return x, y
