@@ -3,11 +3,40 @@ and, optionally, into TensorBoard (written from the host)."""
 
 import os
 
+import keras
+import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 
 from keras_fastgrad.callbacks import _base
 
 CLIPPED_FRACTION = "clipped_fraction"
+HISTOGRAM_BUCKETS = 30
+
+
+def _plugin_metadata(plugin_name):
+    # What `tf.summary.scalar` / `histogram` attach, written with core TF's
+    # `tf.summary.write` so that no `tensorboard` package is needed.
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=plugin_name)
+    ).SerializeToString()
+
+
+def histogram_buckets(values, bucket_count=HISTOGRAM_BUCKETS):
+    """TensorBoard's histogram tensor: rows of (left edge, right edge, count).
+
+    >>> histogram_buckets([0.0, 1.0, 1.0], bucket_count=2)
+    array([[0. , 0.5, 1. ],
+           [0.5, 1. , 2. ]])
+    """
+    values = np.asarray(values, np.float64).ravel()
+    if values.size == 0:
+        return np.zeros((0, 3))
+    low, high = values.min(), values.max()
+    if low == high:
+        return np.array([[low, high, float(values.size)]])
+    counts, edges = np.histogram(values, bins=bucket_count, range=(low, high))
+    return np.stack([edges[:-1], edges[1:], counts.astype(np.float64)], axis=1)
 
 
 class GradientNormLogger(_base.FastGradCallback):
@@ -184,12 +213,16 @@ class GradientNormLogger(_base.FastGradCallback):
         logs[CLIPPED_FRACTION] = clipped / updates if updates > 0 else 0.0
 
     def _write_scalars(self, prefix, logs, step):
+        metadata = _plugin_metadata("scalars")
         with self._writer.as_default(step=step):
             for key in self._keys:
                 if key in logs:
-                    tf.summary.scalar(prefix + key, logs[key])
+                    value = tf.constant(logs[key], tf.float32)
+                    tf.summary.write(prefix + key, value, metadata=metadata)
 
     def _write_histograms(self, epoch):
+        metadata = _plugin_metadata("histograms")
         with self._writer.as_default(step=epoch):
             for weight in self.model.trainable_weights:
-                tf.summary.histogram(weight.path, weight.numpy())
+                buckets = histogram_buckets(keras.ops.convert_to_numpy(weight))
+                tf.summary.write(weight.path, buckets, metadata=metadata)
