@@ -26,8 +26,8 @@ class WindowAccumulator:
     >>> v = keras.Variable([0.0, 0.0])
     >>> acc = WindowAccumulator(steps=2)
     >>> acc.build([v])
-    >>> _ = acc.add([tf.constant([1.0, 1.0])], 4.0, tf.constant(True))
-    >>> done = acc.add([tf.constant([4.0, 4.0])], 2.0, tf.constant(True))
+    >>> _ = acc.add([tf.constant([4.0, 4.0])], 4.0, tf.constant(True))
+    >>> done = acc.add([tf.constant([8.0, 8.0])], 2.0, tf.constant(True))
     >>> bool(done), acc.mean()[0].numpy().tolist()  # (4*1 + 2*4) / 6
     (True, [2.0, 2.0])
     """
@@ -60,25 +60,30 @@ class WindowAccumulator:
     def variables(self):
         return self.sums + [self.samples, self.micro_step]
 
-    def add(self, grads, num_samples, include):
+    def add(self, weighted_grads, num_samples, include):
         """Adds one micro-batch; returns whether its window is now complete.
 
         Args:
-            grads: List of float32 gradients (`None` where a variable has
-                none; its sum stays zero).
+            weighted_grads: List of float32 gradients already multiplied by
+                `num_samples` (the step folds the factor into the loss, for
+                free); `None` where a variable has none (its sum stays 0).
             num_samples: float32 scalar, the micro-batch's number of samples.
             include: boolean scalar; `False` leaves the micro-batch out.
 
         Returns:
             Boolean scalar: `True` on the window's last micro-batch.
         """
-        for total, g in zip(self.sums, grads):
-            if g is not None:
-                # `where`, not multiplication by 0: NaN * 0 is NaN.
-                total.assign_add(
-                    tf.where(include, tf.cast(g, tf.float32) * num_samples, 0.0)
-                )
-        self.samples.assign_add(tf.where(include, num_samples, 0.0))
+
+        def add():
+            for total, g in zip(self.sums, weighted_grads):
+                if g is not None:
+                    total.assign_add(tf.cast(g, tf.float32))
+            self.samples.assign_add(num_samples)
+            return tf.constant(True)
+
+        # A `cond`, not a multiplication by 0 (NaN * 0 is NaN) nor a
+        # `where` (an extra pass over every gradient).
+        tf.cond(include, add, lambda: tf.constant(False))
         self.micro_step.assign_add(1)
         return tf.equal(self.micro_step % self.steps, 0)
 

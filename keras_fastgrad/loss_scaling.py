@@ -41,15 +41,28 @@ class LossScaling:
     def active(self):
         return self.scaler is not None
 
-    def scale(self, loss):
-        """The loss to differentiate (scaled when active)."""
-        return self.scaler.scale_loss(loss) if self.active else loss
+    def scale(self, loss, weight=None):
+        """The loss to differentiate.
 
-    def unscale(self, grads):
-        """Divides the gradients by the current scale (float32)."""
+        Args:
+            loss: Scalar loss.
+            weight: Optional float32 scalar. After `unscale(grads, weight)`
+                the gradients equal `weight * dloss/dw`. Folded in where it
+                costs no extra pass over the gradients: into the loss
+                without loss scaling, into the unscaling multiply with it
+                (so float16 gradients do not grow by `weight`).
+        """
+        if self.active:
+            return self.scaler.scale_loss(loss)
+        return loss if weight is None else loss * tf.cast(weight, loss.dtype)
+
+    def unscale(self, grads, weight=None):
+        """Float32 gradients of the unscaled loss, times `weight` if given."""
         if not self.active:
             return grads
         inverse = 1.0 / self.scaler.dynamic_scale
+        if weight is not None:
+            inverse = inverse * weight
         return [None if g is None else tf.cast(g, tf.float32) * inverse for g in grads]
 
     def update(self, finite):

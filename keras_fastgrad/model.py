@@ -16,7 +16,8 @@ import keras
 import tensorflow as tf
 from keras.src import tree
 from keras.src.losses.loss import unscale_loss_for_distribution
-from keras.src.models.model import functional_init_arguments
+from keras.src.models.functional import Functional
+from keras.src.models.model import Trainer, functional_init_arguments
 
 from keras_fastgrad import _validation
 from keras_fastgrad.accumulation import WindowAccumulator
@@ -79,6 +80,13 @@ class FastGradModel(keras.Model):
     2
     """
 
+    def __new__(cls, *args, **kwargs):
+        # Like `keras.Model.__new__`: the functional form of the base class
+        # is a dedicated class that also inherits from `Functional`.
+        if cls is FastGradModel and functional_init_arguments(args, kwargs):
+            cls = FunctionalFastGradModel
+        return super().__new__(cls, *args, **kwargs)
+
     def __init__(
         self,
         *args,
@@ -96,12 +104,14 @@ class FastGradModel(keras.Model):
         multitask = _validation.check_multitask(multitask)
         skip_nonfinite = _validation.check_bool("skip_nonfinite", skip_nonfinite)
         telemetry = _validation.check_bool("telemetry", telemetry)
-        if functional_init_arguments(args, kwargs):
-            super().__init__(*args, **kwargs)
+        if isinstance(self, Functional) and functional_init_arguments(args, kwargs):
+            # What `keras.Model.__init__` does for the functional form,
+            # without injecting `Functional` into this class's bases (which
+            # would break later subclassed uses of `FastGradModel`).
+            Trainer.__init__(self)
+            Functional.__init__(self, *args, **kwargs)
         else:
-            # Subclassing form. Not `super()`: after a functional use, Keras
-            # has injected `Functional` into this class's bases.
-            keras.Model.__init__(self, *args, **kwargs)
+            super().__init__(*args, **kwargs)
         self.accumulation_steps = accumulation_steps
         self.clip_norm = clip_norm
         self.multitask = multitask
@@ -263,6 +273,15 @@ class FastGradModel(keras.Model):
             warnings.warn("The model does not have any trainable weights.")
         scaling = self._fg_scaling
 
+        # With accumulation each micro-batch's gradient is weighted by its
+        # number of samples (see accumulation.py); the factor is folded into
+        # the loss (or the unscaling), not applied as a pass of its own.
+        num_samples = tf.cast(
+            tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+            tf.float32,
+        )
+        weight = num_samples if self._fg_accumulator is not None else None
+
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             for v in variables:
                 tape.watch(v.value)
@@ -274,20 +293,16 @@ class FastGradModel(keras.Model):
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                 training=True,
             )
-            scaled_loss = scaling.scale(loss)
+            scaled_loss = scaling.scale(loss, weight)
         grads = tape.gradient(scaled_loss, [v.value for v in variables])
         self._fg_record_trace_facts(variables, grads)
 
-        grads = scaling.unscale(grads)
+        grads = scaling.unscale(grads, weight)
         finite, first_bad, num_bad = finite_flags(grads, loss)
         scaling.update(finite)
         keep = finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
         self._fg_telemetry.record_micro_batch(finite, first_bad, num_bad)
 
-        num_samples = tf.cast(
-            tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
-            tf.float32,
-        )
         self._loss_tracker.update_state(
             tf.where(keep, unscale_loss_for_distribution(loss), 0.0),
             sample_weight=tf.where(keep, num_samples, 0.0),
@@ -410,3 +425,10 @@ class FastGradModel(keras.Model):
             }
         )
         return config
+
+
+@keras.saving.register_keras_serializable(package="keras_fastgrad")
+class FunctionalFastGradModel(FastGradModel, Functional):
+    """The class of `FastGradModel(inputs, outputs, ...)`, the functional form
+    (as `keras.Model(inputs, outputs)` is a `Functional`). Use
+    `FastGradModel`; `isinstance(model, FastGradModel)` holds."""

@@ -357,7 +357,7 @@ def test_save_load_keeps_options_weights_and_training_continues(tmp_path):
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert type(loaded) is keras_fastgrad.FastGradModel
+    assert isinstance(loaded, keras_fastgrad.FastGradModel)
     assert (loaded.accumulation_steps, loaded.clip_norm, loaded.skip_nonfinite) == (2, 0.7, True)
     assert max_weight_diff(model, loaded) == 0.0
     model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
