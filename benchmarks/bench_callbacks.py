@@ -1,0 +1,149 @@
+"""Cost of the keras_fastgrad callbacks, side by side in one process.
+
+    python benchmarks/bench_callbacks.py [--quick]
+
+Ratios (median, min, max over rounds; a round times one epoch of `steps`
+batches through `fit(verbose=0)` for each side, the two sides alternating
+their order from round to round; a warm-up fit first, so tracing is not
+timed), on an MLP (784 -> 3 x 1024 relu -> 10, batch 256) and a small CNN
+(28x28x1, Conv2D 32/64 + pooling -> Dense 10, batch 128), synthetic data
+from a fixed seed:
+
+- all callbacks / none: FastGradModel with GradientNormLogger,
+  NonFiniteGuard, TapeVariableCounter and RetraceWatch (default options) /
+  the same FastGradModel without callbacks.                 target <= 1.05
+- NaN detection: FastGradModel + NonFiniteGuard / keras.Model with
+  `tf.debugging.enable_check_numerics()`.                   lower is better
+- for context: keras.Model with check_numerics / keras.Model.
+
+`enable_check_numerics` is global: the check_numerics model is traced while
+it is on and it is switched off right after, so its graph keeps the checks
+(verified after the timing: a NaN batch raises) while every other model's graph has
+none, and all can be timed interleaved.
+
+Writes benchmarks/out/callbacks.json.
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from harness import interleaved_ratios, report, synthetic  # noqa: E402
+
+import keras_fastgrad  # noqa: E402
+from keras_fastgrad import callbacks as fg_callbacks  # noqa: E402
+
+
+def mlp(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((784,))
+    h = inputs
+    for _ in range(3):
+        h = keras.layers.Dense(1024, activation="relu")(h)
+    return cls(inputs, keras.layers.Dense(10)(h))
+
+
+def cnn(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((28, 28, 1))
+    h = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Conv2D(64, 3, activation="relu")(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    return cls(inputs, keras.layers.Dense(10)(h))
+
+
+MODELS = {"mlp": (mlp, (784,), 256), "cnn": (cnn, (28, 28, 1), 128)}
+
+
+def all_callbacks():
+    return [
+        fg_callbacks.GradientNormLogger(),
+        fg_callbacks.NonFiniteGuard("raise"),
+        fg_callbacks.TapeVariableCounter(),
+        fg_callbacks.RetraceWatch(),
+    ]
+
+
+def compiled(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def fit_fn(model, x, y, batch, callbacks=()):
+    def run():
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=list(callbacks))
+
+    run()  # warm-up: trace outside the timed rounds
+    return run
+
+
+def raises_on_nan(model, x, y, batch, callbacks=(), error=Exception):
+    bad = x[:batch].copy()
+    bad[0].flat[0] = np.nan
+    try:
+        model.fit(bad, y[:batch], batch_size=batch, verbose=0,
+                  callbacks=list(callbacks))
+    except error:
+        return True
+    return False
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer rounds and steps (about 2 minutes on 2 cores)")
+    args = parser.parse_args()
+    rounds, steps = (8, 16) if args.quick else (12, 20)
+    fast = keras_fastgrad.FastGradModel
+    pairs, targets, checks = [], {}, []
+    for name, (build, shape, batch) in MODELS.items():
+        x, y = synthetic(shape, 10, batch * steps)
+        with_callbacks = fit_fn(compiled(build(fast)), x, y, batch, all_callbacks())
+        without = fit_fn(compiled(build(fast)), x, y, batch)
+        guard = [fg_callbacks.NonFiniteGuard("raise")]
+        guarded_model = compiled(build(fast))
+        guarded = fit_fn(guarded_model, x, y, batch, guard)
+        plain = fit_fn(compiled(build(keras.Model)), x, y, batch)
+        tf.debugging.enable_check_numerics()
+        try:
+            checked_model = compiled(build(keras.Model))
+            checked = fit_fn(checked_model, x, y, batch)
+        finally:
+            tf.debugging.disable_check_numerics()
+        checks.append((name, checked_model, guarded_model, guard, x, y, batch))
+        callbacks_row = f"{name}: all callbacks / none (FastGradModel)"
+        pairs += [
+            (callbacks_row, with_callbacks, without),
+            (f"{name}: FastGradModel+NonFiniteGuard / keras.Model+check_numerics",
+             guarded, checked),
+            (f"{name}: keras.Model+check_numerics / keras.Model", checked, plain),
+        ]
+        targets[callbacks_row] = "<= 1.05"
+    results = interleaved_ratios(pairs, rounds)
+    # After the timing: a NaN batch can leave NaN in check_numerics' weights.
+    for name, checked_model, guarded_model, guard, x, y, batch in checks:
+        if not raises_on_nan(checked_model, x, y, batch,
+                             error=tf.errors.InvalidArgumentError):
+            raise RuntimeError(f"{name}: check_numerics instrumentation was lost")
+        if not raises_on_nan(guarded_model, x, y, batch, guard,
+                             error=fg_callbacks.NonFiniteError):
+            raise RuntimeError(f"{name}: NonFiniteGuard missed the NaN batch")
+    report(
+        f"keras_fastgrad callbacks: {rounds} rounds of one {steps}-step epoch "
+        "per side (ratios of epoch times)",
+        results, targets, "callbacks",
+    )
+
+
+if __name__ == "__main__":
+    main()
