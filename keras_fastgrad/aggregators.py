@@ -1,0 +1,404 @@
+"""Multi-task gradient aggregators in coefficient space.
+
+`T` task gradients flattened into `J` (`T x P`) are merged as `w^T J`; an
+aggregator only sees the Gram matrix `G = J J^T` (`T x T`, `T` static) and
+returns the task weights `w` (`[T]`, the dtype of `G`). All of them are pure
+TensorFlow: they trace in graph mode and compile with
+`tf.function(jit_compile=True)`.
+
+Example:
+
+>>> import tensorflow as tf
+>>> from keras_fastgrad import aggregators
+>>> J = tf.constant([[1.0, 0.0], [-1.0, 1.0]], tf.float64)  # 2 tasks, P = 2
+>>> gram = tf.matmul(J, J, transpose_b=True)
+>>> w = aggregators.get("mgda").weights(gram)
+>>> w.numpy().round(4).tolist()
+[0.6, 0.4]
+>>> tf.linalg.matvec(J, w, transpose_a=True).numpy().round(4).tolist()  # w^T J
+[0.2, 0.4]
+>>> int(aggregators.gram_telemetry(gram)["num_conflicts"])
+1
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_fastgrad import _solvers
+from keras_fastgrad._solvers import pcgrad_weights  # noqa: F401 (public)
+
+NAMES = ("aligned", "cagrad", "imtl", "mean", "mgda", "pcgrad", "sum")
+_PACKAGE = "keras_fastgrad"
+
+
+class Aggregator:
+    """Base: maps the Gram matrix of task gradients to task weights.
+
+    Subclasses implement `_weights(gram, seed_tensor)`; `weights` checks the
+    input and computes half precision in float32.
+    """
+
+    name = None
+
+    def weights(self, gram, seed_tensor=None):
+        """Task weights `w` (`[T]`) such that the merged gradient is `w^T J`.
+
+        Args:
+            gram: `[T, T]` Gram matrix `J J^T` of the task gradients, with a
+                static `T`.
+            seed_tensor: optional int `[2]` seed for a stateless draw (only
+                the random aggregators use it).
+        """
+        return self._run(gram, lambda g: self._weights(g, seed_tensor))
+
+    def _run(self, gram, fn):
+        gram = _check_gram(gram)
+        dtype = gram.dtype
+        if dtype in (tf.float16, tf.bfloat16):
+            gram = tf.cast(gram, tf.float32)
+        return tf.cast(fn(gram), dtype)
+
+    def _weights(self, gram, seed_tensor):
+        raise NotImplementedError
+
+    def get_config(self):
+        return {}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _register(cls):
+    return keras.saving.register_keras_serializable(package=_PACKAGE)(cls)
+
+
+def _check_gram(gram):
+    gram = tf.convert_to_tensor(gram)
+    if not gram.dtype.is_floating:
+        gram = tf.cast(gram, keras.backend.floatx())
+    shape = gram.shape
+    if shape.rank != 2 or shape[0] is None or shape[0] != shape[1] or shape[0] < 1:
+        raise ValueError(
+            "`gram` must be a square matrix of shape (T, T) with a static "
+            f"number of tasks T >= 1. Received: gram.shape={shape}"
+        )
+    return gram
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
+        )
+    return value
+
+
+@_register
+class Sum(Aggregator):
+    """Plain sum of the task gradients: `w = 1`.
+
+    Example:
+
+    >>> Sum().weights(tf.eye(3)).numpy().tolist()
+    [1.0, 1.0, 1.0]
+    """
+
+    name = "sum"
+
+    def _weights(self, gram, seed_tensor):
+        return tf.ones([gram.shape[0]], gram.dtype)
+
+
+@_register
+class Mean(Aggregator):
+    """Mean of the task gradients: `w = 1/T`.
+
+    Example:
+
+    >>> Mean().weights(tf.eye(4)).numpy().tolist()
+    [0.25, 0.25, 0.25, 0.25]
+    """
+
+    name = "mean"
+
+    def _weights(self, gram, seed_tensor):
+        return tf.fill([gram.shape[0]], tf.constant(1.0 / gram.shape[0], gram.dtype))
+
+
+@_register
+class PCGrad(Aggregator):
+    """PCGrad, "Gradient Surgery for Multi-Task Learning" (Yu et al., NeurIPS 2020).
+
+    Algorithm 1: for each task `i`, `g_i^PC = g_i`; for each other task `j`
+    in a fresh random order, if `<g_i^PC, g_j> < 0` then
+    `g_i^PC <- g_i^PC - <g_i^PC, g_j> / ||g_j||^2 g_j`. The merged gradient
+    is `sum_i g_i^PC`. Computed on coefficients (`g_i^PC = c_i^T J`, see
+    `pcgrad_weights`); `w = sum_i c_i`. Each call draws new orders from the
+    aggregator's `keras.random.SeedGenerator` (a variable: also new orders
+    per call under `tf.function(jit_compile=True)`; build the aggregator
+    outside any `tf.function`) or, if given, from the stateless int `[2]`
+    `seed_tensor`; `orders` (int `[T, T-1]`, row `i` the visiting order of
+    task `i`) fixes them.
+
+    Args:
+        seed: int or None, the seed of the generator.
+
+    Example:
+
+    >>> J = tf.constant([[-10.0, 0.0], [1.0, -1.0]], tf.float64)  # tug of war
+    >>> gram = tf.matmul(J, J, transpose_b=True)
+    >>> PCGrad(seed=0).weights(gram).numpy().round(4).tolist()
+    [1.1, 6.0]
+    >>> gram3 = tf.eye(3, dtype=tf.float64) - 0.2  # three conflicting tasks
+    >>> orders = [[1, 2], [0, 2], [0, 1]]  # task 0 visits 1 then 2, ...
+    >>> PCGrad().weights(gram3, orders=orders).numpy().round(4).tolist()
+    [1.5, 1.5625, 1.625]
+    """
+
+    name = "pcgrad"
+
+    def __init__(self, seed=None):
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+
+    def weights(self, gram, seed_tensor=None, orders=None):
+        """As `Aggregator.weights`; `orders` (int `[T, T-1]`) fixes the order."""
+        if orders is None:
+            return super().weights(gram, seed_tensor)
+        orders = tf.convert_to_tensor(orders)
+        num_tasks = _check_gram(gram).shape[0]
+        if orders.shape != (num_tasks, num_tasks - 1):
+            raise ValueError(
+                f"`orders` must have shape ({num_tasks}, {num_tasks - 1}) for "
+                f"{num_tasks} tasks. Received: orders.shape={orders.shape}"
+            )
+        return self._run(gram, lambda g: pcgrad_weights(g, orders))
+
+    def _weights(self, gram, seed_tensor):
+        shape = [gram.shape[0]] * 2
+        if seed_tensor is None:
+            uniform = keras.random.uniform(shape, seed=self.seed_generator)
+        else:
+            uniform = tf.random.stateless_uniform(shape, seed=seed_tensor)
+        return pcgrad_weights(gram, _solvers.random_orders(shape[0], uniform))
+
+    def get_config(self):
+        return {"seed": self.seed}
+
+
+@_register
+class MGDA(Aggregator):
+    """MGDA-UB (Sener & Koltun, NeurIPS 2018).
+
+    "Multi-Task Learning as Multi-Objective Optimization":
+    `w = argmin_{w in simplex} w^T G w`, the min-norm point of the convex
+    hull of the task gradients. Solved by Frank-Wolfe in Gram space from
+    `w = 1/T` with exact line search (Algorithm 2), using pairwise steps
+    (move mass from the worst active task to the best one), which converge
+    linearly where plain Frank-Wolfe steps are O(1/k); the loop stops once
+    the duality gap is at rounding level, or after `max_iter` steps.
+
+    Args:
+        max_iter: int, the cap on the solver steps.
+
+    Example:
+
+    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
+    >>> MGDA().weights(gram).numpy().round(4).tolist()
+    [0.2, 0.8]
+    """
+
+    name = "mgda"
+
+    def __init__(self, max_iter=1000):
+        self.max_iter = _check_int("max_iter", max_iter, 1)
+
+    def _weights(self, gram, seed_tensor):
+        return _solvers.min_norm_weights(gram, self.max_iter)
+
+    def get_config(self):
+        return {"max_iter": self.max_iter}
+
+
+@_register
+class CAGrad(Aggregator):
+    """CAGrad (Liu et al., NeurIPS 2021).
+
+    "Conflict-Averse Gradient Descent for Multi-task Learning", as the
+    official `cagrad` function: `g0` the mean gradient,
+    `c' = c ||g0|| + 1e-8`,
+    `w = argmin_{w in simplex} w^T G 1/T + c' sqrt(w^T G w + 1e-8)`,
+    `g = (g0 + c' / ||w^T J|| w^T J) / (1 + c^2)` (`rescale=1`; `rescale=2`
+    divides by `1 + c`, `rescale=0` not at all). The simplex problem is
+    solved in-graph (pairwise Frank-Wolfe, exact line search) instead of
+    scipy's SLSQP. `c=0` gives the mean.
+
+    Args:
+        c: float >= 0, the radius of the conflict-averse ball.
+        rescale: 0, 1 or 2.
+        max_iter: int, the cap on the solver steps.
+
+    Example:
+
+    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
+    >>> CAGrad(c=0.5).weights(gram).numpy().round(4).tolist()
+    [0.4, 0.8472]
+    >>> CAGrad(c=0.0).weights(gram).numpy().round(4).tolist()
+    [0.5, 0.5]
+    """
+
+    name = "cagrad"
+
+    def __init__(self, c=0.5, rescale=1, max_iter=1000):
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 0:
+            raise ValueError(f"`c` must be a number >= 0. Received: c={c!r}")
+        if rescale not in (0, 1, 2) or isinstance(rescale, bool):
+            raise ValueError(
+                f"`rescale` must be 0, 1 or 2. Received: rescale={rescale!r}"
+            )
+        self.c, self.rescale = float(c), rescale
+        self.max_iter = _check_int("max_iter", max_iter, 1)
+
+    def _weights(self, gram, seed_tensor):
+        return _solvers.cagrad_weights(gram, self.c, self.rescale, self.max_iter)
+
+    def get_config(self):
+        return {"c": self.c, "rescale": self.rescale, "max_iter": self.max_iter}
+
+
+@_register
+class IMTL(Aggregator):
+    """IMTL-G (Liu et al., ICLR 2021).
+
+    "Towards Impartial Multi-task Learning", closed form with task 1 as the
+    reference (the solution does not depend on that choice):
+    `u_t = g_t / ||g_t||`, `D = [g_1 - g_t]_{t>1}`, `U = [u_1 - u_t]_{t>1}`,
+    `alpha_{2:T} = g_1 U^T (D U^T)^+`, `alpha_1 = 1 - sum(alpha_{2:T})`: the
+    merged gradient `sum_t alpha_t g_t` has equal projections on every
+    `u_t`. All inner products come from `G`; `(.)^+` is the pseudo-inverse
+    (the paper inverts), so a singular `D U^T` gives a finite answer.
+
+    Example:
+
+    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
+    >>> IMTL().weights(gram).numpy().round(4).tolist()
+    [0.3333, 0.6667]
+    """
+
+    name = "imtl"
+
+    def _weights(self, gram, seed_tensor):
+        return _solvers.imtl_weights(gram)
+
+
+@_register
+class AlignedMTL(Aggregator):
+    """Aligned-MTL (Senushkin et al., CVPR 2023).
+
+    "Independent Component Alignment for Multi-Task Learning":
+    `G = V L V^T`, `B = sqrt(l_min) V L^{-1/2} V^T` over the non-zero
+    eigenvalues (the official rank rule: `> max(L) T eps_float32`), `l_min`
+    the smallest of them; `w = B omega` with the task
+    pre-weights `omega` (ones, as the official `AlignedMTLBalancer`, which
+    sums the aligned gradients). The aligned gradients `J^T B` are
+    orthogonal with equal norms (`B G B = l_min I` at full rank).
+
+    Args:
+        task_weights: None (ones) or a list of `T` floats, `omega`.
+
+    Example:
+
+    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
+    >>> AlignedMTL().weights(gram).numpy().round(4).tolist()
+    [0.5, 1.0]
+    """
+
+    name = "aligned"
+
+    def __init__(self, task_weights=None):
+        if task_weights is not None:
+            task_weights = [float(x) for x in task_weights]
+        self.task_weights = task_weights
+
+    def balance_matrix(self, gram):
+        """The `[T, T]` matrix `B`: the aligned task gradients are `B^T J`."""
+        return _solvers.aligned_balance_matrix(_check_gram(gram))
+
+    def _weights(self, gram, seed_tensor):
+        omega = tf.ones([gram.shape[0]], gram.dtype)
+        if self.task_weights is not None:
+            if len(self.task_weights) != gram.shape[0]:
+                raise ValueError(
+                    "`task_weights` must have one entry per task. Received: "
+                    f"task_weights={self.task_weights} for {gram.shape[0]} tasks"
+                )
+            omega = tf.constant(self.task_weights, gram.dtype)
+        return tf.linalg.matvec(_solvers.aligned_balance_matrix(gram), omega)
+
+    def get_config(self):
+        return {"task_weights": self.task_weights}
+
+
+_CLASSES = {c.name: c for c in (Sum, Mean, PCGrad, MGDA, CAGrad, IMTL, AlignedMTL)}
+
+
+def serialize(aggregator):
+    """The Keras config dict of `aggregator` (`get` rebuilds it)."""
+    return keras.saving.serialize_keras_object(aggregator)
+
+
+def get(identifier):
+    """An `Aggregator` from a name in `NAMES`, an instance or a config dict.
+
+    `None` gives `None` (no aggregation), as in Keras' `get` functions.
+    """
+    if identifier is None or isinstance(identifier, Aggregator):
+        return identifier
+    if isinstance(identifier, str) and identifier.lower() in _CLASSES:
+        return _CLASSES[identifier.lower()]()
+    if isinstance(identifier, dict):
+        name = str(identifier.get("class_name", "")).lower()
+        if name in _CLASSES:
+            return _CLASSES[name].from_config(identifier.get("config") or {})
+        try:
+            obj = keras.saving.deserialize_keras_object(identifier)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                "`multitask` config could not be deserialized into an "
+                f"Aggregator. Received: multitask={identifier!r}"
+            ) from e
+        if isinstance(obj, Aggregator):
+            return obj
+    raise ValueError(
+        f"`multitask` must be one of {list(NAMES)} or an Aggregator instance. "
+        f"Received: multitask={identifier!r}"
+    )
+
+
+def gram_telemetry(gram):
+    """Per-task gradient norms, pairwise cosines and conflicts from `G`.
+
+    Returns a dict: `"norms"` (`[T]`, `sqrt(diag G)`), `"cosine"` (`[T, T]`,
+    0 where a norm is 0) and `"num_conflicts"` (int32, pairs `i < j` with
+    `G_ij < 0`).
+
+    Example:
+
+    >>> t = gram_telemetry(tf.constant([[4.0, -2.0], [-2.0, 4.0]]))
+    >>> t["norms"].numpy().tolist(), float(t["cosine"][0, 1]), int(t["num_conflicts"])
+    ([2.0, 2.0], -0.5, 1)
+    """
+    gram = _check_gram(gram)
+    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
+    positive = norms > 0
+    inv = tf.where(positive, 1.0 / tf.where(positive, norms, tf.ones_like(norms)), 0.0)
+    cosine = gram * inv[:, None] * inv[None, :]
+    ones = tf.ones_like(gram)
+    upper = tf.linalg.band_part(ones, 0, -1) - tf.linalg.band_part(ones, 0, 0)
+    conflicts = tf.reduce_sum(tf.cast((gram < 0) & (upper > 0), tf.int32))
+    return {"norms": norms, "cosine": cosine, "num_conflicts": conflicts}
