@@ -186,6 +186,19 @@ def test_tensorboard_event_files_hold_scalars_and_histograms(tmp_path):
     }
 
 
+def test_tensorboard_update_freq_in_batches(tmp_path):
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x, y = data(n=32)
+    logger = GradientNormLogger(tensorboard_dir=str(tmp_path), update_freq=3)
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[logger])
+    scalars, histograms = read_events(tmp_path)
+    # Calls end after batches 2, 4, 6, 8: written when >= 3 since the last.
+    assert sorted(scalars["batch_grad_norm"]) == [4, 8]
+    assert sorted(scalars["epoch_grad_norm"]) == [0]
+    assert not histograms
+
+
 def test_csv_logger_gets_the_columns(tmp_path):
     model = mlp(clip_norm=1.0)
     model.compile(optimizer="sgd", loss="mse")

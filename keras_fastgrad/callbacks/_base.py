@@ -16,9 +16,31 @@ class FastGradCallback(keras.callbacks.Callback):
 
     Subclasses list the step's log keys they need in `telemetry_keys`, or
     override `required_telemetry(model)` when the keys depend on the model
-    (e.g. one `grad_norm/<layer>` key per layer). Keras calls `set_model`
-    before it builds the train function, so the step is traced with the
-    keys already switched on.
+    (e.g. one `grad_norm/<layer>` key per layer), and read them from the
+    `logs` of `on_train_batch_end` / `on_epoch_end`. Keras calls
+    `set_model` before it builds the train function, so the step is traced
+    with the keys already switched on. Counters in the logs are cumulative
+    over the model's life: difference them between calls.
+
+    Raises:
+        ValueError: from `set_model` (at the start of `fit`) when the model
+            is not a `FastGradModel`, or when `check_model` refuses it.
+
+    Example:
+
+    >>> import keras, numpy as np, keras_fastgrad
+    >>> class UpdatesPerEpoch(keras_fastgrad.callbacks.FastGradCallback):
+    ...     telemetry_keys = ("updates",)
+    ...     def on_epoch_end(self, epoch, logs=None):
+    ...         print(f"epoch {epoch}: {logs['updates']:.0f} updates so far")
+    >>> inputs = keras.Input((2,))
+    >>> model = keras_fastgrad.FastGradModel(
+    ...     inputs, keras.layers.Dense(1)(inputs), accumulation_steps=2)
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2,
+    ...                     epochs=2, verbose=0, callbacks=[UpdatesPerEpoch()])
+    epoch 0: 2 updates so far
+    epoch 1: 4 updates so far
     """
 
     telemetry_keys = ()
