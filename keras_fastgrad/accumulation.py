@@ -9,6 +9,10 @@ where `n_j` is micro-batch j's number of samples. The accumulator keeps
 `sum_j n_j g_j` and `N` in float32 variables (model state, saved with the
 model) and divides once, at the update. A micro-batch left out (non-finite)
 adds neither to the sum nor to `N`.
+
+Under a `tf.distribute` strategy each replica adds its own share to
+sync-on-read sums: micro-steps do not all-reduce gradients; the update sums
+the window once (`replica_sum`), and a checkpoint reads the total.
 """
 
 import keras
@@ -45,15 +49,20 @@ class WindowAccumulator:
                 tf.zeros(v.shape, tf.float32),
                 trainable=False,
                 autocast=False,
+                synchronization="on_read",  # per replica, summed when read
+                aggregation="sum",
                 name=f"accumulated_{i}",
             )
             for i, v in enumerate(variables)
         ]
+        # Global values, the same on every replica.
         self.samples = keras.Variable(
-            0.0, dtype="float32", trainable=False, name="accumulated_samples"
+            0.0, dtype="float32", trainable=False,
+            aggregation="only_first_replica", name="accumulated_samples",
         )
         self.micro_step = keras.Variable(
-            0, dtype="int64", trainable=False, name="micro_step"
+            0, dtype="int64", trainable=False,
+            aggregation="only_first_replica", name="micro_step",
         )
 
     @property
@@ -65,10 +74,12 @@ class WindowAccumulator:
 
         Args:
             weighted_grads: List of float32 gradients already multiplied by
-                `num_samples` (the step folds the factor into the loss, for
-                free); `None` where a variable has none (its sum stays 0).
-            num_samples: float32 scalar, the micro-batch's number of samples.
-            include: boolean scalar; `False` leaves the micro-batch out.
+                this replica's number of samples (the step folds the factor
+                into the loss, for free); `None` where a variable has none.
+            num_samples: float32 scalar, the micro-batch's number of samples
+                over all replicas.
+            include: boolean scalar, the same on every replica; `False`
+                leaves the micro-batch out.
 
         Returns:
             Boolean scalar: `True` on the window's last micro-batch.
@@ -78,12 +89,13 @@ class WindowAccumulator:
             for total, g in zip(self.sums, weighted_grads):
                 if g is not None:
                     total.assign_add(tf.cast(g, tf.float32))
-            self.samples.assign_add(num_samples)
             return tf.constant(True)
 
         # A `cond`, not a multiplication by 0 (NaN * 0 is NaN) nor a
-        # `where` (an extra pass over every gradient).
+        # `where` (an extra pass over every gradient). Mirrored state is
+        # written outside it: under a strategy that write is a `merge_call`.
         tf.cond(include, add, lambda: tf.constant(False))
+        self.samples.assign_add(tf.where(include, num_samples, 0.0))
         self.micro_step.assign_add(1)
         return tf.equal(self.micro_step % self.steps, 0)
 
@@ -91,8 +103,8 @@ class WindowAccumulator:
         """Boolean scalar: the window holds at least one included sample."""
         return self.samples > 0.0
 
-    def mean(self, grads_template=None):
-        """The window's gradient `sum_j n_j g_j / N`.
+    def local_sums(self, grads_template=None):
+        """This replica's `sum_j n_j g_j` (the total on one device).
 
         Args:
             grads_template: Optional list; where its entry is `None` the
@@ -100,8 +112,15 @@ class WindowAccumulator:
         """
         template = grads_template or self.sums
         return [
-            None if t is None else total / self.samples
+            None if t is None else total.value
             for total, t in zip(self.sums, template)
+        ]
+
+    def mean(self, grads_template=None):
+        """The window's gradient `sum_j n_j g_j / N` on one device."""
+        return [
+            None if s is None else s / self.samples
+            for s in self.local_sums(grads_template)
         ]
 
     def reset(self):

@@ -3,12 +3,9 @@
 An optimizer call inside `tf.cond` in replica context fails under
 MirroredStrategy (`merge_call` inside `cond`, keras-team/keras#20582). The
 pattern that works is the one of `LossScaleOptimizer._tf_apply`: leave
-replica context with `merge_call` and decide in cross-replica context.
-The update then runs once, in cross-replica context, on values that are the
-same on every replica (all-reduced before, or read from sync-on-read
-accumulators, which all-reduce when read there): the optimizer's own
-all-reduce, which only runs in replica context, is skipped, so gradients
-are summed exactly once. Without a strategy this is a plain `tf.cond`.
+replica context with `merge_call`, decide in cross-replica context, and run
+the update for each replica inside the `cond`. Without a strategy this is a
+plain `tf.cond`.
 """
 
 import tensorflow as tf
@@ -21,15 +18,14 @@ def _first_replica(distribution, value):
 
 
 def apply_if(should_apply, update_fn, args=()):
-    """Runs `update_fn(*args)` once, in cross-replica context, if
-    `should_apply`.
+    """Runs `update_fn(*args)` on every replica if `should_apply`.
 
     Args:
         should_apply: Boolean scalar, identical on every replica.
         update_fn: Callable that applies the optimizer and updates state;
-            returns nothing. It receives replica 0's copy of `args`.
-        args: Tuple of tensors or lists of tensors (or `None`) whose values
-            are identical on every replica.
+            returns nothing. Runs in replica context.
+        args: Tuple of (per-replica) tensors or lists of tensors passed to
+            `update_fn`.
 
     Example:
 
@@ -40,15 +36,10 @@ def apply_if(should_apply, update_fn, args=()):
     """
 
     def decide_and_apply(distribution, should_apply, *args):
-        first = lambda value: _first_replica(distribution, value)  # noqa: E731
-        decision = first(should_apply)
-        local_args = [
-            [first(v) for v in a] if isinstance(a, (list, tuple)) else first(a)
-            for a in args
-        ]
+        decision = _first_replica(distribution, should_apply)
 
         def apply():
-            update_fn(*local_args)
+            distribution.extended.call_for_each_replica(update_fn, args=args)
             return tf.constant(True)
 
         tf.cond(decision, apply, lambda: tf.constant(False))

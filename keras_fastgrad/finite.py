@@ -1,10 +1,41 @@
 """Finite check: one flag per gradient, computed in the step (XLA-safe).
 
 `tf.debugging.check_numerics` does nothing under XLA, so the check is a plain
-`is_finite` reduction whose result the step uses as data.
+`is_finite` reduction whose result the step uses as data. Flags are summed
+over replicas, so a NaN on any replica drops the micro-batch everywhere.
 """
 
 import tensorflow as tf
+
+
+def nonfinite_vector(grads, loss):
+    """float32 vector: 1 per non-finite gradient (`None`: 0), then 1 if the
+    loss is non-finite. Summing it over replicas keeps its meaning."""
+    flags = [
+        tf.zeros([], tf.bool) if g is None else tf.logical_not(
+            tf.reduce_all(tf.math.is_finite(g))
+        )
+        for g in grads
+    ]
+    flags.append(tf.logical_not(tf.reduce_all(tf.math.is_finite(loss))))
+    return tf.cast(tf.stack(flags), tf.float32)
+
+
+def summarize(bad):
+    """Reads a (possibly replica-summed) `nonfinite_vector`.
+
+    Returns:
+        Tuple `(all_finite, first_bad, num_bad)`: a boolean scalar; the int32
+        index of the first non-finite gradient, or -1 when every gradient is
+        finite (the loss alone may then be non-finite); the int32 number of
+        non-finite gradients.
+    """
+    grads_bad = bad[:-1] > 0
+    any_grad_bad = tf.reduce_any(grads_bad)
+    all_finite = tf.logical_not(tf.reduce_any(bad > 0))
+    index = tf.argmax(tf.cast(grads_bad, tf.int32), output_type=tf.int32)
+    first_bad = tf.where(any_grad_bad, index, tf.constant(-1, tf.int32))
+    return all_finite, first_bad, tf.reduce_sum(tf.cast(grads_bad, tf.int32))
 
 
 def finite_flags(grads, loss):
@@ -15,10 +46,7 @@ def finite_flags(grads, loss):
         loss: Scalar loss tensor of the micro-batch.
 
     Returns:
-        Tuple `(all_finite, first_bad, num_bad)`: a boolean scalar; the int32
-        index (into `grads`) of the first non-finite gradient, or -1 when
-        every gradient is finite (the loss alone may then be non-finite);
-        the int32 number of non-finite gradients.
+        Tuple `(all_finite, first_bad, num_bad)`, see `summarize`.
 
     Example:
 
@@ -28,19 +56,4 @@ def finite_flags(grads, loss):
     >>> bool(ok), int(first), int(n)
     (False, 2, 1)
     """
-    flags = [
-        tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g))
-        for g in grads
-    ]
-    flags = tf.stack(flags) if flags else tf.ones([0], tf.bool)
-    grads_finite = tf.reduce_all(flags)
-    all_finite = tf.logical_and(
-        grads_finite, tf.reduce_all(tf.math.is_finite(loss))
-    )
-    bad = tf.cast(tf.logical_not(flags), tf.int32)
-    first_bad = tf.where(
-        grads_finite,
-        tf.constant(-1, tf.int32),
-        tf.argmax(bad, output_type=tf.int32) if grads else -1,
-    )
-    return all_finite, first_bad, tf.reduce_sum(bad)
+    return summarize(nonfinite_vector(grads, loss))

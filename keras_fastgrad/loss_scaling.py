@@ -12,6 +12,8 @@ finite ones), so the scale is saved and restored with the optimizer.
 import keras
 import tensorflow as tf
 
+from keras_fastgrad._replicas import in_cross_replica_context
+
 
 class LossScaling:
     """Scale, unscale and update the loss scale of a `LossScaleOptimizer`.
@@ -67,9 +69,16 @@ class LossScaling:
 
     def update(self, finite):
         """Halves the scale after a non-finite micro-batch, grows it after
-        `dynamic_growth_steps` finite ones (Keras' rule)."""
-        if not self.active:
-            return
+        `dynamic_growth_steps` finite ones (Keras' rule).
+
+        Args:
+            finite: Boolean scalar, the same on every replica.
+        """
+        if self.active:
+            # The optimizer's scale variables are not per-replica state.
+            in_cross_replica_context(self._update, finite)
+
+    def _update(self, finite):
         counter = self.scaler.step_counter
         scale = self.scaler.dynamic_scale
         grow = tf.logical_and(

@@ -23,7 +23,8 @@ from keras_fastgrad import _validation
 from keras_fastgrad.accumulation import WindowAccumulator
 from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
-from keras_fastgrad.finite import finite_flags
+from keras_fastgrad._replicas import num_replicas, replica_sum
+from keras_fastgrad.finite import nonfinite_vector, summarize
 from keras_fastgrad.loss_scaling import LossScaling
 from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
@@ -273,14 +274,18 @@ class FastGradModel(keras.Model):
             warnings.warn("The model does not have any trainable weights.")
         scaling = self._fg_scaling
 
-        # With accumulation each micro-batch's gradient is weighted by its
-        # number of samples (see accumulation.py); the factor is folded into
-        # the loss (or the unscaling), not applied as a pass of its own.
+        # Each micro-batch's gradient is weighted by its number of samples
+        # when several are combined (accumulation, replicas; see
+        # accumulation.py); the factor is folded into the loss (or the
+        # unscaling), not applied as a pass of its own. Keras divides the
+        # loss by the number of replicas: undone here.
         num_samples = tf.cast(
             tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
             tf.float32,
         )
-        weight = num_samples if self._fg_accumulator is not None else None
+        replicas = num_replicas()
+        weighted = self._fg_accumulator is not None or replicas > 1
+        weight = num_samples * replicas if weighted else None
 
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             for v in variables:
@@ -298,7 +303,9 @@ class FastGradModel(keras.Model):
         self._fg_record_trace_facts(variables, grads)
 
         grads = scaling.unscale(grads, weight)
-        finite, first_bad, num_bad = finite_flags(grads, loss)
+        # One small all-reduce: every decision below is global.
+        bad, total_samples = replica_sum([nonfinite_vector(grads, loss), num_samples])
+        finite, first_bad, num_bad = summarize(bad)
         scaling.update(finite)
         keep = finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
         self._fg_telemetry.record_micro_batch(finite, first_bad, num_bad)
@@ -309,10 +316,14 @@ class FastGradModel(keras.Model):
         )
 
         if self._fg_accumulator is None:
-            apply_if(keep, self._fg_update, args=(grads,))
+            apply_if(
+                keep,
+                self._fg_update,
+                args=(grads, total_samples if weighted else None),
+            )
         else:
             acc = self._fg_accumulator
-            window_complete = acc.add(grads, num_samples, keep)
+            window_complete = acc.add(grads, total_samples, keep)
             apply_if(
                 tf.logical_and(window_complete, acc.has_samples()),
                 self._fg_apply_window,
@@ -328,11 +339,18 @@ class FastGradModel(keras.Model):
 
     def _fg_apply_window(self):
         acc = self._fg_accumulator
-        self._fg_update(acc.mean(self._fg_no_gradient_template()))
+        self._fg_update(acc.local_sums(self._fg_no_gradient_template()), acc.samples)
         acc.reset()
 
-    def _fg_update(self, grads):
-        """Clip (optionally), apply, record. Runs inside the update branch."""
+    def _fg_update(self, grads, total_samples=None):
+        """Sum over replicas, normalise, clip, apply, record.
+
+        Runs in the update branch, in replica context. `grads` are this
+        replica's (sample-weighted when `total_samples` is given).
+        """
+        grads = replica_sum(grads)
+        if total_samples is not None:
+            grads = [None if g is None else g / total_samples for g in grads]
         telemetry = self._fg_telemetry
         variables = self.trainable_variables
         norm = was_clipped = None
@@ -341,6 +359,12 @@ class FastGradModel(keras.Model):
         telemetry.record_layer_norms(grads)
         if self.clip_norm is not None:
             grads, was_clipped = clip_by_global_norm(grads, self.clip_norm, norm)
+        replicas = num_replicas()
+        if replicas > 1:
+            # The optimizer sums the replicas' gradients again (it only
+            # skips that in cross-replica context, where it cannot run):
+            # hand it equal shares of the global gradient.
+            grads = [None if g is None else g / replicas for g in grads]
         before = telemetry.snapshot(variables)
         self._fg_scaling.update_optimizer.apply(grads, variables)
         telemetry.record_update_ratio(before, variables)

@@ -57,8 +57,10 @@ def is_optional_key(key):
 
 
 def _scalar(name, value):
+    # Values are global (the same on every replica): replica 0's write wins.
     return keras.Variable(
-        value, dtype="float32", trainable=False, autocast=False, name=name
+        value, dtype="float32", trainable=False, autocast=False,
+        aggregation="only_first_replica", name=name,
     )
 
 
