@@ -1,42 +1,10 @@
 """`GradientNormLogger`: puts the step's gradient measurements into the logs
 and, optionally, into TensorBoard (written from the host)."""
 
-import os
-
-import keras
-import numpy as np
-import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
-
 from keras_fastgrad.callbacks import _base
+from keras_fastgrad.callbacks._tensorboard import SummaryWriter
 
 CLIPPED_FRACTION = "clipped_fraction"
-HISTOGRAM_BUCKETS = 30
-
-
-def _plugin_metadata(plugin_name):
-    # What `tf.summary.scalar` / `histogram` attach, written with core TF's
-    # `tf.summary.write` so that no `tensorboard` package is needed.
-    return summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=plugin_name)
-    ).SerializeToString()
-
-
-def histogram_buckets(values, bucket_count=HISTOGRAM_BUCKETS):
-    """TensorBoard's histogram tensor: rows of (left edge, right edge, count).
-
-    >>> histogram_buckets([0.0, 1.0, 1.0], bucket_count=2)
-    array([[0. , 0.5, 1. ],
-           [0.5, 1. , 2. ]])
-    """
-    values = np.asarray(values, np.float64).ravel()
-    if values.size == 0:
-        return np.zeros((0, 3))
-    low, high = values.min(), values.max()
-    if low == high:
-        return np.array([[low, high, float(values.size)]])
-    counts, edges = np.histogram(values, bins=bucket_count, range=(low, high))
-    return np.stack([edges[:-1], edges[1:], counts.astype(np.float64)], axis=1)
 
 
 class GradientNormLogger(_base.FastGradCallback):
@@ -169,9 +137,7 @@ class GradientNormLogger(_base.FastGradCallback):
         self._keys = self._logged_keys()
         self._batches_before_epoch = self._last_written = self._step = 0
         if self.tensorboard_dir is not None:
-            self._writer = tf.summary.create_file_writer(
-                os.path.join(self.tensorboard_dir, "train")
-            )
+            self._writer = SummaryWriter(self.tensorboard_dir)
 
     def on_train_batch_end(self, batch, logs=None):
         if logs is None:
@@ -183,7 +149,7 @@ class GradientNormLogger(_base.FastGradCallback):
         step = self._batches_before_epoch + batch + 1
         if self._writer is not None and self.update_freq != "epoch":
             if step - self._last_written >= self.update_freq:
-                self._write_scalars("batch_", logs, step)
+                self._writer.scalars(self._present(logs), step, "batch_")
                 self._last_written = step
         self._step = step
 
@@ -195,9 +161,9 @@ class GradientNormLogger(_base.FastGradCallback):
         if self.clip_fraction:
             self._epoch_start = {k: logs.get(k, 0.0) for k in _base.COUNTERS}
         if self._writer is not None:
-            self._write_scalars("epoch_", logs, epoch)
+            self._writer.scalars(self._present(logs), epoch, "epoch_")
             if self.histogram_freq and (epoch + 1) % self.histogram_freq == 0:
-                self._write_histograms(epoch)
+                self._writer.histograms(self.model.trainable_weights, epoch)
             self._writer.flush()
 
     def on_train_end(self, logs=None):
@@ -212,17 +178,5 @@ class GradientNormLogger(_base.FastGradCallback):
         clipped = logs["clipped_updates"] - self._epoch_start["clipped_updates"]
         logs[CLIPPED_FRACTION] = clipped / updates if updates > 0 else 0.0
 
-    def _write_scalars(self, prefix, logs, step):
-        metadata = _plugin_metadata("scalars")
-        with self._writer.as_default(step=step):
-            for key in self._keys:
-                if key in logs:
-                    value = tf.constant(logs[key], tf.float32)
-                    tf.summary.write(prefix + key, value, metadata=metadata)
-
-    def _write_histograms(self, epoch):
-        metadata = _plugin_metadata("histograms")
-        with self._writer.as_default(step=epoch):
-            for weight in self.model.trainable_weights:
-                buckets = histogram_buckets(keras.ops.convert_to_numpy(weight))
-                tf.summary.write(weight.path, buckets, metadata=metadata)
+    def _present(self, logs):
+        return {k: logs[k] for k in self._keys if k in logs}
