@@ -1,0 +1,65 @@
+"""What accumulation costs under MirroredStrategy (2 logical CPU devices).
+
+    python benchmarks/bench_distributed.py [--quick]
+
+With `accumulation_steps=k` each replica adds its micro-batch gradient to
+sync-on-read accumulators: the gradients are all-reduced once per update,
+not once per micro-batch. Ratios per batch (median, min, max over rounds,
+interleaved, one process):
+- FastGradModel(acc=4) / FastGradModel(acc=1): the all-reduce saved on 3 of
+  4 micro-steps, minus the accumulation work;
+- FastGradModel(acc=1) / keras.Model: the step's cost under a strategy
+  (global finite check, global metrics, update in cross-replica context).
+On logical CPU devices an all-reduce is a memory copy; on GPUs over a link
+it costs more, so the saving measured here is a lower bound.
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
+import keras  # noqa: E402
+from bench_core import compiled, fit_fn, mlp  # noqa: E402
+from harness import interleaved_ratios, report, synthetic  # noqa: E402
+
+import keras_fastgrad  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rounds, steps = (5, 8) if args.quick else (12, 16)
+    batch = 256
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    x, y = synthetic((784,), 10, batch * steps)
+    fg = keras_fastgrad.FastGradModel
+    with strategy.scope():
+        plain = fit_fn(compiled(mlp(keras.Model), keras.optimizers.Adam()), x, y, batch)
+        acc1 = fit_fn(compiled(mlp(fg), keras.optimizers.Adam()), x, y, batch)
+        acc4 = fit_fn(compiled(mlp(fg, accumulation_steps=4), keras.optimizers.Adam()), x, y, batch)
+    results = interleaved_ratios(
+        [
+            ("mirrored x2, mlp: FastGradModel(acc=4) / FastGradModel(acc=1)", acc4, acc1),
+            ("mirrored x2, mlp: FastGradModel(acc=1) / keras.Model", acc1, plain),
+        ],
+        rounds,
+    )
+    report(
+        f"MirroredStrategy (2 logical CPU devices), per-batch time ratios ({rounds} rounds x {steps} steps)",
+        results,
+        {},
+        "distributed",
+    )
+
+
+if __name__ == "__main__":
+    main()

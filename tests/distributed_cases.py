@@ -1,0 +1,172 @@
+"""MirroredStrategy cases, run in a subprocess by test_distributed.py.
+
+Two logical CPU devices must be configured before TensorFlow initialises,
+so this runs as its own process: `python distributed_cases.py OUT.json`.
+Each case trains a single-device reference and the same model under
+`MirroredStrategy` on the same global batches, and records what the test
+asserts (max weight difference, logs, replica agreement).
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import data, fast, max_weight_diff, mlp  # noqa: E402
+
+STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def replicas_agree(model):
+    """Max difference between the two replicas' copies of every weight."""
+    worst = 0.0
+    for v in model.trainable_variables:
+        copies = STRATEGY.experimental_local_results(v.value)
+        worst = max(worst, float(np.max(np.abs(copies[0].numpy() - copies[1].numpy()))))
+    return worst
+
+
+def train(build, compile_kwargs, x, y, fit_kwargs, distributed):
+    if distributed:
+        with STRATEGY.scope():
+            model = build()
+            model.compile(**compile_kwargs())
+    else:
+        model = build()
+        model.compile(**compile_kwargs())
+    history = model.fit(x, y, shuffle=False, verbose=0, **fit_kwargs)
+    return model, history.history
+
+
+def compare(build, compile_kwargs, x, y, fit_kwargs, reference=None):
+    ref, h_ref = reference or train(build, compile_kwargs, x, y, fit_kwargs, False)
+    dist, h_dist = train(build, compile_kwargs, x, y, fit_kwargs, True)
+    return {
+        "max_weight_diff": max_weight_diff(ref, dist),
+        "replicas_agree": replicas_agree(dist),
+        "history": h_dist,
+        "reference_history": h_ref,
+    }
+
+
+def adam():
+    return {"optimizer": keras.optimizers.Adam(0.01), "loss": "mse", "metrics": ["mae"]}
+
+
+def sgd(**kwargs):
+    return lambda: {"optimizer": keras.optimizers.SGD(0.1, **kwargs), "loss": "mse"}
+
+
+def case_default():
+    # 11 samples, global batch 4: the last batch (3) splits 2/1 over replicas.
+    x, y = data(n=11)
+    return compare(lambda: fast(telemetry=True), adam, x, y, {"batch_size": 4, "epochs": 2})
+
+
+def case_accumulation_and_clipping():
+    x, y = data(n=22)
+    y = y * 20.0  # large gradients: clipping acts
+    build = lambda: fast(accumulation_steps=3, clip_norm=1.0, telemetry=True)  # noqa: E731
+    return compare(build, sgd(), x, y, {"batch_size": 4, "epochs": 2})
+
+
+def case_steps_per_execution():
+    x, y = data(n=26)
+    y = y * 20.0
+    build = lambda: fast(accumulation_steps=2, clip_norm=1.0)  # noqa: E731
+    compile_spe = lambda: {**adam(), "steps_per_execution": 3}  # noqa: E731
+    try:
+        compare(build, compile_spe, x, y, {"batch_size": 4, "epochs": 2})
+        return {"ok": True}
+    except Exception as e:  # the message is what the test checks
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def case_nan_on_one_replica():
+    # Global batch 8 = replica 0 gets samples 0-3, replica 1 samples 4-7.
+    x, y = data(n=24)
+    xs = x.copy()
+    xs[8 + 5, 1] = np.nan  # second global batch, replica 1's half only
+    keep = np.r_[0:8, 16:24]
+    reference = train(mlp, adam, x[keep], y[keep], {"batch_size": 8}, False)
+    result = compare(
+        lambda: fast(telemetry=True), adam, xs, y, {"batch_size": 8}, reference=reference
+    )
+    return result
+
+
+def case_mixed_float16_overflow_on_one_replica():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = data(n=16)
+        xs = x.copy()
+        xs[8 + 6] = 1e5  # inf in float16; replica 1's half of batch 2
+        keep = np.r_[0:8]
+        lso = lambda: {  # noqa: E731
+            "optimizer": keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1), initial_scale=2.0**8
+            ),
+            "loss": "mse",
+        }
+        reference = train(mlp, lso, x[keep], y[keep], {"batch_size": 8}, False)
+        result = compare(lambda: fast(telemetry=True), lso, xs, y, {"batch_size": 8}, reference)
+        return result
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def case_keras_global_clipnorm():
+    # What Keras' own clipping does under two replicas (FACTS: per replica,
+    # before the all-reduce), next to ours.
+    x, y = data(n=8)
+    y = y * 50.0
+    keras_clip = compare(mlp, sgd(global_clipnorm=1.0), x, y, {"batch_size": 8})
+    ours = compare(lambda: fast(clip_norm=1.0), sgd(), x, y, {"batch_size": 8})
+    return {"keras": keras_clip["max_weight_diff"], "ours": ours["max_weight_diff"]}
+
+
+def case_jit_compile():
+    x, y = data(n=16)
+    build = lambda: fast(accumulation_steps=2, clip_norm=1.0)  # noqa: E731
+    compile_xla = lambda: {**adam(), "jit_compile": True}  # noqa: E731
+    try:
+        result = compare(build, compile_xla, x, y, {"batch_size": 4})
+        return {"ok": True, "max_weight_diff": result["max_weight_diff"]}
+    except Exception as e:  # the message is what the test checks
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+CASES = {
+    name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
+}
+
+
+def main():
+    out_path, names = sys.argv[1], sys.argv[2:] or list(CASES)
+    results = {}
+    for name in names:
+        keras.backend.clear_session()
+        try:
+            results[name] = CASES[name]()
+        except Exception as e:  # record, so every other case still reports
+            import traceback
+
+            results[name] = {"crashed": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""FastGradModel under tf.distribute gives the single-device result.
+
+Logical devices must be configured before TensorFlow initialises, so the
+MirroredStrategy cases run in a subprocess (distributed_cases.py) and the
+MultiWorkerMirroredStrategy test starts two worker processes on 127.0.0.1.
+The reference is always the single-device run on the same global batches.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _env(**extra):
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3", **extra)
+
+
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mirrored") / "cases.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "distributed_cases.py"), str(out)],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for name, result in results.items():
+        assert "crashed" not in result, f"{name}: {result.get('trace')}"
+    return results
+
+
+def _assert_same_as_single_device(result, tolerance=1e-5):
+    assert result["max_weight_diff"] < tolerance
+    assert result["replicas_agree"] == 0.0
+
+
+def test_default_options_match_single_device_with_uneven_replica_split(mirrored):
+    # 11 samples, global batch 4: the last batch of 3 splits 2/1.
+    result = mirrored["default"]
+    _assert_same_as_single_device(result)
+    # Logged loss and metrics are global (not a mean of per-replica means).
+    for key in ("loss", "mae", "grad_norm"):
+        np.testing.assert_allclose(
+            result["history"][key], result["reference_history"][key], rtol=1e-5
+        )
+
+
+def test_accumulation_and_clipping_clip_the_global_gradient(mirrored):
+    result = mirrored["accumulation_and_clipping"]
+    _assert_same_as_single_device(result)
+    assert result["history"]["clipped_updates"][-1] > 0  # clipping acted
+    assert result["history"]["clipped_updates"] == result["reference_history"]["clipped_updates"]
+    np.testing.assert_allclose(
+        result["history"]["grad_norm"], result["reference_history"]["grad_norm"], rtol=1e-5
+    )
+
+
+def test_nan_on_one_replica_is_dropped_on_every_replica(mirrored):
+    # Reference: single device trained without that global batch.
+    result = mirrored["nan_on_one_replica"]
+    _assert_same_as_single_device(result)
+    assert result["history"]["nonfinite_count"] == [1.0]
+    np.testing.assert_allclose(
+        result["history"]["mae"], result["reference_history"]["mae"], rtol=1e-5
+    )
+
+
+def test_mixed_float16_overflow_on_one_replica(mirrored):
+    result = mirrored["mixed_float16_overflow_on_one_replica"]
+    # float16 forward on half batches vs full batches: rounding only.
+    assert result["max_weight_diff"] < 1e-3
+    assert result["replicas_agree"] == 0.0
+    assert result["history"]["nonfinite_count"] == [1.0]
+    assert result["history"]["loss_scale"] == [2.0**7]  # 2**8 halved once
+
+
+def test_steps_per_execution_under_mirrored_strategy_gives_a_clear_error(mirrored):
+    # Keras' multi-step loop fails under MirroredStrategy (plain keras.Model
+    # too): a clear error up front instead of a placeholder error deep in TF.
+    result = mirrored["steps_per_execution"]
+    assert not result["ok"]
+    assert "`steps_per_execution` must be 1 under `MirroredStrategy`" in result["error"]
+
+
+def test_keras_global_clipnorm_clips_per_replica_ours_globally(mirrored):
+    result = mirrored["keras_global_clipnorm"]
+    assert result["ours"] < 1e-6
+    assert result["keras"] > 1e-3  # Keras' figure, for the README
+
+
+def test_jit_compile_under_mirrored_strategy_gives_a_clear_error(mirrored):
+    result = mirrored["jit_compile"]
+    assert not result["ok"]
+    assert "`jit_compile=True` is not supported by TensorFlow under `MirroredStrategy`" in result["error"]
+    assert "Fix: compile with `jit_compile=False`" in result["error"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_multi_worker_mirrored_two_processes_match_single_device(tmp_path):
+    sys.path.insert(0, HERE)
+    import multiworker_worker as worker
+
+    cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
+    procs, outputs = [], []
+    for index in range(2):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        out = tmp_path / f"worker{index}.npz"
+        outputs.append(out)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "multiworker_worker.py"), str(out)],
+                env=_env(TF_CONFIG=tf_config),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+        )
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+
+    weights = []
+    for out in outputs:
+        with np.load(out) as f:
+            weights.append([f[k] for k in f.files])
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)  # both workers identical
+
+    x, y = worker.training_data()
+    from helpers import fast
+
+    reference = fast(**worker.OPTIONS)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    history = reference.fit(x, y, **worker.FIT)
+    for a, b in zip(weights[0], reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    with open(f"{outputs[0]}.json") as f:
+        worker_history = json.load(f)
+    assert worker_history["clipped_updates"][-1] > 0
+    np.testing.assert_allclose(worker_history["loss"], history.history["loss"], rtol=1e-5)
