@@ -6,8 +6,12 @@ usual `compile` / `fit`.
 
 from keras_fastgrad import callbacks
 from keras_fastgrad.model import FastGradModel
+from keras_fastgrad.profiling import StepProfile, profile_step
 from keras_fastgrad.telemetry import LOG_KEYS
 
 __version__ = "0.1.0"
 
-__all__ = ["FastGradModel", "callbacks", "LOG_KEYS", "__version__"]
+__all__ = [
+    "FastGradModel", "callbacks", "LOG_KEYS", "StepProfile", "profile_step",
+    "__version__",
+]
