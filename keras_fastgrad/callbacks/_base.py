@@ -2,10 +2,15 @@
 attached to, asks its step for the telemetry keys they read, and holds the
 argument checks they share (Keras-style messages)."""
 
-import numbers
-import os
-
 import keras
+
+# The argument checks the callbacks share live with the model's.
+from keras_fastgrad._validation import (  # noqa: F401
+    check_bool,
+    check_choice,
+    check_int,
+    check_optional_path,
+)
 
 # The step's cumulative counters that callbacks difference between calls.
 COUNTERS = ("updates", "clipped_updates", "nonfinite_count")
@@ -82,45 +87,3 @@ def read_counters(model):
     if telemetry is None:
         return dict.fromkeys(COUNTERS, 0.0)
     return {name: float(getattr(telemetry, name).numpy()) for name in COUNTERS}
-
-
-# ------------------------------------------------------------ argument checks
-def check_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"`{name}` must be a boolean (True or False). Received: "
-            f"{name}={value!r} of type {type(value).__name__}."
-        )
-    return value
-
-
-def check_int(name, value, minimum, what=""):
-    """An integer >= `minimum` (bools refused); `what` explains the value."""
-    rule = f"`{name}` must be an integer >= {minimum}{what}."
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{rule} Received: {name}={value!r} of type {type(value).__name__}."
-        )
-    if value < minimum:
-        raise ValueError(f"{rule} Received: {name}={value!r}")
-    return int(value)
-
-
-def check_choice(name, value, choices):
-    rule = f"`{name}` must be one of {list(choices)}."
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{rule} Received: {name}={value!r} of type {type(value).__name__}."
-        )
-    if value not in choices:
-        raise ValueError(f"{rule} Received: {name}={value!r}")
-    return value
-
-
-def check_optional_path(name, value):
-    if value is None or isinstance(value, (str, os.PathLike)):
-        return None if value is None else os.fspath(value)
-    raise TypeError(
-        f"`{name}` must be a directory path (str or path-like) or None. "
-        f"Received: {name}={value!r} of type {type(value).__name__}."
-    )
