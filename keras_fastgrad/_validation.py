@@ -6,7 +6,9 @@ the value received and, where there is one, the fix.
 
 import numbers
 
-MULTITASK_NAMES = ("aligned", "cagrad", "imtl", "mean", "mgda", "pcgrad", "sum")
+from keras_fastgrad import aggregators
+
+MULTITASK_NAMES = aggregators.NAMES
 
 
 def check_accumulation_steps(value):
@@ -44,18 +46,22 @@ def check_clip_norm(value):
 
 
 def check_multitask(value):
-    """Returns `value` if it is None or a known multi-task method name."""
+    """Returns `None` or the `Aggregator` for a multi-task method.
+
+    Accepts `None`, a name from `MULTITASK_NAMES`, an
+    `keras_fastgrad.aggregators.Aggregator` instance or its config dict (as
+    `get_config` writes it).
+    """
     if value is None:
         return None
-    if isinstance(value, str) and value in MULTITASK_NAMES:
-        raise NotImplementedError(
-            f"`multitask={value!r}` is a planned multi-task method that this "
-            "version does not ship yet. Use `multitask=None` (the task "
-            "losses are summed, as in `keras.Model`)."
-        )
+    if isinstance(value, aggregators.Aggregator) or isinstance(value, dict):
+        return aggregators.get(value)
+    if isinstance(value, str) and value.lower() in MULTITASK_NAMES:
+        return aggregators.get(value)
     raise ValueError(
         f"`multitask` must be None or one of {list(MULTITASK_NAMES)}. "
-        f"Received: multitask={value!r}"
+        f"Received: multitask={value!r}. A custom method is an instance of "
+        "`keras_fastgrad.aggregators.Aggregator`."
     )
 
 

@@ -19,13 +19,20 @@ from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
 
-from keras_fastgrad import _validation
+from keras_fastgrad import _validation, aggregators
 from keras_fastgrad.accumulation import WindowAccumulator
 from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
 from keras_fastgrad._replicas import num_replicas, replica_sum
 from keras_fastgrad.finite import nonfinite_vector, summarize
 from keras_fastgrad.loss_scaling import LossScaling
+from keras_fastgrad.multitask import (
+    TaskMerger,
+    check_task_count,
+    regularization_loss,
+    task_losses,
+    task_names,
+)
 from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 _STATE_PREFIX = "fastgrad_"
@@ -50,7 +57,14 @@ class FastGradModel(keras.Model):
         clip_norm: Float > 0 or `None` (default). Clips the final gradient of
             each update (after accumulation) to this global L2 norm.
         multitask: `None` (default): the task losses are summed as in
-            `keras.Model`. Multi-task merging methods are planned.
+            `keras.Model`. Or a multi-task method: a name from
+            `keras_fastgrad.aggregators.NAMES` (`"pcgrad"`, `"mgda"`,
+            `"cagrad"`, `"imtl"`, `"aligned"`, `"sum"`, `"mean"`) or an
+            `Aggregator` instance. Each compiled output loss (times its
+            loss weight) is a task; the task gradients over the shared
+            variables are merged by the method, each task's own variables
+            get its plain gradient, and the regularisation gradient is
+            added after merging (see `keras_fastgrad.multitask`).
         skip_nonfinite: Boolean, defaults to `True`. A micro-batch whose loss
             or gradient holds NaN/Inf is dropped: it never touches the
             weights or the optimizer state, it is left out of its window's
@@ -116,6 +130,7 @@ class FastGradModel(keras.Model):
         self.accumulation_steps = accumulation_steps
         self.clip_norm = clip_norm
         self.multitask = multitask
+        self._fg_merger = None if multitask is None else TaskMerger(multitask)
         self.skip_nonfinite = skip_nonfinite
         self.telemetry = telemetry
         self._fg_accumulator = None
@@ -198,6 +213,8 @@ class FastGradModel(keras.Model):
         _validation.check_optimizer_ownership(
             self.optimizer, self.accumulation_steps, self.clip_norm
         )
+        if self._fg_merger is not None:
+            check_task_count(self)
 
     def compile_from_config(self, config):
         # Keras skips recompiling on load when `compile` is overridden; ours
@@ -287,22 +304,41 @@ class FastGradModel(keras.Model):
         weighted = self._fg_accumulator is not None or replicas > 1
         weight = num_samples * replicas if weighted else None
 
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
+        merger = self._fg_merger
+        with tf.GradientTape(
+            watch_accessed_variables=False, persistent=merger is not None
+        ) as tape:
             for v in variables:
                 tape.watch(v.value)
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                training=True,
+            if merger is None:
+                loss = self._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                    training=True,
+                )
+                scaled_loss = scaling.scale(loss, weight)
+            else:  # one loss per task; regularisation is not a task
+                tasks = task_losses(self, y, y_pred, sample_weight)
+                regularization = regularization_loss(self)
+                loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
+                scaled_tasks = [scaling.scale(t, weight) for t in tasks]
+                if regularization is not None:
+                    regularization = scaling.scale(regularization, weight)
+        if merger is None:
+            grads = tape.gradient(scaled_loss, [v.value for v in variables])
+            self._fg_record_trace_facts(variables, grads)
+            grads = scaling.unscale(grads, weight)
+        else:  # each task's gradient is unscaled once, then merged
+            grads, _ = merger(
+                tape, scaled_tasks, regularization, variables,
+                unscale=lambda g: scaling.unscale(g, weight),
+                grad_scale=num_samples if weighted else None,
+                task_names=task_names(self),
             )
-            scaled_loss = scaling.scale(loss, weight)
-        grads = tape.gradient(scaled_loss, [v.value for v in variables])
-        self._fg_record_trace_facts(variables, grads)
-
-        grads = scaling.unscale(grads, weight)
+            self._fg_record_trace_facts(variables, grads)
         # One small all-reduce: every decision below is global.
         bad, total_samples = replica_sum([nonfinite_vector(grads, loss), num_samples])
         finite, first_bad, num_bad = summarize(bad)
@@ -335,6 +371,8 @@ class FastGradModel(keras.Model):
                 scaling.current_scale(), self._fg_tape_variables
             )
             logs.update({k: v for k, v in measured.items() if k in self._fg_log_keys})
+            if merger is not None:  # all task keys: read from the Gram matrix
+                logs.update(merger.logs())
         return logs
 
     def _fg_apply_window(self):
@@ -429,8 +467,9 @@ class FastGradModel(keras.Model):
         if unknown:
             raise ValueError(
                 f"`keys` must be names from {list(LOG_KEYS)}, "
-                "`update_ratio` or `grad_norm/<layer>`. Received unknown "
-                f"names: {sorted(unknown)}"
+                "`update_ratio` or `grad_norm/<layer>` (multi-task models: "
+                "`task_grad_norm/<task>`, `task_cosine/<a>/<b>`, "
+                f"`task_conflicts`). Received unknown names: {sorted(unknown)}"
             )
         if not keys <= self._fg_log_keys:
             self._fg_log_keys |= keys
@@ -443,7 +482,11 @@ class FastGradModel(keras.Model):
             {
                 "accumulation_steps": self.accumulation_steps,
                 "clip_norm": self.clip_norm,
-                "multitask": self.multitask,
+                "multitask": (
+                    None
+                    if self.multitask is None
+                    else aggregators.serialize(self.multitask)
+                ),
                 "skip_nonfinite": self.skip_nonfinite,
                 "telemetry": self.telemetry,
             }

@@ -28,10 +28,17 @@ On request only (they cost extra work in the update branch):
   e.g. `grad_norm/dense_1`. Partial sums of the global norm: nearly free.
 - `update_ratio`: `||w_after - w_before|| / ||w_before||` over all trainable
   variables for the latest update (copies the weights before the update).
+
+Multi-task models (`FastGradModel(multitask=...)`) also log, whenever any
+telemetry is on, what the task Gram matrix of the latest micro-batch gives
+for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
+`task_cosine/<task_a>/<task_b>` and `task_conflicts`.
 """
 
 import keras
 import tensorflow as tf
+
+from keras_fastgrad.multitask import is_task_key
 
 LOG_KEYS = (
     "grad_norm",
@@ -53,7 +60,11 @@ def layer_key(variable_path):
 
 
 def is_optional_key(key):
-    return key == UPDATE_RATIO or key.startswith(LAYER_NORM_PREFIX)
+    return (
+        key == UPDATE_RATIO
+        or key.startswith(LAYER_NORM_PREFIX)
+        or is_task_key(key)  # multi-task models only (keras_fastgrad.multitask)
+    )
 
 
 def _scalar(name, value):

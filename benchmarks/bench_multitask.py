@@ -1,0 +1,262 @@
+"""Cost of multi-task merging (issue 4), ratios in one process, interleaved.
+
+    python benchmarks/bench_multitask.py [--quick]
+
+Model: 784 -> 3 x 1024 Dense relu (shared trunk) -> T heads Dense(10),
+sparse categorical cross-entropy per head, Adam, batch 256, synthetic data
+from a fixed seed, T = 2 and 4. A round times one epoch of `steps` batches
+through `fit(verbose=0)` for each side, the sides alternating their order
+from round to round, after a warm-up fit (tracing is not timed). Ratios
+(median, min, max over rounds):
+
+- floor / keras.Model: a step that computes the T task gradients from one
+  persistent tape (T backward passes) and sums them / `keras.Model`'s
+  summed-loss step (one backward pass). Any per-task method pays this.
+- PCGrad / floor: `FastGradModel(multitask="pcgrad")` / the floor.
+  Target <= 1.05 at T=4 (the merge is nearly free).
+- PCGrad / FastGradModel floor: the same FastGradModel step with the task
+  gradients summed instead of merged: the cost of the merge alone (stack,
+  Gram matrix, weights, `w^T J`) without the chain's own overhead.
+- PCGrad / naive PCGrad: / a step of the tutorial kind: shared gradients
+  flattened into one vector per task, pairwise projections in vector space
+  (the same algorithm, O(T^2 P) vector work). Target <= 0.75.
+- jacobian floor / floor: the T task gradients from `tape.jacobian` of the
+  stacked task losses (pfor) instead of the tape loop.
+- batched-cotangent floor / floor: the heads' gradients by the tape loop,
+  the trunk's T gradients in one vectorised backward pass (pfor over the T
+  cotangents of the trunk output).
+- PCGrad / keras.Model: what a user pays over the summed loss.
+
+Writes benchmarks/out/multitask.json.
+"""
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from harness import interleaved_ratios, report  # noqa: E402
+
+import keras_fastgrad  # noqa: E402
+from keras_fastgrad.multitask import TaskMerger, task_losses  # noqa: E402
+
+BATCH = 256
+
+
+def mlp(cls, num_tasks, **options):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((784,))
+    h = inputs
+    for i in range(3):
+        h = keras.layers.Dense(1024, activation="relu", name=f"trunk_{i}")(h)
+    outputs = {f"t{t}": keras.layers.Dense(10, name=f"t{t}")(h) for t in range(num_tasks)}
+    return cls(inputs, outputs, **options)
+
+
+class _TaskStep(keras.Model):
+    """A `keras.Model` whose step gets its gradient from `gradients`."""
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        variables = self.trainable_variables
+        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+            for v in variables:
+                tape.watch(v.value)
+            y_pred = self(x, training=True)
+            tasks = task_losses(self, y, y_pred)
+            self.stacked = tf.stack(tasks)  # recorded: `tape.jacobian` needs it
+        grads = self.gradients(tape, tasks, variables)
+        self.optimizer.apply(grads, variables)
+        self._loss_tracker.update_state(tf.add_n(tasks))
+        return self.compute_metrics(x, y, y_pred)
+
+    @staticmethod
+    def per_task(tape, tasks, variables):
+        return [tape.gradient(t, [v.value for v in variables]) for t in tasks]
+
+
+def _sum(columns):
+    present = [g for g in columns if g is not None]
+    return None if not present else tf.add_n(present)
+
+
+class Floor(_TaskStep):
+    """T backward passes from one persistent tape, summed."""
+
+    def gradients(self, tape, tasks, variables):
+        return [_sum(c) for c in zip(*self.per_task(tape, tasks, variables))]
+
+
+class JacobianFloor(_TaskStep):
+    """`tape.jacobian` of the stacked task losses (pfor), summed over tasks."""
+
+    def gradients(self, tape, tasks, variables):
+        jac = tape.jacobian(self.stacked, [v.value for v in variables])
+        return [None if j is None else tf.reduce_sum(j, axis=0) for j in jac]
+
+
+class BatchedCotangentFloor(_TaskStep):
+    """Heads by the tape loop; the trunk's T gradients in one vectorised
+    backward pass: T cotangents of the trunk output, pfor over them."""
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        variables = self.trainable_variables
+        trunk = [v for v in variables if v.path.startswith("trunk")]
+        heads = [v for v in variables if not v.path.startswith("trunk")]
+        with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+            for v in variables:
+                tape.watch(v.value)
+            h = x
+            for i in range(3):
+                h = self.get_layer(f"trunk_{i}")(h)
+            tape.watch(h)
+            y_pred = {name: self.get_layer(name)(h) for name in self.output_names}
+            tasks = task_losses(self, y, y_pred)
+        head_and_h = [tape.gradient(t, [h] + [v.value for v in heads]) for t in tasks]
+        cotangents = tf.stack([g[0] for g in head_and_h])  # [T, B, 1024]
+        trunk_grads = tf.vectorized_map(
+            lambda c: tape.gradient(h, [v.value for v in trunk], output_gradients=c),
+            cotangents,
+        )
+        by_variable = {id(v): tf.reduce_sum(g, axis=0) for v, g in zip(trunk, trunk_grads)}
+        for k, v in enumerate(heads):
+            by_variable[id(v)] = _sum([g[1 + k] for g in head_and_h])
+        grads = [by_variable[id(v)] for v in variables]
+        self.optimizer.apply(grads, variables)
+        self._loss_tracker.update_state(tf.add_n(tasks))
+        return self.compute_metrics(x, y, y_pred)
+
+
+class NaivePCGrad(_TaskStep):
+    """PCGrad as tutorials write it: flatten the shared gradients into one
+    vector per task, project pairwise in vector space (random order per
+    task), sum; heads keep their own gradients."""
+
+    def gradients(self, tape, tasks, variables):
+        per_task = self.per_task(tape, tasks, variables)
+        num_tasks = len(tasks)
+        shared = [k for k in range(len(variables)) if all(g[k] is not None for g in per_task)]
+        flat = [tf.concat([tf.reshape(g[k], [-1]) for k in shared], 0) for g in per_task]
+        projected = []
+        for i in range(num_tasks):
+            g = flat[i]
+            others = tf.random.shuffle(tf.constant([j for j in range(num_tasks) if j != i]))
+            stacked = tf.stack(flat)
+            for k in range(num_tasks - 1):
+                g_j = tf.gather(stacked, others[k])
+                dot = tf.reduce_sum(g * g_j)
+                g = g - tf.where(dot < 0, dot / tf.reduce_sum(g_j * g_j), 0.0) * g_j
+            projected.append(g)
+        merged = tf.add_n(projected)
+        grads = [_sum(c) for c in zip(*per_task)]
+        sizes = [int(np.prod(variables[k].shape)) for k in shared]
+        for k, part in zip(shared, tf.split(merged, sizes)):
+            grads[k] = tf.reshape(part, variables[k].shape)
+        return grads
+
+
+class SummingMerger(TaskMerger):
+    """The floor inside FastGradModel: the same step, the task gradients
+    summed instead of merged (isolates the merge's cost)."""
+
+    def merge(self, per_task, reg_grads=None, grad_scale=None):
+        return [_sum(c) for c in zip(*per_task)], {}
+
+
+def fastgrad_floor(num_tasks):
+    model = mlp(keras_fastgrad.FastGradModel, num_tasks, multitask="sum")
+    model._fg_merger = SummingMerger("sum")
+    return model
+
+
+def fit_fn(model, x, y):
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4),
+        loss={name: keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+              for name in model.output_names},
+    )
+
+    def run():
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        run.times.append(time.perf_counter() - start)
+
+    run.times = []
+    run()  # warm-up: trace outside the timed rounds
+    run.times.clear()
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rounds, steps = (6, 5) if args.quick else (12, 8)
+    results, targets, best_ms = {}, {}, {}
+    for num_tasks in (2, 4):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(BATCH * steps, 784)).astype("float32")
+        y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32")
+             for t in range(num_tasks)}
+        run = {
+            "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
+            "floor": fit_fn(mlp(Floor, num_tasks), x, y),
+            "pcgrad": fit_fn(
+                mlp(keras_fastgrad.FastGradModel, num_tasks, multitask="pcgrad"), x, y
+            ),
+            "fg_floor": fit_fn(fastgrad_floor(num_tasks), x, y),
+            "naive": fit_fn(mlp(NaivePCGrad, num_tasks), x, y),
+            "jacobian": fit_fn(mlp(JacobianFloor, num_tasks), x, y),
+            "batched": fit_fn(mlp(BatchedCotangentFloor, num_tasks), x, y),
+        }
+        pairs = [
+            ("floor / keras.Model summed loss", "floor", "keras", "about 2 at T=4 (issue)"),
+            ("PCGrad / floor", "pcgrad", "floor", "<= 1.05 at T=4"),
+            ("PCGrad / FastGradModel floor (merge cost)", "pcgrad", "fg_floor", "lower is better"),
+            ("PCGrad / naive PCGrad", "pcgrad", "naive", "<= 0.75"),
+            ("jacobian floor / tape-loop floor", "jacobian", "floor", "< 1 to switch"),
+            ("batched-cotangent floor / tape-loop floor", "batched", "floor", "< 1 to switch"),
+            ("PCGrad / keras.Model summed loss", "pcgrad", "keras", "for the README"),
+        ]
+        named = [(f"T={num_tasks}: {name}", run[a], run[b]) for name, a, b, _ in pairs]
+        ratios = interleaved_ratios(named, rounds)
+        # On a shared machine bursts of other work hit single rounds; the
+        # ratio of each side's best epoch is the least disturbed estimate.
+        for name, numerator, denominator in named:
+            ratios[name]["best_epoch_ratio"] = min(numerator.times) / min(denominator.times)
+        results.update(ratios)
+        targets.update({f"T={num_tasks}: {name}": t for name, _, _, t in pairs})
+        best_ms[num_tasks] = {k: 1000 * min(f.times) / steps for k, f in run.items()}
+    _report(rounds, steps, results, targets, best_ms)
+
+
+def _report(rounds, steps, results, targets, best_ms):
+    report(
+        f"Multi-task step-time ratios ({rounds} rounds x {steps} steps, batch {BATCH})",
+        results,
+        targets,
+        "multitask",
+    )
+    print(f"\n{'ratio of best epoch times':58s} {'best':>7s}")
+    for name, r in results.items():
+        print(f"{name:58s} {r['best_epoch_ratio']:7.3f}")
+    print("\nbest ms per step: " + "; ".join(
+        f"T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
+        for t, ms in best_ms.items()
+    ))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "multitask.json")
+    with open(path) as f:
+        saved = json.load(f)
+    saved["best_ms_per_step"] = {f"T={t}": ms for t, ms in best_ms.items()}
+    with open(path, "w") as f:
+        json.dump(saved, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""Multi-task gradient merging inside the train step.
+
+A model compiled with one loss per output is a multi-task model: each
+compiled output loss, times its loss weight, is one task. Summing the task
+gradients (what `keras.Model` does) lets one task's gradient cancel
+another's. With `FastGradModel(..., multitask=...)` the step instead
+
+1. computes the `T` task gradients from one persistent tape (`T` backward
+   passes; measured faster than `tape.jacobian` on CPU, see
+   `benchmarks/bench_multitask.py`) and unscales each (loss scaling),
+2. splits the variables at trace time: *shared* ones are reached by two or
+   more tasks (their task gradient is not `None`), a task's *own* (head)
+   variables by that task only,
+3. forms the `T x T` Gram matrix `G = J J^T` of the task gradients over the
+   shared variables, per variable, without building the flat vector,
+4. asks the aggregator (`keras_fastgrad.aggregators`) for task weights `w`
+   and merges the shared gradient as `sum_t w_t g_t`; an own variable gets
+   its task's plain gradient,
+5. adds the gradient of the regularisation losses (`model.losses`, not a
+   task) to the merged one.
+
+The rest of the chain (finite check, accumulation, clipping, apply) sees one
+ordinary gradient list. Telemetry comes from `G` for free: per-task gradient
+norms, pairwise cosine similarities and the number of conflicting pairs,
+over the shared variables, logged as `task_grad_norm/<task>`,
+`task_cosine/<task_a>/<task_b>` and `task_conflicts` (`<task>` is the
+output's name, as in Keras' `<output>_loss` metrics).
+
+Example:
+
+>>> inputs = keras.Input((4,))
+>>> trunk = keras.layers.Dense(8, activation="tanh")(inputs)
+>>> outputs = {"digit": keras.layers.Dense(3)(trunk),
+...            "parity": keras.layers.Dense(1)(trunk)}
+>>> model = keras_fastgrad.FastGradModel(inputs, outputs, multitask="pcgrad",
+...                                      telemetry=True)
+>>> model.compile(
+...     optimizer="sgd",
+...     loss={"digit": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+...           "parity": keras.losses.BinaryCrossentropy(from_logits=True)},
+...     loss_weights={"digit": 1.0, "parity": 0.5})
+>>> x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+>>> y = {"digit": np.arange(16) % 3, "parity": (np.arange(16) % 2)[:, None]}
+>>> history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+>>> sorted(k for k in history.history if k.startswith("task_"))
+['task_conflicts', 'task_cosine/digit/parity', 'task_grad_norm/digit', 'task_grad_norm/parity']
+
+References:
+    Yu et al., "Gradient Surgery for Multi-Task Learning", NeurIPS 2020,
+    https://arxiv.org/abs/2001.06782
+"""
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.trainers.trainer import Trainer
+
+from keras_fastgrad import aggregators
+from keras_fastgrad._replicas import num_replicas, replica_sum
+
+NORM_PREFIX = "task_grad_norm/"
+COSINE_PREFIX = "task_cosine/"
+CONFLICTS = "task_conflicts"
+
+
+def is_task_key(key):
+    """Whether `key` is a multi-task telemetry log key."""
+    return key == CONFLICTS or key.startswith((NORM_PREFIX, COSINE_PREFIX))
+
+
+# ----------------------------------------------------------------- losses
+class _Recording:
+    """Wraps one of `CompileLoss`'s losses and keeps what it returns."""
+
+    def __init__(self, loss_fn, sink):
+        self.loss_fn, self.sink = loss_fn, sink
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        value = self.loss_fn(y_true, y_pred, sample_weight)
+        self.sink.append(value)
+        return value
+
+
+def task_losses(model, y, y_pred, sample_weight=None):
+    """The per-task losses of a compiled multi-output model.
+
+    Runs the model's own `CompileLoss` (so `y` / `sample_weight` structures
+    are matched exactly as in Keras, and the per-output `<name>_loss`
+    metrics update as usual) while recording each output loss, then applies
+    the loss weight the same way `CompileLoss` does. Hence
+    `sum(task_losses(...)) + regularization_loss(model)` equals
+    `model.compute_loss(...)` up to float rounding. Call it inside the tape.
+
+    Args:
+        model: A compiled `keras.Model`.
+        y: Targets, as passed to `fit`.
+        y_pred: The model's outputs on the batch.
+        sample_weight: Optional sample weights, as passed to `fit`.
+
+    Returns:
+        A list of scalar tensors, one per compiled output loss, in the order
+        of `task_names(model)`.
+
+    Raises:
+        ValueError: if the model has fewer than two task losses.
+
+    Example:
+
+    >>> inputs = keras.Input((3,))
+    >>> a = keras.layers.Dense(1, name="a")(inputs)
+    >>> b = keras.layers.Dense(1, name="b")(inputs)
+    >>> model = keras.Model(inputs, {"a": a, "b": b})
+    >>> model.compile(loss={"a": "mse", "b": "mae"}, loss_weights={"a": 1.0, "b": 0.5})
+    >>> x = np.ones((4, 3), "float32")
+    >>> y = {"a": np.zeros((4, 1), "float32"), "b": np.zeros((4, 1), "float32")}
+    >>> y_pred = model(x)
+    >>> losses = task_losses(model, y, y_pred)
+    >>> task_names(model)
+    ['a', 'b']
+    >>> total = model.compute_loss(x, y, y_pred)
+    >>> bool(abs(float(losses[0] + losses[1]) - float(total)) < 1e-6)
+    True
+    """
+    compile_loss = model._compile_loss
+    if compile_loss is None:
+        _raise_too_few(model, 0)
+    recorded = []
+    unwrapped = []
+
+    def record():
+        unwrapped[:] = compile_loss._flat_losses
+        compile_loss._flat_losses = [
+            entry._replace(loss=_Recording(entry.loss, recorded))
+            for entry in unwrapped
+        ]
+
+    def build_then_record(y_true, y_pred):
+        type(compile_loss).build(compile_loss, y_true, y_pred)
+        record()
+
+    if compile_loss.built:
+        record()
+    else:  # `CompileLoss.call` builds on first use, after matching `y`
+        compile_loss.build = build_then_record
+    try:
+        compile_loss(y, y_pred, sample_weight)
+    finally:
+        compile_loss.__dict__.pop("build", None)
+        if unwrapped:
+            compile_loss._flat_losses = list(unwrapped)
+    if not tree.is_nested(y) and not tree.is_nested(y_pred):
+        recorded = recorded[:1]  # Keras' single-output path uses one loss
+    if len(recorded) < 2:
+        _raise_too_few(model, len(recorded))
+    losses = []
+    for value, entry in zip(recorded, unwrapped):
+        value = keras.ops.cast(value, dtype=compile_loss.dtype)
+        if entry.loss_weights is not None:
+            value = keras.ops.multiply(value, entry.loss_weights)
+        losses.append(value)
+    return losses
+
+
+def task_names(model):
+    """The task names (the output loss names), once the losses are built."""
+    return [entry.name for entry in model._compile_loss._flat_losses]
+
+
+def regularization_loss(model):
+    """The sum of `model.losses` (regularisers, `add_loss`) or `None`.
+
+    Scaled for distribution as in `keras.Model.compute_loss`. Call it inside
+    the tape, after the forward pass.
+    """
+    losses = [model._aggregate_additional_loss(loss) for loss in model.losses]
+    if not losses:
+        return None
+    return losses[0] if len(losses) == 1 else keras.ops.sum(losses)
+
+
+def check_task_count(model):
+    """Raises at `compile` if `model.multitask` cannot apply.
+
+    The count is known at compile time for functional models; otherwise the
+    first trace of the train step checks it (`task_losses`).
+
+    Raises:
+        ValueError: if `compute_loss` is overridden (the tasks are the
+            compiled losses) or the model has fewer than two task losses.
+    """
+    if type(model).compute_loss is not Trainer.compute_loss:
+        raise ValueError(
+            f"`multitask={_method(model)}` merges the compiled output losses, "
+            f"but `{type(model).__name__}` overrides `compute_loss`, which "
+            "the multi-task step does not call. Fix: compile one loss per "
+            "output instead of overriding `compute_loss`, or use "
+            "`multitask=None`."
+        )
+    compile_loss = model._compile_loss
+    if compile_loss is None:
+        _raise_too_few(model, 0)
+    outputs = getattr(model, "outputs", None)
+    if not outputs:
+        return  # not known before the first call (subclassed model)
+    loss = compile_loss._user_loss
+    num_outputs = len(tree.flatten(outputs))
+    if num_outputs == 1:
+        count = 1
+    elif not tree.is_nested(loss):
+        count = num_outputs  # one loss applied to every output
+    else:
+        count = len([x for x in tree.flatten(loss) if x is not None])
+    if count < 2:
+        _raise_too_few(model, count)
+
+
+def _method(model):
+    aggregator = model.multitask
+    return repr(aggregator.name) if aggregator.name else repr(aggregator)
+
+
+def _raise_too_few(model, count):
+    names = list(getattr(model, "output_names", None) or [])
+    compile_loss = getattr(model, "_compile_loss", None)
+    loss = None if compile_loss is None else compile_loss._user_loss
+    raise ValueError(
+        f"`multitask={_method(model)}`: a multi-task method needs at least two "
+        "task losses (one compiled loss per model output). This model has "
+        f"{count} task loss{'es' if count != 1 else ''} (outputs: {names}, "
+        f"compiled loss: {loss!r}). Fix: give the model several outputs and "
+        "compile one loss per output, e.g. `loss={'a': 'mse', 'b': "
+        "'mse'}`, or use `multitask=None`."
+    )
+
+
+# ------------------------------------------------------------------ merge
+class TaskMerger:
+    """Merges per-task gradients from one persistent tape with an aggregator.
+
+    Args:
+        aggregator: A `keras_fastgrad.aggregators.Aggregator` (or a name).
+
+    The telemetry of the latest call lives in float32 variables
+    (`variables`), created on the first call for the task names it gets
+    (they are measurements: not saved with the model).
+
+    Example:
+
+    >>> shared = keras.Variable([2.0, 1.0])
+    >>> head = keras.Variable(1.0)
+    >>> merger = TaskMerger("pcgrad")
+    >>> with tf.GradientTape(persistent=True) as tape:
+    ...     loss_a = tf.reduce_sum(shared * [-10.0, 0.0])  # g_a = (-10, 0)
+    ...     loss_b = tf.reduce_sum(shared * [1.0, -1.0]) * head  # g_b = (1, -1)
+    >>> grads, info = merger(tape, [loss_a, loss_b], None, [shared, head],
+    ...                      task_names=["a", "b"])
+    >>> grads[0].numpy().round(4).tolist()  # PCGrad: 1.1 g_a + 6 g_b
+    [-5.0, -6.0]
+    >>> float(grads[1])  # task b's own (head) variable: its plain gradient
+    1.0
+    >>> logs = merger.logs()
+    >>> float(logs["task_grad_norm/a"]), int(logs["task_conflicts"])
+    (10.0, 1)
+    """
+
+    def __init__(self, aggregator):
+        self.aggregator = aggregators.get(aggregator)
+        self.task_names = None
+        self._norms = self._cosine = self._conflicts = None
+
+    def build(self, task_names):
+        """Creates the telemetry variables for these task names."""
+        task_names = list(task_names)
+        if self.task_names == task_names:
+            return
+        num_tasks = len(task_names)
+        with tf.init_scope():  # may be called while tracing the step
+            self._norms = _variable(tf.zeros([num_tasks]), "task_grad_norms")
+            self._cosine = _variable(tf.zeros([num_tasks] * 2), "task_cosine")
+            self._conflicts = _variable(tf.zeros([]), "task_conflicts")
+        self.task_names = task_names
+
+    @property
+    def variables(self):
+        if self.task_names is None:
+            return []
+        return [self._norms, self._cosine, self._conflicts]
+
+    def __call__(
+        self,
+        tape,
+        task_losses,
+        regularization,
+        variables,
+        unscale=None,
+        grad_scale=None,
+        task_names=None,
+    ):
+        """Merged float32 gradients for `variables` and the Gram telemetry.
+
+        Args:
+            tape: A persistent `tf.GradientTape` that recorded the losses.
+            task_losses: List of `T >= 2` scalar losses as differentiated
+                (already multiplied by the loss scale / sample count).
+            regularization: Scalar loss (scaled the same way) or `None`.
+            variables: The Keras variables to differentiate.
+            unscale: Callable mapping a gradient list to the gradients of
+                the unscaled losses (identity if `None`); applied to every
+                task gradient before merging.
+            grad_scale: Optional float32 scalar by which the unscaled
+                gradients exceed the true ones (the sample count under
+                accumulation). The Gram matrix is divided by its square
+                before the aggregator and the telemetry see it; the merged
+                gradient keeps the factor (the aggregators are homogeneous).
+            task_names: Names for the log keys (`task_<i>` if `None`).
+
+        Returns:
+            `(grads, info)`: a list aligned with `variables` (float32,
+            `None` where no loss reaches a variable) and a dict with
+            `"gram"`, `"weights"`, `"norms"`, `"cosine"`, `"num_conflicts"`.
+
+        Under a `tf.distribute` strategy with several replicas the shared
+        task gradients are summed over the replicas before merging (one
+        all-reduce), so every replica merges the global task gradients; the
+        merged part is returned divided by the number of replicas, as the
+        rest of the step sums the replicas' gradients again at the update.
+        """
+        num_tasks = len(task_losses)
+        if num_tasks < 2:
+            raise ValueError(
+                "`task_losses` must hold at least two losses. Received: "
+                f"{num_tasks}."
+            )
+        self.build(task_names or [f"task_{i}" for i in range(num_tasks)])
+        sources = [v.value for v in variables]
+        unscale = unscale or (lambda grads: grads)
+        per_task = [
+            _float32(unscale(tape.gradient(loss, sources))) for loss in task_losses
+        ]
+        reg_grads = None
+        if regularization is not None:
+            reg_grads = _float32(unscale(tape.gradient(regularization, sources)))
+        return self.merge(per_task, reg_grads, grad_scale)
+
+    def merge(self, per_task, reg_grads=None, grad_scale=None):
+        """Merges `T` gradient lists (`None` = not reached), see `__call__`."""
+        num_tasks, num_vars = len(per_task), len(per_task[0])
+        self.build(self.task_names or [f"task_{i}" for i in range(num_tasks)])
+
+        # Trace-time split: which tasks reach each variable.
+        merged = [None] * num_vars
+        groups = {}  # tuple of reaching tasks -> variable indices
+        for k in range(num_vars):
+            reaching = tuple(t for t in range(num_tasks) if per_task[t][k] is not None)
+            if len(reaching) == 1:
+                merged[k] = per_task[reaching[0]][k]
+            elif len(reaching) > 1:
+                groups.setdefault(reaching, []).append(k)
+
+        replicas = num_replicas()
+        if replicas > 1:  # merge the global task gradients (one all-reduce)
+            shared = [(t, k) for r, ks in groups.items() for k in ks for t in r]
+            summed = replica_sum([per_task[t][k] for t, k in shared] + [grad_scale])
+            per_task = [list(row) for row in per_task]
+            for (t, k), g in zip(shared, summed):
+                per_task[t][k] = g
+            grad_scale = summed[-1]
+
+        # The Gram matrix over the shared variables, one variable at a time:
+        # the `[S, P_k]` stack is reused by the merge (no flat vector).
+        stacked = {}
+        gram = tf.zeros([num_tasks, num_tasks], tf.float32)
+        for reaching, indices in groups.items():
+            partial = 0.0
+            for k in indices:
+                rows = tf.stack([per_task[t][k] for t in reaching])
+                stacked[k] = tf.reshape(rows, [len(reaching), -1])
+                partial += tf.matmul(stacked[k], stacked[k], transpose_b=True)
+            select = tf.one_hot(reaching, num_tasks, dtype=tf.float32)  # [S, T]
+            gram += tf.matmul(select, tf.matmul(partial, select), transpose_a=True)
+        if grad_scale is not None:
+            gram = gram / tf.square(tf.cast(grad_scale, tf.float32))
+
+        weights = tf.cast(self.aggregator.weights(gram), tf.float32)
+        # Each replica's share of the global merged gradient (see __call__).
+        shares = weights / replicas if replicas > 1 else weights
+        for reaching, indices in groups.items():
+            w = tf.gather(shares, reaching)
+            for k in indices:
+                flat = tf.linalg.matvec(stacked[k], w, transpose_a=True)
+                merged[k] = tf.reshape(flat, tf.shape(per_task[reaching[0]][k]))
+
+        if reg_grads is not None:
+            merged = [
+                r if m is None else (m if r is None else m + r)
+                for m, r in zip(merged, reg_grads)
+            ]
+
+        info = aggregators.gram_telemetry(gram)
+        self._norms.assign(info["norms"])
+        self._cosine.assign(info["cosine"])
+        self._conflicts.assign(tf.cast(info["num_conflicts"], tf.float32))
+        return merged, {"gram": gram, "weights": weights, **info}
+
+    def logs(self):
+        """The latest telemetry as float32 scalars under fixed log keys."""
+        if self.task_names is None:
+            return {}
+        names = self.task_names
+        logs = {
+            f"{NORM_PREFIX}{name}": self._norms[i] for i, name in enumerate(names)
+        }
+        for i in range(len(names)):
+            for j in range(i + 1, len(names)):
+                logs[f"{COSINE_PREFIX}{names[i]}/{names[j]}"] = self._cosine[i, j]
+        logs[CONFLICTS] = tf.identity(self._conflicts.value)
+        return logs
+
+
+def _variable(value, name):
+    # Measurements, the same on every replica: replica 0's write wins.
+    return keras.Variable(
+        value, dtype="float32", trainable=False, autocast=False,
+        aggregation="only_first_replica", name=name,
+    )
+
+
+def _float32(grads):
+    return [None if g is None else tf.cast(g, tf.float32) for g in grads]
