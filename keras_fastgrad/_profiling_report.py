@@ -87,7 +87,8 @@ class ReportMixin:
         lines = [
             f"Step profile of {self.model_class} {self.model_name!r} (batch "
             f"{self.batch_size}; median ms over {self.repeats} interleaved "
-            f"rounds, {self.warmup} warm-up call(s) excluded)",
+            f"rounds, {self.warmup} warm-up call(s) excluded; speedups are of "
+            "the full step)",
             f"{'mode':18s} {'forward':>8s} {'fwd+bwd':>8s} {'step':>8s} "
             f"{'backward':>8s} {'update':>8s} {'bwd/fwd':>7s} "
             f"{'vs eager':>9s} {'vs tf.function':>14s}",
