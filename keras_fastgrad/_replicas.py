@@ -39,3 +39,58 @@ def in_cross_replica_context(fn, *args):
         return fn(*local)
 
     return context.merge_call(merged, args=args)
+
+
+def global_metric_results(metrics, local_results):
+    """The metrics' results over all replicas, from replica context.
+
+    In replica context a metric reads this replica's (sync-on-read) state,
+    and Keras then averages the replicas' results: a mean of local means,
+    wrong when replicas hold different numbers of samples. Summing the
+    metric variables over replicas (one all-reduce) and computing each
+    result from the sums gives the global value on every replica.
+
+    Args:
+        metrics: `model.metrics`.
+        local_results: What `compute_metrics` returned (kept on one replica).
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return local_results
+    variables = [v for m in metrics for v in m.variables]
+    # `tf.identity` reads the local value (a conversion of a sync-on-read
+    # variable is not a local read under MultiWorkerMirroredStrategy).
+    summed = iter(replica_sum([tf.identity(v.value) for v in variables]))
+    results = {}
+    for metric in metrics:
+        values = []
+        for v in metric.variables:
+            total = next(summed)
+            if v.aggregation == "mean":
+                total = total / context.num_replicas_in_sync
+            elif v.aggregation != "sum":
+                total = v.value  # mirrored state: the same everywhere
+            values.append(total)
+        result = metric.stateless_result(values)
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    return {**local_results, **results}
+
+
+def for_keras_reduction(logs):
+    """Shapes the step's (global, scalar) logs for Keras' reduction.
+
+    Under multi-worker collectives Keras reduces every output with
+    `strategy.reduce("MEAN", v, axis=0)`, which fails on scalars (plain
+    `keras.Model.fit` fails there too). A `[1]` vector reduces to the same
+    scalar; elsewhere the logs pass unchanged.
+    """
+    strategy = tf.distribute.get_strategy()
+    multi_worker = isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+    if not multi_worker:
+        return logs
+    return {k: tf.reshape(v, [1]) for k, v in logs.items()}

@@ -5,6 +5,7 @@ the value received and, where there is one, the fix.
 """
 
 import numbers
+import os
 
 from keras_fastgrad import aggregators
 
@@ -13,18 +14,9 @@ MULTITASK_NAMES = aggregators.NAMES
 
 def check_accumulation_steps(value):
     """Returns `value` if it is an integer >= 1, else raises."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            "`accumulation_steps` must be an integer >= 1 (the number of "
-            "batches per optimizer update). Received: "
-            f"accumulation_steps={value!r} of type {type(value).__name__}."
-        )
-    if value < 1:
-        raise ValueError(
-            "`accumulation_steps` must be an integer >= 1 (the number of "
-            f"batches per optimizer update). Received: accumulation_steps={value}"
-        )
-    return int(value)
+    return check_int(
+        "accumulation_steps", value, 1, " (the number of batches per optimizer update)"
+    )
 
 
 def check_clip_norm(value):
@@ -75,6 +67,40 @@ def check_bool(name, value):
     return value
 
 
+def check_int(name, value, minimum, what=""):
+    """An integer >= `minimum` (bools refused); `what` explains the value."""
+    rule = f"`{name}` must be an integer >= {minimum}{what}."
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{rule} Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if value < minimum:
+        raise ValueError(f"{rule} Received: {name}={value!r}")
+    return int(value)
+
+
+def check_choice(name, value, choices):
+    """A string among `choices`."""
+    rule = f"`{name}` must be one of {list(choices)}."
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{rule} Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if value not in choices:
+        raise ValueError(f"{rule} Received: {name}={value!r}")
+    return value
+
+
+def check_optional_path(name, value):
+    """A directory path (str or path-like) or None."""
+    if value is None or isinstance(value, (str, os.PathLike)):
+        return None if value is None else os.fspath(value)
+    raise TypeError(
+        f"`{name}` must be a directory path (str or path-like) or None. "
+        f"Received: {name}={value!r} of type {type(value).__name__}."
+    )
+
+
 def check_optimizer_ownership(optimizer, accumulation_steps, clip_norm):
     """Refuses a concern owned twice: by the model and by the optimizer.
 
@@ -111,3 +137,51 @@ def check_optimizer_ownership(optimizer, accumulation_steps, clip_norm):
                     "model clips the final gradient of each update once, "
                     "after accumulation), or use `clip_norm=None`."
                 )
+
+
+def check_jit_compile_under_strategy(jit_compile, strategy):
+    """Refuses XLA where TensorFlow cannot compile the step.
+
+    XLA cannot compile one function that reads variables placed on several
+    devices of this worker (MirroredStrategy with 2+ local devices): plain
+    `keras.Model` fails there too, deep in TF, with "Trying to access
+    resource ... located in device ...".
+    """
+    if jit_compile is not True or strategy.num_replicas_in_sync == 1:
+        return
+    try:
+        local_devices = len(strategy.extended.worker_devices)
+    except (AttributeError, RuntimeError):
+        local_devices = 1
+    if local_devices > 1:
+        raise ValueError(
+            "`jit_compile=True` is not supported by TensorFlow under "
+            f"`{type(strategy).__name__}` with {local_devices} devices on "
+            "this worker: XLA cannot compile a function that reads "
+            "variables on several devices "
+            "(https://www.tensorflow.org/xla/known_issues"
+            "#tfvariable_on_a_different_device). Received: jit_compile=True. "
+            "Fix: compile with `jit_compile=False` (or `\"auto\"`, which "
+            "Keras resolves to False under a strategy)."
+        )
+
+
+def check_steps_per_execution_under_strategy(steps_per_execution, strategy):
+    """Refuses `steps_per_execution > 1` with several replicas.
+
+    Keras' multi-step loop (a `tf.while_loop` around `strategy.run`) does
+    not run under MirroredStrategy in Keras 3.15 / TF 2.21: plain
+    `keras.Model.fit` fails too, with "You must feed a value for
+    placeholder tensor 'while/cond/Placeholder'".
+    """
+    if steps_per_execution > 1 and strategy.num_replicas_in_sync > 1:
+        raise ValueError(
+            "`steps_per_execution` must be 1 under "
+            f"`{type(strategy).__name__}` with "
+            f"{strategy.num_replicas_in_sync} replicas: Keras' multi-step "
+            "loop fails there (plain `keras.Model.fit` too, with \"You must "
+            "feed a value for placeholder tensor\"). Received: "
+            f"steps_per_execution={steps_per_execution}. Fix: compile with "
+            "`steps_per_execution=1` (a larger global batch amortises the "
+            "per-call cost instead)."
+        )

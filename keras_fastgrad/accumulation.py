@@ -103,8 +103,9 @@ class WindowAccumulator:
         """Boolean scalar: the window holds at least one included sample."""
         return self.samples > 0.0
 
-    def local_sums(self, grads_template=None):
-        """This replica's `sum_j n_j g_j` (the total on one device).
+    def window_sums(self, grads_template=None):
+        """`sum_j n_j g_j` over the window: in cross-replica context the
+        sync-on-read sums are reduced over the replicas when read.
 
         Args:
             grads_template: Optional list; where its entry is `None` the
@@ -112,15 +113,15 @@ class WindowAccumulator:
         """
         template = grads_template or self.sums
         return [
-            None if t is None else total.value
+            None if t is None else tf.convert_to_tensor(total.value)
             for total, t in zip(self.sums, template)
         ]
 
     def mean(self, grads_template=None):
-        """The window's gradient `sum_j n_j g_j / N` on one device."""
+        """The window's gradient `sum_j n_j g_j / N`."""
         return [
             None if s is None else s / self.samples
-            for s in self.local_sums(grads_template)
+            for s in self.window_sums(grads_template)
         ]
 
     def reset(self):

@@ -1,12 +1,18 @@
 """Conditional optimizer update that is legal under `tf.distribute`.
 
 An optimizer call inside `tf.cond` in replica context fails under
-MirroredStrategy (`merge_call` inside `cond`, keras-team/keras#20582). The
-pattern that works is the one of `LossScaleOptimizer._tf_apply`: leave
-replica context with `merge_call`, decide in cross-replica context, and run
-the update for each replica inside the `cond`. Without a strategy this is a
-plain `tf.cond`.
+MirroredStrategy (`merge_call` inside `cond`, keras-team/keras#20582), and
+under MultiWorkerMirroredStrategy a collective inside the `cond` of a
+`merge_call` fails too. So the step does every collective before, in
+replica context, and the update happens in cross-replica context: leave
+replica context with `merge_call` (as `LossScaleOptimizer._tf_apply` does),
+decide there, and inside the `cond` apply the optimizer once to gradients
+that are already global. The optimizer then skips its own all-reduce (it
+only runs in replica context), so gradients are summed exactly once.
+Without a strategy this is a plain `tf.cond`.
 """
+
+import contextlib
 
 import tensorflow as tf
 
@@ -17,15 +23,40 @@ def _first_replica(distribution, value):
     return distribution.experimental_local_results(value)[0]
 
 
+@contextlib.contextmanager
+def _direct_merge_calls(distribution):
+    """Lets Keras' optimizer run from cross-replica context.
+
+    The optimizer routes its updates through `maybe_merge_call`, which asks
+    the replica context for a `merge_call` unless the strategy says it needs
+    none. From cross-replica context the right call is the function itself,
+    which is what `maybe_merge_call` does when the strategy needs no
+    `merge_call`: say so while the update is traced.
+    """
+    extended = distribution.extended
+    shadowed = "_use_merge_call" in vars(extended)
+    previous = vars(extended).get("_use_merge_call")
+    extended._use_merge_call = lambda: False
+    try:
+        yield
+    finally:
+        if shadowed:
+            extended._use_merge_call = previous
+        else:
+            del extended._use_merge_call
+
+
 def apply_if(should_apply, update_fn, args=()):
-    """Runs `update_fn(*args)` on every replica if `should_apply`.
+    """Runs `update_fn(*args)` once, in cross-replica context, if
+    `should_apply`.
 
     Args:
         should_apply: Boolean scalar, identical on every replica.
         update_fn: Callable that applies the optimizer and updates state;
-            returns nothing. Runs in replica context.
-        args: Tuple of (per-replica) tensors or lists of tensors passed to
-            `update_fn`.
+            returns nothing. It must not run collectives (read sync-on-read
+            variables instead, which reduce when read there).
+        args: Tuple of tensors or lists of tensors (or `None`) whose values
+            are identical on every replica; `update_fn` gets replica 0's.
 
     Example:
 
@@ -36,13 +67,18 @@ def apply_if(should_apply, update_fn, args=()):
     """
 
     def decide_and_apply(distribution, should_apply, *args):
-        decision = _first_replica(distribution, should_apply)
+        first = lambda value: _first_replica(distribution, value)  # noqa: E731
+        local_args = [
+            [first(v) for v in a] if isinstance(a, (list, tuple)) else first(a)
+            for a in args
+        ]
 
         def apply():
-            distribution.extended.call_for_each_replica(update_fn, args=args)
+            with _direct_merge_calls(distribution):
+                update_fn(*local_args)
             return tf.constant(True)
 
-        tf.cond(decision, apply, lambda: tf.constant(False))
+        tf.cond(first(should_apply), apply, lambda: tf.constant(False))
 
     replica_context = tf.distribute.get_replica_context()
     if replica_context is None:  # already in cross-replica context

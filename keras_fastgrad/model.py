@@ -18,12 +18,18 @@ from keras.src import tree
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
+from keras.src.saving import object_registration
 
 from keras_fastgrad import _validation, aggregators
 from keras_fastgrad.accumulation import WindowAccumulator
 from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
-from keras_fastgrad._replicas import num_replicas, replica_sum
+from keras_fastgrad._replicas import (
+    for_keras_reduction,
+    global_metric_results,
+    num_replicas,
+    replica_sum,
+)
 from keras_fastgrad.finite import nonfinite_vector, summarize
 from keras_fastgrad.loss_scaling import LossScaling
 from keras_fastgrad.multitask import (
@@ -96,10 +102,11 @@ class FastGradModel(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        # Like `keras.Model.__new__`: the functional form of the base class
-        # is a dedicated class that also inherits from `Functional`.
-        if cls is FastGradModel and functional_init_arguments(args, kwargs):
-            cls = FunctionalFastGradModel
+        # Like `keras.Model.__new__`: the functional form is an instance of
+        # a class that also inherits from `Functional` (see
+        # `_functional_variant`), so this class's bases never change.
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(
@@ -228,12 +235,42 @@ class FastGradModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
+        _validation.check_jit_compile_under_strategy(
+            self.jit_compile, self.distribute_strategy
+        )
+        _validation.check_steps_per_execution_under_strategy(
+            self.steps_per_execution, self.distribute_strategy
+        )
         self._fg_build_state()
         if not self.optimizer.built:  # state must exist before tracing
             self.optimizer.build(self.trainable_variables)
         self._fg_scaling = LossScaling(self.optimizer)
         self._fg_flush_function = None
         return super().make_train_function(force=force)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # The step's state (accumulators) needs the trainable variables
+        # before the train function is traced, so build symbolically also
+        # without a strategy when the model is not built yet (a subclassed
+        # model), as Keras always does under a strategy. Under a strategy,
+        # Keras averages one distributed batch with `strategy.reduce`, which
+        # `MultiWorkerMirroredStrategy` cannot do eagerly (plain
+        # `keras.Model.fit` fails there); the symbolic build only needs the
+        # batch's structure, shapes and dtypes: replica 0's part has them.
+        if self._distribute_strategy is None and self.built:
+            return super()._maybe_symbolic_build(iterator, data_batch)
+        strategy = self.distribute_strategy
+        if iterator is not None:
+            for _, _, it in iterator:
+                data_batch = tree.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues)
+                    else v,
+                    next(it),
+                )
+                break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
 
     def fit(self, *args, **kwargs):
         self._fg_in_fit = True
@@ -355,7 +392,7 @@ class FastGradModel(keras.Model):
             apply_if(
                 keep,
                 self._fg_update,
-                args=(grads, total_samples if weighted else None),
+                args=(replica_sum(grads), total_samples if weighted else None),
             )
         else:
             acc = self._fg_accumulator
@@ -365,7 +402,8 @@ class FastGradModel(keras.Model):
                 self._fg_apply_window,
             )
 
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self._fg_compute_metrics(keep, x, y, y_pred, sample_weight)
+        logs = global_metric_results(self.metrics, logs)
         if self._fg_log_keys:
             measured = self._fg_telemetry.logs(
                 scaling.current_scale(), self._fg_tape_variables
@@ -373,20 +411,31 @@ class FastGradModel(keras.Model):
             logs.update({k: v for k, v in measured.items() if k in self._fg_log_keys})
             if merger is not None:  # all task keys: read from the Gram matrix
                 logs.update(merger.logs())
-        return logs
+        return for_keras_reduction(logs)
+
+    def _fg_compute_metrics(self, keep, x, y, y_pred, sample_weight):
+        """Keras' metrics, left unchanged by a dropped micro-batch (its NaN
+        predictions would turn them into NaN for the rest of the epoch)."""
+        if type(self).compute_metrics is not keras.Model.compute_metrics:
+            # A user override may return other keys: call it as Keras does.
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return tf.cond(
+            keep,
+            lambda: self.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
+            self.get_metrics_result,
+        )
 
     def _fg_apply_window(self):
         acc = self._fg_accumulator
-        self._fg_update(acc.local_sums(self._fg_no_gradient_template()), acc.samples)
+        self._fg_update(acc.window_sums(self._fg_no_gradient_template()), acc.samples)
         acc.reset()
 
     def _fg_update(self, grads, total_samples=None):
-        """Sum over replicas, normalise, clip, apply, record.
+        """Normalise, clip, apply, record.
 
-        Runs in the update branch, in replica context. `grads` are this
-        replica's (sample-weighted when `total_samples` is given).
+        Runs in the update branch, in cross-replica context, on the global
+        gradient (sample-weighted sums when `total_samples` is given).
         """
-        grads = replica_sum(grads)
         if total_samples is not None:
             grads = [None if g is None else g / total_samples for g in grads]
         telemetry = self._fg_telemetry
@@ -397,12 +446,6 @@ class FastGradModel(keras.Model):
         telemetry.record_layer_norms(grads)
         if self.clip_norm is not None:
             grads, was_clipped = clip_by_global_norm(grads, self.clip_norm, norm)
-        replicas = num_replicas()
-        if replicas > 1:
-            # The optimizer sums the replicas' gradients again (it only
-            # skips that in cross-replica context, where it cannot run):
-            # hand it equal shares of the global gradient.
-            grads = [None if g is None else g / replicas for g in grads]
         before = telemetry.snapshot(variables)
         self._fg_scaling.update_optimizer.apply(grads, variables)
         telemetry.record_update_ratio(before, variables)
@@ -494,8 +537,28 @@ class FastGradModel(keras.Model):
         return config
 
 
-@keras.saving.register_keras_serializable(package="keras_fastgrad")
-class FunctionalFastGradModel(FastGradModel, Functional):
-    """The class of `FastGradModel(inputs, outputs, ...)`, the functional form
-    (as `keras.Model(inputs, outputs)` is a `Functional`). Use
-    `FastGradModel`; `isinstance(model, FastGradModel)` holds."""
+_FUNCTIONAL_VARIANTS = {}
+
+
+def _functional_variant(cls):
+    """`cls` + `Functional`, for `cls(inputs, outputs, ...)`.
+
+    Keras makes a `Model` subclass functional by rewriting the class's bases
+    (`inject_functional_model_class`), which breaks every later subclassed
+    use of that class, and of `FastGradModel`. A dedicated subclass per
+    class leaves the user's classes alone. It keeps the class's name and
+    serializes under the class's registered name, so a `.keras` file names
+    the user's class and loading it comes back here.
+    """
+    variant = _FUNCTIONAL_VARIANTS.get(cls)
+    if variant is None:
+        variant = type(
+            cls.__name__,
+            (cls, Functional),
+            {"__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__},
+        )
+        object_registration.GLOBAL_CUSTOM_NAMES[variant] = (
+            object_registration.get_registered_name(cls)
+        )
+        _FUNCTIONAL_VARIANTS[cls] = variant
+    return variant

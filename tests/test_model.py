@@ -406,3 +406,37 @@ def test_apply_partial_window_after_train_on_batch_loop():
     model.apply_partial_window()
     assert max_weight_diff(ref, model) < 1e-6
     assert model.apply_partial_window() is None  # nothing pending
+
+
+@keras.saving.register_keras_serializable(package="test_model")
+class CustomFast(keras_fastgrad.FastGradModel):
+    """A user subclass, used in the functional form."""
+
+
+def test_functional_use_of_a_subclass_leaves_subclassing_working(tmp_path):
+    x, y = data(n=8)
+    inputs = keras.Input((3,))
+    model = CustomFast(inputs, keras.layers.Dense(1)(inputs), accumulation_steps=2)
+    assert isinstance(model, CustomFast) and type(model).__name__ == "CustomFast"
+    model.compile(optimizer=sgd(), loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+    path = str(tmp_path / "custom.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, CustomFast) and loaded.accumulation_steps == 2
+    assert max_weight_diff(model, loaded) == 0.0
+
+    # Keras would have rewritten the bases of CustomFast and FastGradModel;
+    # the subclassing form of both must still work afterwards.
+    class Net(CustomFast):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    net = Net(accumulation_steps=2)
+    net.compile(optimizer=sgd(), loss="mse")
+    net.fit(x, y, batch_size=4, verbose=0)
+    assert int(net.optimizer.iterations.numpy()) == 1
