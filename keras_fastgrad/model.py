@@ -32,6 +32,7 @@ from keras_fastgrad._replicas import (
 )
 from keras_fastgrad.finite import nonfinite_vector, summarize
 from keras_fastgrad.loss_scaling import LossScaling
+from keras_fastgrad.slicing import check_micro_batches, sliced_gradients
 from keras_fastgrad.multitask import (
     TaskMerger,
     check_task_count,
@@ -117,6 +118,7 @@ class FastGradModel(keras.Model):
         multitask=None,
         skip_nonfinite=True,
         telemetry=False,
+        micro_batches=1,
         **kwargs,
     ):
         accumulation_steps = _validation.check_accumulation_steps(
@@ -126,6 +128,15 @@ class FastGradModel(keras.Model):
         multitask = _validation.check_multitask(multitask)
         skip_nonfinite = _validation.check_bool("skip_nonfinite", skip_nonfinite)
         telemetry = _validation.check_bool("telemetry", telemetry)
+        micro_batches = check_micro_batches(micro_batches)
+        if micro_batches > 1 and multitask is not None:
+            raise ValueError(
+                "`micro_batches` and `multitask` cannot be combined yet: the "
+                "multi-task merge needs each task's gradient on the whole "
+                f"batch. Received: micro_batches={micro_batches}, "
+                f"multitask={multitask!r}. Fix: use `accumulation_steps` with "
+                "smaller batches instead of `micro_batches`."
+            )
         if isinstance(self, Functional) and functional_init_arguments(args, kwargs):
             # What `keras.Model.__init__` does for the functional form,
             # without injecting `Functional` into this class's bases (which
@@ -140,6 +151,7 @@ class FastGradModel(keras.Model):
         self._fg_merger = None if multitask is None else TaskMerger(multitask)
         self.skip_nonfinite = skip_nonfinite
         self.telemetry = telemetry
+        self.micro_batches = micro_batches
         self._fg_accumulator = None
         self._fg_telemetry = None
         self._fg_state_for = None
@@ -338,44 +350,24 @@ class FastGradModel(keras.Model):
             tf.float32,
         )
         replicas = num_replicas()
-        weighted = self._fg_accumulator is not None or replicas > 1
+        weighted = (
+            self._fg_accumulator is not None or replicas > 1 or self.micro_batches > 1
+        )
         weight = num_samples * replicas if weighted else None
 
-        merger = self._fg_merger
-        with tf.GradientTape(
-            watch_accessed_variables=False, persistent=merger is not None
-        ) as tape:
-            for v in variables:
-                tape.watch(v.value)
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
-            if merger is None:
-                loss = self._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                    training=True,
-                )
-                scaled_loss = scaling.scale(loss, weight)
-            else:  # one loss per task; regularisation is not a task
-                tasks = task_losses(self, y, y_pred, sample_weight)
-                regularization = regularization_loss(self)
-                loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
-                scaled_tasks = [scaling.scale(t, weight) for t in tasks]
-                if regularization is not None:
-                    regularization = scaling.scale(regularization, weight)
-        if merger is None:
-            grads = tape.gradient(scaled_loss, [v.value for v in variables])
-            self._fg_record_trace_facts(variables, grads)
-            grads = scaling.unscale(grads, weight)
-        else:  # each task's gradient is unscaled once, then merged
-            grads, _ = merger(
-                tape, scaled_tasks, regularization, variables,
-                unscale=lambda g: scaling.unscale(g, weight),
-                grad_scale=num_samples if weighted else None,
-                task_names=task_names(self),
+        if self.micro_batches > 1:
+            self._fg_check_slices(x)
+            loss, y_pred, grads = sliced_gradients(
+                self, x, y, sample_weight, variables, scaling,
+                self.micro_batches, replicas,
             )
             self._fg_record_trace_facts(variables, grads)
+        else:
+            loss, y_pred, grads = self._fg_batch_gradients(
+                x, y, sample_weight, variables, weight,
+                num_samples if weighted else None,
+            )
+        merger = self._fg_merger
         # One small all-reduce: every decision below is global.
         bad, total_samples = replica_sum([nonfinite_vector(grads, loss), num_samples])
         finite, first_bad, num_bad = summarize(bad)
@@ -412,6 +404,58 @@ class FastGradModel(keras.Model):
             if merger is not None:  # all task keys: read from the Gram matrix
                 logs.update(merger.logs())
         return for_keras_reduction(logs)
+
+    def _fg_batch_gradients(self, x, y, sample_weight, variables, weight, grad_scale):
+        """Forward and backward on the whole batch (one tape); with
+        `multitask`, the task gradients merged. Returns `(loss, y_pred,
+        grads)`, the gradients unscaled and multiplied by `weight`."""
+        scaling = self._fg_scaling
+        merger = self._fg_merger
+        with tf.GradientTape(
+            watch_accessed_variables=False, persistent=merger is not None
+        ) as tape:
+            for v in variables:
+                tape.watch(v.value)
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            if merger is None:
+                loss = self._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                    training=True,
+                )
+                scaled_loss = scaling.scale(loss, weight)
+            else:  # one loss per task; regularisation is not a task
+                tasks = task_losses(self, y, y_pred, sample_weight)
+                regularization = regularization_loss(self)
+                loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
+                scaled_tasks = [scaling.scale(t, weight) for t in tasks]
+                if regularization is not None:
+                    regularization = scaling.scale(regularization, weight)
+        if merger is None:
+            grads = tape.gradient(scaled_loss, [v.value for v in variables])
+            self._fg_record_trace_facts(variables, grads)
+            grads = scaling.unscale(grads, weight)
+        else:  # each task's gradient is unscaled once, then merged
+            grads, _ = merger(
+                tape, scaled_tasks, regularization, variables,
+                unscale=lambda g: scaling.unscale(g, weight),
+                grad_scale=grad_scale,
+                task_names=task_names(self),
+            )
+            self._fg_record_trace_facts(variables, grads)
+        return loss, y_pred, grads
+
+    def _fg_check_slices(self, x):
+        batch = next(t for t in tree.flatten(x) if t is not None).shape[0]
+        if batch is not None and batch < self.micro_batches:
+            raise ValueError(
+                "`micro_batches` must not exceed the batch size (each slice "
+                f"needs a sample). Received: micro_batches={self.micro_batches} "
+                f"for a batch of {batch}. Fix: a larger `batch_size` or fewer "
+                "`micro_batches`."
+            )
 
     def _fg_compute_metrics(self, keep, x, y, y_pred, sample_weight):
         """Keras' metrics, left unchanged by a dropped micro-batch (its NaN
@@ -532,6 +576,7 @@ class FastGradModel(keras.Model):
                 ),
                 "skip_nonfinite": self.skip_nonfinite,
                 "telemetry": self.telemetry,
+                "micro_batches": self.micro_batches,
             }
         )
         return config
