@@ -188,6 +188,12 @@ def markdown(records, command, total_s, quick, machine, load):
 
 
 def table(file_name, out):
+    if "results" not in out:  # not written by `harness.report`: show its values
+        lines = [f"From `benchmarks/out/{file_name}`:", "", "| name | values |", "|---|---:|"]
+        for name, value in out.items():
+            values = value if isinstance(value, list) else [value]
+            lines.append(f"| {name} | {', '.join(fmt(v) for v in values)} |")
+        return lines + [""]
     rows = rows_of(out)
     extra = []
     for _, stats, _, _ in rows:

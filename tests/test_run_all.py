@@ -41,6 +41,8 @@ targets = {"a / b": "<= 1.00", "T=2: c / d": "<= 1.05 at T=4"}
 with open(os.path.join(out, "good.json"), "w") as f:
     json.dump({"machine": "test machine", "results": results, "targets": targets,
                "best_ms": {"a": 1.0}}, f)
+with open(os.path.join(out, "good_peaks.json"), "w") as f:
+    json.dump({"plain_512": [732.0, 740.5]}, f)
 '''
 
 
@@ -76,6 +78,7 @@ def test_runs_scripts_in_quick_mode_and_collects_their_json(tmp_path, run_all):
     # "at T=4" bounds only rows of T=4; extra per-row fields get a column.
     assert "| T=2: c / d | 1.500 | 1.400 | 1.600 | 5 | 1.450 | <= 1.05 at T=4 |  |" in text
     assert '"best_ms"' in text
+    assert "| plain_512 | 732.000, 740.500 |" in text  # a JSON of other shape
     assert "## Micro-batching memory (issue 6, part 1)" in text
     assert run_all.plot(list(records.values()), str(tmp_path / "r.png"))
     with open(tmp_path / "r.png", "rb") as f:
