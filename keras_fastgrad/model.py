@@ -18,10 +18,8 @@ from keras.src import tree
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
-from keras.src.saving import object_registration
 
 from keras_fastgrad import _validation, aggregators
-from keras_fastgrad.accumulation import WindowAccumulator
 from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
 from keras_fastgrad._replicas import (
@@ -40,13 +38,13 @@ from keras_fastgrad.multitask import (
     task_losses,
     task_names,
 )
-from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
-
-_STATE_PREFIX = "fastgrad_"
+from keras_fastgrad._keras_integration import KerasIntegrationMixin
+from keras_fastgrad._step_state import StepStateMixin
+from keras_fastgrad.telemetry import LOG_KEYS
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")
-class FastGradModel(keras.Model):
+class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
     """A `keras.Model` with exact accumulation, clipping and NaN safety.
 
     Use it wherever you would use `keras.Model` (functional or subclassed),
@@ -102,14 +100,6 @@ class FastGradModel(keras.Model):
     2
     """
 
-    def __new__(cls, *args, **kwargs):
-        # Like `keras.Model.__new__`: the functional form is an instance of
-        # a class that also inherits from `Functional` (see
-        # `_functional_variant`), so this class's bases never change.
-        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
-            cls = _functional_variant(cls)
-        return super().__new__(cls, *args, **kwargs)
-
     def __init__(
         self,
         *args,
@@ -163,69 +153,6 @@ class FastGradModel(keras.Model):
         self._fg_log_keys = set(LOG_KEYS) if telemetry else set()
         self._fg_trace_count = 0
 
-    # ------------------------------------------------------------------ state
-    def _fg_build_state(self):
-        """Creates the step's state for the current trainable variables."""
-        variables = self.trainable_variables
-        optional = sorted(k for k in self._fg_log_keys if is_optional_key(k))
-        key = (tuple(id(v) for v in variables), tuple(optional))
-        if self._fg_state_for == key:
-            return
-        old_state = self._fg_state_values()
-        with self.distribute_strategy.scope(), keras.name_scope("fastgrad"):
-            telemetry = StepTelemetry()
-            telemetry.build([v.path for v in variables], optional)
-            accumulator = None
-            if self.accumulation_steps > 1:
-                accumulator = WindowAccumulator(self.accumulation_steps)
-                accumulator.build(variables)
-        same_variables = self._fg_state_for and self._fg_state_for[0] == key[0]
-        self._fg_telemetry, self._fg_accumulator = telemetry, accumulator
-        self._fg_state_for = key
-        if same_variables:  # only the requested keys changed: keep the state
-            for v, value in zip(self._fg_state_variables(), old_state):
-                v.assign(value)
-
-    def _fg_state_values(self):
-        if self._fg_state_for is None:
-            return []
-        return [v.numpy() for v in self._fg_state_variables()]
-
-    def _fg_state_variables(self):
-        """The step's training state: saved and restored with the model."""
-        if self._fg_state_for is None:
-            self._fg_build_state()
-        state = list(self._fg_telemetry.variables)
-        if self._fg_accumulator is not None:
-            state += self._fg_accumulator.variables
-        return state
-
-    def save_own_variables(self, store):
-        super().save_own_variables(store)
-        if self.built:
-            for i, v in enumerate(self._fg_state_variables()):
-                store[f"{_STATE_PREFIX}{i}"] = v.numpy()
-
-    def load_own_variables(self, store):
-        keys = list(store.keys())
-        own = {k: store[k] for k in keys if not k.startswith(_STATE_PREFIX)}
-        super().load_own_variables(own)
-        state_keys = [k for k in keys if k.startswith(_STATE_PREFIX)]
-        if not state_keys:  # e.g. weights saved by a plain `keras.Model`
-            return
-        state = self._fg_state_variables()
-        if len(state_keys) != len(state):
-            warnings.warn(
-                f"FastGradModel: the saved step state has {len(state_keys)} "
-                f"variables but this model's has {len(state)} (different "
-                "`accumulation_steps` or trainable variables?). The "
-                "accumulation window and counters start fresh; the weights "
-                "were loaded."
-            )
-            return
-        for i, v in enumerate(state):
-            v.assign(store[f"{_STATE_PREFIX}{i}"])
-
     # ------------------------------------------------------------ compile/fit
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
@@ -234,15 +161,6 @@ class FastGradModel(keras.Model):
         )
         if self._fg_merger is not None:
             check_task_count(self)
-
-    def compile_from_config(self, config):
-        # Keras skips recompiling on load when `compile` is overridden; ours
-        # keeps the signature, so recompile (unless a subclass overrides it).
-        if type(self).compile is not FastGradModel.compile:
-            return super().compile_from_config(config)
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.built:
-            self.optimizer.build(self.trainable_variables)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -259,46 +177,6 @@ class FastGradModel(keras.Model):
         self._fg_scaling = LossScaling(self.optimizer)
         self._fg_flush_function = None
         return super().make_train_function(force=force)
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # The step's state (accumulators) needs the trainable variables
-        # before the train function is traced, so build symbolically also
-        # without a strategy when the model is not built yet (a subclassed
-        # model), as Keras always does under a strategy. Under a strategy,
-        # Keras averages one distributed batch with `strategy.reduce`, which
-        # `MultiWorkerMirroredStrategy` cannot do eagerly (plain
-        # `keras.Model.fit` fails there); the symbolic build only needs the
-        # batch's structure, shapes and dtypes: replica 0's part has them.
-        if self._distribute_strategy is None and self.built:
-            return super()._maybe_symbolic_build(iterator, data_batch)
-        strategy = self.distribute_strategy
-        if iterator is not None:
-            for _, _, it in iterator:
-                data_batch = tree.map_structure(
-                    lambda v: strategy.experimental_local_results(v)[0]
-                    if isinstance(v, tf.distribute.DistributedValues)
-                    else v,
-                    next(it),
-                )
-                break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    def fit(self, *args, **kwargs):
-        self._fg_in_fit = True
-        try:
-            return super().fit(*args, **kwargs)
-        finally:
-            self._fg_in_fit = False
-
-    def _get_metrics_result_or_logs(self, logs):
-        # Keras calls this right after an epoch's last batch, before
-        # validation and `on_epoch_end`: the place to apply a partial window.
-        if self._fg_in_fit:
-            flushed = self.apply_partial_window()
-            if flushed is not None and isinstance(logs, dict):
-                logs = {**logs, **{k: flushed[k] for k in logs if k in flushed}}
-        return super()._get_metrics_result_or_logs(logs)
 
     def apply_partial_window(self):
         """Applies the accumulated gradient of an incomplete window now.
@@ -495,73 +373,6 @@ class FastGradModel(keras.Model):
         telemetry.record_update_ratio(before, variables)
         telemetry.record_update(norm, was_clipped)
 
-    # --------------------------------------------------- trace-time facts
-    def _fg_record_trace_facts(self, variables, grads):
-        # Python side effect at trace time on purpose: these are facts of
-        # the traced graph (how many variables the tape watched, which got
-        # no gradient), not per-step values.
-        self._fg_trace_count += 1
-        self._fg_tape_variables = len(variables)
-        self._fg_no_gradient = [
-            v.path for v, g in zip(variables, grads) if g is None
-        ]
-        self._fg_grad_is_none = [g is None for g in grads]
-
-    def _fg_no_gradient_template(self):
-        flags = getattr(self, "_fg_grad_is_none", None)
-        if flags is None:
-            return None
-        return [None if none else True for none in flags]
-
-    @property
-    def tape_variable_count(self):
-        """Number of variables the tape watched in the traced train step
-        (`None` before the first trace)."""
-        return self._fg_tape_variables
-
-    @property
-    def train_step_trace_count(self):
-        """How many times `train_step` was traced (retracing shows here)."""
-        return self._fg_trace_count
-
-    def layer_norm_keys(self):
-        """The `grad_norm/<layer>` keys this model's layers would log."""
-        from keras_fastgrad.telemetry import layer_key
-
-        return list(dict.fromkeys(layer_key(v.path) for v in self.trainable_variables))
-
-    @property
-    def variables_without_gradient(self):
-        """Paths of trainable variables that got no gradient in the traced
-        step (unused, or cut off by `stop_gradient`); `None` before the
-        first trace."""
-        return self._fg_no_gradient
-
-    def enable_telemetry(self, keys=LOG_KEYS):
-        """Adds telemetry keys to the step's logs (used by the callbacks).
-
-        Args:
-            keys: Iterable of names from `keras_fastgrad.LOG_KEYS`.
-
-        Raises:
-            ValueError: for a name that is not a telemetry key.
-
-        The train function is rebuilt (retraced) on the next `fit` when the
-        set of keys grows.
-        """
-        keys = set(keys)
-        unknown = {k for k in keys if k not in LOG_KEYS and not is_optional_key(k)}
-        if unknown:
-            raise ValueError(
-                f"`keys` must be names from {list(LOG_KEYS)}, "
-                "`update_ratio` or `grad_norm/<layer>` (multi-task models: "
-                "`task_grad_norm/<task>`, `task_cosine/<a>/<b>`, "
-                f"`task_conflicts`). Received unknown names: {sorted(unknown)}"
-            )
-        if not keys <= self._fg_log_keys:
-            self._fg_log_keys |= keys
-            self.train_function = None
-
     # ---------------------------------------------------------------- config
     def get_config(self):
         config = super().get_config()
@@ -580,30 +391,3 @@ class FastGradModel(keras.Model):
             }
         )
         return config
-
-
-_FUNCTIONAL_VARIANTS = {}
-
-
-def _functional_variant(cls):
-    """`cls` + `Functional`, for `cls(inputs, outputs, ...)`.
-
-    Keras makes a `Model` subclass functional by rewriting the class's bases
-    (`inject_functional_model_class`), which breaks every later subclassed
-    use of that class, and of `FastGradModel`. A dedicated subclass per
-    class leaves the user's classes alone. It keeps the class's name and
-    serializes under the class's registered name, so a `.keras` file names
-    the user's class and loading it comes back here.
-    """
-    variant = _FUNCTIONAL_VARIANTS.get(cls)
-    if variant is None:
-        variant = type(
-            cls.__name__,
-            (cls, Functional),
-            {"__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__},
-        )
-        object_registration.GLOBAL_CUSTOM_NAMES[variant] = (
-            object_registration.get_registered_name(cls)
-        )
-        _FUNCTIONAL_VARIANTS[cls] = variant
-    return variant

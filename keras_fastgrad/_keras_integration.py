@@ -1,0 +1,114 @@
+"""Where `FastGradModel` meets Keras' own machinery.
+
+Keras hooks overridden here, each for one reason:
+- `__new__`: the functional form gets its own class (see
+  `_functional_variant`) instead of Keras rewriting the class's bases.
+- `compile_from_config`: Keras skips recompiling a loaded model whose
+  `compile` is overridden; ours keeps Keras' signature.
+- `_maybe_symbolic_build`: the step's state needs the variables before the
+  first trace; and under MultiWorkerMirroredStrategy Keras' own version
+  fails.
+- `fit` / `_get_metrics_result_or_logs`: the place, right after an epoch's
+  last batch and before validation, to apply a partial accumulation window.
+"""
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+from keras.src.saving import object_registration
+
+
+class KerasIntegrationMixin:
+    """Overrides of Keras internals that `FastGradModel` relies on."""
+
+    def __new__(cls, *args, **kwargs):
+        # Like `keras.Model.__new__`: the functional form is an instance of
+        # a class that also inherits from `Functional` (see
+        # `_functional_variant`), so this class's bases never change.
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            cls = _functional_variant(cls)
+        return super().__new__(cls, *args, **kwargs)
+
+    def _fg_compile_owner(self):
+        """The class whose `compile` keeps Keras' signature."""
+        from keras_fastgrad.model import FastGradModel
+
+        return FastGradModel
+
+    def compile_from_config(self, config):
+        # Keras skips recompiling on load when `compile` is overridden; ours
+        # keeps the signature, so recompile (unless a subclass overrides it).
+        if type(self).compile is not self._fg_compile_owner().compile:
+            return super().compile_from_config(config)
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # The step's state (accumulators) needs the trainable variables
+        # before the train function is traced, so build symbolically also
+        # without a strategy when the model is not built yet (a subclassed
+        # model), as Keras always does under a strategy. Under a strategy,
+        # Keras averages one distributed batch with `strategy.reduce`, which
+        # `MultiWorkerMirroredStrategy` cannot do eagerly (plain
+        # `keras.Model.fit` fails there); the symbolic build only needs the
+        # batch's structure, shapes and dtypes: replica 0's part has them.
+        if self._distribute_strategy is None and self.built:
+            return super()._maybe_symbolic_build(iterator, data_batch)
+        strategy = self.distribute_strategy
+        if iterator is not None:
+            for _, _, it in iterator:
+                data_batch = tree.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues)
+                    else v,
+                    next(it),
+                )
+                break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def fit(self, *args, **kwargs):
+        self._fg_in_fit = True
+        try:
+            return super().fit(*args, **kwargs)
+        finally:
+            self._fg_in_fit = False
+
+    def _get_metrics_result_or_logs(self, logs):
+        # Keras calls this right after an epoch's last batch, before
+        # validation and `on_epoch_end`: the place to apply a partial window.
+        if self._fg_in_fit:
+            flushed = self.apply_partial_window()
+            if flushed is not None and isinstance(logs, dict):
+                logs = {**logs, **{k: flushed[k] for k in logs if k in flushed}}
+        return super()._get_metrics_result_or_logs(logs)
+
+
+_FUNCTIONAL_VARIANTS = {}
+
+
+def _functional_variant(cls):
+    """`cls` + `Functional`, for `cls(inputs, outputs, ...)`.
+
+    Keras makes a `Model` subclass functional by rewriting the class's bases
+    (`inject_functional_model_class`), which breaks every later subclassed
+    use of that class, and of `FastGradModel`. A dedicated subclass per
+    class leaves the user's classes alone. It keeps the class's name and
+    serializes under the class's registered name, so a `.keras` file names
+    the user's class and loading it comes back here.
+    """
+    variant = _FUNCTIONAL_VARIANTS.get(cls)
+    if variant is None:
+        variant = type(
+            cls.__name__,
+            (cls, Functional),
+            {"__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__},
+        )
+        object_registration.GLOBAL_CUSTOM_NAMES[variant] = (
+            object_registration.get_registered_name(cls)
+        )
+        _FUNCTIONAL_VARIANTS[cls] = variant
+    return variant
