@@ -148,3 +148,24 @@ class StepStateMixin:
         if not keys <= self._fg_log_keys:
             self._fg_log_keys |= keys
             self.train_function = None
+
+    def telemetry_counters(self):
+        """The step's cumulative counters now, as Python floats.
+
+        Returns:
+            Dict with `updates`, `clipped_updates` and `nonfinite_count`
+            (over the model's life; saved with the model). Zeros before the
+            step's state exists. Reads three scalars from the device.
+
+        Example:
+
+        >>> inputs = keras.Input((2,))
+        >>> model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.telemetry_counters()
+        {'updates': 0.0, 'clipped_updates': 0.0, 'nonfinite_count': 0.0}
+        """
+        names = ("updates", "clipped_updates", "nonfinite_count")
+        if self._fg_telemetry is None:
+            return dict.fromkeys(names, 0.0)
+        return {name: float(getattr(self._fg_telemetry, name).numpy()) for name in names}
+

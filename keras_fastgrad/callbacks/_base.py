@@ -74,16 +74,10 @@ class FastGradCallback(keras.callbacks.Callback):
 
 
 def read_counters(model):
-    """The model's cumulative step counters now, as Python floats.
+    """The model's cumulative step counters now (`model.telemetry_counters`).
 
     Callbacks difference the counters between calls; this gives the value
-    before the first call of a `fit` (the counters live as long as the
-    model, and are saved with it). Reads three scalars from the device.
-    Returns zeros before the step's state exists.
+    before the first call of a `fit`.
     """
-    # The step keeps its counters in `model._fg_telemetry` (see
-    # `keras_fastgrad.telemetry.StepTelemetry`); there is no public reader.
-    telemetry = getattr(model, "_fg_telemetry", None)
-    if telemetry is None:
-        return dict.fromkeys(COUNTERS, 0.0)
-    return {name: float(getattr(telemetry, name).numpy()) for name in COUNTERS}
+    counters = model.telemetry_counters()
+    return {name: counters[name] for name in COUNTERS}
