@@ -37,33 +37,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from bench_core import MODELS  # noqa: E402  (the core benchmark's MLP and CNN)
 from harness import interleaved_ratios, report, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 from keras_fastgrad import callbacks as fg_callbacks  # noqa: E402
-
-
-def mlp(cls):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((784,))
-    h = inputs
-    for _ in range(3):
-        h = keras.layers.Dense(1024, activation="relu")(h)
-    return cls(inputs, keras.layers.Dense(10)(h))
-
-
-def cnn(cls):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((28, 28, 1))
-    h = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
-    h = keras.layers.MaxPooling2D()(h)
-    h = keras.layers.Conv2D(64, 3, activation="relu")(h)
-    h = keras.layers.MaxPooling2D()(h)
-    h = keras.layers.Flatten()(h)
-    return cls(inputs, keras.layers.Dense(10)(h))
-
-
-MODELS = {"mlp": (mlp, (784,), 256), "cnn": (cnn, (28, 28, 1), 128)}
 
 
 def all_callbacks():

@@ -35,3 +35,21 @@ def max_weight_diff(a, b):
 
 def same_start(a, b):
     assert max_weight_diff(a, b) == 0.0
+
+
+def pcgrad_np(J, orders):
+    """Yu et al. (2020), Algorithm 1, on the gradient vectors themselves.
+
+    `J` is T x P (one task gradient per row); `orders[i]` is the visiting
+    order of the other tasks for task i. The merged gradient is the sum of
+    the projected task gradients.
+    """
+    merged = np.zeros(J.shape[1])
+    for i in range(len(J)):
+        g = J[i].copy()
+        for j in orders[i]:
+            dot = g @ J[j]
+            if dot < 0:
+                g = g - dot / (J[j] @ J[j]) * J[j]
+        merged += g
+    return merged

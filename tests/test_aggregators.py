@@ -17,6 +17,8 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from scipy.optimize import minimize  # noqa: E402
 
+from helpers import pcgrad_np  # noqa: E402
+
 from keras_fastgrad import aggregators  # noqa: E402
 
 P = 50
@@ -39,19 +41,6 @@ def _merged(w, J):
 
 
 # ---------------------------------------------------------------- references
-
-
-def pcgrad_np(J, orders):
-    """Yu et al. (2020), Algorithm 1, on the gradient vectors themselves."""
-    merged = np.zeros(J.shape[1])
-    for i in range(len(J)):
-        g = J[i].copy()
-        for j in orders[i]:
-            dot = g @ J[j]
-            if dot < 0:
-                g = g - dot / (J[j] @ J[j]) * J[j]
-        merged += g
-    return merged
 
 
 def min_norm_np(J):

@@ -18,6 +18,7 @@ import tensorflow as tf
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask import regularization_loss, task_losses
+from helpers import pcgrad_np
 
 LR = 0.1
 TASKS = ("a", "b", "c")
@@ -95,19 +96,6 @@ def unflat(vector, like, mask):
         else:
             out.append(None)
     return out
-
-
-def pcgrad_np(J, orders):
-    """Yu et al. (2020), Algorithm 1, on explicit gradient vectors."""
-    merged = np.zeros(J.shape[1])
-    for i in range(len(J)):
-        g = J[i].copy()
-        for j in orders[i]:
-            dot = g @ J[j]
-            if dot < 0:
-                g = g - dot / (J[j] @ J[j]) * J[j]
-        merged += g
-    return merged
 
 
 def expected_gradient(model, grads, merged_shared):
