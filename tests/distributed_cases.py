@@ -94,6 +94,13 @@ def case_steps_per_execution():
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
+def case_micro_batches():
+    # Batches of 10 over 2 replicas (5 each) in 2 slices (3 + 2, padded).
+    x, y = data(n=30)
+    build = lambda: fast(micro_batches=2, accumulation_steps=2, clip_norm=1.0)  # noqa: E731
+    return compare(build, adam, x, y * 10.0, {"batch_size": 10, "epochs": 2})
+
+
 def case_nan_on_one_replica():
     # Global batch 8 = replica 0 gets samples 0-3, replica 1 samples 4-7.
     x, y = data(n=24)

@@ -65,6 +65,10 @@ def test_accumulation_and_clipping_clip_the_global_gradient(mirrored):
     )
 
 
+def test_micro_batches_with_accumulation_match_single_device(mirrored):
+    _assert_same_as_single_device(mirrored["micro_batches"])
+
+
 def test_nan_on_one_replica_is_dropped_on_every_replica(mirrored):
     # Reference: single device trained without that global batch.
     result = mirrored["nan_on_one_replica"]
