@@ -37,7 +37,9 @@ class PhaseTimes:
     @property
     def update_ms(self):
         """Step minus forward + backward: the optimizer update and whatever
-        else the step does (metrics, telemetry, multi-task merging)."""
+        else the step does (metrics, telemetry, multi-task merging, the
+        slice loop of `micro_batches`; forward and backward run on the
+        whole batch)."""
         return self.step_ms - self.forward_backward_ms
 
     @property
