@@ -9,9 +9,11 @@ ACTIONS = ("raise", "stop", "warn")
 
 
 class NonFiniteError(RuntimeError):
-    """Raised by `NonFiniteGuard(action="raise")` when a micro-batch's loss
-    or gradient held NaN/Inf. The message names the epoch, the batch(es) and
-    the first variable whose gradient was non-finite (or the loss).
+    """Raised by `NonFiniteGuard(action="raise")` on a NaN/Inf micro-batch.
+
+    A micro-batch's loss or gradient held NaN/Inf. The message names the
+    epoch, the batch(es) and the first variable whose gradient was
+    non-finite (or the loss).
 
     Example:
 
