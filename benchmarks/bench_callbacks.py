@@ -90,7 +90,7 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="fewer rounds and steps (about 2 minutes on 2 cores)")
     args = parser.parse_args()
-    rounds, steps = (8, 16) if args.quick else (12, 20)
+    rounds, steps = (5, 8) if args.quick else (12, 20)
     fast = keras_fastgrad.FastGradModel
     pairs, targets, checks = [], {}, []
     for name, (build, shape, batch) in MODELS.items():

@@ -13,6 +13,7 @@ no gradient) are recorded here too.
 import warnings
 
 import keras
+import tensorflow as tf
 
 from keras_fastgrad.accumulation import WindowAccumulator
 from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key, layer_key
@@ -89,7 +90,8 @@ class StepStateMixin:
         # Python side effect at trace time on purpose: these are facts of
         # the traced graph (how many variables the tape watched, which got
         # no gradient), not per-step values.
-        self._fg_trace_count += 1
+        if not tf.executing_eagerly():  # eager steps are not traces
+            self._fg_trace_count += 1
         self._fg_tape_variables = len(variables)
         self._fg_no_gradient = [
             v.path for v, g in zip(variables, grads) if g is None
