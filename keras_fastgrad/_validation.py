@@ -140,30 +140,44 @@ def check_optimizer_ownership(optimizer, accumulation_steps, clip_norm):
 
 
 def check_jit_compile_under_strategy(jit_compile, strategy):
-    """Refuses XLA where TensorFlow cannot compile the step.
+    """Refuses XLA where TensorFlow cannot compile the distributed step.
 
-    XLA cannot compile one function that reads variables placed on several
-    devices of this worker (MirroredStrategy with 2+ local devices): plain
-    `keras.Model` fails there too, deep in TF, with "Trying to access
-    resource ... located in device ...".
+    - MirroredStrategy with 2+ devices on this worker: XLA cannot compile one
+      function that reads variables placed on several devices (plain
+      `keras.Model` fails too, deep in TF: "Trying to access resource ...
+      located in device ...").
+    - Any multi-replica strategy on CPU devices: XLA has no collectives on
+      CPU ("Collectives are not yet implemented for CPU devices when
+      compiling with XLA", then a crash of the worker process).
+    GPU workers with one device each (MultiWorkerMirroredStrategy) pass.
     """
     if jit_compile is not True or strategy.num_replicas_in_sync == 1:
         return
     try:
-        local_devices = len(strategy.extended.worker_devices)
+        devices = list(strategy.extended.worker_devices)
     except (AttributeError, RuntimeError):
-        local_devices = 1
-    if local_devices > 1:
-        raise ValueError(
-            "`jit_compile=True` is not supported by TensorFlow under "
-            f"`{type(strategy).__name__}` with {local_devices} devices on "
-            "this worker: XLA cannot compile a function that reads "
-            "variables on several devices "
+        devices = []
+    if len(devices) > 1:
+        reason = (
+            f"with {len(devices)} devices on this worker: XLA cannot compile "
+            "a function that reads variables on several devices "
             "(https://www.tensorflow.org/xla/known_issues"
-            "#tfvariable_on_a_different_device). Received: jit_compile=True. "
-            "Fix: compile with `jit_compile=False` (or `\"auto\"`, which "
-            "Keras resolves to False under a strategy)."
+            "#tfvariable_on_a_different_device)"
         )
+    elif any("CPU" in d.upper() for d in devices):
+        reason = (
+            "on CPU devices: XLA has no collectives on CPU (TensorFlow: "
+            "\"Collectives are not yet implemented for CPU devices when "
+            "compiling with XLA\")"
+        )
+    else:
+        return
+    raise ValueError(
+        "`jit_compile=True` is not supported by TensorFlow under "
+        f"`{type(strategy).__name__}` {reason}. Received: jit_compile=True. "
+        "Fix: compile with `jit_compile=False` (or `\"auto\"`, which Keras "
+        "resolves to False under a strategy)."
+    )
 
 
 def check_steps_per_execution_under_strategy(steps_per_execution, strategy):

@@ -39,7 +39,10 @@ def main():
     x, y = training_data()
     with strategy.scope():
         model = mlp() if os.environ.get("PLAIN_KERAS") else fast(**OPTIONS)
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01), loss="mse",
+            jit_compile=bool(os.environ.get("WORKER_JIT")),
+        )
     history = model.fit(x, y, **FIT)
     np.savez(sys.argv[1], *model.get_weights())
     with open(sys.argv[1] + ".json", "w") as f:

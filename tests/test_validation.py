@@ -79,3 +79,29 @@ def test_optimizer_options_alone_stay_allowed():
 def test_unknown_telemetry_key_is_refused():
     with pytest.raises(ValueError, match=r"`keys` must be names from .*Received unknown names: \['grad_nrom'\]"):
         fast().enable_telemetry(["grad_nrom"])
+
+
+def test_xla_under_multi_worker_on_cpu_is_refused_clearly():
+    # Measured: MultiWorkerMirroredStrategy on CPU with jit_compile=True fails
+    # in TF ("Collectives are not yet implemented for CPU devices when
+    # compiling with XLA") and the worker process crashes. The check runs on
+    # a stand-in with that strategy's device list (no second process needed).
+    from types import SimpleNamespace
+
+    from keras_fastgrad._validation import check_jit_compile_under_strategy
+
+    class MultiWorkerMirroredStrategy(SimpleNamespace):
+        pass
+
+    strategy = MultiWorkerMirroredStrategy(
+        num_replicas_in_sync=2,
+        extended=SimpleNamespace(worker_devices=("/job:worker/replica:0/task:0/device:CPU:0",)),
+    )
+    with pytest.raises(ValueError, match=r"`jit_compile=True` is not supported by TensorFlow under `MultiWorkerMirroredStrategy` on CPU devices.*Fix: compile with `jit_compile=False`"):
+        check_jit_compile_under_strategy(True, strategy)
+    gpu = MultiWorkerMirroredStrategy(
+        num_replicas_in_sync=2,
+        extended=SimpleNamespace(worker_devices=("/job:worker/replica:0/task:0/device:GPU:0",)),
+    )
+    check_jit_compile_under_strategy(True, gpu)  # allowed: TF has GPU collectives
+    check_jit_compile_under_strategy(False, strategy)
