@@ -15,16 +15,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
-if os.environ.get("DEBUG_TB"):
-    import keras as _k
-    _k.config.disable_traceback_filtering()
-    tf.debugging.disable_traceback_filtering()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import data, fast, mlp  # noqa: E402
+from helpers import data, fast  # noqa: E402
 
 OPTIONS = {"accumulation_steps": 2, "clip_norm": 1.0, "telemetry": True}
 FIT = {"batch_size": 4, "epochs": 2, "shuffle": False, "verbose": 0}
@@ -38,11 +34,8 @@ def training_data():
 def main():
     x, y = training_data()
     with strategy.scope():
-        model = mlp() if os.environ.get("PLAIN_KERAS") else fast(**OPTIONS)
-        model.compile(
-            optimizer=keras.optimizers.Adam(0.01), loss="mse",
-            jit_compile=bool(os.environ.get("WORKER_JIT")),
-        )
+        model = fast(**OPTIONS)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     history = model.fit(x, y, **FIT)
     np.savez(sys.argv[1], *model.get_weights())
     with open(sys.argv[1] + ".json", "w") as f:
