@@ -20,6 +20,10 @@ Log keys (fixed, all float scalars):
 - `loss_scale`: the current loss scale (1 without loss scaling).
 - `tape_variables`: how many variables the tape watched (a trace-time
   constant).
+- `input_shape_changes`: micro-batches whose first input's shape differed
+  from the previous micro-batch's (cumulative). Keras 3 `fit` does not
+  retrace on a new batch size, but XLA compiles the step for every new
+  shape.
 
 On request only (they cost extra work in the update branch):
 
@@ -49,6 +53,7 @@ LOG_KEYS = (
     "nonfinite_num_variables",
     "loss_scale",
     "tape_variables",
+    "input_shape_changes",
 )
 LAYER_NORM_PREFIX = "grad_norm/"
 UPDATE_RATIO = "update_ratio"
@@ -111,6 +116,9 @@ class StepTelemetry:
         self.nonfinite_count = _scalar("nonfinite_count", 0.0)
         self.nonfinite_first_index = _scalar("nonfinite_first_index", -1.0)
         self.nonfinite_num_variables = _scalar("nonfinite_num_variables", 0.0)
+        self.input_shape_changes = _scalar("input_shape_changes", 0.0)
+        self.last_input_batch = _scalar("last_input_batch", -1.0)
+        self.last_input_size = _scalar("last_input_size", -1.0)
 
     @property
     def variables(self):
@@ -121,6 +129,9 @@ class StepTelemetry:
             self.nonfinite_count,
             self.nonfinite_first_index,
             self.nonfinite_num_variables,
+            self.input_shape_changes,
+            self.last_input_batch,
+            self.last_input_size,
         ]
 
     def record_micro_batch(self, finite, first_bad, num_bad):
@@ -165,6 +176,23 @@ class StepTelemetry:
         if self.update_ratio is None:
             return None
         return [tf.identity(tf.cast(v.value, tf.float32)) for v in variables]
+
+    def record_input_shape(self, first_input):
+        """Counts micro-batches whose input shape differs from the previous
+        one's (batch size or element count of the first input): under XLA
+        every new shape is a compile."""
+        batch = tf.cast(tf.shape(first_input)[0], tf.float32)
+        size = tf.cast(tf.size(first_input), tf.float32)
+        changed = tf.logical_and(
+            self.last_input_batch >= 0.0,
+            tf.logical_or(
+                tf.not_equal(batch, self.last_input_batch),
+                tf.not_equal(size, self.last_input_size),
+            ),
+        )
+        self.input_shape_changes.assign_add(tf.where(changed, 1.0, 0.0))
+        self.last_input_batch.assign(batch)
+        self.last_input_size.assign(size)
 
     def record_update(self, norm, was_clipped):
         """Records one optimizer update (inside the update branch)."""

@@ -536,3 +536,27 @@ def test_clip_fraction_needs_a_clipping_model():
         "clip_norm=None. Fix: build it with `FastGradModel(..., clip_norm=...)`"
     )):
         model.fit(x, y, verbose=0, callbacks=[GradientNormLogger(clip_fraction=True)])
+
+
+def test_retrace_watch_warns_about_xla_recompiles_on_a_short_last_batch():
+    # 10 samples in batches of 4: the last batch has 2 rows. Keras 3 does
+    # not retrace, but XLA compiles the step for the new shape.
+    x, y = np.random.default_rng(0).normal(size=(10, 3)).astype("float32"), np.zeros((10, 1), "float32")
+    inputs = keras.Input((3,))
+    model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with pytest.warns(UserWarning, match=r"input shape changed at batch 2 of epoch 0.*drop_remainder=True"):
+        history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[RetraceWatch()])
+    assert history.history["input_shape_changes"] == [1.0]
+
+
+def test_retrace_watch_is_quiet_with_fixed_shapes_under_xla():
+    import warnings as _warnings
+
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    inputs = keras.Input((3,))
+    model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[RetraceWatch()])

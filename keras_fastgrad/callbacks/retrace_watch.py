@@ -31,11 +31,12 @@ class RetraceWatch(_base.FastGradCallback):
       shapes (constant batch size, padding or bucketing to fixed lengths,
       `keras.Input` without `None` dimensions besides the batch).
 
-    Note: on Keras 3 with TensorFlow, `fit` feeds the step from a
-    `tf.data` iterator whose batch dimension is already dynamic, so a short
-    last batch does not retrace the step; under `jit_compile=True` it makes
-    XLA compile the step again for the new shape, which the trace count
-    does not show.
+    On Keras 3 with TensorFlow, `fit` feeds the step from a `tf.data`
+    iterator whose batch dimension is already dynamic, so a short last batch
+    does not retrace the step; under `jit_compile=True` it makes XLA compile
+    the step again for the new shape. The step counts input-shape changes
+    (`input_shape_changes`), and under `jit_compile=True` the watch warns,
+    once per `fit`, when the input shape changed (same fixes).
 
     Args:
         max_traces: Integer >= 1, defaults to `1`. Traces of the train step
@@ -59,6 +60,8 @@ class RetraceWatch(_base.FastGradCallback):
     [0.0]
     """
 
+    telemetry_keys = ("input_shape_changes",)
+
     def __init__(self, max_traces=1):
         super().__init__()
         self.max_traces = _base.check_int(
@@ -73,6 +76,8 @@ class RetraceWatch(_base.FastGradCallback):
         self._warned = False
         self._pending = None  # (epoch, batch, cause) of a trace over the limit
         self._epoch = 0
+        self._shape_changes = None
+        self._xla_warned = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -90,8 +95,30 @@ class RetraceWatch(_base.FastGradCallback):
                     cause = "replaced" if replaced else "shapes"
                     self._pending = (self._epoch, batch, cause)
             self._traces = traces
+        self._watch_xla_recompiles(batch, logs)
         if logs is not None:
             logs[TRAIN_TRACES] = float(self._traces)
+
+    def _watch_xla_recompiles(self, batch, logs):
+        changes = (logs or {}).get("input_shape_changes")
+        if changes is None or self.model.jit_compile is not True:
+            return
+        if self._shape_changes is None:
+            self._shape_changes = changes
+        if changes > self._shape_changes and not self._xla_warned:
+            self._xla_warned = True
+            warnings.warn(
+                "RetraceWatch: the input shape changed at batch "
+                f"{batch} of epoch {self._epoch} (0-based) under "
+                "`jit_compile=True`: XLA compiles the step again for every "
+                "new shape (the trace count does not show it). Likely a "
+                "short last batch. Fix: `dataset.batch(batch_size, "
+                "drop_remainder=True)` or a batch size that divides the "
+                "number of samples; for varying lengths, pad or bucket to "
+                "a few fixed shapes.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         if self._pending is not None:
