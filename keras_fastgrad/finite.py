@@ -11,14 +11,13 @@ import tensorflow as tf
 def nonfinite_vector(grads, loss):
     """float32 vector: 1 per non-finite gradient (`None`: 0), then 1 if the
     loss is non-finite. Summing it over replicas keeps its meaning."""
-    flags = [
-        tf.zeros([], tf.bool) if g is None else tf.logical_not(
-            tf.reduce_all(tf.math.is_finite(g))
-        )
+    finite = [
+        tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g))
         for g in grads
     ]
-    flags.append(tf.logical_not(tf.reduce_all(tf.math.is_finite(loss))))
-    return tf.cast(tf.stack(flags), tf.float32)
+    finite.append(tf.reduce_all(tf.math.is_finite(loss)))
+    # One negation and one cast for the whole vector: few small ops per step.
+    return tf.cast(tf.logical_not(tf.stack(finite)), tf.float32)
 
 
 def summarize(bad):

@@ -252,9 +252,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         scaling.update(finite)
         keep = finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
         self._fg_telemetry.record_micro_batch(finite, first_bad, num_bad)
-        self._fg_telemetry.record_input_shape(
-            next(i for i in tree.flatten(x) if i is not None)
-        )
+        if "input_shape_changes" in self._fg_log_keys:  # only when read
+            self._fg_telemetry.record_input_shape(
+                next(i for i in tree.flatten(x) if i is not None)
+            )
 
         self._loss_tracker.update_state(
             tf.where(keep, unscale_loss_for_distribution(loss), 0.0),

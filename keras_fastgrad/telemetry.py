@@ -23,7 +23,8 @@ Log keys (fixed, all float scalars):
 - `input_shape_changes`: micro-batches whose first input's shape differed
   from the previous micro-batch's (cumulative). Keras 3 `fit` does not
   retrace on a new batch size, but XLA compiles the step for every new
-  shape.
+  shape. Counted only while the key is requested (`RetraceWatch`,
+  `telemetry=True`).
 
 On request only (they cost extra work in the update branch):
 
