@@ -49,6 +49,18 @@ def pcgrad_weights(gram, orders):
     Args:
         gram: `[T, T]` float tensor.
         orders: int tensor `[T, T-1]`; row `i` lists the other tasks.
+
+    Returns:
+        `[T]` task weights.
+
+    Example:
+
+    The paper's tug of war, g1 = (-10, 0) and g2 = (1, -1):
+
+    >>> w = pcgrad_weights(tf.constant([[100.0, -10.0], [-10.0, 2.0]]),
+    ...                    tf.constant([[1], [0]]))
+    >>> [round(v, 3) for v in w.numpy().tolist()]
+    [1.1, 6.0]
     """
     gram = tf.convert_to_tensor(gram)
     num_tasks = gram.shape[0]

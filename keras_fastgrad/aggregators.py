@@ -35,7 +35,18 @@ class Aggregator:
     """Base: maps the Gram matrix of task gradients to task weights.
 
     Subclasses implement `_weights(gram, seed_tensor)`; `weights` checks the
-    input and computes half precision in float32.
+    input and computes half precision in float32. Pass an instance as
+    `FastGradModel(multitask=...)`; register it with
+    `keras.saving.register_keras_serializable` so `.keras` files load.
+
+    Example:
+
+    >>> class FirstTaskOnly(Aggregator):
+    ...     name = "first_task_only"
+    ...     def _weights(self, gram, seed_tensor):
+    ...         return tf.one_hot(0, gram.shape[0], dtype=gram.dtype)
+    >>> FirstTaskOnly().weights(tf.eye(3)).numpy().tolist()
+    [1.0, 0.0, 0.0]
     """
 
     name = None
@@ -348,14 +359,46 @@ _CLASSES = {c.name: c for c in (Sum, Mean, PCGrad, MGDA, CAGrad, IMTL, AlignedMT
 
 
 def serialize(aggregator):
-    """The Keras config dict of `aggregator` (`get` rebuilds it)."""
+    """The Keras config dict of `aggregator` (`get` rebuilds it).
+
+    Args:
+        aggregator: An `Aggregator` instance.
+
+    Returns:
+        A JSON-serializable dict.
+
+    Example:
+
+    >>> config = serialize(get("cagrad"))
+    >>> type(get(config)).__name__, get(config).c
+    ('CAGrad', 0.5)
+    """
     return keras.saving.serialize_keras_object(aggregator)
 
 
 def get(identifier):
     """An `Aggregator` from a name in `NAMES`, an instance or a config dict.
 
-    `None` gives `None` (no aggregation), as in Keras' `get` functions.
+    Args:
+        identifier: A name from `NAMES` (case-insensitive), an `Aggregator`
+            instance (returned as is), a config dict from `serialize`, or
+            `None` (no aggregation, returned as `None`, as in Keras' `get`
+            functions).
+
+    Returns:
+        An `Aggregator` or `None`.
+
+    Raises:
+        ValueError: for anything else, listing the valid names.
+
+    Example:
+
+    >>> type(get("pcgrad")).__name__
+    'PCGrad'
+    >>> get("pcgard")
+    Traceback (most recent call last):
+    ...
+    ValueError: `multitask` must be one of [...] or an Aggregator instance. Received: multitask='pcgard'
     """
     if identifier is None or isinstance(identifier, Aggregator):
         return identifier
@@ -383,9 +426,13 @@ def get(identifier):
 def gram_telemetry(gram):
     """Per-task gradient norms, pairwise cosines and conflicts from `G`.
 
-    Returns a dict: `"norms"` (`[T]`, `sqrt(diag G)`), `"cosine"` (`[T, T]`,
-    0 where a norm is 0) and `"num_conflicts"` (int32, pairs `i < j` with
-    `G_ij < 0`).
+    Args:
+        gram: `[T, T]` Gram matrix `J J^T` of the task gradients.
+
+    Returns:
+        A dict: `"norms"` (`[T]`, `sqrt(diag G)`), `"cosine"` (`[T, T]`, 0
+        where a norm is 0) and `"num_conflicts"` (int32, pairs `i < j` with
+        `G_ij < 0`).
 
     Example:
 

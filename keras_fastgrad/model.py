@@ -76,6 +76,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             normalisation and counted (`nonfinite_count`). `False` applies
             such gradients like `keras.Model` does (a loss-scaled model still
             drops them: loss scaling needs it).
+        micro_batches: Integer >= 1, defaults to `1`. Splits each batch into
+            this many slices inside the step (a `tf.while_loop`): one update
+            per batch, equal to the un-split step, with the activation
+            memory of one slice (see `keras_fastgrad.slicing`).
         telemetry: Boolean, defaults to `False`. Adds the step's measurements
             (`grad_norm`, `nonfinite_count`, `loss_scale`, ... see
             `keras_fastgrad.telemetry.LOG_KEYS`) to the logs. The callbacks

@@ -69,6 +69,17 @@ class StepProfile(_profiling_report.ReportMixin):
         model_mode: the mode the model trains in (`"eager"` if
             `run_eagerly`, `"xla"` if `jit_compile=True`, else
             `"function"`).
+
+    Example:
+
+    >>> inputs = keras.Input((8,))
+    >>> model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> profile = keras_fastgrad.profile_step(
+    ...     model, (np.ones((16, 8)), np.ones((16, 1))), modes=("function",),
+    ...     repeats=2, warmup=1, verbose=0)
+    >>> sorted(profile.phases), profile.tape_variables, profile.trainable_variables
+    (['function'], 2, 2)
     """
 
     model_name: str

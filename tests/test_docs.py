@@ -27,15 +27,7 @@ from keras_fastgrad import aggregators, callbacks
 
 # name -> the gaps it had when this test landed ("summary", "args",
 # "example", "arg:<name>"). Fix the docstring, then delete the entry.
-KNOWN_GAPS = {
-    "keras_fastgrad.FastGradModel": {"arg:micro_batches"},
-    "keras_fastgrad.StepProfile": {"example"},
-    "keras_fastgrad.aggregators.Aggregator": {"example"},
-    "keras_fastgrad.aggregators.get": {"args", "example"},
-    "keras_fastgrad.aggregators.gram_telemetry": {"args"},
-    "keras_fastgrad.aggregators.pcgrad_weights": {"example"},
-    "keras_fastgrad.aggregators.serialize": {"args", "example"},
-}
+KNOWN_GAPS = {}
 
 SECTION = re.compile(r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples|"
                      r"References|Note|Notes|Call arguments|Input shape|Output shape)"
