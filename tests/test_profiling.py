@@ -30,24 +30,24 @@ def mlp(cls=keras_fastgrad.FastGradModel, features=4, width=8, depth=1, **option
     return model
 
 
-class SubclassedFast(keras_fastgrad.FastGradModel):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(8, activation="relu")
-        self.out = keras.layers.Dense(3)
+def subclassed(base):
+    """A two-layer subclassed model on `base` (FastGradModel or keras.Model)."""
 
-    def call(self, x):
-        return self.out(self.hidden(x))
+    class Net(base):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(8, activation="relu")
+            self.out = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    Net.__name__ = f"Subclassed{base.__name__}"
+    return Net
 
 
-class SubclassedKeras(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(8, activation="relu")
-        self.out = keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.out(self.hidden(x))
+SubclassedFast = subclassed(keras_fastgrad.FastGradModel)
+SubclassedKeras = subclassed(keras.Model)
 
 
 def batch(n=16, features=4, seed=0):
