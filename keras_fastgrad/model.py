@@ -223,14 +223,12 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         scaling = self._fg_scaling
 
         # Each micro-batch's gradient is weighted by its number of samples
-        # when several are combined (accumulation, replicas; see
+        # when several are combined (accumulation, replicas, slices; see
         # accumulation.py); the factor is folded into the loss (or the
         # unscaling), not applied as a pass of its own. Keras divides the
         # loss by the number of replicas: undone here.
-        num_samples = tf.cast(
-            tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
-            tf.float32,
-        )
+        first_input = next(i for i in tree.flatten(x) if i is not None)
+        num_samples = tf.cast(tf.shape(first_input)[0], tf.float32)
         replicas = num_replicas()
         weighted = (
             self._fg_accumulator is not None or replicas > 1 or self.micro_batches > 1
@@ -249,7 +247,6 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 x, y, sample_weight, variables, weight,
                 num_samples if weighted else None,
             )
-        merger = self._fg_merger
         # One small all-reduce: every decision below is global.
         bad, total_samples = replica_sum([nonfinite_vector(grads, loss), num_samples])
         finite, first_bad, num_bad = summarize(bad)
@@ -257,9 +254,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         keep = finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
         self._fg_telemetry.record_micro_batch(finite, first_bad, num_bad)
         if "input_shape_changes" in self._fg_log_keys:  # only when read
-            self._fg_telemetry.record_input_shape(
-                next(i for i in tree.flatten(x) if i is not None)
-            )
+            self._fg_telemetry.record_input_shape(first_input)
 
         self._loss_tracker.update_state(
             tf.where(keep, unscale_loss_for_distribution(loss), 0.0),
@@ -287,8 +282,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 scaling.current_scale(), self._fg_tape_variables
             )
             logs.update({k: v for k, v in measured.items() if k in self._fg_log_keys})
-            if merger is not None:  # all task keys: read from the Gram matrix
-                logs.update(merger.logs())
+            if self._fg_merger is not None:  # task keys, from the Gram matrix
+                logs.update(self._fg_merger.logs())
         return for_keras_reduction(logs)
 
     def _fg_batch_gradients(self, x, y, sample_weight, variables, weight, grad_scale):
