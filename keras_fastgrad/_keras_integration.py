@@ -9,7 +9,8 @@ Keras hooks overridden here, each for one reason:
   first trace; and under MultiWorkerMirroredStrategy Keras' own version
   fails.
 - `fit` / `_get_metrics_result_or_logs`: the place, right after an epoch's
-  last batch and before validation, to apply a partial accumulation window.
+  last batch and before validation, to apply a partial accumulation window
+  (not when `evaluate`, which ends the same way, runs inside `fit`).
 """
 
 import keras
@@ -71,20 +72,48 @@ class KerasIntegrationMixin:
             self._symbolic_build(data_batch=data_batch)
 
     def fit(self, *args, **kwargs):
+        if self.max_consecutive_nonfinite is not None:
+            if len(args) > 5:  # `callbacks` given by position
+                args = args[:5] + (_with_divergence_stop(self, args[5]),) + args[6:]
+            else:
+                kwargs["callbacks"] = _with_divergence_stop(self, kwargs.get("callbacks"))
         self._fg_in_fit = True
         try:
             return super().fit(*args, **kwargs)
         finally:
             self._fg_in_fit = False
 
+    def evaluate(self, *args, **kwargs):
+        # `evaluate` ends with `_get_metrics_result_or_logs` too; called by
+        # a callback inside `fit`, it must not apply the pending window.
+        self._fg_evaluating += 1
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._fg_evaluating -= 1
+
     def _get_metrics_result_or_logs(self, logs):
         # Keras calls this right after an epoch's last batch, before
         # validation and `on_epoch_end`: the place to apply a partial window.
-        if self._fg_in_fit:
+        if self._fg_in_fit and not self._fg_evaluating:
             flushed = self.apply_partial_window()
             if flushed is not None and isinstance(logs, dict):
                 logs = {**logs, **{k: flushed[k] for k in logs if k in flushed}}
         return super()._get_metrics_result_or_logs(logs)
+
+
+def _with_divergence_stop(model, callbacks):
+    """The user's callbacks plus a `DivergenceStop` reading the model's
+    streak (created with the step's state, on first use)."""
+    from keras_fastgrad.divergence import DivergenceStop
+
+    if callbacks is None:
+        callbacks = []
+    elif isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = list(callbacks.callbacks)
+    else:
+        callbacks = list(callbacks)
+    return callbacks + [DivergenceStop(lambda: model._fg_divergence)]
 
 
 _FUNCTIONAL_VARIANTS = {}

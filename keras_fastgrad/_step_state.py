@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_fastgrad.accumulation import WindowAccumulator
+from keras_fastgrad.divergence import DivergenceWatch
 from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key, layer_key
 
 _STATE_PREFIX = "fastgrad_"
@@ -35,12 +36,15 @@ class StepStateMixin:
         with self.distribute_strategy.scope(), keras.name_scope("fastgrad"):
             telemetry = StepTelemetry()
             telemetry.build([v.path for v in variables], optional)
+            divergence = DivergenceWatch(self.max_consecutive_nonfinite)
+            divergence.build()
             accumulator = None
             if self.accumulation_steps > 1:
                 accumulator = WindowAccumulator(self.accumulation_steps)
                 accumulator.build(variables)
         same_variables = self._fg_state_for and self._fg_state_for[0] == key[0]
         self._fg_telemetry, self._fg_accumulator = telemetry, accumulator
+        self._fg_divergence = divergence
         self._fg_state_for = key
         if same_variables:  # only the requested keys changed: keep the state
             for v, value in zip(self._fg_state_variables(), old_state):
@@ -55,7 +59,7 @@ class StepStateMixin:
         """The step's training state: saved and restored with the model."""
         if self._fg_state_for is None:
             self._fg_build_state()
-        state = list(self._fg_telemetry.variables)
+        state = list(self._fg_telemetry.variables) + self._fg_divergence.variables
         if self._fg_accumulator is not None:
             state += self._fg_accumulator.variables
         return state

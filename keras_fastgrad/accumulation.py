@@ -1,14 +1,16 @@
 """Exact gradient accumulation over a window of micro-batches.
 
-The loss Keras minimises is a mean over the batch ("sum_over_batch_size"),
-so the gradient of the concatenated window is
+Keras reduces a loss as `S / D` (`keras_fastgrad.weighting`: `D` is the
+number of loss elements, of valid ones under a mask, or the sum of sample
+weights), so the gradient of the concatenated window is
 
-    g = sum_j (n_j / N) g_j,    N = sum_j n_j,
+    g = sum_j (D_j / N) g_j,    N = sum_j D_j,
 
-where `n_j` is micro-batch j's number of samples. The accumulator keeps
-`sum_j n_j g_j` and `N` in float32 variables (model state, saved with the
-model) and divides once, at the update. A micro-batch left out (non-finite)
-adds neither to the sum nor to `N`.
+(`g = sum_j g_j` for `reduction="sum"`). The accumulator keeps
+`sum_j D_j g_j` and `N` in float32 variables (model state, saved with the
+model) and the step divides once, at the update. A micro-batch left out
+(non-finite) adds neither to the sum nor to `N`. Sparse gradients
+(`tf.IndexedSlices`) are added to their rows only.
 
 Under a `tf.distribute` strategy each replica adds its own share to
 sync-on-read sums: micro-steps do not all-reduce gradients; the update sums
@@ -18,9 +20,11 @@ the window once (`replica_sum`), and a checkpoint reads the total.
 import keras
 import tensorflow as tf
 
+from keras_fastgrad._gradients import to_float32
+
 
 class WindowAccumulator:
-    """Sample-weighted sum of micro-batch gradients over `steps` batches.
+    """Normaliser-weighted sum of micro-batch gradients over `steps` batches.
 
     Args:
         steps: Integer >= 2, micro-batches per optimizer update.
@@ -32,14 +36,15 @@ class WindowAccumulator:
     >>> acc.build([v])
     >>> _ = acc.add([tf.constant([4.0, 4.0])], 4.0, tf.constant(True))
     >>> done = acc.add([tf.constant([8.0, 8.0])], 2.0, tf.constant(True))
-    >>> bool(done), acc.mean()[0].numpy().tolist()  # (4*1 + 2*4) / 6
+    >>> total = acc.window_sums()[0] / acc.normaliser  # (4*1 + 2*4) / 6
+    >>> bool(done), total.numpy().tolist()
     (True, [2.0, 2.0])
     """
 
     def __init__(self, steps):
         self.steps = steps
         self.sums = []
-        self.samples = None
+        self.normaliser = None
         self.micro_step = None
 
     def build(self, variables):
@@ -56,9 +61,9 @@ class WindowAccumulator:
             for i, v in enumerate(variables)
         ]
         # Global values, the same on every replica.
-        self.samples = keras.Variable(
+        self.normaliser = keras.Variable(
             0.0, dtype="float32", trainable=False,
-            aggregation="only_first_replica", name="accumulated_samples",
+            aggregation="only_first_replica", name="accumulated_normaliser",
         )
         self.micro_step = keras.Variable(
             0, dtype="int64", trainable=False,
@@ -67,17 +72,18 @@ class WindowAccumulator:
 
     @property
     def variables(self):
-        return self.sums + [self.samples, self.micro_step]
+        return self.sums + [self.normaliser, self.micro_step]
 
-    def add(self, weighted_grads, num_samples, include):
+    def add(self, weighted_grads, normaliser, include):
         """Adds one micro-batch; returns whether its window is now complete.
 
         Args:
             weighted_grads: List of float32 gradients already multiplied by
-                this replica's number of samples (the step folds the factor
-                into the loss, for free); `None` where a variable has none.
-            num_samples: float32 scalar, the micro-batch's number of samples
-                over all replicas.
+                this replica's loss normaliser `D_j` (the step folds the
+                factor into the loss, for free); `None` where a variable has
+                none.
+            normaliser: float32 scalar, the micro-batch's `D_j` summed over
+                all replicas.
             include: boolean scalar, the same on every replica; `False`
                 leaves the micro-batch out.
 
@@ -87,7 +93,9 @@ class WindowAccumulator:
 
         def add():
             for total, g in zip(self.sums, weighted_grads):
-                if g is not None:
+                if isinstance(g, tf.IndexedSlices):  # touched rows only
+                    total.value.scatter_add(to_float32(g))
+                elif g is not None:
                     total.assign_add(tf.cast(g, tf.float32))
             return tf.constant(True)
 
@@ -95,13 +103,14 @@ class WindowAccumulator:
         # `where` (an extra pass over every gradient). Mirrored state is
         # written outside it: under a strategy that write is a `merge_call`.
         tf.cond(include, add, lambda: tf.constant(False))
-        self.samples.assign_add(tf.where(include, num_samples, 0.0))
+        self.normaliser.assign_add(tf.where(include, normaliser, 0.0))
         self.micro_step.assign_add(1)
         return tf.equal(self.micro_step % self.steps, 0)
 
     def has_samples(self):
-        """Boolean scalar: the window holds at least one included sample."""
-        return self.samples > 0.0
+        """Boolean scalar: the window's normaliser is positive (it holds an
+        included micro-batch with at least one counted loss element)."""
+        return self.normaliser > 0.0
 
     def window_sums(self, grads_template=None):
         """`sum_j n_j g_j` over the window: in cross-replica context the
@@ -117,18 +126,11 @@ class WindowAccumulator:
             for total, t in zip(self.sums, template)
         ]
 
-    def mean(self, grads_template=None):
-        """The window's gradient `sum_j n_j g_j / N`."""
-        return [
-            None if s is None else s / self.samples
-            for s in self.window_sums(grads_template)
-        ]
-
     def reset(self):
         """Empties the window's sums (the micro-step count runs on)."""
         for total in self.sums:
             total.assign(tf.zeros_like(total))
-        self.samples.assign(0.0)
+        self.normaliser.assign(0.0)
 
     def restart(self):
         """Empties the window and starts the next one at micro-step 0."""

@@ -12,6 +12,7 @@ finite ones), so the scale is saved and restored with the optimizer.
 import keras
 import tensorflow as tf
 
+from keras_fastgrad._gradients import scale
 from keras_fastgrad._replicas import in_cross_replica_context
 
 
@@ -65,7 +66,7 @@ class LossScaling:
         inverse = 1.0 / self.scaler.dynamic_scale
         if weight is not None:
             inverse = inverse * weight
-        return [None if g is None else tf.cast(g, tf.float32) * inverse for g in grads]
+        return [scale(g, inverse) for g in grads]
 
     def update(self, finite):
         """Halves the scale after a non-finite micro-batch, grows it after

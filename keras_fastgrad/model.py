@@ -10,6 +10,8 @@ and records what it measured in `telemetry`. `train_step` orchestrates; the
 units do the maths.
 """
 
+import contextlib
+import functools
 import warnings
 
 import keras
@@ -28,7 +30,9 @@ from keras_fastgrad._replicas import (
     num_replicas,
     replica_sum,
 )
-from keras_fastgrad.finite import nonfinite_vector, summarize
+from keras_fastgrad._gradients import scale
+from keras_fastgrad.divergence import TrainingLoss, failed
+from keras_fastgrad.finite import all_finite, nonfinite_vector, summarize
 from keras_fastgrad.loss_scaling import LossScaling
 from keras_fastgrad.slicing import check_micro_batches, sliced_gradients
 from keras_fastgrad.multitask import (
@@ -41,6 +45,7 @@ from keras_fastgrad.multitask import (
 from keras_fastgrad._keras_integration import KerasIntegrationMixin
 from keras_fastgrad._step_state import StepStateMixin
 from keras_fastgrad.telemetry import LOG_KEYS
+from keras_fastgrad.weighting import LossShares
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")
@@ -80,6 +85,14 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             this many slices inside the step (a `tf.while_loop`): one update
             per batch, equal to the un-split step, with the activation
             memory of one slice (see `keras_fastgrad.slicing`).
+        max_consecutive_nonfinite: Integer >= 1 or `None`, defaults to
+            `10`. A run that drops this many micro-batches in a row (no
+            update applied in between; loss-scale overflows that halving
+            the scale can fix do not count) has diverged: `fit` stops with
+            a `RuntimeWarning`. Periods in which nothing was kept, or that
+            end while micro-batches are being dropped, log `loss=nan`, so
+            best-checkpoint callbacks never pick them (see
+            `keras_fastgrad.divergence`). `None` never stops.
         telemetry: Boolean, defaults to `False`. Adds the step's measurements
             (`grad_norm`, `nonfinite_count`, `loss_scale`, ... see
             `keras_fastgrad.telemetry.LOG_KEYS`) to the logs. The callbacks
@@ -113,6 +126,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         skip_nonfinite=True,
         telemetry=False,
         micro_batches=1,
+        max_consecutive_nonfinite=10,
         **kwargs,
     ):
         accumulation_steps = _validation.check_accumulation_steps(
@@ -123,6 +137,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         skip_nonfinite = _validation.check_bool("skip_nonfinite", skip_nonfinite)
         telemetry = _validation.check_bool("telemetry", telemetry)
         micro_batches = check_micro_batches(micro_batches)
+        max_consecutive_nonfinite = _validation.check_optional_int(
+            "max_consecutive_nonfinite", max_consecutive_nonfinite, 1,
+            " (dropped micro-batches in a row before training stops) or None",
+        )
         if micro_batches > 1 and multitask is not None:
             raise ValueError(
                 "`micro_batches` and `multitask` cannot be combined yet: the "
@@ -146,20 +164,27 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         self.skip_nonfinite = skip_nonfinite
         self.telemetry = telemetry
         self.micro_batches = micro_batches
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self._fg_divergence = None
         self._fg_accumulator = None
         self._fg_telemetry = None
         self._fg_state_for = None
         self._fg_scaling = None
         self._fg_flush_function = None
         self._fg_in_fit = False
+        self._fg_evaluating = 0
         self._fg_tape_variables = None
         self._fg_no_gradient = None
         self._fg_log_keys = set(LOG_KEYS) if telemetry else set()
         self._fg_trace_count = 0
+        self._fg_divide_window = True
 
     # ------------------------------------------------------------ compile/fit
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
+        # Keras' `loss` tracker, made honest about dropped micro-batches
+        # (set as Keras' `compile` sets it: not tracked as a user metric).
+        object.__setattr__(self, "_loss_tracker", TrainingLoss(name="loss"))
         _validation.check_optimizer_ownership(
             self.optimizer, self.accumulation_steps, self.clip_norm
         )
@@ -197,8 +222,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         if acc is None or int(acc.micro_step.numpy()) % acc.steps == 0:
             return None
         if self._fg_flush_function is None:
+            # A `partial`, not a lambda: TF keys its retracing warning on a
+            # function's code, shared by every model's lambda.
             self._fg_flush_function = tf.function(
-                lambda: self.distribute_strategy.run(self._fg_flush_step),
+                functools.partial(self.distribute_strategy.run, self._fg_flush_step),
                 jit_compile=bool(self.jit_compile),
             )
         self._fg_flush_function()
@@ -213,6 +240,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         acc = self._fg_accumulator
         apply_if(acc.has_samples(), self._fg_apply_window)
         acc.restart()
+        self._loss_tracker.set_dropping(self._fg_divergence.dropping())
 
     # ------------------------------------------------------------- the step
     def train_step(self, data):
@@ -222,36 +250,37 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             warnings.warn("The model does not have any trainable weights.")
         scaling = self._fg_scaling
 
-        # Each micro-batch's gradient is weighted by its number of samples
-        # when several are combined (accumulation, replicas, slices; see
-        # accumulation.py); the factor is folded into the loss (or the
-        # unscaling), not applied as a pass of its own. Keras divides the
-        # loss by the number of replicas: undone here.
+        # Where micro-batches are combined (accumulation, replicas, slices),
+        # each counts by its loss's own normaliser (`weighting.py`); the
+        # factor is folded into the loss, not applied as a pass of its own.
         first_input = next(i for i in tree.flatten(x) if i is not None)
-        num_samples = tf.cast(tf.shape(first_input)[0], tf.float32)
-        replicas = num_replicas()
+        num_rows = tf.shape(first_input)[0]
+        num_samples = tf.cast(num_rows, tf.float32)
         weighted = (
-            self._fg_accumulator is not None or replicas > 1 or self.micro_batches > 1
+            self._fg_accumulator is not None
+            or num_replicas() > 1
+            or self.micro_batches > 1
         )
-        weight = num_samples * replicas if weighted else None
-
         if self.micro_batches > 1:
             self._fg_check_slices(x)
-            loss, y_pred, grads = sliced_gradients(
-                self, x, y, sample_weight, variables, scaling,
-                self.micro_batches, replicas,
+            loss, y_pred, grads, share = sliced_gradients(
+                self, x, y, sample_weight, variables, scaling, self.micro_batches
             )
             self._fg_record_trace_facts(variables, grads)
         else:
-            loss, y_pred, grads = self._fg_batch_gradients(
-                x, y, sample_weight, variables, weight,
-                num_samples if weighted else None,
+            loss, y_pred, grads, share = self._fg_batch_gradients(
+                x, y, sample_weight, variables, num_rows if weighted else None
             )
+        normaliser = share.real if weighted else tf.constant(1.0)
+        self._fg_divide_window = share.mean if weighted else True
         # One small all-reduce: every decision below is global.
-        bad, total_samples = replica_sum([nonfinite_vector(grads, loss), num_samples])
-        finite, first_bad, num_bad = summarize(bad)
-        scaling.update(finite)
+        bad, total = replica_sum([nonfinite_vector(grads, loss), normaliser])
+        finite, _, first_bad, num_bad = summarize(bad)
         keep = finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
+        self._fg_divergence.record_drop(
+            tf.logical_and(tf.logical_not(keep), failed(finite, scaling))
+        )
+        scaling.update(finite)
         self._fg_telemetry.record_micro_batch(finite, first_bad, num_bad)
         if "input_shape_changes" in self._fg_log_keys:  # only when read
             self._fg_telemetry.record_input_shape(first_input)
@@ -265,15 +294,19 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             apply_if(
                 keep,
                 self._fg_update,
-                args=(replica_sum(grads), total_samples if weighted else None),
+                args=(
+                    replica_sum(grads),
+                    total if weighted and share.mean else None,
+                ),
             )
         else:
             acc = self._fg_accumulator
-            window_complete = acc.add(grads, total_samples, keep)
+            window_complete = acc.add(grads, total, keep)
             apply_if(
                 tf.logical_and(window_complete, acc.has_samples()),
                 self._fg_apply_window,
             )
+        self._loss_tracker.set_dropping(self._fg_divergence.dropping())
 
         logs = self._fg_compute_metrics(keep, x, y, y_pred, sample_weight)
         logs = global_metric_results(self.metrics, logs)
@@ -286,12 +319,15 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 logs.update(self._fg_merger.logs())
         return for_keras_reduction(logs)
 
-    def _fg_batch_gradients(self, x, y, sample_weight, variables, weight, grad_scale):
+    def _fg_batch_gradients(self, x, y, sample_weight, variables, num_rows):
         """Forward and backward on the whole batch (one tape); with
         `multitask`, the task gradients merged. Returns `(loss, y_pred,
-        grads)`, the gradients unscaled and multiplied by `weight`."""
+        grads, share)`: the gradients unscaled and, when `num_rows` is
+        given (micro-batches are combined), multiplied by the micro-batch's
+        share (`weighting.LossShares`; `share` is `None` otherwise)."""
         scaling = self._fg_scaling
         merger = self._fg_merger
+        shares = None if num_rows is None else LossShares(self, num_rows)
         with tf.GradientTape(
             watch_accessed_variables=False, persistent=merger is not None
         ) as tape:
@@ -301,16 +337,25 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
+            with shares or contextlib.nullcontext():
+                if merger is None:
+                    loss = self._compute_loss(
+                        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                        training=True,
+                    )
+                else:  # one loss per task; regularisation is not a task
+                    tasks = task_losses(self, y, y_pred, sample_weight)
+                    regularization = regularization_loss(self)
+                    loss = tf.add_n(
+                        tasks + [r for r in [regularization] if r is not None]
+                    )
+            share = None if shares is None else shares.share()
+            weight = None
+            if share is not None:  # Keras divides means by the replicas
+                weight = share.actual * (num_replicas() if share.mean else 1)
             if merger is None:
-                loss = self._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                    training=True,
-                )
                 scaled_loss = scaling.scale(loss, weight)
-            else:  # one loss per task; regularisation is not a task
-                tasks = task_losses(self, y, y_pred, sample_weight)
-                regularization = regularization_loss(self)
-                loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
+            else:
                 scaled_tasks = [scaling.scale(t, weight) for t in tasks]
                 if regularization is not None:
                     regularization = scaling.scale(regularization, weight)
@@ -322,11 +367,11 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             grads, _ = merger(
                 tape, scaled_tasks, regularization, variables,
                 unscale=lambda g: scaling.unscale(g, weight),
-                grad_scale=grad_scale,
+                grad_scale=None if share is None else share.actual,
                 task_names=task_names(self),
             )
             self._fg_record_trace_facts(variables, grads)
-        return loss, y_pred, grads
+        return loss, y_pred, grads, share
 
     def _fg_check_slices(self, x):
         batch = next(t for t in tree.flatten(x) if t is not None).shape[0]
@@ -352,17 +397,20 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
 
     def _fg_apply_window(self):
         acc = self._fg_accumulator
-        self._fg_update(acc.window_sums(self._fg_no_gradient_template()), acc.samples)
+        self._fg_update(
+            acc.window_sums(self._fg_no_gradient_template()),
+            acc.normaliser if self._fg_divide_window else None,
+        )
         acc.reset()
 
-    def _fg_update(self, grads, total_samples=None):
-        """Normalise, clip, apply, record.
+    def _fg_update(self, grads, normaliser=None):
+        """Normalise, clip, check, apply, record.
 
         Runs in the update branch, in cross-replica context, on the global
-        gradient (sample-weighted sums when `total_samples` is given).
+        gradient (weighted sums divided by `normaliser` when it is given).
         """
-        if total_samples is not None:
-            grads = [None if g is None else g / total_samples for g in grads]
+        if normaliser is not None:
+            grads = [scale(g, 1.0 / normaliser) for g in grads]
         telemetry = self._fg_telemetry
         variables = self.trainable_variables
         norm = was_clipped = None
@@ -371,10 +419,33 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         telemetry.record_layer_norms(grads)
         if self.clip_norm is not None:
             grads, was_clipped = clip_by_global_norm(grads, self.clip_norm, norm)
-        before = telemetry.snapshot(variables)
-        self._fg_scaling.update_optimizer.apply(grads, variables)
-        telemetry.record_update_ratio(before, variables)
-        telemetry.record_update(norm, was_clipped)
+        # Each micro-batch was finite, but a window's or the replicas' sum of
+        # finite gradients can overflow: checked here, right before the
+        # update (free with clipping: the norm is finite iff they all are).
+        if self.clip_norm is not None:
+            finite = tf.math.is_finite(norm)
+        elif self._fg_accumulator is not None or num_replicas() > 1:
+            finite = all_finite(grads)
+        else:
+            finite = None  # the micro-batch check covered exactly these
+
+        def apply():
+            before = telemetry.snapshot(variables)
+            self._fg_scaling.update_optimizer.apply(grads, variables)
+            telemetry.record_update_ratio(before, variables)
+            telemetry.record_update(norm, was_clipped)
+            self._fg_divergence.record_update()
+            return tf.constant(True)
+
+        def drop():
+            telemetry.record_dropped_update()
+            self._fg_divergence.record_drop(tf.constant(True))
+            return tf.constant(False)
+
+        if finite is None:
+            apply()
+        else:
+            tf.cond(finite, apply, drop)
 
     # ---------------------------------------------------------------- config
     def get_config(self):
@@ -391,6 +462,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 "skip_nonfinite": self.skip_nonfinite,
                 "telemetry": self.telemetry,
                 "micro_batches": self.micro_batches,
+                "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
             }
         )
         return config

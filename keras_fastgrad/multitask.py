@@ -56,6 +56,7 @@ from keras.src import tree
 from keras.src.trainers.trainer import Trainer
 
 from keras_fastgrad import aggregators
+from keras_fastgrad._compile_loss import wrapped_output_losses
 from keras_fastgrad._replicas import num_replicas, replica_sum
 
 NORM_PREFIX = "task_grad_norm/"
@@ -125,29 +126,10 @@ def task_losses(model, y, y_pred, sample_weight=None):
     if compile_loss is None:
         _raise_too_few(model, 0)
     recorded = []
-    unwrapped = []
-
-    def record():
-        unwrapped[:] = compile_loss._flat_losses
-        compile_loss._flat_losses = [
-            entry._replace(loss=_Recording(entry.loss, recorded))
-            for entry in unwrapped
-        ]
-
-    def build_then_record(y_true, y_pred):
-        type(compile_loss).build(compile_loss, y_true, y_pred)
-        record()
-
-    if compile_loss.built:
-        record()
-    else:  # `CompileLoss.call` builds on first use, after matching `y`
-        compile_loss.build = build_then_record
-    try:
+    with wrapped_output_losses(
+        model, lambda entry: _Recording(entry.loss, recorded)
+    ) as unwrapped:
         compile_loss(y, y_pred, sample_weight)
-    finally:
-        compile_loss.__dict__.pop("build", None)
-        if unwrapped:
-            compile_loss._flat_losses = list(unwrapped)
     if not tree.is_nested(y) and not tree.is_nested(y_pred):
         recorded = recorded[:1]  # Keras' single-output path uses one loss
     if len(recorded) < 2:

@@ -3,12 +3,16 @@
 The batch of n samples is padded to `m * s` rows, s = ceil(n / m), and a
 `tf.while_loop` runs forward and backward on one slice at a time, adding the
 slice's gradient to float32 loop-carried sums: activation memory is that of
-one slice. Padded rows get sample weight 0. Keras reduces each slice's loss
-as `sum(l * w) / s`, so `s * grad(L_i)` is the slice's sum of per-sample
-gradients, and the sums over slices divided by n give exactly the gradient
-of the un-split batch, for any n (tests: uneven splits, sample weights, SGD
-and Adam, XLA). Weight regularisation enters every slice's loss once; the
-`m * s - n` padded rows' share of it is taken back after the loop.
+one slice. Padded rows are masked out of every output loss (whatever its
+rank: per-sample, per-timestep, per-pixel), and each slice's gradient is
+multiplied by its loss's normaliser `D_i` (`keras_fastgrad.weighting`), so
+the sums are gradients of the summed losses and dividing by the batch's
+normaliser gives exactly the gradient of the un-split batch, masks and
+sample weights included, for any n (tests: uneven splits, masked sequences,
+per-pixel losses, SGD and Adam, XLA). The predictions keep their masks, so
+the metrics see what they would on the whole batch. Weight regularisation
+enters every slice's loss once; what the slices' shares add beyond the
+batch's normaliser is taken back after the loop.
 
 Limits: layers that mix samples (BatchNormalization in training mode) see
 slices, not the batch; losses added with `add_loss` inside `call` are
@@ -17,6 +21,10 @@ computed per slice.
 
 import tensorflow as tf
 from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+from keras_fastgrad._replicas import num_replicas
+from keras_fastgrad.weighting import LossShares
 
 
 def _pad_and_split(t, pad, slices):
@@ -27,21 +35,7 @@ def _pad_and_split(t, pad, slices):
     return tf.reshape(padded, tf.concat([[slices, -1], tf.shape(t)[1:]], 0))
 
 
-def _slice_weights(sample_weight, mask, pad, slices):
-    """Sample weights of the padded slices (0 on padded rows)."""
-    if sample_weight is None:
-        return _pad_and_split(mask, 0, slices)
-
-    def one(w):
-        w = tf.cast(w, mask.dtype)
-        w = _pad_and_split(w, pad, slices)
-        expand = [slices, -1] + [1] * (len(w.shape) - 2)
-        return w * tf.reshape(_pad_and_split(mask, 0, slices), expand)
-
-    return tree.map_structure(one, sample_weight)
-
-
-def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, replicas):
+def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
     """Forward and backward of `model` on `slices` slices of one batch.
 
     Args:
@@ -50,68 +44,110 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, rep
         variables: The trainable variables the tape watches.
         scaling: The step's `LossScaling` unit.
         slices: Python int >= 2.
-        replicas: Number of replicas in sync (Keras divides losses by it).
 
     Returns:
-        `(loss, y_pred, grads)`: the batch loss as Keras would compute it on
-        the whole batch, the predictions for the whole batch, and the float32
-        gradients multiplied by n * replicas (the step's sample weighting;
-        `None` where a variable gets no gradient).
+        `(loss, y_pred, grads, share)`: the batch loss as Keras would
+        compute it on the whole batch; the predictions for the whole batch
+        (with their masks); the float32 gradients of the whole batch's loss
+        multiplied by `share.actual` (times the replicas for mean
+        reductions, as `weighting` prescribes), `None` where a variable gets
+        no gradient; and the batch's share (`share.real` its normaliser,
+        `share.mean` whether the window divides by it).
     """
     first = next(t for t in tree.flatten(x) if t is not None)
     n = tf.shape(first)[0]
     size = (n + slices - 1) // slices
     pad = size * slices - n
-    mask = tf.concat([tf.ones([n]), tf.zeros([pad])], 0)
-    xs = tree.map_structure(lambda t: _pad_and_split(t, pad, slices), x)
-    ys = None if y is None else tree.map_structure(lambda t: _pad_and_split(t, pad, slices), y)
-    ws = _slice_weights(sample_weight, mask, pad, slices)
-    weight = tf.cast(size * replicas, tf.float32)
+    rows = tf.reshape(
+        tf.concat([tf.ones([n], tf.bool), tf.zeros([pad], tf.bool)], 0), [slices, -1]
+    )
+    split = lambda t: _pad_and_split(t, pad, slices)  # noqa: E731
+    xs = tree.map_structure(split, x)
+    ys = None if y is None else tree.map_structure(split, y)
+    ws = None if sample_weight is None else tree.map_structure(split, sample_weight)
+    replicas = num_replicas()
     out_spec = model.compute_output_spec(tree.map_structure(lambda t: t[0], xs))
-    has_grad = []
+    facts = {}  # trace-time facts of the body, the same for every slice
 
-    def body(i, sums, loss_sum, outputs):
+    def body(i, sums, loss_sum, actual_sum, real_sum, outputs, masks):
         xi = tree.map_structure(lambda t: t[i], xs)
         yi = None if ys is None else tree.map_structure(lambda t: t[i], ys)
-        wi = tree.map_structure(lambda t: t[i], ws)
+        wi = None if ws is None else tree.map_structure(lambda t: t[i], ws)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             for v in variables:
                 tape.watch(v.value)
             y_pred = model(xi, training=True) if model._call_has_training_arg else model(xi)
-            loss = model._compute_loss(
-                x=xi, y=yi, y_pred=y_pred, sample_weight=wi, training=True
-            )
+            with LossShares(model, size, rows=rows[i]) as shares:
+                loss = model._compute_loss(
+                    x=xi, y=yi, y_pred=y_pred, sample_weight=wi, training=True
+                )
+            share = shares.share()
+            weight = share.actual * (replicas if share.mean else 1)
             scaled = scaling.scale(loss, weight)
         grads = scaling.unscale(tape.gradient(scaled, [v.value for v in variables]), weight)
-        if not has_grad:  # trace-time fact, the same for every slice
-            has_grad.extend(g is not None for g in grads)
+        flat_pred = tree.flatten(y_pred)
+        if not facts:
+            facts["has_grad"] = [g is not None for g in grads]
+            facts["mean"] = share.mean
+            facts["has_mask"] = [get_keras_mask(p) is not None for p in flat_pred]
         sums = [
             total if g is None else total + tf.cast(g, tf.float32)
             for total, g in zip(sums, grads)
         ]
-        outputs = [ta.write(i, p) for ta, p in zip(outputs, tree.flatten(y_pred))]
-        return i + 1, sums, loss_sum + tf.cast(loss, tf.float32) * tf.cast(size, tf.float32), outputs
+        outputs = [ta.write(i, p) for ta, p in zip(outputs, flat_pred)]
+        masks = [
+            ta.write(i, get_keras_mask(p) if has else tf.zeros([0], tf.bool))
+            for ta, p, has in zip(masks, flat_pred, facts["has_mask"])
+        ]
+        return (
+            i + 1,
+            sums,
+            loss_sum + tf.cast(loss, tf.float32) * share.actual,
+            actual_sum + share.actual,
+            real_sum + share.real,
+            outputs,
+            masks,
+        )
 
-    sums = [tf.zeros(v.shape, tf.float32) for v in variables]
-    outputs = [
-        tf.TensorArray(spec.dtype, size=slices, element_shape=None)
-        for spec in tree.flatten(out_spec)
-    ]
-    _, sums, loss_sum, outputs = tf.while_loop(
+    flat_spec = tree.flatten(out_spec)
+    _, sums, loss_sum, actual_sum, real_sum, outputs, masks = tf.while_loop(
         lambda i, *_: i < slices,
         body,
-        (tf.constant(0), sums, tf.constant(0.0), outputs),
+        (
+            tf.constant(0),
+            [tf.zeros(v.shape, tf.float32) for v in variables],
+            tf.constant(0.0),
+            tf.constant(0.0),
+            tf.constant(0.0),
+            [tf.TensorArray(s.dtype, size=slices, element_shape=None) for s in flat_spec],
+            [tf.TensorArray(tf.bool, size=slices, element_shape=None) for _ in flat_spec],
+        ),
         maximum_iterations=slices,
     )
-    grads = [s if present else None for s, present in zip(sums, has_grad)]
-    loss_sum, grads = _take_back_padded_regularization(
-        model, variables, grads, loss_sum, pad, replicas
+    grads = [s if present else None for s, present in zip(sums, facts["has_grad"])]
+    # `"sum"`: the batch's loss is the plain sum (its normaliser is 1).
+    real = real_sum if facts["mean"] else tf.constant(1.0)
+    loss_sum, grads = _take_back_extra_regularization(
+        model, variables, grads, loss_sum, actual_sum - real,
+        replicas if facts["mean"] else 1,
     )
-    y_pred = tree.pack_sequence_as(
-        out_spec,
-        [_merge_slices(ta.stack(), n) for ta in outputs],
-    )
-    return loss_sum / tf.cast(n, tf.float32), y_pred, grads
+    merged = []
+    for ta, mask_ta, has in zip(outputs, masks, facts["has_mask"]):
+        p = _merge_slices(ta.stack(), n)
+        if has:
+            set_keras_mask(p, _merge_slices(mask_ta.stack(), n))
+        merged.append(p)
+    y_pred = tree.pack_sequence_as(out_spec, merged)
+    share = _BatchShare(real, facts["mean"])
+    return loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share
+
+
+class _BatchShare:
+    """The un-split batch's share: its normaliser and whether to divide."""
+
+    def __init__(self, real, mean):
+        self.actual = self.real = tf.stop_gradient(real)
+        self.mean = mean
 
 
 def _merge_slices(stacked, n):
@@ -120,9 +156,10 @@ def _merge_slices(stacked, n):
     return flat[:n]
 
 
-def _take_back_padded_regularization(model, variables, grads, loss_sum, pad, replicas):
-    """Each slice's loss held the weight regularisation once, weighted by the
-    slice size: `pad` padded rows' worth of it is too much."""
+def _take_back_extra_regularization(model, variables, grads, loss_sum, extra, factor):
+    """Each slice's loss held the weight regularisation once, and its
+    gradient was multiplied by the slice's share: `extra` (the shares'
+    total beyond the batch's normaliser, times `factor`) is too much."""
     regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
     if not regularized:
         return loss_sum, grads
@@ -131,12 +168,12 @@ def _take_back_padded_regularization(model, variables, grads, loss_sum, pad, rep
             tape.watch(v.value)
         penalty = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
     reg_grads = dict(zip((id(v) for v in regularized), tape.gradient(penalty, [v.value for v in regularized])))
-    surplus = tf.cast(pad, tf.float32)
+    surplus = extra * factor
     grads = [
         g if id(v) not in reg_grads or g is None else g - surplus * reg_grads[id(v)]
         for v, g in zip(variables, grads)
     ]
-    return loss_sum - surplus * penalty / replicas, grads
+    return loss_sum - extra * penalty, grads
 
 
 def check_micro_batches(value):

@@ -12,7 +12,9 @@ Log keys (fixed, all float scalars):
 - `clipped_updates`: number of updates whose gradient was clipped.
 - `updates`: number of optimizer updates the model made.
 - `nonfinite_count`: micro-batches dropped because their loss or gradient
-  held NaN/Inf (cumulative over the model's life; saved with the model).
+  held NaN/Inf, plus updates dropped because the sum of a window's (or the
+  replicas') finite gradients overflowed (cumulative over the model's
+  life; saved with the model).
 - `nonfinite_first_index`: index into `model.trainable_variables` (as
   watched by the tape) of the first non-finite gradient of the most recent
   dropped micro-batch, -1 if none or if only the loss was non-finite.
@@ -43,6 +45,7 @@ for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 import keras
 import tensorflow as tf
 
+from keras_fastgrad._gradients import summed_rows
 from keras_fastgrad.multitask import is_task_key
 
 LOG_KEYS = (
@@ -146,9 +149,11 @@ class StepTelemetry:
             tf.where(bad, tf.cast(num_bad, tf.float32), self.nonfinite_num_variables)
         )
 
-    @property
-    def needs_norm(self):
-        return bool(self.layer_norms)
+    def record_dropped_update(self):
+        """A window (or replica sum) of finite micro-batch gradients that
+        overflowed was dropped at its update: counted as non-finite."""
+        self.nonfinite_count.assign_add(1.0)
+        self.nonfinite_first_index.assign(-1.0)
 
     def record_layer_norms(self, grads):
         """Per-layer norms of the update's gradient (before clipping)."""
@@ -157,7 +162,7 @@ class StepTelemetry:
         squares = {}
         for layer, g in zip(self.layer_of_variable, grads):
             if g is not None and layer in self.layer_norms:
-                sq = tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+                sq = tf.reduce_sum(tf.square(tf.cast(summed_rows(g), tf.float32)))
                 squares[layer] = squares.get(layer, 0.0) + sq
         for layer, variable in self.layer_norms.items():
             variable.assign(tf.sqrt(squares.get(layer, tf.constant(0.0))))

@@ -1,0 +1,60 @@
+"""The one place that reaches into Keras' `CompileLoss` output losses.
+
+`CompileLoss` matches `y`, `y_pred` and `sample_weight` structures and then
+calls one loss object per output (`_flat_losses`). The step needs to see
+each of those calls (the per-task values for multi-task merging, the loss
+normalisers for exact weighting) without re-implementing the matching: it
+swaps the loss objects for wrappers while the model computes its loss.
+"""
+
+import contextlib
+
+
+@contextlib.contextmanager
+def wrapped_output_losses(model, wrap):
+    """Within the block, each output loss `entry.loss` is `wrap(entry)`.
+
+    Nests: an inner block wraps the outer block's wrappers. Works before
+    `CompileLoss` is built (it builds on its first call): the wrappers are
+    installed right after that build.
+
+    Args:
+        model: A compiled `keras.Model` (without compiled loss: no-op).
+        wrap: Callable `entry -> callable(y_true, y_pred, sample_weight)`;
+            `entry` has `path`, `loss`, `loss_weights`, `name`.
+
+    Yields:
+        The list of the original entries (filled once installed).
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    originals = []
+    if compile_loss is None:
+        yield originals
+        return
+
+    def install():
+        originals[:] = compile_loss._flat_losses
+        compile_loss._flat_losses = [
+            entry._replace(loss=wrap(entry)) for entry in originals
+        ]
+
+    patched_build = "build" in vars(compile_loss)
+    previous_build = compile_loss.build
+    if compile_loss.built:
+        install()
+    else:
+
+        def build_then_install(y_true, y_pred):
+            previous_build(y_true, y_pred)
+            install()
+
+        compile_loss.build = build_then_install
+    try:
+        yield originals
+    finally:
+        if patched_build:
+            compile_loss.build = previous_build
+        else:
+            vars(compile_loss).pop("build", None)
+        if originals:
+            compile_loss._flat_losses = list(originals)

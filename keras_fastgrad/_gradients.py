@@ -1,0 +1,42 @@
+"""Small operations on gradients that keep `tf.IndexedSlices` sparse.
+
+An embedding lookup's gradient is a `tf.IndexedSlices` (the rows the batch
+touched). Multiplying, casting or checking it as a dense tensor would
+write the whole table each step; these helpers work on its rows.
+"""
+
+import tensorflow as tf
+
+
+def values(g):
+    """The stored values of a gradient (its rows when sparse)."""
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def scale(g, factor):
+    """`g * factor` in float32 (`None` stays `None`), sparse kept sparse."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.cast(g.values, tf.float32) * factor, g.indices, g.dense_shape
+        )
+    return tf.cast(g, tf.float32) * factor
+
+
+def to_float32(g):
+    """`g` in float32, sparse kept sparse."""
+    if g is None or g.dtype == tf.float32:
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(g.values, tf.float32), g.indices, g.dense_shape)
+    return tf.cast(g, tf.float32)
+
+
+def summed_rows(g):
+    """The values of `g` with duplicate rows added up (sparse: the rows of
+    the dense gradient it stands for; what a norm must read)."""
+    if not isinstance(g, tf.IndexedSlices):
+        return g
+    unique, position = tf.unique(g.indices)
+    return tf.math.unsorted_segment_sum(g.values, position, tf.size(unique))

@@ -1,0 +1,250 @@
+"""How much each micro-batch counts: its loss's own normaliser.
+
+Keras reduces a loss as `S / D`: the weighted sum `S` of the per-element
+losses over the normaliser `D` that the loss's `reduction` defines (see
+`reduce_weighted_values` in keras/src/losses/loss.py):
+
+| reduction | `D` |
+|---|---|
+| `"sum_over_batch_size"` (default), `"mean"` | number of loss elements (`[B]`, `[B, T]`, `[B, H, W]`, ...); with a mask: the number of valid ones |
+| `"mean_with_sample_weight"` | sum of the (masked) sample weights; number of elements without weights |
+| `"sum"` | 1 (no normalisation) |
+
+The loss of the concatenation of micro-batches j is `sum_j S_j / sum_j D_j`
+(`sum_j S_j` for `"sum"`), so its gradient is
+
+    g = sum_j D_j g_j / sum_j D_j        (g = sum_j g_j for "sum"),
+
+exact for masks, per-pixel / per-timestep losses, sample and class weights
+and uneven batches. The step folds `D_j` into the micro-batch's loss (no pass
+over the gradients), adds `D_j` to the window's normaliser and divides once
+at the update (`mean=True`), or does not divide (`mean=False`, `"sum"`).
+
+`LossShares` records `D` for every output loss while the model's own
+`CompileLoss` runs (the per-element losses are computed once, exactly as
+`Loss.__call__` does). With several outputs the micro-batch weight must be
+common to all of them; the number of rows is used, exact when each output's
+normaliser is its rows times a constant (no masks, no data-dependent
+weights); otherwise a warning says the window is weighted by rows.
+
+Slices of a padded batch (`keras_fastgrad.slicing`) pass `rows`, a
+validity vector: padded rows are masked out of every output loss, whatever
+its rank, and the share counts only the real rows.
+"""
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.losses.loss import apply_mask, reduce_weighted_values
+
+from keras_fastgrad._compile_loss import wrapped_output_losses
+
+_MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def _size(t):
+    return tf.cast(tf.size(t), tf.float32)
+
+
+def normaliser(losses, sample_weight, mask, reduction):
+    """The `D` by which Keras divides `sum(weighted losses)`.
+
+    Args:
+        losses: Per-element losses as the loss's `call` returns them.
+        sample_weight: Sample weights passed to the loss, or `None`.
+        mask: Boolean mask of the predictions (or of `losses`), or `None`.
+        reduction: The loss's `reduction`.
+
+    Returns:
+        float32 scalar.
+
+    Example:
+
+    >>> losses = tf.ones([2, 3])
+    >>> mask = tf.constant([[True, True, False], [True, False, False]])
+    >>> float(normaliser(losses, None, mask, "sum_over_batch_size"))
+    3.0
+    >>> float(normaliser(losses, tf.constant([2.0, 1.0]), None,
+    ...                  "mean_with_sample_weight"))
+    3.0
+    """
+    if reduction == "sum":
+        return tf.constant(1.0)
+    if reduction in ("sum_over_batch_size", "mean"):
+        if mask is None:
+            return _size(losses)
+        # Keras weighs valid entries by size(mask) / valid, then divides by
+        # size(losses): D = valid * size(losses) / size(mask).
+        valid = tf.reduce_sum(tf.cast(mask, tf.float32))
+        return valid * _size(losses) / _size(mask)
+    merged = apply_mask(sample_weight, mask, dtype=tf.float32, reduction=reduction)
+    if merged is None:
+        return _size(losses)
+    return tf.reduce_sum(tf.cast(merged, tf.float32))
+
+
+class _Share:
+    """What one output loss call contributes: `(actual, real, kind)`."""
+
+    def __init__(self, actual, real, kind):
+        self.actual, self.real, self.kind = actual, real, kind
+
+
+class _Measuring:
+    """Stands in for one `CompileLoss` output loss: the same value as
+    `Loss.__call__`, and the loss's normaliser recorded on the side."""
+
+    def __init__(self, loss_fn, rows, sink):
+        self.loss_fn, self.rows, self.sink = loss_fn, rows, sink
+        self.name = getattr(loss_fn, "name", None)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        fn = self.loss_fn
+        reduction = getattr(fn, "reduction", None)
+        standard = (
+            isinstance(fn, keras.losses.Loss)
+            and type(fn).__call__ is keras.losses.Loss.__call__
+            and (reduction in _MEANS or reduction == "sum")
+        )
+        if not standard:  # unknown normaliser: counted by rows
+            if self.rows is not None:
+                raise ValueError(
+                    "`micro_batches` needs output losses built on "
+                    "`keras.losses.Loss` with a standard reduction (sum, "
+                    "mean, sum_over_batch_size or mean_with_sample_weight). "
+                    f"Received: loss={fn!r} with reduction={reduction!r}. "
+                    "Fix: subclass `keras.losses.Loss` and implement `call`, "
+                    "or use `micro_batches=1`."
+                )
+            value = fn(y_true, y_pred, sample_weight)
+            self.sink.append(_Share(None, None, "rows"))
+            return value
+        # `Loss.__call__`, step for step, plus the normaliser.
+        in_mask = get_keras_mask(y_pred)
+        with keras.name_scope(fn.name):
+            y_pred = tf.nest.map_structure(
+                lambda t: keras.ops.convert_to_tensor(t, dtype=fn.dtype), y_pred
+            )
+            y_true = tf.nest.map_structure(
+                lambda t: keras.ops.convert_to_tensor(t, dtype=fn.dtype), y_true
+            )
+            losses = fn.call(y_true, y_pred)
+            out_mask = get_keras_mask(losses)
+            if in_mask is not None and out_mask is not None:
+                mask = in_mask & out_mask
+            else:
+                mask = in_mask if in_mask is not None else out_mask
+            user_mask = mask
+            if self.rows is not None:  # padded rows out, whatever the rank
+                rows = tf.reshape(self.rows, [-1] + [1] * (len(losses.shape) - 1))
+                mask = rows if mask is None else tf.logical_and(mask, rows)
+            value = reduce_weighted_values(
+                losses, sample_weight=sample_weight, mask=mask,
+                reduction=reduction, dtype=fn.dtype,
+            )
+            if tuple(losses.shape) == ():  # Keras does not reduce a scalar
+                self.sink.append(_Share(None, None, "rows"))
+                return value
+            actual = normaliser(losses, sample_weight, mask, reduction)
+            real = actual
+            if (
+                self.rows is not None
+                and reduction == "mean_with_sample_weight"
+                and sample_weight is None
+                and user_mask is None
+            ):  # the un-split batch would divide by its number of elements
+                per_row = _size(losses) / tf.cast(tf.shape(losses)[0], tf.float32)
+                real = per_row * tf.reduce_sum(tf.cast(self.rows, tf.float32))
+            # D = rows x a constant (what the several-output case needs)
+            by_rows = user_mask is None and losses.shape[1:].is_fully_defined() and (
+                reduction in ("sum_over_batch_size", "mean")
+                or (sample_weight is None and self.rows is None)
+            )
+            kind = "sum" if reduction == "sum" else ("rows" if by_rows else "data")
+            self.sink.append(_Share(actual, real, kind))
+        return value
+
+
+class LossShares:
+    """Context manager: records each output loss's normaliser while the
+    model computes its loss, then gives the micro-batch's share.
+
+    Args:
+        model: A compiled `keras.Model`.
+        num_rows: int or int32 scalar, the rows of the (slice of the) batch.
+        rows: Optional boolean `[num_rows]` vector: `False` marks padded
+            rows, masked out of every output loss.
+
+    Example:
+
+    >>> inputs = keras.Input((2,))
+    >>> model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    >>> model.compile(loss="mse")
+    >>> x, y = tf.ones([4, 2]), tf.zeros([4, 3])
+    >>> with LossShares(model, 4) as shares:
+    ...     loss = model.compute_loss(x, y, model(x))
+    >>> share = shares.share()
+    >>> float(share.actual), float(share.real), share.mean  # 4 rows x 3
+    (12.0, 12.0, True)
+    """
+
+    def __init__(self, model, num_rows, rows=None):
+        self.model = model
+        self.num_rows = num_rows
+        self.rows = rows
+        self.recorded = []
+        self._context = None
+
+    def __enter__(self):
+        self._context = wrapped_output_losses(
+            self.model, lambda entry: _Measuring(entry.loss, self.rows, self.recorded)
+        )
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+    def share(self):
+        """The micro-batch's share (a trace-time decision, tensors inside).
+
+        Returns:
+            An object with `actual` (float32: the factor that turns the
+            gradient of this micro-batch's loss into a gradient of its sum
+            `S`), `real` (float32: what it adds to the window's normaliser;
+            differs from `actual` only for padded slices) and `mean`
+            (Python bool: divide the window's sum by its normaliser).
+        """
+        recorded = self.recorded
+        # Padded rows are masked out of each loss's normaliser too.
+        real_rows = tf.cast(self.num_rows, tf.float32)
+        if self.rows is not None:
+            real_rows = tf.reduce_sum(tf.cast(self.rows, tf.float32))
+        kinds = {r.kind for r in recorded}
+        if len(recorded) == 1 and recorded[0].actual is not None:
+            only = recorded[0]
+            return _Result(only.actual, only.real, only.kind != "sum")
+        if recorded and kinds == {"sum"}:
+            return _Result(tf.constant(1.0), tf.constant(1.0), False)
+        if kinds - {"rows"}:
+            warnings.warn(
+                "FastGradModel: the model's output losses have different "
+                "normalisers (masks, `reduction=\"sum\"` or "
+                "`mean_with_sample_weight` on some outputs), so no single "
+                "weight per micro-batch makes accumulation, micro-batching "
+                "or several replicas exact for all of them; micro-batches "
+                "are weighted by their number of rows. Exact alternatives: "
+                "the same reduction and masking on every output, or "
+                "`accumulation_steps=1` with `micro_batches=1`.",
+                stacklevel=2,
+            )
+        return _Result(real_rows, real_rows, True)
+
+
+class _Result:
+    def __init__(self, actual, real, mean):
+        self.actual = tf.stop_gradient(actual)
+        self.real = tf.stop_gradient(real)
+        self.mean = mean
