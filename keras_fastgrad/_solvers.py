@@ -15,8 +15,8 @@ def _eps(dtype):
     return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps, dtype)
 
 
-# Relative cut-off for "zero" eigen/singular values in every dtype: float32's
-# eps, as the official Aligned-MTL code (`torch.finfo()`), so that a float64
+# Relative cut-off for "zero" eigenvalues in Aligned-MTL in every dtype:
+# float32's eps, as the official code (`torch.finfo()`), so that a float64
 # Gram of duplicated gradients drops its round-off eigenvalues too.
 _RANK_EPS = 1.1920929e-07
 
@@ -184,29 +184,32 @@ def cagrad_weights(gram, c=0.5, rescale=1, max_iter=1000):
 
 
 def imtl_weights(gram):
-    """IMTL-G (Liu et al., 2021), closed form from inner products only.
+    """IMTL-G (Liu et al., 2021) from the Gram matrix, zero gradients allowed.
 
-    With `u_t = g_t / ||g_t||`, `D = [g_1 - g_t]_{t>1}`,
-    `U = [u_1 - u_t]_{t>1}`: `alpha_{2:T} = g_1 U^T (D U^T)^+` and
-    `alpha_1 = 1 - sum(alpha_{2:T})`. With `M_ij = <g_i, u_j> = G_ij / n_j`:
-    `(D U^T)_ab = M_11 - M_1b - M_a1 + M_ab` and `(g_1 U^T)_b = M_11 - M_1b`.
-    `(.)^+` is the pseudo-inverse (singular values below `10 T eps_float32`
-    times the largest are cut), so duplicated or zero task gradients give a
-    finite least-squares answer (the official code inverts, with a 1e-8
-    ridge as fallback). A zero gradient gets `u_t = 0`.
+    The merged gradient `g = sum_t w_t g_t` (`sum_t w_t = 1`) has equal
+    projections `<g, u_t> = c` on every unit gradient `u_t = g_t / ||g_t||`:
+    `(G w)_t = c ||g_t||`, i.e. `w = G^+ d / sum(G^+ d)` with
+    `d = sqrt(diag G)` the gradient norms. At full rank this is the paper's
+    closed form (`alpha_{2:T} = g_1 U^T (D U^T)^{-1}`,
+    `alpha_1 = 1 - sum(alpha_{2:T})`) rewritten in `G`; with the
+    pseudo-inverse `(.)^+` it is torchjd's generalisation (`IMTLGWeighting`)
+    to linearly dependent gradients. A task with a zero gradient has a zero
+    row in `G` and `d_t = 0`: it gets weight 0 and the other tasks are
+    balanced among themselves (the paper's form would put all the weight on
+    it and return a zero update). Singular values up to `T eps(dtype)` times
+    the largest are cut, as `numpy.linalg.pinv(rtol=None)`. When
+    `sum(G^+ d)` is zero at rounding level (e.g. `G = 0`) the weights are 0,
+    as torchjd. A non-finite `G` gives non-finite weights.
     """
     gram = tf.convert_to_tensor(gram)
-    num_tasks = gram.shape[0]
-    if num_tasks == 1:
-        return tf.ones([1], gram.dtype)
+    num_tasks, dtype = gram.shape[0], gram.dtype
     norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
-    inv = tf.where(norms > 0, 1.0 / tf.where(norms > 0, norms, 1.0), 0.0)
-    m = gram * inv[None, :]
-    first = m[0, 0] - m[0, 1:]  # g_1 U^T
-    du = first[None, :] - m[1:, 0][:, None] + m[1:, 1:]
-    pinv = tf.linalg.pinv(du, rcond=10.0 * num_tasks * _RANK_EPS)
-    alpha = tf.linalg.matvec(pinv, first, transpose_a=True)
-    return tf.concat([1.0 - tf.reduce_sum(alpha, keepdims=True), alpha], axis=0)
+    pinv = tf.linalg.pinv(gram, rcond=num_tasks * _eps(dtype))
+    v = tf.linalg.matvec(pinv, norms)
+    total = tf.reduce_sum(v)
+    degenerate = tf.abs(total) <= num_tasks * _eps(dtype) * tf.reduce_sum(tf.abs(v))
+    safe_total = tf.where(degenerate, tf.ones_like(total), total)
+    return tf.where(degenerate, tf.zeros_like(v), v / safe_total)
 
 
 def aligned_balance_matrix(gram):
@@ -216,15 +219,20 @@ def aligned_balance_matrix(gram):
     dropped (the rank rule of the official `ProcrustesSolver`) and `l_min` is
     the smallest kept one. Then `B G B = l_min P` (`P` the projector on the
     kept eigenspace): the aligned task gradients `J^T B` are orthogonal with
-    equal norms `sqrt(l_min)`. A zero `G` gives `B = 0`.
+    equal norms `sqrt(l_min)`. A zero `G` gives `B = 0`; a non-finite `G`
+    gives `B = NaN` (without calling `eigh` on it).
     """
     gram = tf.convert_to_tensor(gram)
     num_tasks, dtype = gram.shape[0], gram.dtype
-    lam, vec = tf.linalg.eigh(gram)
+    # `eigh` raises on NaN/Inf on CPU (outside XLA): decompose a finite
+    # stand-in and return NaN, so the step's finite check drops the batch.
+    finite = tf.reduce_all(tf.math.is_finite(gram))
+    lam, vec = tf.linalg.eigh(tf.where(finite, gram, tf.eye(num_tasks, dtype=dtype)))
     keep = lam > tf.reduce_max(lam) * num_tasks * _RANK_EPS
     lam_safe = tf.where(keep, lam, 1.0)
     lam_min = tf.reduce_min(tf.where(keep, lam, tf.constant(float("inf"), dtype)))
     any_kept = tf.reduce_any(keep)
     scale = tf.where(any_kept, tf.sqrt(tf.where(any_kept, lam_min, 1.0)), 0.0)
     inv_sqrt = tf.where(keep, tf.math.rsqrt(lam_safe), 0.0)
-    return scale * tf.matmul(vec * inv_sqrt[None, :], vec, transpose_b=True)
+    balance = scale * tf.matmul(vec * inv_sqrt[None, :], vec, transpose_b=True)
+    return tf.where(finite, balance, tf.constant(float("nan"), dtype))

@@ -58,13 +58,18 @@ def check_multitask(value):
 
 
 def check_bool(name, value):
-    """Returns `value` if it is a Python bool."""
-    if not isinstance(value, bool):
+    """Returns `value` as a Python bool if it is a Python or numpy bool.
+
+    Integers (even 0 and 1) and strings are refused: `"False"` is truthy.
+    """
+    import numpy as np  # only this check needs numpy
+
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(
             f"`{name}` must be a boolean (True or False). Received: "
             f"{name}={value!r} of type {type(value).__name__}."
         )
-    return value
+    return bool(value)
 
 
 def check_int(name, value, minimum, what=""):
@@ -77,6 +82,11 @@ def check_int(name, value, minimum, what=""):
     if value < minimum:
         raise ValueError(f"{rule} Received: {name}={value!r}")
     return int(value)
+
+
+def check_optional_int(name, value, minimum, what=""):
+    """`None` or an integer >= `minimum` (see `check_int`)."""
+    return None if value is None else check_int(name, value, minimum, what)
 
 
 def check_choice(name, value, choices):

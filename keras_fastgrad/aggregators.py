@@ -284,21 +284,27 @@ class CAGrad(Aggregator):
 
 @_register
 class IMTL(Aggregator):
-    """IMTL-G (Liu et al., ICLR 2021).
+    """IMTL-G (Liu et al., ICLR 2021), generalised as torchjd's `IMTLG`.
 
-    "Towards Impartial Multi-task Learning", closed form with task 1 as the
-    reference (the solution does not depend on that choice):
-    `u_t = g_t / ||g_t||`, `D = [g_1 - g_t]_{t>1}`, `U = [u_1 - u_t]_{t>1}`,
-    `alpha_{2:T} = g_1 U^T (D U^T)^+`, `alpha_1 = 1 - sum(alpha_{2:T})`: the
-    merged gradient `sum_t alpha_t g_t` has equal projections on every
-    `u_t`. All inner products come from `G`; `(.)^+` is the pseudo-inverse
-    (the paper inverts), so a singular `D U^T` gives a finite answer.
+    "Towards Impartial Multi-task Learning": the merged gradient
+    `g = sum_t w_t g_t`, `sum_t w_t = 1`, has equal projections on every
+    unit task gradient `u_t = g_t / ||g_t||`. In Gram space
+    `G w = c d` with `d = sqrt(diag G)` the gradient norms, so
+    `w = G^+ d / sum(G^+ d)`: at full rank exactly the paper's closed form,
+    and with the pseudo-inverse `(.)^+` (cut-off `T eps(dtype)` relative, as
+    numpy) the generalisation of Quinton & Rey, "Jacobian Descent for
+    Multi-Objective Optimization" (2024) to dependent gradients. A task
+    whose gradient is zero gets weight 0 and the others are balanced among
+    themselves; if `sum(G^+ d)` vanishes (e.g. `G = 0`) every weight is 0.
 
     Example:
 
     >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
     >>> IMTL().weights(gram).numpy().round(4).tolist()
     [0.3333, 0.6667]
+    >>> zero_task = tf.constant([[4.0, 0.0], [0.0, 0.0]], tf.float64)
+    >>> IMTL().weights(zero_task).numpy().tolist()  # task 2 has no gradient
+    [1.0, 0.0]
     """
 
     name = "imtl"
@@ -317,7 +323,9 @@ class AlignedMTL(Aggregator):
     the smallest of them; `w = B omega` with the task
     pre-weights `omega` (ones, as the official `AlignedMTLBalancer`, which
     sums the aligned gradients). The aligned gradients `J^T B` are
-    orthogonal with equal norms (`B G B = l_min I` at full rank).
+    orthogonal with equal norms (`B G B = l_min I` at full rank). A
+    non-finite `G` (a NaN sample) gives NaN weights, never an `eigh` error,
+    so the train step's finite check drops the micro-batch.
 
     Args:
         task_weights: None (ones) or a list of `T` floats, `omega`.
@@ -327,6 +335,8 @@ class AlignedMTL(Aggregator):
     >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
     >>> AlignedMTL().weights(gram).numpy().round(4).tolist()
     [0.5, 1.0]
+    >>> AlignedMTL().weights([[float("nan"), 0.0], [0.0, 1.0]]).numpy().tolist()
+    [nan, nan]
     """
 
     name = "aligned"

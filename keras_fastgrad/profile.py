@@ -117,7 +117,49 @@ def parse_args(argv):
                         help="untimed calls per function (default 3, 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="few rounds: a fast look")
     parser.add_argument("--png", help="also save a bar chart to this PNG file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        parser.error(problem)  # usage and the message on stderr, exit status 2
+    return args
+
+
+def check_args(args):
+    """The first problem with the parsed `args`, as a message, or None.
+
+    Checked before anything is loaded or built, so a bad command line ends
+    with one message (through `parser.error`) instead of a traceback.
+
+    Example:
+
+    >>> check_args(parse_args([]))  # the defaults are fine
+    >>> check_args(argparse.Namespace(model=None, batch_size=None, modes="xla",
+    ...                               repeats=0, warmup=None))
+    '`--repeats` must be an integer >= 1 (timed rounds). Received: --repeats=0'
+    """
+    for flag, value, meaning in (
+        ("--repeats", args.repeats, " (timed rounds)"),
+        ("--warmup", args.warmup, " (untimed calls per function)"),
+        ("--batch-size", args.batch_size, " (samples per profiled batch)"),
+    ):
+        if value is not None and value < 1:
+            return f"`{flag}` must be an integer >= 1{meaning}. Received: {flag}={value}"
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        return (
+            f"`--modes` must be a comma-separated list of names from "
+            f"{','.join(MODES)}. Received: --modes={args.modes!r}"
+            + (f" (unknown: {','.join(unknown)})" if unknown else "")
+        )
+    if args.model is not None and not os.path.isfile(args.model):
+        reason = "a directory" if os.path.isdir(args.model) else "no such file"
+        return (
+            "`--model` must be the path of an existing `.keras` file. "
+            f"Received: --model={args.model!r} ({reason}). Fix: check the "
+            "path, or leave `--model` out to profile the built-in model."
+        )
+    return None
 
 
 def main(argv=None):

@@ -238,6 +238,60 @@ def test_imtl_singular_is_finite():
     np.testing.assert_allclose(U @ merged, (U @ merged)[0], rtol=1e-3)
 
 
+def imtl_pinv_np(G):
+    """IMTL-G from a Gram matrix as torchjd generalises it, numpy float64:
+    `w = pinv(G) d / sum(pinv(G) d)`, `d` the task gradient norms, numpy's
+    default (array API) cut-off `T eps`; zeros when the sum vanishes."""
+    G = np.asarray(G, np.float64)
+    v = np.linalg.pinv(G, rtol=None) @ np.sqrt(np.diag(G))
+    return np.zeros_like(v) if abs(v.sum()) < 1e-12 else v / v.sum()
+
+
+@pytest.mark.parametrize("num_tasks, rank", [(2, 2), (3, 3), (4, 4), (5, 5), (4, 2)])
+def test_imtl_matches_numpy_pinv_formula_on_random_grams(num_tasks, rank):
+    rng = np.random.default_rng(70 + num_tasks + rank)
+    J = rng.normal(size=(rank, P))
+    J = rng.normal(size=(num_tasks, rank)) @ J  # rank-deficient when rank < T
+    J *= rng.uniform(0.1, 10.0, size=(num_tasks, 1))
+    w = aggregators.IMTL().weights(_gram(J)).numpy()
+    np.testing.assert_allclose(w, imtl_pinv_np(J @ J.T), rtol=1e-6, atol=1e-9)
+    if rank == num_tasks:  # else no direction has equal projections
+        U = J / np.linalg.norm(J, axis=1, keepdims=True)
+        np.testing.assert_allclose(U @ (w @ J), (U @ (w @ J))[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("zero_task", [0, 1, 2])
+def test_imtl_zero_gradient_task_does_not_zero_the_update(zero_task):
+    J = _jac(3, seed=80, conflict=0.4)
+    J[zero_task] = 0.0
+    w = aggregators.IMTL().weights(_gram(J)).numpy()
+    others = [t for t in range(3) if t != zero_task]
+    # By hand: the zero task gets nothing; the two others get the paper's
+    # closed form on their own (equal projections, weights summing to 1).
+    expected_merged, U = imtl_np(J[others])
+    assert w[zero_task] == 0.0
+    np.testing.assert_allclose(w @ J, expected_merged, rtol=1e-6, atol=1e-9)
+    assert np.linalg.norm(w @ J) > 0.1
+    np.testing.assert_allclose(w, imtl_pinv_np(J @ J.T), rtol=1e-6, atol=1e-12)
+
+
+def test_imtl_keeps_small_real_singular_values_of_a_float64_gram():
+    # Tasks 0 and 1 differ by 1e-3: the Gram's smallest eigenvalue is ~2e-7
+    # of the largest, real in float64 (eps 2e-16) but below a float32-sized
+    # cut-off (T * 10 * 1.2e-7), which would answer ~5% off.
+    rng = np.random.default_rng(91)
+    J = rng.normal(size=(3, P))
+    J[1] = J[0] + 1e-3 * rng.normal(size=P)
+    G = J @ J.T
+    eigenvalues = np.linalg.eigvalsh(G)
+    assert 1e-8 < eigenvalues[0] / eigenvalues[-1] < 1e-6
+    w = aggregators.IMTL().weights(tf.constant(G, tf.float64)).numpy()
+    np.testing.assert_allclose(w, imtl_pinv_np(G), rtol=1e-7)
+    expected_merged, U = imtl_np(J)  # the paper's closed form, plain inverse
+    np.testing.assert_allclose(w @ J, expected_merged, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(U @ (w @ J), (U @ (w @ J))[0], rtol=1e-7)
+
+
 # ---------------------------------------------------------------- Aligned-MTL
 
 
@@ -264,6 +318,49 @@ def test_aligned_rank_deficient_matches_official():
     J[2] = J[0] + J[1]
     merged = _merged(aggregators.AlignedMTL().weights(_gram(J)), J)
     np.testing.assert_allclose(merged, aligned_np(J)[0], rtol=1e-5, atol=1e-8)
+
+
+def _nan_gram():
+    J = _jac(3, seed=5, conflict=0.5)
+    J[1, 7] = np.nan  # one NaN in one task's gradient
+    return tf.constant(J @ J.T, tf.float32)
+
+
+@pytest.mark.parametrize("name", ["aligned", "imtl"])
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+def test_nonfinite_gram_gives_nonfinite_weights_without_error(name, mode):
+    agg = aggregators.get(name)
+    fn = {
+        "eager": agg.weights,
+        "function": tf.function(agg.weights),
+        "xla": tf.function(agg.weights, jit_compile=True),
+    }[mode]
+    gram = _nan_gram()
+    assert not np.all(np.isfinite(gram.numpy()))
+    w = fn(gram).numpy()  # `eigh` on a NaN Gram would raise on CPU
+    assert w.shape == (3,) and not np.any(np.isfinite(w))
+    inf_gram = tf.constant([[np.inf, 0.0], [0.0, 1.0]], tf.float64)
+    assert not np.any(np.isfinite(fn(inf_gram).numpy()))
+
+
+def test_aligned_fit_drops_a_nan_sample_and_keeps_weights_finite():
+    keras.utils.set_random_seed(3)
+    import keras_fastgrad
+
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    outputs = [keras.layers.Dense(1)(hidden), keras.layers.Dense(1)(hidden)]
+    model = keras_fastgrad.FastGradModel(inputs, outputs, multitask="aligned")
+    model.compile(optimizer="sgd", loss=["mse", "mse"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = [rng.normal(size=(16, 1)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")]
+    x[5, 1] = np.nan  # batch 1 of 4
+    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert model.telemetry_counters()["nonfinite_count"] >= 1
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert np.isfinite(model.evaluate(np.delete(x, 5, 0), [t[np.arange(16) != 5] for t in y], verbose=0)).all()
+    assert len(history.history["loss"]) == 1
 
 
 # ------------------------------------------------------------------------ all

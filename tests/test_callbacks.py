@@ -263,6 +263,47 @@ def test_warn_continues_and_weights_stay_finite():
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
+def test_warn_summarises_each_epoch_in_one_warning():
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data(n=32)
+    nan_rows = [1, 6, 7, 18, 25]  # batches of 4: 0, 1, 1, 4, 6
+    x[nan_rows, 2] = np.nan
+    bad_batches = sorted({row // 4 for row in nan_rows})  # by hand: [0, 1, 4, 6]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False,
+                            verbose=0, callbacks=[NonFiniteGuard("warn")])
+    messages = [str(w.message) for w in caught
+                if issubclass(w.category, RuntimeWarning) and "non-finite" in str(w.message).lower()]
+    assert len(messages) == 2, messages  # one per epoch, not one per bad batch
+    for epoch, message in enumerate(messages):
+        assert message.startswith(
+            f"Epoch {epoch}: {len(bad_batches)} non-finite micro-batch(es) dropped in this epoch."
+        ), message
+        # Where the latest went bad, worded as action="raise" words it.
+        assert f"Non-finite gradient in epoch {epoch}, batch {bad_batches[-1]} (0-based)" in message
+        assert f"`{model.trainable_variables[0].path}`" in message
+    assert len(history.history["loss"]) == 2
+    assert model.telemetry_counters()["nonfinite_count"] == 2 * len(bad_batches)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_warn_is_silent_for_a_clean_epoch():
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data(n=16)
+    x[2, 0] = np.nan  # epoch 0 only: the second fit gets clean data
+    guard = NonFiniteGuard("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
+        model.fit(np.nan_to_num(x), y, batch_size=4, epochs=2, shuffle=False,
+                  verbose=0, callbacks=[guard])
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and messages[0].startswith("Epoch 0: 1 non-finite"), messages
+
+
 def test_nan_in_second_batch_of_a_steps_per_execution_group():
     model = mlp()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)

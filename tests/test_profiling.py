@@ -315,3 +315,36 @@ def test_cli_runs_quick_and_writes_the_png(tmp_path):
     assert "skipped" not in done.stdout, done.stdout  # every mode ran, XLA included
     with open(png, "rb") as f:
         assert f.read(8) == PNG_MAGIC
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "missing.keras"],
+     "`--model` must be the path of an existing `.keras` file. "
+     "Received: --model='missing.keras' (no such file)"),
+    (["--repeats", "0"],
+     "`--repeats` must be an integer >= 1 (timed rounds). Received: --repeats=0"),
+])
+def test_cli_bad_argument_is_one_clean_error_with_status_2(tmp_path, argv, message):
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_fastgrad.profile", *argv],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr
+    error_lines = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert len(error_lines) == 1, done.stderr
+    assert error_lines[0].startswith(f"python -m keras_fastgrad.profile: error: {message}")
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--warmup", "0"], "`--warmup` must be an integer >= 1 (untimed calls per function). Received: --warmup=0"),
+    (["--batch-size", "-3"], "`--batch-size` must be an integer >= 1 (samples per profiled batch). Received: --batch-size=-3"),
+    (["--modes", "xla,fast"], "`--modes` must be a comma-separated list of names from eager,function,xla,mixed_float16,mixed_bfloat16. Received: --modes='xla,fast' (unknown: fast)"),
+    (["--model", "."], "`--model` must be the path of an existing `.keras` file. Received: --model='.' (a directory)"),
+])
+def test_cli_other_bad_arguments_exit_2_before_loading_anything(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        profile_cli.parse_args(argv)
+    assert info.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err

@@ -47,8 +47,10 @@ class NonFiniteGuard(_base.FastGradCallback):
         action: `"raise"` (default): raise `NonFiniteError`. `"stop"`: set
             `model.stop_training = True`, so `fit` ends cleanly after the
             current batch (the epoch still ends and is logged). `"warn"`:
-            issue a `RuntimeWarning` and go on (the model already dropped
-            the micro-batch, unless it has `skip_nonfinite=False`).
+            go on (the model already dropped the micro-batch, unless it has
+            `skip_nonfinite=False`) and issue at most one `RuntimeWarning`
+            per epoch, at its end: how many micro-batches went bad in that
+            epoch, and the report of the latest (as `"raise"` words it).
 
     Raises:
         NonFiniteError: during `fit` with `action="raise"`.
@@ -70,6 +72,21 @@ class NonFiniteGuard(_base.FastGradCallback):
     ... except keras_fastgrad.callbacks.NonFiniteError as error:
     ...     print(error)
     Non-finite gradient in epoch 0, batch 1 (0-based): 1 micro-batch(es) ... first non-finite gradient: `head/kernel` (2 of 2 gradients non-finite).
+
+    With `action="warn"`, one summary per epoch however many batches failed:
+
+    >>> import warnings
+    >>> x[0, 1] = np.nan  # batches 0 and 1 of each epoch go bad
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = model.fit(x, np.ones((4, 1)), batch_size=2, epochs=2,
+    ...                   shuffle=False, verbose=0,
+    ...                   callbacks=[keras_fastgrad.callbacks.NonFiniteGuard("warn")])
+    >>> for w in caught:
+    ...     if issubclass(w.category, RuntimeWarning):
+    ...         print(str(w.message)[:74])
+    Epoch 0: 2 non-finite micro-batch(es) dropped in this epoch. The latest: N
+    Epoch 1: 2 non-finite micro-batch(es) dropped in this epoch. The latest: N
     """
 
     telemetry_keys = (
@@ -85,9 +102,17 @@ class NonFiniteGuard(_base.FastGradCallback):
     def on_train_begin(self, logs=None):
         self._seen = _base.read_counters(self.model)["nonfinite_count"]
         self._epoch = self._begin = 0
+        self._pending, self._latest = 0, None  # warn: count and latest report this epoch
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._pending, self._latest = 0, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._warn_summary()
+
+    def on_train_end(self, logs=None):
+        self._warn_summary()  # an epoch cut short without `on_epoch_end`
 
     def on_train_batch_begin(self, batch, logs=None):
         self._begin = batch
@@ -100,10 +125,28 @@ class NonFiniteGuard(_base.FastGradCallback):
         message = self._describe(int(new), batch, logs)
         if self.action == "raise":
             raise NonFiniteError(message)
-        if self.action == "stop":
-            self.model.stop_training = True
-            message += " Stopping training (action='stop')."
+        if self.action == "warn":  # summarised once, at the end of the epoch
+            self._pending += int(new)
+            self._latest = message
+            return
+        self.model.stop_training = True  # action="stop"
+        message += " Stopping training (action='stop')."
         warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _warn_summary(self):
+        if not self._pending:
+            return
+        summary = (
+            f"Epoch {self._epoch}: {self._pending} non-finite micro-batch(es) "
+            f"{self._fate()} in this epoch. The latest: {self._latest}"
+        )
+        self._pending, self._latest = 0, None
+        warnings.warn(summary, RuntimeWarning, stacklevel=2)
+
+    def _fate(self):
+        if self.model.skip_nonfinite:
+            return "dropped"
+        return "APPLIED (skip_nonfinite=False)"
 
     def _describe(self, new, batch, logs):
         steps = self.params.get("steps") if self.params else None
@@ -126,11 +169,7 @@ class NonFiniteGuard(_base.FastGradCallback):
                 f"({int(logs.get('nonfinite_num_variables', 1))} of {total} "
                 "gradients non-finite)."
             )
-        fate = (
-            "dropped" if self.model.skip_nonfinite
-            else "APPLIED (skip_nonfinite=False)"
-        )
         return (
             f"Non-finite {kind} in epoch {self._epoch}, {where} (0-based): {new} "
-            f"micro-batch(es) {fate}; in the latest, {what}"
+            f"micro-batch(es) {self._fate()}; in the latest, {what}"
         )
