@@ -122,6 +122,10 @@ class TrainingLoss(keras.metrics.Mean):
             aggregation="only_first_replica", name="dropping",
         )
 
+    def reset_state(self):
+        super().reset_state()
+        self.dropping.assign(0.0)
+
     def set_dropping(self, dropping):
         self.dropping.assign(tf.cast(dropping, self.dtype))
 

@@ -1,0 +1,238 @@
+"""Safe to the last sample: evaluation inside `fit`, diverged runs and
+best checkpoints, overflow after the finite check, models without weights.
+
+References: a plain `keras.Model` (trained on the equivalent big batch, or
+under the same learning-rate spike), and values worked out by hand."""
+
+import math
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from helpers import data, fast, max_weight_diff, mlp
+
+import keras_fastgrad
+
+FG = keras_fastgrad.FastGradModel
+
+
+def sgd(lr=0.05):
+    return keras.optimizers.SGD(lr)
+
+
+# ------------------------------------------------------- evaluate in fit
+class EvaluateEvery(keras.callbacks.Callback):
+    def __init__(self, every, x, y):
+        super().__init__()
+        self.every, self.x, self.y, self.calls = every, x, y, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (batch + 1) % self.every == 0:
+            self.calls += 1
+            self.model.evaluate(self.x, self.y, verbose=0)
+
+
+def test_evaluate_inside_fit_does_not_change_training():
+    # 12 batches of 2, windows of 3 batches: 4 updates, each equal to one
+    # step of keras.Model on a batch of 6, evaluated or not.
+    x, y = data(n=24)
+    ref = mlp()
+    ref.compile(optimizer=sgd(), loss="mse")
+    ref.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    model = fast(accumulation_steps=3)
+    model.compile(optimizer=sgd(), loss="mse")
+    probe = EvaluateEvery(4, x, y)
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=[probe])
+    assert probe.calls == 3
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert max_weight_diff(ref, model) < 1e-6
+
+
+def test_validation_data_still_sees_the_flushed_window():
+    # 5 batches, windows of 2: the epoch's partial window (1 batch) is
+    # applied before validation, as before.
+    x, y = data(n=10)
+    model = fast(accumulation_steps=2)
+    model.compile(optimizer=sgd(), loss="mse")
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0,
+              validation_data=(x, y))
+    assert int(model.optimizer.iterations.numpy()) == 3
+
+
+# ------------------------------------------------------------ divergence
+def spike_schedule(spike_epoch):
+    return keras.callbacks.LearningRateScheduler(
+        lambda epoch, lr: 1e30 if epoch == spike_epoch else 0.05
+    )
+
+
+def spiked_run(cls, tmp_path, name, epochs=5, **options):
+    """8 batches per epoch; the learning rate is 1e30 in epoch 1 (finite
+    gradients, then weights of ~1e30 and non-finite losses)."""
+    x, y = data(n=64)
+    model = mlp(cls, **options)
+    model.compile(optimizer=sgd(), loss="mse")
+    path = os.path.join(tmp_path, f"{name}.weights.h5")
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        path, monitor="loss", save_best_only=True, save_weights_only=True
+    )
+    stopper = keras.callbacks.EarlyStopping(
+        monitor="loss", patience=10, restore_best_weights=True
+    )
+    history = model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[spike_schedule(1), checkpoint, stopper],
+    )
+    saved = mlp(cls, **options)
+    saved.load_weights(path)
+    return model, history.history["loss"], saved, (x, y)
+
+
+def test_diverged_run_stops_and_keeps_the_best_checkpoint(tmp_path):
+    ref, ref_losses, ref_saved, (x, y) = spiked_run(keras.Model, tmp_path, "ref")
+    with pytest.warns(RuntimeWarning, match="consecutive non-finite micro-batches"):
+        model, losses, saved, _ = spiked_run(FG, tmp_path, "fast")
+    # keras.Model: the spike epoch and everything after are NaN/inf.
+    assert not any(np.isfinite(ref_losses[1:]))
+    # Ours: epoch 0 trained as keras.Model; the spike epoch ends dropping
+    # and the next applies nothing: neither logs a finite loss.
+    assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
+    assert len(losses) == 3 and not any(np.isfinite(losses[1:]))
+    assert losses[2] != 0.0
+    # Stopped in epoch 2, after 10 dropped micro-batches in a row (7 + 3).
+    assert model.telemetry_counters()["nonfinite_count"] == 10
+    # The best checkpoint is epoch 0's weights, as keras.Model's is.
+    assert max_weight_diff(saved, ref_saved) == 0.0
+    assert all(np.isfinite(w).all() for w in saved.get_weights())
+    # EarlyStopping restored epoch 0's weights at the stop.
+    assert max_weight_diff(model, saved) == 0.0
+
+
+def test_max_consecutive_nonfinite_none_never_stops(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model, losses, saved, _ = spiked_run(
+            FG, tmp_path, "fast", epochs=4, max_consecutive_nonfinite=None
+        )
+    assert len(losses) == 4 and not any(np.isfinite(losses[1:]))
+    assert all(np.isfinite(w).all() for w in saved.get_weights())
+
+
+def test_period_with_nothing_kept_logs_nan_not_zero():
+    x, y = data(n=8)
+    x = np.full_like(x, np.nan)
+    model = fast(max_consecutive_nonfinite=None)
+    model.compile(optimizer=sgd(), loss="mse")
+    h = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert math.isnan(h.history["loss"][0])
+    # evaluate measures the (finite, untouched) weights on finite data.
+    assert np.isfinite(model.evaluate(np.zeros_like(x), y, verbose=0))
+
+
+def test_isolated_bad_batches_train_on_without_alarm():
+    # 3 epochs of 6 batches; batches 1 and 3 of every epoch hold a NaN.
+    x, y = data(n=24)
+    bad = x.copy()
+    bad[4] = np.nan
+    bad[12] = np.nan
+    model = fast(accumulation_steps=2)
+    model.compile(optimizer=sgd(), loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        h = model.fit(bad, y, batch_size=4, epochs=3, shuffle=False, verbose=0)
+    assert len(h.history["loss"]) == 3
+    assert all(np.isfinite(h.history["loss"]))
+    assert model.telemetry_counters()["nonfinite_count"] == 6
+    assert int(model.optimizer.iterations.numpy()) == 9
+    # The same as keras.Model on what each window kept: batch 0, batch 2,
+    # batches 4 + 5.
+    ref = mlp()
+    ref.compile(optimizer=sgd(), loss="mse")
+    for _ in range(3):
+        for rows in (np.r_[0:4], np.r_[8:12], np.r_[16:24]):
+            ref.train_on_batch(x[rows], y[rows])
+    assert max_weight_diff(ref, model) < 1e-6
+
+
+def test_mixed_float16_overflows_at_the_start_do_not_alarm():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = data(n=64)
+    y = y * 300.0  # gradients * 2**15 overflow float16 for a few steps
+    model = fast(telemetry=True)
+    model.compile(optimizer=sgd(1e-4), loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        h = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    assert len(h.history["loss"]) == 3
+    assert h.history["nonfinite_count"][-1] >= 3  # the scale searched down
+    assert h.history["loss_scale"][-1] > 1.0
+    assert all(np.isfinite(h.history["loss"]))
+
+
+# ------------------------------------------------ overflow after the check
+def linear(cls, **options):
+    inputs = keras.Input((1,))
+    layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+    return cls(inputs, layer(inputs), **options)
+
+
+def test_window_sum_that_overflows_never_reaches_the_weights():
+    # loss = (w a)^2 with w = 1, a = 1e19: loss 1e38 and gradient
+    # 2 w a^2 = 2e38 are finite; two of them sum to inf in float32.
+    x = np.array([[1e19], [1e19], [1.0], [1.0]], "float32")
+    y = np.zeros((4, 1), "float32")
+    model = linear(FG, accumulation_steps=2, telemetry=True)
+    model.compile(optimizer=keras.optimizers.SGD(1e-40), loss="mse")
+    h = model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0)
+    w = float(model.get_weights()[0][0, 0])
+    # First window dropped, second applied: w = 1 - 1e-40 * 2 = 1 (float32).
+    assert np.isfinite(w) and w == 1.0
+    assert h.history["nonfinite_count"] == [1.0]
+    assert h.history["updates"] == [1.0]
+
+
+def test_clipping_a_finite_gradient_whose_square_overflows():
+    # grad = 2 w a^2 = 2e20 for a = 1e10: clipped to norm 1, SGD(0.1):
+    # w = 1 - 0.1 = 0.9; the logged norm is 2e20 (not inf).
+    x = np.array([[1e10]], "float32")
+    y = np.zeros((1, 1), "float32")
+    model = linear(FG, clip_norm=1.0, telemetry=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    h = model.fit(x, y, batch_size=1, epochs=1, verbose=0)
+    assert float(model.get_weights()[0][0, 0]) == pytest.approx(0.9, rel=1e-6)
+    assert h.history["grad_norm"][0] == pytest.approx(2e20, rel=1e-6)
+
+
+# ------------------------------------------------ no trainable weights
+def test_model_without_trainable_weights_warns_and_runs_like_keras():
+    x, y = data(n=8)
+    models = []
+    for cls in (keras.Model, FG):
+        inputs = keras.Input((3,))
+        layer = keras.layers.Dense(1, trainable=False)
+        models.append(cls(inputs, layer(inputs)))
+    models[1].set_weights(models[0].get_weights())
+    losses = []
+    for m in models:
+        m.compile(optimizer=sgd(), loss="mse")
+        with pytest.warns(UserWarning, match="does not have any trainable weights"):
+            losses.append(m.fit(x, y, batch_size=4, verbose=0).history["loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+# ------------------------------------------------------------ validation
+@pytest.mark.parametrize("value", [0, -1, 1.5, "10", True])
+def test_max_consecutive_nonfinite_is_validated(value):
+    with pytest.raises((TypeError, ValueError), match="max_consecutive_nonfinite"):
+        fast(max_consecutive_nonfinite=value)
+
+
+def test_max_consecutive_nonfinite_survives_save_and_load(tmp_path):
+    model = fast(max_consecutive_nonfinite=3)
+    model.compile(optimizer=sgd(), loss="mse")
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.max_consecutive_nonfinite == 3
