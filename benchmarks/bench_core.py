@@ -8,8 +8,11 @@ batches through `fit`, after a warm-up fit that excludes tracing):
 - FastGradModel(accumulation_steps=4) / keras.Model with
   Adam(gradient_accumulation_steps=4)                         target <= 1.00
 - telemetry on / off (FastGradModel, accumulation 4)          target <= 1.05
-on an MLP (784 -> 3 x 1024 -> 10, batch 256) and a small CNN (28x28x1,
-Conv 32/64, batch 128).
+on an MLP (784 -> 3 x 1024 -> 10, batch 256), the fixed-cost cases of
+issue 13 (MLP 256 -> 3 x 1024 -> 10 at batch 64, about 8 ms a step on a
+quiet 2-core machine; MLP 64 -> 3 x 256 -> 10 at batch 64, about 1 ms a
+step, where any per-step overhead shows) and a small CNN (28x28x1, Conv
+32/64, batch 128). `--models a,b` picks some of them.
 """
 
 import argparse
@@ -23,13 +26,19 @@ from harness import interleaved_ratios, report, synthetic  # noqa: E402
 import keras_fastgrad  # noqa: E402
 
 
-def mlp(cls, **options):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((784,))
-    h = inputs
-    for _ in range(3):
-        h = keras.layers.Dense(1024, activation="relu")(h)
-    return cls(inputs, keras.layers.Dense(10)(h), **options)
+def dense_stack(features, width):
+    def build(cls, **options):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((features,))
+        h = inputs
+        for _ in range(3):
+            h = keras.layers.Dense(width, activation="relu")(h)
+        return cls(inputs, keras.layers.Dense(10)(h), **options)
+
+    return build
+
+
+mlp = dense_stack(784, 1024)
 
 
 def cnn(cls, **options):
@@ -43,7 +52,14 @@ def cnn(cls, **options):
     return cls(inputs, keras.layers.Dense(10)(h), **options)
 
 
-MODELS = {"mlp": (mlp, (784,), 256), "cnn": (cnn, (28, 28, 1), 128)}
+# name: (builder, input shape, batch, steps multiplier: short steps get
+# longer epochs so that fit's own per-call cost does not dilute the ratio)
+MODELS = {
+    "mlp": (mlp, (784,), 256, 1),
+    "mlp_256x1024_b64": (dense_stack(256, 1024), (256,), 64, 4),
+    "mlp_64x256_b64": (dense_stack(64, 256), (64,), 64, 16),
+    "cnn": (cnn, (28, 28, 1), 128, 1),
+}
 
 
 def fit_fn(model, x, y, batch):
@@ -65,12 +81,16 @@ def compiled(model, optimizer):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
     rounds, steps = (5, 8) if args.quick else (12, 16)
+    rounds = args.rounds or rounds
     fg = keras_fastgrad.FastGradModel
     results = {}
-    for name, (build, shape, batch) in MODELS.items():
-        x, y = synthetic(shape, 10, batch * steps)
+    for name in args.models.split(","):
+        build, shape, batch, longer = MODELS[name]
+        x, y = synthetic(shape, 10, batch * steps * longer)
         adam = keras.optimizers.Adam
         plain = fit_fn(compiled(build(keras.Model), adam()), x, y, batch)
         default = fit_fn(compiled(build(fg), adam()), x, y, batch)

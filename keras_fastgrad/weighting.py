@@ -179,15 +179,15 @@ class LossShares:
 
     Example:
 
-    >>> inputs = keras.Input((2,))
+    >>> inputs = keras.Input((5, 2))  # 5 timesteps, a loss per timestep
     >>> model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
-    >>> model.compile(loss="mse")
-    >>> x, y = tf.ones([4, 2]), tf.zeros([4, 3])
+    >>> model.compile(loss="mse")  # mse averages the last axis: [4, 5]
+    >>> x, y = tf.ones([4, 5, 2]), tf.zeros([4, 5, 3])
     >>> with LossShares(model, 4) as shares:
     ...     loss = model.compute_loss(x, y, model(x))
     >>> share = shares.share()
-    >>> float(share.actual), float(share.real), share.mean  # 4 rows x 3
-    (12.0, 12.0, True)
+    >>> float(share.actual), float(share.real), share.mean  # 4 x 5 elements
+    (20.0, 20.0, True)
     """
 
     def __init__(self, model, num_rows, rows=None):
