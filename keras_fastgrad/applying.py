@@ -46,7 +46,7 @@ def _direct_merge_calls(distribution):
             del extended._use_merge_call
 
 
-def apply_if(should_apply, update_fn, args=()):
+def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()):
     """Runs `update_fn(*args)` once, in cross-replica context, if
     `should_apply`.
 
@@ -57,6 +57,11 @@ def apply_if(should_apply, update_fn, args=()):
             variables instead, which reduce when read there).
         args: Tuple of tensors or lists of tensors (or `None`) whose values
             are identical on every replica; `update_fn` gets replica 0's.
+        otherwise: Optional callable run instead (same context) when
+            `should_apply` is false, with `otherwise_args` (passed like
+            `args`): bookkeeping that only the other branch needs, at the
+            cost of no extra `cond`.
+        otherwise_args: Tuple, as `args`, for `otherwise`.
 
     Example:
 
@@ -66,22 +71,34 @@ def apply_if(should_apply, update_fn, args=()):
     1.0
     """
 
-    def decide_and_apply(distribution, should_apply, *args):
+    num_args = len(args)
+
+    def decide_and_apply(distribution, should_apply, *all_args):
         first = lambda value: _first_replica(distribution, value)  # noqa: E731
-        local_args = [
+        local = [
             [first(v) for v in a] if isinstance(a, (list, tuple)) else first(a)
-            for a in args
+            for a in all_args
         ]
+        local_args, other_args = local[:num_args], local[num_args:]
 
         def apply():
             with _direct_merge_calls(distribution):
                 update_fn(*local_args)
             return tf.constant(True)
 
-        tf.cond(first(should_apply), apply, lambda: tf.constant(False))
+        def skip():
+            if otherwise is not None:
+                otherwise(*other_args)
+            return tf.constant(False)
+
+        tf.cond(first(should_apply), apply, skip)
 
     replica_context = tf.distribute.get_replica_context()
     if replica_context is None:  # already in cross-replica context
-        decide_and_apply(tf.distribute.get_strategy(), should_apply, *args)
+        decide_and_apply(
+            tf.distribute.get_strategy(), should_apply, *args, *otherwise_args
+        )
     else:
-        replica_context.merge_call(decide_and_apply, args=(should_apply, *args))
+        replica_context.merge_call(
+            decide_and_apply, args=(should_apply, *args, *otherwise_args)
+        )

@@ -67,10 +67,6 @@ class DivergenceWatch:
         """An update was applied (inside the update branch)."""
         self.streak.assign(0.0)
 
-    def dropping(self):
-        """Boolean scalar: the latest micro-batches were dropped."""
-        return self.streak > 0.0
-
     def diverged(self):
         """Python bool (reads the variable): the streak reached the limit."""
         if self.limit is None or self.streak is None:
@@ -97,13 +93,18 @@ def failed(finite, scaling):
     return tf.logical_and(bad, scaling.current_scale() <= 1.0)
 
 
-@keras.saving.register_keras_serializable(package="keras_fastgrad")
 class TrainingLoss(keras.metrics.Mean):
     """Keras' `loss` tracker, honest about dropped micro-batches.
 
     Its result is NaN when nothing was kept in the period (a mean of no
-    values: Keras' `Mean` would say 0.0), or while the step reports that
-    its latest micro-batches are being dropped (`set_dropping`).
+    values: Keras' `Mean` says 0.0), or while the step's latest
+    micro-batches are being dropped (the divergence streak is positive).
+
+    Args:
+        name: The metric's name, `"loss"` as Keras'.
+        streak: Optional callable returning the streak variable while
+            training (`None` while evaluating: a validation loss measures
+            the weights, whatever training is doing).
 
     Example:
 
@@ -115,23 +116,16 @@ class TrainingLoss(keras.metrics.Mean):
     2.0
     """
 
-    def __init__(self, name="loss", dtype=None):
+    def __init__(self, name="loss", streak=None, dtype=None):
         super().__init__(name=name, dtype=dtype)
-        self.dropping = self.add_variable(
-            shape=(), initializer="zeros", dtype=self.dtype,
-            aggregation="only_first_replica", name="dropping",
-        )
-
-    def reset_state(self):
-        super().reset_state()
-        self.dropping.assign(0.0)
-
-    def set_dropping(self, dropping):
-        self.dropping.assign(tf.cast(dropping, self.dtype))
+        self._streak = streak
 
     def result(self):
         mean = super().result()
-        empty = tf.logical_or(self.count <= 0.0, self.dropping > 0.0)
+        empty = self.count <= 0.0
+        streak = None if self._streak is None else self._streak()
+        if streak is not None:
+            empty = tf.logical_or(empty, streak > 0.0)
         return tf.where(empty, tf.constant(float("nan"), mean.dtype), mean)
 
 

@@ -184,7 +184,9 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         super().compile(*args, **kwargs)
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
-        object.__setattr__(self, "_loss_tracker", TrainingLoss(name="loss"))
+        object.__setattr__(
+            self, "_loss_tracker", TrainingLoss(name="loss", streak=self._fg_streak)
+        )
         _validation.check_optimizer_ownership(
             self.optimizer, self.accumulation_steps, self.clip_norm
         )
@@ -240,7 +242,6 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         acc = self._fg_accumulator
         apply_if(acc.has_samples(), self._fg_apply_window)
         acc.restart()
-        self._loss_tracker.set_dropping(self._fg_divergence.dropping())
 
     # ------------------------------------------------------------- the step
     def train_step(self, data):
@@ -275,13 +276,11 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         self._fg_divide_window = share.mean if weighted else True
         # One small all-reduce: every decision below is global.
         bad, total = replica_sum([nonfinite_vector(grads, loss), normaliser])
-        finite, _, first_bad, num_bad = summarize(bad)
+        finite = tf.equal(tf.reduce_max(bad), 0.0)
         keep = finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
-        self._fg_divergence.record_drop(
-            tf.logical_and(tf.logical_not(keep), failed(finite, scaling))
-        )
+        # Before `scaling.update`: the scale the micro-batch was dropped at.
+        drop_args = (bad, failed(finite, scaling) if scaling.active else None)
         scaling.update(finite)
-        self._fg_telemetry.record_micro_batch(finite, first_bad, num_bad)
         if "input_shape_changes" in self._fg_log_keys:  # only when read
             self._fg_telemetry.record_input_shape(first_input)
 
@@ -290,23 +289,30 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             sample_weight=tf.where(keep, num_samples, 0.0),
         )
 
-        if self._fg_accumulator is None:
+        if self._fg_accumulator is None and self.skip_nonfinite:
+            # The drop's bookkeeping rides in the update's other branch.
             apply_if(
                 keep,
                 self._fg_update,
-                args=(
-                    replica_sum(grads),
-                    total if weighted and share.mean else None,
-                ),
+                args=(replica_sum(grads), total if weighted and share.mean else None),
+                otherwise=self._fg_record_drop,
+                otherwise_args=drop_args,
             )
         else:
-            acc = self._fg_accumulator
-            window_complete = acc.add(grads, total, keep)
-            apply_if(
-                tf.logical_and(window_complete, acc.has_samples()),
-                self._fg_apply_window,
-            )
-        self._loss_tracker.set_dropping(self._fg_divergence.dropping())
+            apply_if(tf.logical_not(finite), self._fg_record_drop, args=drop_args)
+            if self._fg_accumulator is None:
+                apply_if(
+                    keep,
+                    self._fg_update,
+                    args=(replica_sum(grads), total if weighted and share.mean else None),
+                )
+            else:
+                acc = self._fg_accumulator
+                window_complete = acc.add(grads, total, keep)
+                apply_if(
+                    tf.logical_and(window_complete, acc.has_samples()),
+                    self._fg_apply_window,
+                )
 
         logs = self._fg_compute_metrics(keep, x, y, y_pred, sample_weight)
         logs = global_metric_results(self.metrics, logs)
@@ -372,6 +378,30 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             )
             self._fg_record_trace_facts(variables, grads)
         return loss, y_pred, grads, share
+
+    def _fg_streak(self):
+        """The divergence streak variable while training (`TrainingLoss`
+        reads it), `None` while evaluating or before the state exists."""
+        if self._fg_evaluating or self._fg_divergence is None:
+            return None
+        return self._fg_divergence.streak
+
+    def _fg_record_drop(self, bad, counts=None):
+        """Bookkeeping of a non-finite micro-batch (in the branch that runs
+        only then): where it went bad, and the divergence streak.
+
+        Args:
+            bad: The replica-summed `nonfinite_vector`.
+            counts: Boolean scalar, whether the drop counts towards the
+                streak (`divergence.failed`, under loss scaling); `None`:
+                it does.
+        """
+        _, _, first_bad, num_bad = summarize(bad)
+        self._fg_telemetry.record_drop(first_bad, num_bad)
+        if self.skip_nonfinite or self._fg_scaling.active:
+            self._fg_divergence.record_drop(
+                tf.constant(True) if counts is None else counts
+            )
 
     def _fg_check_slices(self, x):
         batch = next(t for t in tree.flatten(x) if t is not None).shape[0]

@@ -91,7 +91,7 @@ class StepTelemetry:
 
     >>> t = StepTelemetry()
     >>> t.build()
-    >>> t.record_micro_batch(tf.constant(False), tf.constant(3), tf.constant(1))
+    >>> t.record_drop(tf.constant(3), tf.constant(1))
     >>> float(t.nonfinite_count.numpy()), float(t.nonfinite_first_index.numpy())
     (1.0, 3.0)
     """
@@ -138,16 +138,12 @@ class StepTelemetry:
             self.last_input_size,
         ]
 
-    def record_micro_batch(self, finite, first_bad, num_bad):
-        """Counts a dropped micro-batch and remembers where it went bad."""
-        bad = tf.logical_not(finite)
-        self.nonfinite_count.assign_add(tf.where(bad, 1.0, 0.0))
-        self.nonfinite_first_index.assign(
-            tf.where(bad, tf.cast(first_bad, tf.float32), self.nonfinite_first_index)
-        )
-        self.nonfinite_num_variables.assign(
-            tf.where(bad, tf.cast(num_bad, tf.float32), self.nonfinite_num_variables)
-        )
+    def record_drop(self, first_bad, num_bad):
+        """Counts a dropped micro-batch and remembers where it went bad
+        (runs only in the branch of a non-finite micro-batch)."""
+        self.nonfinite_count.assign_add(1.0)
+        self.nonfinite_first_index.assign(tf.cast(first_bad, tf.float32))
+        self.nonfinite_num_variables.assign(tf.cast(num_bad, tf.float32))
 
     def record_dropped_update(self):
         """A window (or replica sum) of finite micro-batch gradients that
