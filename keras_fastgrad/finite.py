@@ -7,8 +7,8 @@ temporary, decides; sparse gradients (`tf.IndexedSlices`, from embedding
 lookups) are summed over their rows only, never densified. The one false
 alarm: finite elements whose sum exceeds float32's range (~3.4e38), a
 gradient no update could use either; it is dropped like a non-finite one.
-Flags are summed over replicas, so a NaN on any replica drops the
-micro-batch everywhere.
+Under several replicas one flag per gradient is summed over them, so a NaN
+on any replica drops the micro-batch everywhere.
 """
 
 import tensorflow as tf
@@ -43,40 +43,53 @@ def all_finite(grads):
     return tf.reduce_all(tf.math.is_finite(gradient_sums(grads)))
 
 
-def nonfinite_vector(grads, loss):
-    """float32 vector: 1 per non-finite gradient (`None`: 0), then 1 if the
-    loss is non-finite. Summing it over replicas keeps its meaning."""
-    sums = tf.concat([gradient_sums(grads), [tf.cast(loss, tf.float32)]], 0) if grads else (
+def marks(grads, loss):
+    """float32 vector `[len(grads) + 1]`: each gradient's element sum
+    (`None`: 0), then the loss; an entry is non-finite exactly when its
+    gradient (or the loss) holds NaN/Inf. One reduction per gradient and
+    one stack: the whole per-step cost of the check."""
+    return tf.concat([gradient_sums(grads), [tf.cast(loss, tf.float32)]], 0) if grads else (
         tf.reshape(tf.cast(loss, tf.float32), [1])
     )
-    return tf.cast(tf.logical_not(tf.math.is_finite(sums)), tf.float32)
 
 
-def summarize(bad):
-    """Reads a (possibly replica-summed) `nonfinite_vector`.
+def is_finite(marks_vector):
+    """Boolean scalar: every entry of a `marks` vector is finite."""
+    return tf.reduce_all(tf.math.is_finite(marks_vector))
+
+
+def to_flags(marks_vector):
+    """float32 1/0 per entry: summed over replicas, it keeps its meaning."""
+    return tf.cast(tf.logical_not(tf.math.is_finite(marks_vector)), tf.float32)
+
+
+def from_flags(flags):
+    """Back from replica-summed flags to a `marks` vector (NaN where any
+    replica was non-finite)."""
+    return tf.where(flags > 0, float("nan"), 0.0)
+
+
+def summarize(marks_vector):
+    """Where a micro-batch went bad, from its `marks` vector.
 
     Returns:
-        Tuple `(all_finite, loss_finite, first_bad, num_bad)`: boolean
-        scalars (everything finite; the loss finite); the int32 index of the
-        first non-finite gradient, or -1 when every gradient is finite (the
-        loss alone may then be non-finite); the int32 number of non-finite
-        gradients. A model without trainable variables has only the loss.
+        Tuple `(first_bad, num_bad)`: the int32 index of the first
+        non-finite gradient, or -1 when every gradient is finite (the loss
+        alone was non-finite, or the model has no trainable variables); the
+        int32 number of non-finite gradients.
 
     Example:
 
-    >>> ok, loss_ok, first, n = summarize(nonfinite_vector(
+    >>> first, n = summarize(marks(
     ...     [tf.constant([1.0]), None, tf.constant([float("nan")])],
     ...     tf.constant(0.5)))
-    >>> bool(ok), bool(loss_ok), int(first), int(n)
-    (False, True, 2, 1)
+    >>> int(first), int(n)
+    (2, 1)
     """
-    grads_bad = bad[:-1] > 0
-    loss_finite = tf.logical_not(bad[-1] > 0)
-    all_ok = tf.logical_not(tf.reduce_any(bad > 0))
-    bad_ints = tf.cast(grads_bad, tf.int32)
+    bad_ints = tf.cast(tf.logical_not(tf.math.is_finite(marks_vector[:-1])), tf.int32)
     num_bad = tf.reduce_sum(bad_ints)
-    # argmax of an empty vector fails: pad with one 0 (index never chosen
-    # unless no gradient is bad, and then -1 is returned).
+    # argmax of an empty vector fails: pad with one 0 (never chosen unless
+    # no gradient is bad, and then -1 is returned).
     index = tf.argmax(tf.concat([bad_ints, [0]], 0), output_type=tf.int32)
     first_bad = tf.where(num_bad > 0, index, tf.constant(-1, tf.int32))
-    return all_ok, loss_finite, first_bad, num_bad
+    return first_bad, num_bad

@@ -32,7 +32,7 @@ from keras_fastgrad._replicas import (
 )
 from keras_fastgrad._gradients import scale
 from keras_fastgrad.divergence import TrainingLoss, failed
-from keras_fastgrad.finite import all_finite, nonfinite_vector, summarize
+from keras_fastgrad import finite
 from keras_fastgrad.loss_scaling import LossScaling
 from keras_fastgrad.slicing import check_micro_batches, sliced_gradients
 from keras_fastgrad.multitask import (
@@ -274,20 +274,18 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             )
         normaliser = share.real if weighted else tf.constant(1.0)
         self._fg_divide_window = share.mean if weighted else True
-        # One small all-reduce: every decision below is global.
-        bad, total = replica_sum([nonfinite_vector(grads, loss), normaliser])
-        finite = tf.equal(tf.reduce_max(bad), 0.0)
-        keep = finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
+        checked = finite.marks(grads, loss)
+        total = normaliser
+        if num_replicas() > 1:  # one small all-reduce: decisions are global
+            flags, total = replica_sum([finite.to_flags(checked), normaliser])
+            checked = finite.from_flags(flags)
+        all_finite = finite.is_finite(checked)
+        keep = all_finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
         # Before `scaling.update`: the scale the micro-batch was dropped at.
-        drop_args = (bad, failed(finite, scaling) if scaling.active else None)
-        scaling.update(finite)
+        drop_args = (checked, failed(all_finite, scaling) if scaling.active else None)
+        scaling.update(all_finite)
         if "input_shape_changes" in self._fg_log_keys:  # only when read
             self._fg_telemetry.record_input_shape(first_input)
-
-        self._loss_tracker.update_state(
-            tf.where(keep, unscale_loss_for_distribution(loss), 0.0),
-            sample_weight=tf.where(keep, num_samples, 0.0),
-        )
 
         if self._fg_accumulator is None and self.skip_nonfinite:
             # The drop's bookkeeping rides in the update's other branch.
@@ -299,7 +297,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 otherwise_args=drop_args,
             )
         else:
-            apply_if(tf.logical_not(finite), self._fg_record_drop, args=drop_args)
+            apply_if(tf.logical_not(all_finite), self._fg_record_drop, args=drop_args)
             if self._fg_accumulator is None:
                 apply_if(
                     keep,
@@ -314,7 +312,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                     self._fg_apply_window,
                 )
 
-        logs = self._fg_compute_metrics(keep, x, y, y_pred, sample_weight)
+        logs = self._fg_compute_metrics(
+            keep, unscale_loss_for_distribution(loss), num_samples,
+            x, y, y_pred, sample_weight,
+        )
         logs = global_metric_results(self.metrics, logs)
         if self._fg_log_keys:
             measured = self._fg_telemetry.logs(
@@ -386,17 +387,17 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             return None
         return self._fg_divergence.streak
 
-    def _fg_record_drop(self, bad, counts=None):
+    def _fg_record_drop(self, checked, counts=None):
         """Bookkeeping of a non-finite micro-batch (in the branch that runs
         only then): where it went bad, and the divergence streak.
 
         Args:
-            bad: The replica-summed `nonfinite_vector`.
+            checked: The micro-batch's (global) `finite.marks` vector.
             counts: Boolean scalar, whether the drop counts towards the
                 streak (`divergence.failed`, under loss scaling); `None`:
                 it does.
         """
-        _, _, first_bad, num_bad = summarize(bad)
+        first_bad, num_bad = finite.summarize(checked)
         self._fg_telemetry.record_drop(first_bad, num_bad)
         if self.skip_nonfinite or self._fg_scaling.active:
             self._fg_divergence.record_drop(
@@ -413,17 +414,23 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 "`micro_batches`."
             )
 
-    def _fg_compute_metrics(self, keep, x, y, y_pred, sample_weight):
-        """Keras' metrics, left unchanged by a dropped micro-batch (its NaN
-        predictions would turn them into NaN for the rest of the epoch)."""
+    def _fg_compute_metrics(self, keep, loss, num_samples, x, y, y_pred, sample_weight):
+        """Keras' `loss` tracker and metrics, left unchanged by a dropped
+        micro-batch (its NaN would make them NaN for the rest of the
+        epoch): one `cond`, in replica context."""
+        tracker = self._loss_tracker
         if type(self).compute_metrics is not keras.Model.compute_metrics:
             # A user override may return other keys: call it as Keras does.
+            tracker.update_state(
+                tf.where(keep, loss, 0.0), sample_weight=tf.where(keep, num_samples, 0.0)
+            )
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return tf.cond(
-            keep,
-            lambda: self.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
-            self.get_metrics_result,
-        )
+
+        def update():
+            tracker.update_state(loss, sample_weight=num_samples)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+        return tf.cond(keep, update, self.get_metrics_result)
 
     def _fg_apply_window(self):
         acc = self._fg_accumulator
@@ -453,11 +460,11 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         # finite gradients can overflow: checked here, right before the
         # update (free with clipping: the norm is finite iff they all are).
         if self.clip_norm is not None:
-            finite = tf.math.is_finite(norm)
+            finite_update = tf.math.is_finite(norm)
         elif self._fg_accumulator is not None or num_replicas() > 1:
-            finite = all_finite(grads)
+            finite_update = finite.all_finite(grads)
         else:
-            finite = None  # the micro-batch check covered exactly these
+            finite_update = None  # the micro-batch check covered these
 
         def apply():
             before = telemetry.snapshot(variables)
@@ -472,10 +479,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             self._fg_divergence.record_drop(tf.constant(True))
             return tf.constant(False)
 
-        if finite is None:
+        if finite_update is None:
             apply()
         else:
-            tf.cond(finite, apply, drop)
+            tf.cond(finite_update, apply, drop)
 
     # ---------------------------------------------------------------- config
     def get_config(self):
