@@ -229,3 +229,41 @@ def test_outputs_with_different_normalisers_warn():
     model.compile(optimizer="sgd", loss=["mse", "mse"])
     with pytest.warns(UserWarning, match="different normalisers"):
         model.fit(x, ys, batch_size=4, epochs=1, verbose=0)
+
+
+# ------------------------------------------------------ sparse gradients
+def embedding_model(cls, one_hot=False, **options):
+    """`Embedding(50, 4)`; with `one_hot`, the same maths as a dense
+    matmul (a dense gradient): the reference for the sparse path."""
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((5,), dtype="int32")
+    if one_hot:
+        table = keras.layers.Dense(4, use_bias=False, name="table")
+        h = table(keras.ops.one_hot(inputs, 50))
+    else:
+        h = keras.layers.Embedding(50, 4, name="table")(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return cls(inputs, keras.layers.Dense(1)(h), **options)
+
+
+@pytest.mark.parametrize("options", [
+    {"clip_norm": 0.05}, {"accumulation_steps": 2}, {"accumulation_steps": 2, "clip_norm": 0.05},
+])
+def test_embedding_sparse_path_equals_the_dense_gradient(options):
+    # Ids repeat within and across rows: a norm of the IndexedSlices'
+    # values (duplicates not summed) would be wrong.
+    rng = np.random.default_rng(9)
+    x = rng.integers(0, 8, size=(12, 5)).astype("int32")
+    y = rng.normal(size=(12, 1)).astype("float32") * 5.0
+    ref = embedding_model(keras.Model, one_hot=True)
+    model = embedding_model(FG, **options)
+    model.set_weights(ref.get_weights())
+    start = ref.get_weights()
+    clip = options.get("clip_norm")
+    ref.compile(optimizer=keras.optimizers.SGD(0.5, global_clipnorm=clip), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    # Windows of two batches of 6 equal one batch of 12.
+    ref_batch = 12 if "accumulation_steps" in options else 6
+    ref.fit(x, y, batch_size=ref_batch, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(ref, model, start) < 1e-5
