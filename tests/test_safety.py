@@ -236,3 +236,17 @@ def test_max_consecutive_nonfinite_survives_save_and_load(tmp_path):
     model.save(path)
     loaded = keras.saving.load_model(path)
     assert loaded.max_consecutive_nonfinite == 3
+
+
+# ----------------------------------------------------------- small ones
+def test_many_models_do_not_warn_about_retracing_the_flush(caplog):
+    # Every model flushes a partial window at each epoch end (5 batches,
+    # windows of 2). TF warns when one Python function retraces often; a
+    # lambda per model shares its code object, so it used to.
+    x, y = data(n=10)
+    with caplog.at_level("WARNING", logger="tensorflow"):
+        for _ in range(7):
+            model = fast(accumulation_steps=2)
+            model.compile(optimizer=sgd(), loss="mse")
+            model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    assert not [r for r in caplog.records if "apply_partial_window" in r.getMessage()]
