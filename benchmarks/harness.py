@@ -28,6 +28,17 @@ def time_call(fn):
     return time.perf_counter() - start
 
 
+def load_average():
+    """The 1-minute load average (how busy the machine was), or None."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+LOAD_AT_START = load_average()
+
+
 def interleaved_ratios(pairs, rounds):
     """Times each (name, numerator_fn, denominator_fn) pair, interleaved.
 
@@ -56,7 +67,13 @@ def interleaved_ratios(pairs, rounds):
 
 def report(title, results, targets, out_name):
     """Prints a table and writes JSON to benchmarks/out/<out_name>.json."""
+    load = {"at_start": LOAD_AT_START, "at_end": load_average()}
     print(f"\n{title}\n{machine()}")
+    print(
+        f"1-minute load average: {load['at_start']} when the script started, "
+        f"{load['at_end']} at the end (the benchmark itself keeps about 1-2 of "
+        f"{os.cpu_count()} cores busy; more means other work shared the machine)"
+    )
     print(f"{'ratio':58s} {'median':>7s} {'min':>7s} {'max':>7s}  target")
     for name, s in results.items():
         target = targets.get(name, "")
@@ -64,7 +81,10 @@ def report(title, results, targets, out_name):
     out_dir = os.path.join(os.path.dirname(__file__), "out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{out_name}.json"), "w") as f:
-        json.dump({"machine": machine(), "results": results, "targets": targets}, f, indent=2)
+        json.dump(
+            {"machine": machine(), "load_average": load, "results": results, "targets": targets},
+            f, indent=2,
+        )
 
 
 def synthetic(shape, classes, n, seed=0):

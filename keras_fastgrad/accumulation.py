@@ -74,7 +74,7 @@ class WindowAccumulator:
     def variables(self):
         return self.sums + [self.normaliser, self.micro_step]
 
-    def add(self, weighted_grads, normaliser, include):
+    def add(self, weighted_grads, normaliser, include, otherwise=None):
         """Adds one micro-batch; returns whether its window is now complete.
 
         Args:
@@ -86,6 +86,10 @@ class WindowAccumulator:
                 all replicas.
             include: boolean scalar, the same on every replica; `False`
                 leaves the micro-batch out.
+            otherwise: Optional callable run (no arguments) in the `cond`
+                branch of a left-out micro-batch: bookkeeping for free. One
+                replica only: under a strategy, state written there would
+                need a `merge_call` inside the `cond`.
 
         Returns:
             Boolean scalar: `True` on the window's last micro-batch.
@@ -102,7 +106,12 @@ class WindowAccumulator:
         # A `cond`, not a multiplication by 0 (NaN * 0 is NaN) nor a
         # `where` (an extra pass over every gradient). Mirrored state is
         # written outside it: under a strategy that write is a `merge_call`.
-        tf.cond(include, add, lambda: tf.constant(False))
+        def leave_out():
+            if otherwise is not None:
+                otherwise()
+            return tf.constant(False)
+
+        tf.cond(include, add, leave_out)
         self.normaliser.assign_add(tf.where(include, normaliser, 0.0))
         self.micro_step.assign_add(1)
         return tf.equal(self.micro_step % self.steps, 0)

@@ -287,30 +287,31 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         if "input_shape_changes" in self._fg_log_keys:  # only when read
             self._fg_telemetry.record_input_shape(first_input)
 
-        if self._fg_accumulator is None and self.skip_nonfinite:
-            # The drop's bookkeeping rides in the update's other branch.
+        # The drop's bookkeeping rides in the other branch of a `cond` the
+        # step has anyway, where it can (no extra `cond` per step).
+        acc = self._fg_accumulator
+        drops_with_keep = self.skip_nonfinite or scaling.active  # keep == finite
+        if acc is None:  # the update sums the gradients over replicas once
+            update_args = (replica_sum(grads), total if weighted and share.mean else None)
+        if acc is None and drops_with_keep:
             apply_if(
-                keep,
-                self._fg_update,
-                args=(replica_sum(grads), total if weighted and share.mean else None),
-                otherwise=self._fg_record_drop,
-                otherwise_args=drop_args,
+                keep, self._fg_update, args=update_args,
+                otherwise=self._fg_record_drop, otherwise_args=drop_args,
             )
-        else:
+        elif acc is None:
             apply_if(tf.logical_not(all_finite), self._fg_record_drop, args=drop_args)
-            if self._fg_accumulator is None:
-                apply_if(
-                    keep,
-                    self._fg_update,
-                    args=(replica_sum(grads), total if weighted and share.mean else None),
-                )
+            apply_if(keep, self._fg_update, args=update_args)
+        else:
+            otherwise = None
+            if drops_with_keep and num_replicas() == 1:
+                otherwise = functools.partial(self._fg_record_drop, *drop_args)
             else:
-                acc = self._fg_accumulator
-                window_complete = acc.add(grads, total, keep)
-                apply_if(
-                    tf.logical_and(window_complete, acc.has_samples()),
-                    self._fg_apply_window,
-                )
+                apply_if(tf.logical_not(all_finite), self._fg_record_drop, args=drop_args)
+            window_complete = acc.add(grads, total, keep, otherwise=otherwise)
+            apply_if(
+                tf.logical_and(window_complete, acc.has_samples()),
+                self._fg_apply_window,
+            )
 
         logs = self._fg_compute_metrics(
             keep, unscale_loss_for_distribution(loss), num_samples,
