@@ -19,6 +19,7 @@ optax's `apply_if_finite(max_consecutive_errors)`:
   streak reaches the limit (read asynchronously, at no cost to the step).
 """
 
+import math
 import warnings
 
 import keras
@@ -121,19 +122,22 @@ class TrainingLoss(keras.metrics.Mean):
         self._streak = streak
 
     def result(self):
-        mean = super().result()
-        empty = self.count <= 0.0
+        # 0 / 0 is NaN: a period with nothing kept (Keras' `Mean` divides
+        # with `divide_no_nan` and says 0.0).
+        mean = self.total / self.count
         streak = None if self._streak is None else self._streak()
-        if streak is not None:
-            empty = tf.logical_or(empty, streak > 0.0)
-        return tf.where(empty, tf.constant(float("nan"), mean.dtype), mean)
+        if streak is None:
+            return mean
+        return tf.where(streak > 0.0, tf.constant(float("nan"), mean.dtype), mean)
 
 
 class DivergenceStop(keras.callbacks.Callback):
     """Stops `fit` when the model's failure streak reaches its limit.
 
-    `FastGradModel.fit` adds it; it only reads the model's streak variable,
-    on Keras' asynchronous callback thread.
+    `FastGradModel.fit` adds it. It runs on Keras' asynchronous callback
+    thread and reads the model's streak variable only when the logged
+    `loss` is not finite (`TrainingLoss` is NaN whenever the streak is
+    positive), so a healthy run pays a dictionary lookup per batch.
     """
 
     async_safe = True  # reads one variable; does not need the logs in order
@@ -144,8 +148,13 @@ class DivergenceStop(keras.callbacks.Callback):
         self.stopped = False
 
     def on_train_batch_end(self, batch, logs=None):
+        if self.stopped:
+            return
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, float) and math.isfinite(loss):
+            return  # a finite logged loss means the streak is 0: no read
         watch = self.watch() if callable(self.watch) else self.watch
-        if self.stopped or watch is None or not watch.diverged():
+        if watch is None or not watch.diverged():
             return
         self.stopped = True
         self.model.stop_training = True
