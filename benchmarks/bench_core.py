@@ -21,7 +21,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
-from harness import interleaved_ratios, report, synthetic  # noqa: E402
+from harness import fit_fn, interleaved_ratios, report, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 
@@ -60,14 +60,6 @@ MODELS = {
     "mlp_64x256_b64": (dense_stack(64, 256), (64,), 64, 16),
     "cnn": (cnn, (28, 28, 1), 128, 1),
 }
-
-
-def fit_fn(model, x, y, batch):
-    def run():
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-
-    run()  # warm-up: trace and compile outside the timed rounds
-    return run
 
 
 def compiled(model, optimizer):

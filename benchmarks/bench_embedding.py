@@ -28,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from harness import interleaved_ratios, report  # noqa: E402
+from harness import fit_fn, interleaved_ratios, report  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 
@@ -48,14 +48,6 @@ def data(n, seed=0):
     x = rng.integers(0, VOCAB, size=(n, LENGTH)).astype("int32")
     y = rng.normal(size=(n, 1)).astype("float32")
     return x, y
-
-
-def fit_fn(model, x, y, batch):
-    def run():
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-
-    run()  # warm-up: trace and compile outside the timed rounds
-    return run
 
 
 def compiled(model, optimizer):
