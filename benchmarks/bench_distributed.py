@@ -27,8 +27,8 @@ tf.config.set_logical_device_configuration(
 )
 
 import keras  # noqa: E402
-from bench_core import compiled, fit_fn, mlp  # noqa: E402
-from harness import interleaved_ratios, report, synthetic  # noqa: E402
+from bench_core import compiled, mlp  # noqa: E402
+from harness import fit_fn, interleaved_ratios, report, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 

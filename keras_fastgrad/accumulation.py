@@ -10,7 +10,8 @@ weights), so the gradient of the concatenated window is
 `sum_j D_j g_j` and `N` in float32 variables (model state, saved with the
 model) and the step divides once, at the update. A micro-batch left out
 (non-finite) adds neither to the sum nor to `N`. Sparse gradients
-(`tf.IndexedSlices`) are added to their rows only.
+(`tf.IndexedSlices`) are added to their rows only (on one replica; under a
+strategy the per-replica sums support no `scatter_add`: added densely).
 
 Under a `tf.distribute` strategy each replica adds its own share to
 sync-on-read sums: micro-steps do not all-reduce gradients; the update sums
@@ -95,12 +96,16 @@ class WindowAccumulator:
             Boolean scalar: `True` on the window's last micro-batch.
         """
 
+        sparse_ok = tf.distribute.get_strategy().num_replicas_in_sync == 1
+
         def add():
             for total, g in zip(self.sums, weighted_grads):
-                if isinstance(g, tf.IndexedSlices):  # touched rows only
-                    total.value.scatter_add(to_float32(g))
-                elif g is not None:
-                    total.assign_add(tf.cast(g, tf.float32))
+                if g is None:
+                    continue
+                if isinstance(g, tf.IndexedSlices) and sparse_ok:
+                    total.value.scatter_add(to_float32(g))  # touched rows only
+                else:  # sync-on-read (replica) sums have no `scatter_add`
+                    total.assign_add(tf.cast(tf.convert_to_tensor(g), tf.float32))
             return tf.constant(True)
 
         # A `cond`, not a multiplication by 0 (NaN * 0 is NaN) nor a

@@ -26,6 +26,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import data, fast, max_weight_diff, mlp  # noqa: E402
 
+import keras_fastgrad  # noqa: E402
+
 STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
@@ -153,6 +155,31 @@ def case_jit_compile():
         return {"ok": True, "max_weight_diff": result["max_weight_diff"]}
     except Exception as e:  # the message is what the test checks
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def case_masked_sequences():
+    # Global batch 8: replica 0 gets rows with 1 valid step, replica 1 rows
+    # with 6. Weighted by samples, the replicas' shares would be wrong;
+    # weighted by valid steps (the loss's normaliser) the update is exact.
+    from test_exactness import masked_data, masked_rnn
+
+    x, y = masked_data()
+    x, y = np.concatenate([x, x[::-1]]), np.concatenate([y, y[::-1]])
+    build = lambda: masked_rnn(keras_fastgrad.FastGradModel, accumulation_steps=2)  # noqa: E731
+    reference = train(lambda: masked_rnn(keras.Model), sgd(), x, y, {"batch_size": 16}, False)
+    return compare(build, sgd(), x, y, {"batch_size": 8}, reference=reference)
+
+
+def case_replica_sum_overflow():
+    # One sample per replica, each gradient 2e38 (finite); their sum is inf.
+    inputs = keras.Input((1,))
+    layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+    with STRATEGY.scope():
+        model = keras_fastgrad.FastGradModel(inputs, layer(inputs), telemetry=True)
+        model.compile(optimizer=keras.optimizers.SGD(1e-40), loss="mse")
+    x = np.array([[1e19], [1e19], [1.0], [1.0]], "float32")
+    h = model.fit(x, np.zeros((4, 1), "float32"), batch_size=2, shuffle=False, verbose=0)
+    return {"weights": model.get_weights()[0].ravel().tolist(), "history": h.history}
 
 
 CASES = {

@@ -69,6 +69,19 @@ def test_micro_batches_with_accumulation_match_single_device(mirrored):
     _assert_same_as_single_device(mirrored["micro_batches"])
 
 
+def test_masked_sequences_weighted_by_valid_steps_across_replicas(mirrored):
+    # Replica 0 holds rows with 1 valid step, replica 1 rows with 6; with
+    # windows of 2: the same as keras.Model on batches of 16.
+    _assert_same_as_single_device(mirrored["masked_sequences"])
+
+
+def test_replica_sum_that_overflows_never_reaches_the_weights(mirrored):
+    result = mirrored["replica_sum_overflow"]
+    assert result["weights"] == [1.0]  # dropped, then a tiny finite update
+    assert result["history"]["nonfinite_count"] == [1.0]
+    assert result["history"]["updates"] == [1.0]
+
+
 def test_nan_on_one_replica_is_dropped_on_every_replica(mirrored):
     # Reference: single device trained without that global batch.
     result = mirrored["nan_on_one_replica"]
