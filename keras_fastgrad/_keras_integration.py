@@ -2,7 +2,9 @@
 
 Keras hooks overridden here, each for one reason:
 - `__new__`: the functional form gets its own class (see
-  `_functional_variant`) instead of Keras rewriting the class's bases.
+  `_functional_variant`) instead of Keras rewriting the class's bases; a
+  clone made by `keras.models.clone_model` gets the original's options (see
+  `_model_being_cloned`).
 - `compile_from_config`: Keras skips recompiling a loaded model whose
   `compile` is overridden; ours keeps Keras' signature.
 - `_maybe_symbolic_build`: the step's state needs the variables before the
@@ -13,9 +15,12 @@ Keras hooks overridden here, each for one reason:
   (not when `evaluate`, which ends the same way, runs inside `fit`).
 """
 
+import sys
+
 import keras
 import tensorflow as tf
 from keras.src import tree
+from keras.src.models import cloning
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving import object_registration
@@ -28,9 +33,15 @@ class KerasIntegrationMixin:
         # Like `keras.Model.__new__`: the functional form is an instance of
         # a class that also inherits from `Functional` (see
         # `_functional_variant`), so this class's bases never change.
-        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+        functional = functional_init_arguments(args, kwargs)
+        if functional and not issubclass(cls, Functional):
             cls = _functional_variant(cls)
-        return super().__new__(cls, *args, **kwargs)
+        instance = super().__new__(cls, *args, **kwargs)
+        if functional:
+            source = _model_being_cloned(sys._getframe(1))
+            if source is not None:  # read (and removed) by `__init__`
+                vars(instance)["_fg_cloned_options"] = source._fg_options()
+        return instance
 
     def _fg_compile_owner(self):
         """The class whose `compile` keeps Keras' signature."""
@@ -114,6 +125,30 @@ def _with_divergence_stop(model, callbacks):
     else:
         callbacks = list(callbacks)
     return callbacks + [DivergenceStop(lambda: model._fg_divergence)]
+
+
+# `keras.models.clone_model` builds a functional clone in this function as
+# `model.__class__(inputs, outputs, name=model.name)`: no options, and no
+# hook that would let the class pass them on.
+_CLONE_FUNCTIONAL_CODE = getattr(
+    getattr(cloning, "_clone_functional_model", None), "__code__", None
+)
+
+
+def _model_being_cloned(frame):
+    """The model that `keras.models.clone_model` is cloning, if the model
+    under construction is that clone, else `None`.
+
+    Args:
+        frame: The frame that called the class (`__new__`'s caller).
+    """
+    # A subclass that overrides `__new__` sits between the caller and here.
+    while frame is not None and frame.f_code.co_name == "__new__":
+        frame = frame.f_back
+    if frame is None or frame.f_code is not _CLONE_FUNCTIONAL_CODE:
+        return None
+    model = frame.f_locals.get("model")
+    return model if isinstance(model, KerasIntegrationMixin) else None
 
 
 _FUNCTIONAL_VARIANTS = {}

@@ -7,6 +7,12 @@ others of its window still count. This unit drives the optimizer's own
 `dynamic_scale` and `step_counter` variables with the same rule as Keras
 (halve on a non-finite micro-batch, double after `dynamic_growth_steps`
 finite ones), so the scale is saved and restored with the optimizer.
+
+An ordinary optimizer may carry a fixed `loss_scale_factor`: Keras' own
+step multiplies the loss by it (`optimizer.scale_loss`) and the optimizer's
+`apply` divides the gradients by it. Here the loss is scaled the same way,
+but the gradients are unscaled right away (accumulation, clipping and
+`grad_norm` see the true gradient), so `apply` must not divide again.
 """
 
 import keras
@@ -17,10 +23,12 @@ from keras_fastgrad._replicas import in_cross_replica_context
 
 
 class LossScaling:
-    """Scale, unscale and update the loss scale of a `LossScaleOptimizer`.
+    """Scale, unscale and update the loss scale of a `LossScaleOptimizer`,
+    or scale and unscale by an optimizer's fixed `loss_scale_factor`.
 
-    Inactive (identity) when the optimizer is not a `LossScaleOptimizer`,
-    e.g. in float32 or under `mixed_bfloat16`.
+    `active` (dynamic scaling: drops, halving, growth) only for a
+    `LossScaleOptimizer`; a fixed factor only scales and unscales. Identity
+    without either, e.g. in float32 or under `mixed_bfloat16`.
 
     Args:
         optimizer: The model's compiled optimizer.
@@ -39,10 +47,18 @@ class LossScaling:
         else:
             self.scaler = None
             self.update_optimizer = optimizer
+        # `LossScaleOptimizer` clears its inner optimizer's factor, so a
+        # fixed factor and dynamic scaling never meet.
+        self.factor = getattr(self.update_optimizer, "loss_scale_factor", None)
 
     @property
     def active(self):
+        """Whether the scale is dynamic (a `LossScaleOptimizer`)."""
         return self.scaler is not None
+
+    @property
+    def _scales(self):
+        return self.active or self.factor is not None
 
     def scale(self, loss, weight=None):
         """The loss to differentiate.
@@ -57,16 +73,39 @@ class LossScaling:
         """
         if self.active:
             return self.scaler.scale_loss(loss)
+        if self.factor is not None:  # Keras' own scaling, as in its step
+            return self.update_optimizer.scale_loss(loss)
         return loss if weight is None else loss * tf.cast(weight, loss.dtype)
 
     def unscale(self, grads, weight=None):
         """Float32 gradients of the unscaled loss, times `weight` if given."""
-        if not self.active:
+        if not self._scales:
             return grads
-        inverse = 1.0 / self.scaler.dynamic_scale
+        if self.active:
+            inverse = 1.0 / self.scaler.dynamic_scale
+        else:
+            inverse = 1.0 / self.factor
         if weight is not None:
             inverse = inverse * weight
         return [scale(g, inverse) for g in grads]
+
+    def apply(self, grads, variables):
+        """Applies unscaled `grads` with the update optimizer.
+
+        With a fixed `loss_scale_factor` the optimizer's `apply` would divide
+        the already unscaled gradients again: the factor is cleared while
+        the update is traced (it is read in Python, at trace time) and put
+        back after, so the optimizer's config and `scale_loss` keep it.
+        """
+        optimizer = self.update_optimizer
+        if self.factor is None:
+            optimizer.apply(grads, variables)
+            return
+        optimizer.loss_scale_factor = None
+        try:
+            optimizer.apply(grads, variables)
+        finally:
+            optimizer.loss_scale_factor = self.factor
 
     def update(self, finite):
         """Halves the scale after a non-finite micro-batch, grows it after
@@ -93,7 +132,8 @@ class LossScaling:
         counter.assign(tf.where(finite, tf.where(grow, zero, counter + 1), zero))
 
     def current_scale(self):
-        """float32 scalar: the loss scale, 1 when inactive."""
+        """float32 scalar: the loss scale (the fixed factor if set), 1
+        without loss scaling."""
         if not self.active:
-            return tf.constant(1.0)
+            return tf.constant(1.0 if self.factor is None else float(self.factor))
         return tf.cast(self.scaler.dynamic_scale, tf.float32)

@@ -16,7 +16,6 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras.src import tree
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
@@ -34,7 +33,7 @@ from keras_fastgrad._gradients import scale
 from keras_fastgrad.divergence import TrainingLoss, failed
 from keras_fastgrad import finite
 from keras_fastgrad.loss_scaling import LossScaling
-from keras_fastgrad.slicing import check_micro_batches, sliced_gradients
+from keras_fastgrad.slicing import check_micro_batches, first_input, sliced_gradients
 from keras_fastgrad.multitask import (
     TaskMerger,
     check_task_count,
@@ -129,6 +128,17 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         max_consecutive_nonfinite=10,
         **kwargs,
     ):
+        # `keras.models.clone_model` builds the clone as `type(model)(inputs,
+        # outputs, name=...)`; `__new__` left the original's options here.
+        cloned = vars(self).pop("_fg_cloned_options", None)
+        if cloned is not None:
+            accumulation_steps = cloned["accumulation_steps"]
+            clip_norm = cloned["clip_norm"]
+            multitask = cloned["multitask"]
+            skip_nonfinite = cloned["skip_nonfinite"]
+            telemetry = cloned["telemetry"]
+            micro_batches = cloned["micro_batches"]
+            max_consecutive_nonfinite = cloned["max_consecutive_nonfinite"]
         accumulation_steps = _validation.check_accumulation_steps(
             accumulation_steps
         )
@@ -254,8 +264,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         # Where micro-batches are combined (accumulation, replicas, slices),
         # each counts by its loss's own normaliser (`weighting.py`); the
         # factor is folded into the loss, not applied as a pass of its own.
-        first_input = next(i for i in tree.flatten(x) if i is not None)
-        num_rows = tf.shape(first_input)[0]
+        first = first_input(x)  # a clear `ValueError` when `x` holds no tensor
+        num_rows = tf.shape(first)[0]
         num_samples = tf.cast(num_rows, tf.float32)
         weighted = (
             self._fg_accumulator is not None
@@ -285,7 +295,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         drop_args = (checked, failed(all_finite, scaling) if scaling.active else None)
         scaling.update(all_finite)
         if "input_shape_changes" in self._fg_log_keys:  # only when read
-            self._fg_telemetry.record_input_shape(first_input)
+            self._fg_telemetry.record_input_shape(first)
 
         # The drop's bookkeeping rides in the other branch of a `cond` the
         # step has anyway, where it can (no extra `cond` per step).
@@ -406,7 +416,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             )
 
     def _fg_check_slices(self, x):
-        batch = next(t for t in tree.flatten(x) if t is not None).shape[0]
+        batch = first_input(x).shape[0]
         if batch is not None and batch < self.micro_batches:
             raise ValueError(
                 "`micro_batches` must not exceed the batch size (each slice "
@@ -469,7 +479,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
 
         def apply():
             before = telemetry.snapshot(variables)
-            self._fg_scaling.update_optimizer.apply(grads, variables)
+            self._fg_scaling.apply(grads, variables)
             telemetry.record_update_ratio(before, variables)
             telemetry.record_update(norm, was_clipped)
             self._fg_divergence.record_update()
@@ -488,19 +498,21 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
     # ---------------------------------------------------------------- config
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "accumulation_steps": self.accumulation_steps,
-                "clip_norm": self.clip_norm,
-                "multitask": (
-                    None
-                    if self.multitask is None
-                    else aggregators.serialize(self.multitask)
-                ),
-                "skip_nonfinite": self.skip_nonfinite,
-                "telemetry": self.telemetry,
-                "micro_batches": self.micro_batches,
-                "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
-            }
-        )
+        config.update(self._fg_options())
         return config
+
+    def _fg_options(self):
+        """The constructor's options, serializable (`get_config`, clones)."""
+        return {
+            "accumulation_steps": self.accumulation_steps,
+            "clip_norm": self.clip_norm,
+            "multitask": (
+                None
+                if self.multitask is None
+                else aggregators.serialize(self.multitask)
+            ),
+            "skip_nonfinite": self.skip_nonfinite,
+            "telemetry": self.telemetry,
+            "micro_batches": self.micro_batches,
+            "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
+        }

@@ -27,6 +27,26 @@ from keras_fastgrad._replicas import num_replicas
 from keras_fastgrad.weighting import LossShares
 
 
+def first_input(x):
+    """The first input tensor of `x`: the step reads the batch size from it.
+
+    Raises:
+        ValueError: when `x` holds no tensor (`fit([None], y)`): without
+            this, the lookup's `StopIteration` would end the epoch silently
+            after zero steps. `keras.Model` raises `ValueError` here too.
+    """
+    for t in tree.flatten(x):
+        if t is not None:
+            return t
+    raise ValueError(
+        "`x` must hold at least one input tensor: the train step reads the "
+        "batch size from the first input that is not None. Received: "
+        f"x={x!r} (no tensor). Fix: pass the input data, e.g. "
+        "`model.fit(x_train, y_train)` with `x_train` an array, or a "
+        "list/dict of arrays with one per model input."
+    )
+
+
 def _pad_and_split(t, pad, slices):
     """`[n, ...]` -> `[slices, s, ...]`, zero-padded at the end."""
     t = tf.convert_to_tensor(t)
@@ -54,8 +74,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
         no gradient; and the batch's share (`share.real` its normaliser,
         `share.mean` whether the window divides by it).
     """
-    first = next(t for t in tree.flatten(x) if t is not None)
-    n = tf.shape(first)[0]
+    n = tf.shape(first_input(x))[0]
     size = (n + slices - 1) // slices
     pad = size * slices - n
     rows = tf.reshape(
