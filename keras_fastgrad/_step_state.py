@@ -3,23 +3,57 @@
 `FastGradModel` keeps its accumulators and telemetry counters in
 `keras.Variable`s held by small units (`WindowAccumulator`,
 `StepTelemetry`), not as layer weights: `model.weights` and
-`get_weights()` stay those of a `keras.Model`, and weights saved by a plain
-`keras.Model` load. The state is saved in the model's own entry of a
-`.keras` / `.weights.h5` file, so a checkpoint taken mid-window resumes
-exactly. Trace-time facts (how many variables the tape watched, which got
+`get_weights()` stay those of a `keras.Model`. The state is saved in an
+entry of its own of a `.keras` / `.weights.h5` file (`StepStateEntry`), so
+a checkpoint taken mid-window resumes exactly, weights saved by a plain
+`keras.Model` load into a `FastGradModel`, and weights saved by a
+`FastGradModel` load into a plain `keras.Model` of the same architecture. Trace-time facts (how many variables the tape watched, which got
 no gradient) are recorded here too.
 """
 
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
+from keras.src.saving.keras_saveable import KerasSaveable
 
 from keras_fastgrad.accumulation import WindowAccumulator
 from keras_fastgrad.divergence import DivergenceWatch
 from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key, layer_key
 
 _STATE_PREFIX = "fastgrad_"
+
+
+class StepStateEntry(KerasSaveable):
+    """The step's state as an entry of its own in `.keras` and
+    `.weights.h5` files (`fastgrad_step_state`), next to the model's
+    weights rather than among them: a plain `keras.Model` of the same
+    architecture loads the file (it has no such entry to read), and a
+    `FastGradModel` loading weights saved by a plain `keras.Model` finds no
+    entry and starts its state fresh.
+    """
+
+    def __init__(self, model):
+        # A weak reference, not the model: Keras' saving walks this entry's
+        # attributes, and a model attribute would lead it back in a loop.
+        self._model_ref = weakref.ref(model)
+
+    def _obj_type(self):
+        # Keras' saving accepts a few known kinds only; this entry has no
+        # saveable attributes of its own to walk.
+        return "Loss"
+
+    def save_own_variables(self, store):
+        model = self._model_ref()
+        if model is not None and model.built:
+            for i, v in enumerate(model._fg_state_variables()):
+                store[str(i)] = v.numpy()
+
+    def load_own_variables(self, store):
+        model = self._model_ref()
+        if model is not None:
+            model._fg_load_state({k: store[k] for k in store.keys()})
 
 
 class StepStateMixin:
@@ -64,23 +98,29 @@ class StepStateMixin:
             state += self._fg_accumulator.variables
         return state
 
-    def save_own_variables(self, store):
-        super().save_own_variables(store)
-        if self.built:
-            for i, v in enumerate(self._fg_state_variables()):
-                store[f"{_STATE_PREFIX}{i}"] = v.numpy()
-
     def load_own_variables(self, store):
+        # Files written before the state had an entry of its own kept it in
+        # the model's entry, as `fastgrad_<i>`: still read.
         keys = list(store.keys())
         own = {k: store[k] for k in keys if not k.startswith(_STATE_PREFIX)}
         super().load_own_variables(own)
-        state_keys = [k for k in keys if k.startswith(_STATE_PREFIX)]
-        if not state_keys:  # e.g. weights saved by a plain `keras.Model`
+        legacy = [store[f"{_STATE_PREFIX}{i}"] for i in range(len(keys)) if f"{_STATE_PREFIX}{i}" in store]
+        if legacy and self.built:
+            # That layout had no divergence streak after the telemetry.
+            at = len(self._fg_state_variables()) and len(self._fg_telemetry.variables)
+            legacy = legacy[:at] + [0.0] + legacy[at:]
+            self._fg_load_state({str(i): value for i, value in enumerate(legacy)})
+
+    def _fg_load_state(self, store):
+        """Restores the step's state from `{"0": array, "1": ...}`; a
+        mismatch (another `accumulation_steps`, other variables) warns and
+        starts fresh: the weights are loaded either way."""
+        if not store or not self.built:
             return
         state = self._fg_state_variables()
-        if len(state_keys) != len(state):
+        if len(store) != len(state):
             warnings.warn(
-                f"FastGradModel: the saved step state has {len(state_keys)} "
+                f"FastGradModel: the saved step state has {len(store)} "
                 f"variables but this model's has {len(state)} (different "
                 "`accumulation_steps` or trainable variables?). The "
                 "accumulation window and counters start fresh; the weights "
@@ -88,7 +128,7 @@ class StepStateMixin:
             )
             return
         for i, v in enumerate(state):
-            v.assign(store[f"{_STATE_PREFIX}{i}"])
+            v.assign(store[str(i)])
 
     def _fg_record_trace_facts(self, variables, grads):
         # Python side effect at trace time on purpose: these are facts of

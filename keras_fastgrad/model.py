@@ -42,7 +42,7 @@ from keras_fastgrad.multitask import (
     task_names,
 )
 from keras_fastgrad._keras_integration import KerasIntegrationMixin
-from keras_fastgrad._step_state import StepStateMixin
+from keras_fastgrad._step_state import StepStateEntry, StepStateMixin
 from keras_fastgrad.telemetry import LOG_KEYS
 from keras_fastgrad.weighting import LossShares
 
@@ -188,6 +188,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         self._fg_log_keys = set(LOG_KEYS) if telemetry else set()
         self._fg_trace_count = 0
         self._fg_divide_window = True
+        # Saved as its own entry of `.keras` / `.weights.h5` files.
+        self.fastgrad_step_state = StepStateEntry(self)
 
     # ------------------------------------------------------------ compile/fit
     def compile(self, *args, **kwargs):

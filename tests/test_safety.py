@@ -250,3 +250,38 @@ def test_many_models_do_not_warn_about_retracing_the_flush(caplog):
             model.compile(optimizer=sgd(), loss="mse")
             model.fit(x, y, batch_size=2, epochs=1, verbose=0)
     assert not [r for r in caplog.records if "apply_partial_window" in r.getMessage()]
+
+
+# ------------------------------------------------------- nothing is lost
+def test_weights_trained_with_fastgrad_load_into_a_plain_keras_model(tmp_path):
+    # Train with FastGradModel, deploy with keras.Model.
+    x, y = data(n=10)
+    model = fast(accumulation_steps=2, telemetry=True)
+    model.compile(optimizer=sgd(), loss="mse")
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "trained.weights.h5")
+    model.save_weights(path)
+    plain = mlp()
+    plain.load_weights(path)
+    assert max_weight_diff(plain, model) == 0.0
+    np.testing.assert_allclose(plain.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_mid_window_checkpoint_still_resumes_exactly(tmp_path):
+    # 3 batches then a checkpoint (window of 2 half full), reload, 1 more
+    # batch: the same as 4 batches in one go.
+    x, y = data(n=8)
+    whole = fast(accumulation_steps=2)
+    whole.compile(optimizer=sgd(), loss="mse")
+    for i in range(4):
+        whole.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+    part = fast(accumulation_steps=2)
+    part.compile(optimizer=sgd(), loss="mse")
+    for i in range(3):
+        part.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+    path = os.path.join(tmp_path, "mid.keras")
+    part.save(path)
+    resumed = keras.saving.load_model(path)
+    resumed.train_on_batch(x[6:8], y[6:8])
+    assert int(resumed.optimizer.iterations.numpy()) == 2
+    assert max_weight_diff(resumed, whole) < 1e-7
