@@ -285,3 +285,28 @@ def test_mid_window_checkpoint_still_resumes_exactly(tmp_path):
     resumed.train_on_batch(x[6:8], y[6:8])
     assert int(resumed.optimizer.iterations.numpy()) == 2
     assert max_weight_diff(resumed, whole) < 1e-7
+
+
+def test_state_saved_in_the_earlier_layout_still_resumes():
+    # Files written before this release kept the step state in the model's
+    # own entry as `fastgrad_<i>`, without the divergence streak (the 10th
+    # variable). Loading one mid-window must resume the window.
+    x, y = data(n=8)
+    source = fast(accumulation_steps=2)
+    source.compile(optimizer=sgd(), loss="mse")
+    for i in range(3):
+        source.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+    store = {}
+    source.fastgrad_step_state.save_own_variables(store)
+    values = [store[str(i)] for i in range(len(store))]
+    del values[9]  # the streak, which that layout did not have
+    legacy = {f"fastgrad_{i}": v for i, v in enumerate(values)}
+    resumed = fast(accumulation_steps=2)
+    resumed.compile(optimizer=sgd(), loss="mse")
+    resumed.set_weights(source.get_weights())
+    resumed.load_own_variables(legacy)
+    for m in (source, resumed):
+        m.train_on_batch(x[6:8], y[6:8])
+    # The 4th batch completed the window in both (same weights after it).
+    assert int(resumed.optimizer.iterations.numpy()) == 1
+    assert max_weight_diff(resumed, source) < 1e-7
