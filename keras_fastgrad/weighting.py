@@ -139,7 +139,7 @@ class _Measuring:
             user_mask = mask
             if self.rows is not None:  # padded rows out, whatever the rank
                 rows = tf.reshape(self.rows, [-1] + [1] * (len(losses.shape) - 1))
-                mask = rows if mask is None else tf.logical_and(mask, rows)
+                mask = rows if mask is None else tf.logical_and(tf.cast(mask, tf.bool), rows)
             value = reduce_weighted_values(
                 losses, sample_weight=sample_weight, mask=mask,
                 reduction=reduction, dtype=fn.dtype,
