@@ -7,9 +7,9 @@ Keras hooks overridden here, each for one reason:
   `_model_being_cloned`).
 - `compile_from_config`: Keras skips recompiling a loaded model whose
   `compile` is overridden; ours keeps Keras' signature.
-- `_maybe_symbolic_build`: the step's state needs the variables before the
-  first trace; and under MultiWorkerMirroredStrategy Keras' own version
-  fails.
+- `_maybe_symbolic_build`: the step's state needs the variables (also
+  those only `training=True` creates) before the first trace; and under
+  MultiWorkerMirroredStrategy Keras' own version fails.
 - `fit` / `_get_metrics_result_or_logs`: the place, right after an epoch's
   last batch and before validation, to apply a partial accumulation window
   (not when `evaluate`, which ends the same way, runs inside `fit`).
@@ -20,6 +20,7 @@ import sys
 import keras
 import tensorflow as tf
 from keras.src import tree
+from keras.src.backend import compute_output_spec
 from keras.src.models import cloning
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
@@ -59,18 +60,33 @@ class KerasIntegrationMixin:
             self.optimizer.build(self.trainable_variables)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # The step's state (accumulators) needs the trainable variables
-        # before the train function is traced, so build symbolically also
-        # without a strategy when the model is not built yet (a subclassed
-        # model), as Keras always does under a strategy. Under a strategy,
-        # Keras averages one distributed batch with `strategy.reduce`, which
-        # `MultiWorkerMirroredStrategy` cannot do eagerly (plain
-        # `keras.Model.fit` fails there); the symbolic build only needs the
-        # batch's structure, shapes and dtypes: replica 0's part has them.
-        if self._distribute_strategy is None and self.built:
+        # The step's state (accumulators) and the optimizer are built before
+        # the train function is traced, for the variables of the model as it
+        # trains: so the first training call also creates those that only
+        # `call(..., training=True)` would create (an auxiliary head), which
+        # Keras leaves to the first trace (it builds its optimizer on the
+        # first update). Symbolically: no weight, moving statistic or seed
+        # moves. Keras builds an unbuilt model symbolically only under a
+        # strategy; we build it without one too, except when `run_eagerly`:
+        # `call` may then hold eager-only Python (see `_fg_build_eagerly`).
+        strategy = self._distribute_strategy
+        optimizer = getattr(self, "optimizer", None)
+        # Once every layer is built (a functional model, say), there is no
+        # variable left for a training call to create.
+        first_training = (
+            optimizer is not None
+            and not optimizer.built
+            and not all(layer.built for layer in self._flatten_layers())
+        )
+        if strategy is None and self.built and not first_training:
             return super()._maybe_symbolic_build(iterator, data_batch)
         strategy = self.distribute_strategy
         if iterator is not None:
+            # Under a strategy, Keras averages one distributed batch with
+            # `strategy.reduce`, which `MultiWorkerMirroredStrategy` cannot
+            # do eagerly (plain `keras.Model.fit` fails there); the build
+            # only needs the batch's structure, shapes and dtypes: replica
+            # 0's part has them.
             for _, _, it in iterator:
                 data_batch = tree.map_structure(
                     lambda v: strategy.experimental_local_results(v)[0]
@@ -79,8 +95,54 @@ class KerasIntegrationMixin:
                     next(it),
                 )
                 break
+        eager = self._distribute_strategy is None and self.run_eagerly
         with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
+            training_built = first_training and self._fg_build_training_variables(
+                data_batch, quiet=eager
+            )
+            if eager and not training_built:
+                self._fg_build_eagerly(data_batch)
+            elif not eager:
+                self._symbolic_build(data_batch=data_batch)
+
+    def _fg_build_training_variables(self, data_batch, quiet):
+        """Creates the variables of `call(x, training=True)` with a symbolic
+        forward pass. Returns whether it ran; when it fails and `quiet`
+        (an eager-only `call`), returns `False` instead of raising."""
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data_batch)
+        x = tree.map_structure(
+            lambda v: None if v is None
+            else keras.KerasTensor(v.shape, keras.backend.standardize_dtype(v.dtype)),
+            x,
+        )
+        kwargs = {"training": True} if self._call_has_training_arg else {}
+        try:
+            compute_output_spec(self, x, **kwargs)
+        except Exception as e:
+            if quiet:
+                return False
+            if isinstance(e, ValueError):  # invalid inputs: as Keras raises
+                raise
+            raise RuntimeError(
+                "Unable to build the model's training variables (a symbolic "
+                "call with `training=True`) before the first train step. "
+                "Build the model yourself, or compile it with "
+                "`run_eagerly=True` if its `call` runs only eagerly.\n"
+                f"Exception encountered:\n'{e}'"
+            ) from e
+        return True
+
+    def _fg_build_eagerly(self, data_batch):
+        """Builds an unbuilt `run_eagerly` model by calling it on the batch,
+        with `training=False` (no moving statistic or seed moves), as
+        Keras' symbolic build does but eagerly: its `call` may hold
+        eager-only Python (`float(tensor)`, `.numpy()`). Variables that only
+        `training=True` creates are then not built before the first step."""
+        if all(layer.built for layer in self._flatten_layers()):
+            return  # (`model.build(shape)` may have left layers unbuilt)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data_batch)
+        kwargs = {"training": False} if self._call_has_training_arg else {}
+        self(x, **kwargs)
 
     def fit(self, *args, **kwargs):
         if self.max_consecutive_nonfinite is not None:

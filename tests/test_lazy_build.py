@@ -1,0 +1,185 @@
+"""Variables that appear late train like `keras.Model` (issue 10, items 2-3).
+
+Keras builds the optimizer on its first update, so a layer used only when
+`training=True`, or a model built by `model.build(shape)` before `fit`,
+trains; and it builds an unbuilt model symbolically only under a
+distribution strategy, so `run_eagerly=True` models may run eager-only
+Python in `call`. Each test trains a plain `keras.Model` the same way as the
+reference.
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import data, max_weight_diff
+
+import keras_fastgrad
+
+
+def _dense(units, seed, name):
+    # Seeded initialisers: the same weights whatever order layers build in.
+    return keras.layers.Dense(
+        units,
+        kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+        name=name,
+    )
+
+
+def _aux_head_class(base):
+    class AuxHead(base):
+        """An auxiliary head whose variables exist only once `call` runs
+        with `training=True`."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = _dense(5, 1, "hidden")
+            self.out = _dense(1, 2, "out")
+            self.aux = _dense(1, 3, "aux")
+
+        def call(self, x, training=None):
+            h = keras.ops.tanh(self.hidden(x))
+            y = self.out(h)
+            if training:
+                y = y + 0.5 * self.aux(h)
+            return y
+
+    return AuxHead
+
+
+def _eager_only_class(base):
+    class EagerOnly(base):
+        """`call` reads tensor values in Python: works only eagerly."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = _dense(5, 1, "hidden")
+            self.out = _dense(1, 2, "out")
+
+        def call(self, x):
+            h = keras.ops.tanh(self.hidden(x))
+            if float(tf.reduce_sum(x)) > -1e9:  # a Python `if` on a value
+                h = h * 2.0
+            if np.all(np.isfinite(x.numpy())):
+                h = h + 1.0
+            return self.out(h)
+
+    return EagerOnly
+
+
+def _train(model, batch_size, build=False, run_eagerly=False, epochs=2):
+    x, y = data(n=12)
+    if build:
+        model.build((None, 3))
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.05), loss="mse", run_eagerly=run_eagerly
+    )
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def _assert_same_weights(model, reference):
+    # The same variables, in the same order (paths start with the model's name).
+    names = [v.path.split("/", 1)[1] for v in model.weights]
+    assert names == [v.path.split("/", 1)[1] for v in reference.weights]
+    assert max_weight_diff(model, reference) < 1e-6
+
+
+@pytest.mark.parametrize("build", [False, True], ids=["unbuilt", "build_shape"])
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_training_only_layer_trains_like_keras_model(build, run_eagerly):
+    reference = _train(
+        _aux_head_class(keras.Model)(), 3, build=build, run_eagerly=run_eagerly
+    )
+    model = _train(
+        _aux_head_class(keras_fastgrad.FastGradModel)(), 3, build=build,
+        run_eagerly=run_eagerly,
+    )
+    assert len(model.trainable_variables) == 6  # the head's too
+    _assert_same_weights(model, reference)
+
+
+@pytest.mark.parametrize("build", [False, True], ids=["unbuilt", "build_shape"])
+def test_training_only_layer_is_accumulated(build):
+    # Two micro-batches of 3 per update equal one batch of 6: the
+    # accumulators must cover the head's variables too.
+    reference = _train(_aux_head_class(keras.Model)(), 6, build=build)
+    model = _train(
+        _aux_head_class(keras_fastgrad.FastGradModel)(accumulation_steps=2),
+        3, build=build,
+    )
+    assert len(model._fg_accumulator.variables) > len(model.trainable_variables)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    _assert_same_weights(model, reference)
+
+
+@pytest.mark.parametrize("build", [False, True], ids=["unbuilt", "build_shape"])
+@pytest.mark.parametrize("options", [{}, {"accumulation_steps": 2}], ids=["default", "accumulation"])
+def test_run_eagerly_with_eager_only_call_trains_like_keras_model(options, build):
+    batch_size = 3 * options.get("accumulation_steps", 1)
+    reference = _train(
+        _eager_only_class(keras.Model)(), batch_size, build=build, run_eagerly=True
+    )
+    model = _train(
+        _eager_only_class(keras_fastgrad.FastGradModel)(**options), 3,
+        build=build, run_eagerly=True,
+    )
+    _assert_same_weights(model, reference)
+
+
+def test_run_eagerly_train_on_batch_with_eager_only_call():
+    x, y = data(n=6)
+    models = []
+    for base in (keras.Model, keras_fastgrad.FastGradModel):
+        model = _eager_only_class(base)()
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", run_eagerly=True)
+        for _ in range(3):
+            model.train_on_batch(x, y)
+        models.append(model)
+    _assert_same_weights(models[1], models[0])
+
+
+_MIRRORED_SCRIPT = """
+import sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import keras_fastgrad
+from helpers import data, max_weight_diff
+from test_lazy_build import _aux_head_class
+
+x, y = data(n=12)
+for options in ({}, {"accumulation_steps": 2}):
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    models = []
+    for base, scope, batch_size in (
+        (keras.Model, tf.distribute.get_strategy(), 6),
+        (keras_fastgrad.FastGradModel, strategy, 6 // options.get("accumulation_steps", 1)),
+    ):
+        with scope.scope():
+            model = _aux_head_class(base)(**(options if base is not keras.Model else {}))
+            model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    print(options, len(models[1].trainable_variables), max_weight_diff(models[1], models[0]))
+    assert len(models[1].trainable_variables) == 6
+    assert max_weight_diff(models[1], models[0]) < 1e-6
+"""
+
+
+def test_training_only_layer_under_mirrored_strategy():
+    # Two logical CPUs must be configured before TensorFlow initialises:
+    # the case runs in a fresh process.
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _MIRRORED_SCRIPT],
+        env=dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
