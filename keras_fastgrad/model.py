@@ -303,6 +303,18 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         # step has anyway, where it can (no extra `cond` per step).
         acc = self._fg_accumulator
         drops_with_keep = self.skip_nonfinite or scaling.active  # keep == finite
+        metrics_loss = unscale_loss_for_distribution(loss)
+        if (
+            acc is None
+            and drops_with_keep
+            and num_replicas() == 1
+            and type(self).compute_metrics is keras.Model.compute_metrics
+        ):  # one replica, default options: update and metrics in one `cond`
+            logs = self._fg_update_or_drop(
+                keep, (grads, total if weighted and share.mean else None), drop_args,
+                (metrics_loss, num_samples, x, y, y_pred, sample_weight),
+            )
+            return self._fg_with_telemetry(logs)
         if acc is None:  # the update sums the gradients over replicas once
             update_args = (replica_sum(grads), total if weighted and share.mean else None)
         if acc is None and drops_with_keep:
@@ -326,13 +338,15 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             )
 
         logs = self._fg_compute_metrics(
-            keep, unscale_loss_for_distribution(loss), num_samples,
-            x, y, y_pred, sample_weight,
+            keep, metrics_loss, num_samples, x, y, y_pred, sample_weight
         )
-        logs = global_metric_results(self.metrics, logs)
+        return self._fg_with_telemetry(global_metric_results(self.metrics, logs))
+
+    def _fg_with_telemetry(self, logs):
+        """The step's logs plus the requested telemetry keys."""
         if self._fg_log_keys:
             measured = self._fg_telemetry.logs(
-                scaling.current_scale(), self._fg_tape_variables
+                self._fg_scaling.current_scale(), self._fg_tape_variables
             )
             logs.update({k: v for k, v in measured.items() if k in self._fg_log_keys})
             if self._fg_merger is not None:  # task keys, from the Gram matrix
@@ -426,6 +440,23 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 f"for a batch of {batch}. Fix: a larger `batch_size` or fewer "
                 "`micro_batches`."
             )
+
+    def _fg_update_or_drop(self, keep, update_args, drop_args, metric_args):
+        """One replica, no accumulation: the update and the metrics, or the
+        drop's bookkeeping, in a single `cond` (every `cond` costs a few
+        ops per step, which shows on short steps)."""
+        loss, num_samples, x, y, y_pred, sample_weight = metric_args
+
+        def update():
+            self._fg_update(*update_args)
+            self._loss_tracker.update_state(loss, sample_weight=num_samples)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+        def drop():
+            self._fg_record_drop(*drop_args)
+            return self.get_metrics_result()
+
+        return tf.cond(keep, update, drop)
 
     def _fg_compute_metrics(self, keep, loss, num_samples, x, y, y_pred, sample_weight):
         """Keras' `loss` tracker and metrics, left unchanged by a dropped
