@@ -144,7 +144,9 @@ class DivergenceStop(keras.callbacks.Callback):
 
     def __init__(self, watch):
         super().__init__()
-        self.watch = watch  # a `DivergenceWatch`, or a callable giving it
+        # A callable giving the model's `DivergenceWatch` (`None` until the
+        # step's state exists, which the first train step builds).
+        self.watch = watch
         self.stopped = False
 
     def on_train_batch_end(self, batch, logs=None):
@@ -153,7 +155,7 @@ class DivergenceStop(keras.callbacks.Callback):
         loss = (logs or {}).get("loss")
         if isinstance(loss, float) and math.isfinite(loss):
             return  # a finite logged loss means the streak is 0: no read
-        watch = self.watch() if callable(self.watch) else self.watch
+        watch = self.watch()
         if watch is None or not watch.diverged():
             return
         self.stopped = True

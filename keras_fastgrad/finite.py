@@ -40,7 +40,7 @@ def all_finite(grads):
     """
     if not any(g is not None for g in grads):
         return tf.constant(True)
-    return tf.reduce_all(tf.math.is_finite(gradient_sums(grads)))
+    return is_finite(gradient_sums(grads))
 
 
 def marks(grads, loss):

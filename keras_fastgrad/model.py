@@ -384,9 +384,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                         tasks + [r for r in [regularization] if r is not None]
                     )
             share = None if shares is None else shares.share()
-            weight = None
-            if share is not None:  # Keras divides means by the replicas
-                weight = share.actual * (num_replicas() if share.mean else 1)
+            weight = None if share is None else share.loss_weight(num_replicas())
             if merger is None:
                 scaled_loss = scaling.scale(loss, weight)
             else:
@@ -445,12 +443,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         """One replica, no accumulation: the update and the metrics, or the
         drop's bookkeeping, in a single `cond` (every `cond` costs a few
         ops per step, which shows on short steps)."""
-        loss, num_samples, x, y, y_pred, sample_weight = metric_args
 
         def update():
             self._fg_update(*update_args)
-            self._loss_tracker.update_state(loss, sample_weight=num_samples)
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return self._fg_update_metrics(*metric_args)
 
         def drop():
             self._fg_record_drop(*drop_args)
@@ -462,19 +458,23 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         """Keras' `loss` tracker and metrics, left unchanged by a dropped
         micro-batch (its NaN would make them NaN for the rest of the
         epoch): one `cond`, in replica context."""
-        tracker = self._loss_tracker
         if type(self).compute_metrics is not keras.Model.compute_metrics:
             # A user override may return other keys: call it as Keras does.
-            tracker.update_state(
-                tf.where(keep, loss, 0.0), sample_weight=tf.where(keep, num_samples, 0.0)
+            return self._fg_update_metrics(
+                tf.where(keep, loss, 0.0), tf.where(keep, num_samples, 0.0),
+                x, y, y_pred, sample_weight,
             )
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return tf.cond(
+            keep,
+            lambda: self._fg_update_metrics(loss, num_samples, x, y, y_pred, sample_weight),
+            self.get_metrics_result,
+        )
 
-        def update():
-            tracker.update_state(loss, sample_weight=num_samples)
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-        return tf.cond(keep, update, self.get_metrics_result)
+    def _fg_update_metrics(self, loss, num_samples, x, y, y_pred, sample_weight):
+        """Keras' `loss` tracker (weighted by the batch size, as Keras'
+        `train_step` does) and compiled metrics; returns the logs."""
+        self._loss_tracker.update_state(loss, sample_weight=num_samples)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _fg_apply_window(self):
         acc = self._fg_accumulator

@@ -24,7 +24,7 @@ from keras.src import tree
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from keras_fastgrad._replicas import num_replicas
-from keras_fastgrad.weighting import LossShares
+from keras_fastgrad.weighting import LossShares, Share
 
 
 def first_input(x):
@@ -101,7 +101,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
                     x=xi, y=yi, y_pred=y_pred, sample_weight=wi, training=True
                 )
             share = shares.share()
-            weight = share.actual * (replicas if share.mean else 1)
+            weight = share.loss_weight(replicas)
             scaled = scaling.scale(loss, weight)
         grads = scaling.unscale(tape.gradient(scaled, [v.value for v in variables]), weight)
         flat_pred = tree.flatten(y_pred)
@@ -157,16 +157,8 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
             set_keras_mask(p, _merge_slices(mask_ta.stack(), n))
         merged.append(p)
     y_pred = tree.pack_sequence_as(out_spec, merged)
-    share = _BatchShare(real, facts["mean"])
+    share = Share(real, real, facts["mean"])
     return loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share
-
-
-class _BatchShare:
-    """The un-split batch's share: its normaliser and whether to divide."""
-
-    def __init__(self, real, mean):
-        self.actual = self.real = tf.stop_gradient(real)
-        self.mean = mean
 
 
 def _merge_slices(stacked, n):

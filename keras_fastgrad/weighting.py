@@ -85,7 +85,7 @@ def normaliser(losses, sample_weight, mask, reduction):
     return tf.reduce_sum(tf.cast(merged, tf.float32))
 
 
-class _Share:
+class _Recorded:
     """What one output loss call contributes: `(actual, real, kind)`."""
 
     def __init__(self, actual, real, kind):
@@ -119,7 +119,7 @@ class _Measuring:
                     "or use `micro_batches=1`."
                 )
             value = fn(y_true, y_pred, sample_weight)
-            self.sink.append(_Share(None, None, "rows"))
+            self.sink.append(_Recorded(None, None, "rows"))
             return value
         # `Loss.__call__`, step for step, plus the normaliser.
         in_mask = get_keras_mask(y_pred)
@@ -145,7 +145,7 @@ class _Measuring:
                 reduction=reduction, dtype=fn.dtype,
             )
             if tuple(losses.shape) == ():  # Keras does not reduce a scalar
-                self.sink.append(_Share(None, None, "rows"))
+                self.sink.append(_Recorded(None, None, "rows"))
                 return value
             actual = normaliser(losses, sample_weight, mask, reduction)
             real = actual
@@ -163,7 +163,7 @@ class _Measuring:
                 or (sample_weight is None and self.rows is None)
             )
             kind = "sum" if reduction == "sum" else ("rows" if by_rows else "data")
-            self.sink.append(_Share(actual, real, kind))
+            self.sink.append(_Recorded(actual, real, kind))
         return value
 
 
@@ -211,11 +211,8 @@ class LossShares:
         """The micro-batch's share (a trace-time decision, tensors inside).
 
         Returns:
-            An object with `actual` (float32: the factor that turns the
-            gradient of this micro-batch's loss into a gradient of its sum
-            `S`), `real` (float32: what it adds to the window's normaliser;
-            differs from `actual` only for padded slices) and `mean`
-            (Python bool: divide the window's sum by its normaliser).
+            A `Share`; its `real` differs from `actual` only for padded
+            slices.
         """
         recorded = self.recorded
         # Padded rows are masked out of each loss's normaliser too.
@@ -225,9 +222,9 @@ class LossShares:
         kinds = {r.kind for r in recorded}
         if len(recorded) == 1 and recorded[0].actual is not None:
             only = recorded[0]
-            return _Result(only.actual, only.real, only.kind != "sum")
+            return Share(only.actual, only.real, only.kind != "sum")
         if recorded and kinds == {"sum"}:
-            return _Result(tf.constant(1.0), tf.constant(1.0), False)
+            return Share(tf.constant(1.0), tf.constant(1.0), False)
         if kinds - {"rows"}:
             warnings.warn(
                 "FastGradModel: the model's output losses have different "
@@ -240,11 +237,26 @@ class LossShares:
                 "`accumulation_steps=1` with `micro_batches=1`.",
                 stacklevel=2,
             )
-        return _Result(real_rows, real_rows, True)
+        return Share(real_rows, real_rows, True)
 
 
-class _Result:
+class Share:
+    """A micro-batch's share of its window (see the module docstring).
+
+    Args:
+        actual: float32 scalar, the factor that turns the gradient of the
+            micro-batch's loss into a gradient of its summed losses `S`.
+        real: float32 scalar, what it adds to the window's normaliser.
+        mean: Python bool, whether the window's sum is divided by its
+            normaliser (`False` for `reduction="sum"`).
+    """
+
     def __init__(self, actual, real, mean):
         self.actual = tf.stop_gradient(actual)
         self.real = tf.stop_gradient(real)
         self.mean = mean
+
+    def loss_weight(self, replicas):
+        """What to multiply the micro-batch's loss by: `actual`, and the
+        number of replicas for mean reductions (Keras divides those by it)."""
+        return self.actual * (replicas if self.mean else 1)

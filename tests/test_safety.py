@@ -267,18 +267,22 @@ def test_weights_trained_with_fastgrad_load_into_a_plain_keras_model(tmp_path):
     np.testing.assert_allclose(plain.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
+def train_batches(model, x, y, batches):
+    """`train_on_batch` on the first `batches` pairs of rows."""
+    for i in range(batches):
+        model.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+
+
 def test_mid_window_checkpoint_still_resumes_exactly(tmp_path):
     # 3 batches then a checkpoint (window of 2 half full), reload, 1 more
     # batch: the same as 4 batches in one go.
     x, y = data(n=8)
     whole = fast(accumulation_steps=2)
     whole.compile(optimizer=sgd(), loss="mse")
-    for i in range(4):
-        whole.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+    train_batches(whole, x, y, 4)
     part = fast(accumulation_steps=2)
     part.compile(optimizer=sgd(), loss="mse")
-    for i in range(3):
-        part.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+    train_batches(part, x, y, 3)
     path = os.path.join(tmp_path, "mid.keras")
     part.save(path)
     resumed = keras.saving.load_model(path)
@@ -294,8 +298,7 @@ def test_state_saved_in_the_earlier_layout_still_resumes():
     x, y = data(n=8)
     source = fast(accumulation_steps=2)
     source.compile(optimizer=sgd(), loss="mse")
-    for i in range(3):
-        source.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+    train_batches(source, x, y, 3)
     store = {}
     source.fastgrad_step_state.save_own_variables(store)
     values = [store[str(i)] for i in range(len(store))]
