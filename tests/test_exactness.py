@@ -267,3 +267,63 @@ def test_embedding_sparse_path_equals_the_dense_gradient(options):
     ref.fit(x, y, batch_size=ref_batch, epochs=2, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
     assert relative_error(ref, model, start) < 1e-5
+
+
+# ------------------------------------------------------------ BatchNorm
+def bn_segmenter(cls, **options):
+    keras.utils.set_random_seed(10)
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("relu")(h)
+    return cls(inputs, keras.layers.Conv2D(3, 1)(h), **options)
+
+
+class _ConvBN:
+    """An unbuilt subclass body: FastGradModel builds it with a symbolic
+    training call before the first step, which must not move the
+    statistics."""
+
+    def _make_layers(self):
+        self.conv = keras.layers.Conv2D(4, 3, padding="same")
+        self.norm = keras.layers.BatchNormalization()
+        self.head = keras.layers.Conv2D(3, 1)
+
+    def call(self, x, training=False):
+        return self.head(keras.ops.relu(self.norm(self.conv(x), training=training)))
+
+
+class BNSubclass(_ConvBN, keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._make_layers()
+
+
+class FGBNSubclass(_ConvBN, FG):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._make_layers()
+
+
+@pytest.mark.parametrize("build", ["functional", "subclass"])
+def test_batchnorm_model_default_options_train_exactly_like_keras(build):
+    # Weights and moving statistics, per-pixel loss, Adam, 2 epochs.
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(12, 6, 6, 2)).astype("float32")
+    y = rng.integers(0, 3, size=(12, 6, 6)).astype("int32")
+    if build == "functional":
+        ref, model = bn_segmenter(keras.Model), bn_segmenter(FG)
+    else:
+        keras.utils.set_random_seed(10)
+        ref = BNSubclass()
+        keras.utils.set_random_seed(10)
+        model = FGBNSubclass()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for m in (ref, model):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=["accuracy"])
+    h_ref = ref.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert len(ref.get_weights()) == len(model.get_weights()) == 8  # + moving stats
+    for a, b in zip(ref.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
