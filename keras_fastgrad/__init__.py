@@ -6,12 +6,14 @@ usual `compile` / `fit`.
 
 from keras_fastgrad import callbacks
 from keras_fastgrad.model import FastGradModel
+from keras_fastgrad.sequential import FastGradSequential
+from keras_fastgrad.adapt import fastgrad
 from keras_fastgrad.profiling import StepProfile, profile_step
 from keras_fastgrad.telemetry import LOG_KEYS
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FastGradModel", "callbacks", "LOG_KEYS", "StepProfile", "profile_step",
+    "FastGradModel", "FastGradSequential", "fastgrad", "callbacks", "LOG_KEYS", "StepProfile", "profile_step",
     "__version__",
 ]

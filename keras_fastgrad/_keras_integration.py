@@ -34,7 +34,9 @@ class KerasIntegrationMixin:
         # Like `keras.Model.__new__`: the functional form is an instance of
         # a class that also inherits from `Functional` (see
         # `_functional_variant`), so this class's bases never change.
-        functional = functional_init_arguments(args, kwargs)
+        functional = functional_init_arguments(args, kwargs) and not issubclass(
+            cls, keras.Sequential
+        )
         if functional and not issubclass(cls, Functional):
             cls = _functional_variant(cls)
         instance = super().__new__(cls, *args, **kwargs)

@@ -19,6 +19,7 @@ import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
+from keras.src.utils.python_utils import default as _keras_default
 
 from keras_fastgrad import _validation, aggregators
 from keras_fastgrad.applying import apply_if
@@ -41,7 +42,7 @@ from keras_fastgrad.multitask import (
     task_losses,
     task_names,
 )
-from keras_fastgrad._keras_integration import KerasIntegrationMixin
+from keras_fastgrad._keras_integration import KerasIntegrationMixin, _functional_variant
 from keras_fastgrad._step_state import StepStateEntry, StepStateMixin
 from keras_fastgrad.telemetry import LOG_KEYS
 from keras_fastgrad.weighting import LossShares
@@ -128,38 +129,32 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         max_consecutive_nonfinite=10,
         **kwargs,
     ):
-        # `keras.models.clone_model` builds the clone as `type(model)(inputs,
-        # outputs, name=...)`; `__new__` left the original's options here.
-        cloned = vars(self).pop("_fg_cloned_options", None)
-        if cloned is not None:
-            accumulation_steps = cloned["accumulation_steps"]
-            clip_norm = cloned["clip_norm"]
-            multitask = cloned["multitask"]
-            skip_nonfinite = cloned["skip_nonfinite"]
-            telemetry = cloned["telemetry"]
-            micro_batches = cloned["micro_batches"]
-            max_consecutive_nonfinite = cloned["max_consecutive_nonfinite"]
-        accumulation_steps = _validation.check_accumulation_steps(
-            accumulation_steps
+        # Options saved by `get_config` under `fastgrad_options` (a subclass
+        # with its own `__init__`), or left by `__new__` for a clone made by
+        # `keras.models.clone_model`: the trained model's options win.
+        restored = kwargs.pop("fastgrad_options", None)
+        restored = vars(self).pop("_fg_cloned_options", None) or restored
+        options = dict(
+            accumulation_steps=accumulation_steps,
+            clip_norm=clip_norm,
+            multitask=multitask,
+            skip_nonfinite=skip_nonfinite,
+            telemetry=telemetry,
+            micro_batches=micro_batches,
+            max_consecutive_nonfinite=max_consecutive_nonfinite,
         )
-        clip_norm = _validation.check_clip_norm(clip_norm)
-        multitask = _validation.check_multitask(multitask)
-        skip_nonfinite = _validation.check_bool("skip_nonfinite", skip_nonfinite)
-        telemetry = _validation.check_bool("telemetry", telemetry)
-        micro_batches = check_micro_batches(micro_batches)
-        max_consecutive_nonfinite = _validation.check_optional_int(
-            "max_consecutive_nonfinite", max_consecutive_nonfinite, 1,
-            " (dropped micro-batches in a row before training stops) or None",
-        )
-        if micro_batches > 1 and multitask is not None:
-            raise ValueError(
-                "`micro_batches` and `multitask` cannot be combined yet: the "
-                "multi-task merge needs each task's gradient on the whole "
-                f"batch. Received: micro_batches={micro_batches}, "
-                f"multitask={multitask!r}. Fix: use `accumulation_steps` with "
-                "smaller batches instead of `micro_batches`."
-            )
-        if isinstance(self, Functional) and functional_init_arguments(args, kwargs):
+        options.update(restored or {})
+        options = _checked_options(**options)
+        if functional_init_arguments(args, kwargs) and not isinstance(
+            self, keras.Sequential
+        ):
+            if not isinstance(self, Functional):
+                # `super().__init__(inputs=..., outputs=...)` from a
+                # subclass's `__init__`: Keras would rewrite the bases of
+                # every class up to `keras.Model` (and so break every later
+                # subclassed `FastGradModel`); this instance gets the
+                # class's functional variant instead.
+                self.__class__ = _functional_variant(type(self))
             # What `keras.Model.__init__` does for the functional form,
             # without injecting `Functional` into this class's bases (which
             # would break later subclassed uses of `FastGradModel`).
@@ -167,14 +162,12 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             Functional.__init__(self, *args, **kwargs)
         else:
             super().__init__(*args, **kwargs)
-        self.accumulation_steps = accumulation_steps
-        self.clip_norm = clip_norm
-        self.multitask = multitask
-        self._fg_merger = None if multitask is None else TaskMerger(multitask)
-        self.skip_nonfinite = skip_nonfinite
-        self.telemetry = telemetry
-        self.micro_batches = micro_batches
-        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self._fg_setup(options)
+
+    def _fg_setup(self, options):
+        """The step's options and (empty) state on a Keras-initialised
+        model: from `__init__`, or on an existing model (`fastgrad`)."""
+        self._fg_set_options(options)
         self._fg_divergence = None
         self._fg_accumulator = None
         self._fg_telemetry = None
@@ -185,15 +178,28 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         self._fg_evaluating = 0
         self._fg_tape_variables = None
         self._fg_no_gradient = None
-        self._fg_log_keys = set(LOG_KEYS) if telemetry else set()
         self._fg_trace_count = 0
         self._fg_divide_window = True
         # Saved as its own entry of `.keras` / `.weights.h5` files.
         self.fastgrad_step_state = StepStateEntry(self)
 
+    def _fg_set_options(self, options):
+        """Sets the (checked) constructor options on the model."""
+        for name, value in options.items():
+            setattr(self, name, value)
+        self._fg_merger = (
+            None if self.multitask is None else TaskMerger(self.multitask)
+        )
+        self._fg_log_keys = set(LOG_KEYS) if self.telemetry else set()
+
     # ------------------------------------------------------------ compile/fit
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
+        self._fg_after_compile()
+
+    def _fg_after_compile(self):
+        """What the step needs of a compiled model (also for a model
+        compiled before `fastgrad` gave it the step)."""
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
         object.__setattr__(
@@ -529,10 +535,27 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             tf.cond(finite_update, apply, drop)
 
     # ---------------------------------------------------------------- config
+    @_keras_default  # Keras' automatic config of a subclass's own arguments
     def get_config(self):
         config = super().get_config()
-        config.update(self._fg_options())
+        if _takes_options(type(self)):
+            config.update(self._fg_options())
+        else:  # a subclass with its own `__init__`: applied by `from_config`
+            config["fastgrad_options"] = self._fg_options()
         return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # The options are set after Keras has built the model from the rest
+        # (a subclass's `__init__`, a `Sequential`'s layers, ...).
+        config = dict(config)
+        options = config.pop("fastgrad_options", None) or {}
+        if _takes_options(cls):
+            options.update({k: config.pop(k) for k in OPTION_NAMES if k in config})
+        model = super().from_config(config, custom_objects=custom_objects)
+        if options and isinstance(model, FastGradModel):
+            model._fg_set_options(_checked_options(**{**model._fg_options(), **options}))
+        return model
 
     def _fg_options(self):
         """The constructor's options, serializable (`get_config`, clones)."""
@@ -549,3 +572,65 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             "micro_batches": self.micro_batches,
             "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
         }
+
+
+OPTION_NAMES = (
+    "accumulation_steps",
+    "clip_norm",
+    "multitask",
+    "skip_nonfinite",
+    "telemetry",
+    "micro_batches",
+    "max_consecutive_nonfinite",
+)
+
+
+def _checked_options(
+    accumulation_steps=1,
+    clip_norm=None,
+    multitask=None,
+    skip_nonfinite=True,
+    telemetry=False,
+    micro_batches=1,
+    max_consecutive_nonfinite=10,
+):
+    """The constructor's options, validated (Keras-style errors)."""
+    micro_batches = check_micro_batches(micro_batches)
+    multitask = _validation.check_multitask(multitask)
+    if micro_batches > 1 and multitask is not None:
+        raise ValueError(
+            "`micro_batches` and `multitask` cannot be combined yet: the "
+            "multi-task merge needs each task's gradient on the whole "
+            f"batch. Received: micro_batches={micro_batches}, "
+            f"multitask={multitask!r}. Fix: use `accumulation_steps` with "
+            "smaller batches instead of `micro_batches`."
+        )
+    return {
+        "accumulation_steps": _validation.check_accumulation_steps(
+            accumulation_steps
+        ),
+        "clip_norm": _validation.check_clip_norm(clip_norm),
+        "multitask": multitask,
+        "skip_nonfinite": _validation.check_bool("skip_nonfinite", skip_nonfinite),
+        "telemetry": _validation.check_bool("telemetry", telemetry),
+        "micro_batches": micro_batches,
+        "max_consecutive_nonfinite": _validation.check_optional_int(
+            "max_consecutive_nonfinite", max_consecutive_nonfinite, 1,
+            " (dropped micro-batches in a row before training stops) or None",
+        ),
+    }
+
+
+def _takes_options(cls):
+    """Whether `cls(**config)` reaches `FastGradModel.__init__` with the
+    options as keywords (no `__init__` of the subclass's own)."""
+    return all(
+        "__init__" not in vars(klass)
+        for klass in cls.__mro__[: cls.__mro__.index(FastGradModel)]
+    )
+
+
+# Legacy `.h5` files name a model by its bare class name (Keras'
+# `model.save("m.h5")` writes `model.__class__.__name__`): the alias lets
+# `keras.models.load_model("m.h5")` find the class without `custom_objects`.
+keras.saving.get_custom_objects().setdefault("FastGradModel", FastGradModel)

@@ -27,9 +27,17 @@ class FastGradCallback(keras.callbacks.Callback):
     with the keys already switched on. Counters in the logs are cumulative
     over the model's life: difference them between calls.
 
+    Attached to the `fit` of a plain Keras model (`keras.Model`,
+    `keras.Sequential`, a KerasHub task), the callback gives that `fit`
+    `FastGradModel`'s step with options that train exactly like
+    `keras.Model` (no accumulation, clipping or skipping), so the step can
+    measure; the model is itself again after `fit`. Subclasses that
+    override `on_train_begin` / `on_train_end` call `super()`.
+
     Raises:
-        ValueError: from `set_model` (at the start of `fit`) when the model
-            is not a `FastGradModel`, or when `check_model` refuses it.
+        ValueError: from `set_model` (at the start of `fit`) when the
+            model's class overrides `train_step` (there is no step of ours
+            to measure in), or when `check_model` refuses the model.
 
     Example:
 
@@ -55,19 +63,41 @@ class FastGradCallback(keras.callbacks.Callback):
         return self.telemetry_keys
 
     def set_model(self, model):
-        from keras_fastgrad.model import FastGradModel
+        from keras_fastgrad import adapt
 
-        if not isinstance(model, FastGradModel):
-            raise ValueError(
-                f"`{type(self).__name__}` reads measurements made inside "
-                "the train step of a `keras_fastgrad.FastGradModel`, but it "
-                f"was attached to a `{type(model).__name__}`. Fix: build the "
-                "model with `keras_fastgrad.FastGradModel(inputs, outputs)` "
-                "(or subclass it) instead of `keras.Model`."
-            )
+        # A plain Keras model gets the step for this `fit` (`adapt.attach`:
+        # default options, exactly `keras.Model`'s updates), until
+        # `on_train_end`.
+        self._attached = adapt.attach(model)
+        self._fitting = False
         super().set_model(model)
-        self.check_model(model)
-        model.enable_telemetry(self.required_telemetry(model))
+        try:
+            self.check_model(model)
+            model.enable_telemetry(self.required_telemetry(model))
+        except Exception:
+            self._detach()  # refused: the model stays as it was
+            raise
+
+    def on_train_begin(self, logs=None):
+        self._fitting = True
+
+    def on_train_end(self, logs=None):
+        self._fitting = False
+        self._detach()
+
+    def on_test_end(self, logs=None):
+        if not self._fitting:  # `evaluate` on its own, not inside `fit`
+            self._detach()
+
+    def on_predict_end(self, logs=None):
+        self._detach()
+
+    def _detach(self):
+        from keras_fastgrad import adapt
+
+        if getattr(self, "_attached", False):
+            self._attached = False
+            adapt.detach(self.model)
 
     def check_model(self, model):
         """Hook: raise if this callback's settings do not fit `model`."""

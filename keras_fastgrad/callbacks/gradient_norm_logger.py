@@ -133,6 +133,7 @@ class GradientNormLogger(_base.FastGradCallback):
 
     # ------------------------------------------------------------- training
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self._epoch_start = _base.read_counters(self.model)
         self._keys = self._logged_keys()
         self._batches_before_epoch = self._last_written = self._step = 0
@@ -170,6 +171,7 @@ class GradientNormLogger(_base.FastGradCallback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        super().on_train_end(logs)
 
     def _add_clipped_fraction(self, logs):
         if not self.clip_fraction or "updates" not in logs:

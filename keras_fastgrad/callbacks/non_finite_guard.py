@@ -100,6 +100,7 @@ class NonFiniteGuard(_base.FastGradCallback):
         self.action = _base.check_choice("action", action, ACTIONS)
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self._seen = _base.read_counters(self.model)["nonfinite_count"]
         self._epoch = self._begin = 0
         self._pending, self._latest = 0, None  # warn: count and latest report this epoch
@@ -113,6 +114,7 @@ class NonFiniteGuard(_base.FastGradCallback):
 
     def on_train_end(self, logs=None):
         self._warn_summary()  # an epoch cut short without `on_epoch_end`
+        super().on_train_end(logs)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._begin = batch

@@ -70,6 +70,7 @@ class RetraceWatch(_base.FastGradCallback):
         )
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self._start = self.model.train_step_trace_count
         self._function = self.model.train_function
         self._traces = 0
@@ -129,6 +130,7 @@ class RetraceWatch(_base.FastGradCallback):
     def on_train_end(self, logs=None):
         if self._pending is not None:  # stopped inside an epoch
             self._warn(last_batch=False)
+        super().on_train_end(logs)
 
     def _warn(self, last_batch):
         epoch, batch, cause = self._pending

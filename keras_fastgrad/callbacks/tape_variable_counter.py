@@ -53,6 +53,7 @@ class TapeVariableCounter(_base.FastGradCallback):
         self._warned = set()
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self._count = float(len(self.model.trainable_variables))
         self._checked = False
 

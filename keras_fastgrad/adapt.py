@@ -1,0 +1,238 @@
+"""`fastgrad(model)`: `FastGradModel`'s train step for a model you have.
+
+A model built elsewhere (`keras.applications`, a KerasHub task, a plain
+functional `keras.Model`, `keras.Sequential`, your own `keras.Model`
+subclass) gets the step in place: its class becomes a subclass of both
+`FastGradModel` and its own class, so its methods keep working and its
+weights stay where they are.
+
+- a plain functional model becomes a functional `FastGradModel`, a
+  `keras.Sequential` a `FastGradSequential`;
+- any other class `C` gets a subclass `(FastGradModel, C)` named like `C`,
+  saved as a wrapper (`FastGradAdapter`) around `C`'s own config, so a
+  `.keras` file loads back into a `C` with the step and its options.
+
+The callbacks of `keras_fastgrad.callbacks` use `attach` / `detach` to give
+the `fit` of a plain model the measuring step for that `fit` only.
+"""
+
+import inspect
+
+import keras
+from keras.src.models.functional import Functional
+from keras.src.saving import object_registration
+from keras.src.utils import python_utils
+
+from keras_fastgrad.model import OPTION_NAMES, FastGradModel, _checked_options
+from keras_fastgrad.sequential import FastGradSequential
+from keras_fastgrad._keras_integration import _functional_variant
+
+_ADAPTER_NAME = "keras_fastgrad>FastGradAdapter"
+
+
+def fastgrad(model, **options):
+    """Gives an existing Keras model `FastGradModel`'s train step, in place.
+
+    The model keeps its class (it becomes an instance of a subclass of both
+    `FastGradModel` and its own class), its weights, optimizer and compile
+    settings; `fit` then runs `FastGradModel`'s step with these options
+    (with none, it trains exactly as before). Saved to `.keras`, it loads
+    back with the step and its options.
+
+    Args:
+        model: A `keras.Model` (functional, `keras.Sequential`, a
+            `keras.applications` or KerasHub model, a subclass) whose class
+            does not override `train_step`.
+        **options: `FastGradModel`'s options (`accumulation_steps`,
+            `clip_norm`, `skip_nonfinite`, `micro_batches`, `multitask`,
+            `max_consecutive_nonfinite`, `telemetry`).
+
+    Returns:
+        `model` itself, now also a `FastGradModel`.
+
+    Raises:
+        TypeError: if `model` is not a `keras.Model`, or for an unknown
+            option name.
+        ValueError: if the model's class overrides `train_step` (its own
+            step would silently stop running), for an invalid option value,
+            or for different options on a model that already is a
+            `FastGradModel`.
+
+    Example:
+
+    >>> inputs = keras.Input((3,))
+    >>> model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    >>> model = fastgrad(model, accumulation_steps=2)
+    >>> isinstance(model, keras_fastgrad.FastGradModel)
+    True
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=2,
+    ...                     verbose=0)
+    >>> int(model.optimizer.iterations.numpy())  # 4 batches, 2 per update
+    2
+    """
+    _check_model(model)
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(
+            f"`fastgrad` got unknown option(s) {unknown}. Options are "
+            f"{list(OPTION_NAMES)} (see `FastGradModel`)."
+        )
+    if isinstance(model, FastGradModel):
+        current = model._fg_options()
+        changed = {
+            k: v for k, v in _checked_options(**{**current, **options}).items()
+            if v != getattr(model, k)
+        }
+        if changed:
+            raise ValueError(
+                "`model` already is a `FastGradModel`; its options are set "
+                f"when it is built. Received: {changed} (the model has "
+                f"{ {k: current[k] for k in changed} }). Fix: build it with "
+                "these options, or call `fastgrad` on the plain model."
+            )
+        return model
+    _give_step(model, _checked_options(**options))
+    if model.compiled:
+        model._fg_after_compile()
+    return model
+
+
+def attach(model):
+    """Gives a plain model the step for one `fit` (the callbacks' case):
+    default options that train exactly like `keras.Model` (nothing
+    skipped, never stopped). Returns whether it did (not for a model that
+    already has the step); `detach` undoes it."""
+    if isinstance(model, FastGradModel):
+        return False
+    _check_model(model)
+    original = type(model)
+    _give_step(
+        model,
+        _checked_options(skip_nonfinite=False, max_consecutive_nonfinite=None),
+    )
+    model._fg_attached_to = original
+    return True
+
+
+def detach(model):
+    """Undoes `attach`: the model's own class and train function again."""
+    original = vars(model).get("_fg_attached_to")
+    if original is None:
+        return
+    for name in list(vars(model)):
+        if name.startswith("_fg_") or name in OPTION_NAMES:
+            object.__delattr__(model, name)
+    del model.fastgrad_step_state
+    model.__class__ = original
+    model.train_function = None
+
+
+def _give_step(model, options):
+    model.__class__ = _step_class(type(model))
+    model._fg_setup(options)
+    model.train_function = None  # traced again, with the step
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model` (functional, `Sequential` or a "
+            f"subclass). Received: model of type {type(model).__name__}"
+        )
+    cls = type(model)
+    if not isinstance(model, FastGradModel) and cls.train_step is not keras.Model.train_step:
+        owner = next(k for k in cls.__mro__ if "train_step" in vars(k))
+        raise ValueError(
+            f"`{cls.__name__}` overrides `train_step` (in "
+            f"`{owner.__module__}.{owner.__qualname__}`): giving it "
+            "`FastGradModel`'s step would silently replace that step. Fix: "
+            "keep the model's own step, or move what it adds to `call` / "
+            "`compute_loss` (which `FastGradModel`'s step calls)."
+        )
+
+
+def _step_class(cls):
+    """The class with the step for a model of class `cls`."""
+    if cls is Functional:
+        return _functional_variant(FastGradModel)
+    if cls is keras.Sequential:
+        return FastGradSequential
+    adapted = _ADAPTED.get(cls)
+    if adapted is None:
+        adapted = _ADAPTED[cls] = _adapted_class(cls)
+    return adapted
+
+
+_ADAPTED = {}
+
+
+def _adapted_class(cls):
+    """`(FastGradModel, cls)`, named like `cls` and built like `cls`."""
+    own_init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        # Reached by Keras (a clone); `fastgrad` converts instances instead.
+        options = kwargs.pop("fastgrad_options", None) or vars(self).pop(
+            "_fg_cloned_options", None
+        ) or {}
+        own_init(self, *args, **kwargs)
+        self._fg_setup(_checked_options(**options))
+
+    __init__.__signature__ = inspect.signature(own_init)
+
+    def get_config(self):
+        config = cls.get_config(self)
+        return {
+            "model": {
+                "module": cls.__module__,
+                "class_name": cls.__name__,
+                "registered_name": object_registration.get_registered_name(cls),
+                "config": config,
+            },
+            "fastgrad_options": self._fg_options(),
+        }
+
+    # Keras' automatic config (of `cls`'s constructor arguments) applies
+    # exactly when it applies to `cls`.
+    get_config._is_default = python_utils.is_default(cls.get_config)
+    namespace = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "__init__": __init__,
+        "get_config": get_config,
+        "from_config": classmethod(_adapter_from_config),
+        "_fg_adapted_from": cls,
+    }
+    adapted = type(cls.__name__, (FastGradModel, cls), namespace)
+    object_registration.GLOBAL_CUSTOM_NAMES[adapted] = _ADAPTER_NAME
+    return adapted
+
+
+def _adapter_from_config(cls, config, custom_objects=None):
+    original = vars(cls).get("_fg_adapted_from")
+    if "model" not in config:
+        # Keras resolved the name of the model's own class to the adapted
+        # class (`clone_model` does): the inner config, built plain.
+        return original.from_config(config)
+    inner = config["model"]
+    if original is not None:  # the adapted class itself, in-process
+        model = original.from_config(inner["config"])
+    else:  # loading a file: the model's own class, by its registered name
+        model = keras.saving.deserialize_keras_object(
+            inner, custom_objects=custom_objects
+        )
+    return fastgrad(model, **config.get("fastgrad_options", {}))
+
+
+@keras.saving.register_keras_serializable(package="keras_fastgrad")
+class FastGradAdapter:
+    """What a `.keras` file names for a model given the step by `fastgrad`
+    (of a class other than functional / `Sequential`): loads the model's
+    own config, then gives it the step with the saved options."""
+
+    from_config = classmethod(_adapter_from_config)
+
+    def get_config(self):  # (never instantiated; Keras' registry wants it)
+        return {}
