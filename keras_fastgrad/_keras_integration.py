@@ -5,6 +5,8 @@ Keras hooks overridden here, each for one reason:
   `_functional_variant`) instead of Keras rewriting the class's bases; a
   clone made by `keras.models.clone_model` gets the original's options (see
   `_model_being_cloned`).
+- `__reduce__`: pickling (Keras pickles the class by name, and a
+  functional variant shares its name with the class it extends).
 - `compile_from_config`: Keras skips recompiling a loaded model whose
   `compile` is overridden; ours keeps Keras' signature.
 - `_maybe_symbolic_build`: the step's state needs the variables (also
@@ -45,6 +47,14 @@ class KerasIntegrationMixin:
             if source is not None:  # read (and removed) by `__init__`
                 vars(instance)["_fg_cloned_options"] = source._fg_options()
         return instance
+
+    def __reduce__(self):
+        # Keras pickles a model as its `.keras` bytes plus the class's
+        # `_unpickle_model`, which pickle finds by the class's name; the
+        # functional variants and `fastgrad`'s classes share their name with
+        # another class. Loading goes by the file's registered names anyway.
+        _, args = super().__reduce__()
+        return (self._fg_compile_owner()._unpickle_model, args)
 
     def _fg_compile_owner(self):
         """The class whose `compile` keeps Keras' signature."""

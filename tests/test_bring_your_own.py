@@ -393,3 +393,23 @@ def test_legacy_h5_files_load_without_custom_objects(tmp_path, kind):
     assert type(loaded).__name__ == type(model).__name__
     assert loaded.accumulation_steps == 2
     assert weights_equal(model, loaded)
+
+
+def test_pickled_models_keep_their_class_and_options():
+    import pickle
+
+    x, y = data(n=8)
+    functional = mlp(FastGradModel, accumulation_steps=2)
+    adapted = fastgrad(make_classifier(), clip_norm=0.5)
+    for model in (functional, adapted):
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=4, verbose=0)
+        keras.saving.get_custom_objects()["Classifier"] = Classifier
+        try:
+            copy = pickle.loads(pickle.dumps(model))
+        finally:
+            del keras.saving.get_custom_objects()["Classifier"]
+        assert type(copy).__name__ == type(model).__name__
+        assert (copy.accumulation_steps, copy.clip_norm) == (
+            model.accumulation_steps, model.clip_norm)
+        assert weights_equal(copy, model)

@@ -607,3 +607,24 @@ def test_retrace_watch_is_quiet_with_fixed_shapes_under_xla():
     with _warnings.catch_warnings():
         _warnings.simplefilter("error", UserWarning)
         model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[RetraceWatch()])
+
+
+def test_tensorboard_gets_the_task_keys_of_a_multitask_model(tmp_path):
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((3,))
+    trunk = keras.layers.Dense(4, activation="tanh", name="trunk")(inputs)
+    heads = {t: keras.layers.Dense(1, name=t)(trunk) for t in ("a", "b")}
+    model = keras_fastgrad.FastGradModel(inputs, heads, multitask="pcgrad")
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
+    x, _ = data(n=8)
+    y = {"a": np.ones((8, 1), "float32"), "b": -3 * np.ones((8, 1), "float32")}
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                        callbacks=[GradientNormLogger(tensorboard_dir=str(tmp_path))])
+    scalars, _ = read_events(tmp_path / "train")
+    for key in ("task_grad_norm/a", "task_grad_norm/b", "task_cosine/a/b",
+                "task_conflicts", "grad_norm"):
+        assert key in history.history, key
+        np.testing.assert_allclose(
+            [scalars["epoch_" + key][e] for e in (0, 1)], history.history[key],
+            rtol=1e-6,
+        )

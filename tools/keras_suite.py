@@ -33,7 +33,6 @@ DEFAULT_FILES = (
     "callbacks/model_checkpoint_test.py",
     "callbacks/terminate_on_nan_test.py",
     "callbacks/csv_logger_test.py",
-    "callbacks/history_test.py",
     "callbacks/reduce_lr_on_plateau_test.py",
     "callbacks/learning_rate_scheduler_test.py",
     "callbacks/backup_and_restore_test.py",

@@ -3,6 +3,7 @@ and, optionally, into TensorBoard (written from the host)."""
 
 from keras_fastgrad.callbacks import _base
 from keras_fastgrad.callbacks._tensorboard import SummaryWriter
+from keras_fastgrad.multitask import is_task_key
 
 CLIPPED_FRACTION = "clipped_fraction"
 
@@ -35,7 +36,9 @@ class GradientNormLogger(_base.FastGradCallback):
             logged values are also written as TensorBoard scalars by a
             `tf.summary` file writer on the host (into
             `<tensorboard_dir>/train`, with Keras' `epoch_`/`batch_` tag
-            prefixes, next to `keras.callbacks.TensorBoard`'s curves).
+            prefixes, next to `keras.callbacks.TensorBoard`'s curves). A
+            multi-task model's task keys (`task_grad_norm/<task>`,
+            `task_cosine/<a>/<b>`, `task_conflicts`) are written too.
         histogram_freq: Integer >= 0, defaults to `0`. Every
             `histogram_freq` epochs, writes a histogram of each trainable
             weight (tag: the weight's path) to TensorBoard. This is the only
@@ -181,4 +184,7 @@ class GradientNormLogger(_base.FastGradCallback):
         logs[CLIPPED_FRACTION] = clipped / updates if updates > 0 else 0.0
 
     def _present(self, logs):
-        return {k: logs[k] for k in self._keys if k in logs}
+        """The logged values this callback writes: its keys, and on a
+        multi-task model the step's task keys (`task_grad_norm/<task>`,
+        `task_cosine/<a>/<b>`, `task_conflicts`)."""
+        return {k: v for k, v in logs.items() if k in self._keys or is_task_key(k)}
