@@ -10,8 +10,10 @@ and records what it measured in `telemetry`. `train_step` orchestrates; the
 units do the maths.
 """
 
+import collections
 import contextlib
 import functools
+import inspect
 import warnings
 
 import keras
@@ -134,17 +136,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         # `keras.models.clone_model`: the trained model's options win.
         restored = kwargs.pop("fastgrad_options", None)
         restored = vars(self).pop("_fg_cloned_options", None) or restored
-        options = dict(
-            accumulation_steps=accumulation_steps,
-            clip_norm=clip_norm,
-            multitask=multitask,
-            skip_nonfinite=skip_nonfinite,
-            telemetry=telemetry,
-            micro_batches=micro_batches,
-            max_consecutive_nonfinite=max_consecutive_nonfinite,
+        given = locals()
+        options = _checked_options(
+            **{**{name: given[name] for name in OPTION_NAMES}, **(restored or {})}
         )
-        options.update(restored or {})
-        options = _checked_options(**options)
         if functional_init_arguments(args, kwargs) and not isinstance(
             self, keras.Sequential
         ):
@@ -263,18 +258,39 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
 
     # ------------------------------------------------------------- the step
     def train_step(self, data):
+        """One micro-batch through the chain:
+
+        forward + backward (+ unscale, + task merge) -> finite check
+          -> accumulate -> [window complete] clip -> check -> apply
+
+        then Keras' loss tracker and metrics, and the telemetry keys. A
+        micro-batch whose loss or gradient is not finite is dropped (with
+        `skip_nonfinite`, or under loss scaling) and counted instead.
+        """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch = self._fg_gradients(x, y, sample_weight)
+        verdict = self._fg_finite_check(batch)
+        if self._fg_single_cond():  # one replica, no accumulation
+            logs = self._fg_update_or_drop(batch, verdict)
+        else:
+            self._fg_accumulate_or_apply(batch, verdict)
+            logs = global_metric_results(
+                self.metrics, self._fg_compute_metrics(verdict.keep, batch)
+            )
+        return self._fg_with_telemetry(logs)
+
+    def _fg_gradients(self, x, y, sample_weight):
+        """Forward and backward (whole batch, or `micro_batches` slices);
+        the gradients unscaled and, where micro-batches are combined
+        (accumulation, replicas, slices), weighted by the micro-batch's
+        share of the window (`weighting.py`; folded into the loss)."""
         variables = self.trainable_variables
         if not variables:
             warnings.warn("The model does not have any trainable weights.")
-        scaling = self._fg_scaling
-
-        # Where micro-batches are combined (accumulation, replicas, slices),
-        # each counts by its loss's own normaliser (`weighting.py`); the
-        # factor is folded into the loss, not applied as a pass of its own.
         first = first_input(x)  # a clear `ValueError` when `x` holds no tensor
+        if "input_shape_changes" in self._fg_log_keys:  # only when read
+            self._fg_telemetry.record_input_shape(first)
         num_rows = tf.shape(first)[0]
-        num_samples = tf.cast(num_rows, tf.float32)
         weighted = (
             self._fg_accumulator is not None
             or num_replicas() > 1
@@ -283,70 +299,84 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         if self.micro_batches > 1:
             self._fg_check_slices(x)
             loss, y_pred, grads, share = sliced_gradients(
-                self, x, y, sample_weight, variables, scaling, self.micro_batches
+                self, x, y, sample_weight, variables, self._fg_scaling,
+                self.micro_batches,
             )
             self._fg_record_trace_facts(variables, grads)
         else:
             loss, y_pred, grads, share = self._fg_batch_gradients(
                 x, y, sample_weight, variables, num_rows if weighted else None
             )
-        normaliser = share.real if weighted else tf.constant(1.0)
+        # The normaliser the window's sum is divided by (`None`: the
+        # gradients are already the mean, or a "sum" loss is summed).
         self._fg_divide_window = share.mean if weighted else True
-        checked = finite.marks(grads, loss)
-        total = normaliser
-        if num_replicas() > 1:  # one small all-reduce: decisions are global
-            flags, total = replica_sum([finite.to_flags(checked), normaliser])
+        return _Batch(
+            loss=loss, y_pred=y_pred, grads=grads, x=x, y=y,
+            sample_weight=sample_weight,
+            num_samples=tf.cast(num_rows, tf.float32),
+            normaliser=share.real if weighted else tf.constant(1.0),
+            divide=weighted and share.mean,
+        )
+
+    def _fg_finite_check(self, batch):
+        """Is the micro-batch finite (on every replica: one small
+        all-reduce, so every replica decides alike)? Updates the loss
+        scale. Returns a `_Verdict`."""
+        scaling = self._fg_scaling
+        checked = finite.marks(batch.grads, batch.loss)
+        total = batch.normaliser
+        if num_replicas() > 1:
+            flags, total = replica_sum([finite.to_flags(checked), total])
             checked = finite.from_flags(flags)
         all_finite = finite.is_finite(checked)
-        keep = all_finite if (self.skip_nonfinite or scaling.active) else tf.constant(True)
+        drops = self.skip_nonfinite or scaling.active  # keep == finite
         # Before `scaling.update`: the scale the micro-batch was dropped at.
-        drop_args = (checked, failed(all_finite, scaling) if scaling.active else None)
+        counts = failed(all_finite, scaling) if scaling.active else None
         scaling.update(all_finite)
-        if "input_shape_changes" in self._fg_log_keys:  # only when read
-            self._fg_telemetry.record_input_shape(first)
+        return _Verdict(
+            checked=checked, all_finite=all_finite,
+            keep=all_finite if drops else tf.constant(True),
+            drops=drops, counts=counts, total=total,
+        )
 
-        # The drop's bookkeeping rides in the other branch of a `cond` the
-        # step has anyway, where it can (no extra `cond` per step).
-        acc = self._fg_accumulator
-        drops_with_keep = self.skip_nonfinite or scaling.active  # keep == finite
-        metrics_loss = unscale_loss_for_distribution(loss)
-        if (
-            acc is None
-            and drops_with_keep
+    def _fg_single_cond(self):
+        """One replica, no accumulation, default metrics: the update and
+        the metrics share one `cond` (`_fg_update_or_drop`)."""
+        return (
+            self._fg_accumulator is None
+            and (self.skip_nonfinite or self._fg_scaling.active)
             and num_replicas() == 1
             and type(self).compute_metrics is keras.Model.compute_metrics
-        ):  # one replica, default options: update and metrics in one `cond`
-            logs = self._fg_update_or_drop(
-                keep, (grads, total if weighted and share.mean else None), drop_args,
-                (metrics_loss, num_samples, x, y, y_pred, sample_weight),
-            )
-            return self._fg_with_telemetry(logs)
-        if acc is None:  # the update sums the gradients over replicas once
-            update_args = (replica_sum(grads), total if weighted and share.mean else None)
-        if acc is None and drops_with_keep:
-            apply_if(
-                keep, self._fg_update, args=update_args,
-                otherwise=self._fg_record_drop, otherwise_args=drop_args,
-            )
-        elif acc is None:
-            apply_if(tf.logical_not(all_finite), self._fg_record_drop, args=drop_args)
-            apply_if(keep, self._fg_update, args=update_args)
-        else:
-            otherwise = None
-            if drops_with_keep and num_replicas() == 1:
-                otherwise = functools.partial(self._fg_record_drop, *drop_args)
-            else:
-                apply_if(tf.logical_not(all_finite), self._fg_record_drop, args=drop_args)
-            window_complete = acc.add(grads, total, keep, otherwise=otherwise)
-            apply_if(
-                tf.logical_and(window_complete, acc.has_samples()),
-                self._fg_apply_window,
-            )
-
-        logs = self._fg_compute_metrics(
-            keep, metrics_loss, num_samples, x, y, y_pred, sample_weight
         )
-        return self._fg_with_telemetry(global_metric_results(self.metrics, logs))
+
+    def _fg_accumulate_or_apply(self, batch, verdict):
+        """Without accumulation: apply the (replica-summed) gradient, or
+        record the drop. With it: add to the window, and apply the window
+        once complete. Drop bookkeeping rides in the other branch of a
+        `cond` the step has anyway, where it can."""
+        acc = self._fg_accumulator
+        drop_args = (verdict.checked, verdict.counts)
+        not_finite = tf.logical_not(verdict.all_finite)
+        if acc is None:
+            update_args = (
+                replica_sum(batch.grads), verdict.total if batch.divide else None
+            )
+            if verdict.drops:
+                apply_if(
+                    verdict.keep, self._fg_update, args=update_args,
+                    otherwise=self._fg_record_drop, otherwise_args=drop_args,
+                )
+            else:  # non-finite gradients are applied, as keras.Model does
+                apply_if(not_finite, self._fg_record_drop, args=drop_args)
+                apply_if(verdict.keep, self._fg_update, args=update_args)
+            return
+        otherwise = None
+        if verdict.drops and num_replicas() == 1:
+            otherwise = functools.partial(self._fg_record_drop, *drop_args)
+        else:
+            apply_if(not_finite, self._fg_record_drop, args=drop_args)
+        window_complete = acc.add(batch.grads, verdict.total, verdict.keep, otherwise=otherwise)
+        apply_if(tf.logical_and(window_complete, acc.has_samples()), self._fg_apply_window)
 
     def _fg_with_telemetry(self, logs):
         """The step's logs plus the requested telemetry keys."""
@@ -445,42 +475,44 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 "`micro_batches`."
             )
 
-    def _fg_update_or_drop(self, keep, update_args, drop_args, metric_args):
+    def _fg_update_or_drop(self, batch, verdict):
         """One replica, no accumulation: the update and the metrics, or the
         drop's bookkeeping, in a single `cond` (every `cond` costs a few
         ops per step, which shows on short steps)."""
 
         def update():
-            self._fg_update(*update_args)
-            return self._fg_update_metrics(*metric_args)
+            self._fg_update(batch.grads, verdict.total if batch.divide else None)
+            return self._fg_update_metrics(batch, unscale_loss_for_distribution(batch.loss))
 
         def drop():
-            self._fg_record_drop(*drop_args)
+            self._fg_record_drop(verdict.checked, verdict.counts)
             return self.get_metrics_result()
 
-        return tf.cond(keep, update, drop)
+        return tf.cond(verdict.keep, update, drop)
 
-    def _fg_compute_metrics(self, keep, loss, num_samples, x, y, y_pred, sample_weight):
+    def _fg_compute_metrics(self, keep, batch):
         """Keras' `loss` tracker and metrics, left unchanged by a dropped
         micro-batch (its NaN would make them NaN for the rest of the
         epoch): one `cond`, in replica context."""
+        loss = unscale_loss_for_distribution(batch.loss)
         if type(self).compute_metrics is not keras.Model.compute_metrics:
             # A user override may return other keys: call it as Keras does.
             return self._fg_update_metrics(
-                tf.where(keep, loss, 0.0), tf.where(keep, num_samples, 0.0),
-                x, y, y_pred, sample_weight,
+                batch, tf.where(keep, loss, 0.0), tf.where(keep, batch.num_samples, 0.0)
             )
         return tf.cond(
-            keep,
-            lambda: self._fg_update_metrics(loss, num_samples, x, y, y_pred, sample_weight),
-            self.get_metrics_result,
+            keep, lambda: self._fg_update_metrics(batch, loss), self.get_metrics_result
         )
 
-    def _fg_update_metrics(self, loss, num_samples, x, y, y_pred, sample_weight):
+    def _fg_update_metrics(self, batch, loss, num_samples=None):
         """Keras' `loss` tracker (weighted by the batch size, as Keras'
         `train_step` does) and compiled metrics; returns the logs."""
-        self._loss_tracker.update_state(loss, sample_weight=num_samples)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        self._loss_tracker.update_state(
+            loss, sample_weight=batch.num_samples if num_samples is None else num_samples
+        )
+        return self.compute_metrics(
+            batch.x, batch.y, batch.y_pred, sample_weight=batch.sample_weight
+        )
 
     def _fg_apply_window(self):
         acc = self._fg_accumulator
@@ -574,29 +606,21 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         }
 
 
-OPTION_NAMES = (
-    "accumulation_steps",
-    "clip_norm",
-    "multitask",
-    "skip_nonfinite",
-    "telemetry",
-    "micro_batches",
-    "max_consecutive_nonfinite",
-)
+# The constructor's options and their defaults, read off its signature.
+_DEFAULT_OPTIONS = {
+    name: p.default
+    for name, p in inspect.signature(FastGradModel.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
+OPTION_NAMES = tuple(_DEFAULT_OPTIONS)
 
 
-def _checked_options(
-    accumulation_steps=1,
-    clip_norm=None,
-    multitask=None,
-    skip_nonfinite=True,
-    telemetry=False,
-    micro_batches=1,
-    max_consecutive_nonfinite=10,
-):
-    """The constructor's options, validated (Keras-style errors)."""
-    micro_batches = check_micro_batches(micro_batches)
-    multitask = _validation.check_multitask(multitask)
+def _checked_options(**options):
+    """The constructor's options (defaults for those not given),
+    validated (Keras-style errors)."""
+    options = {**_DEFAULT_OPTIONS, **options}
+    micro_batches = check_micro_batches(options["micro_batches"])
+    multitask = _validation.check_multitask(options["multitask"])
     if micro_batches > 1 and multitask is not None:
         raise ValueError(
             "`micro_batches` and `multitask` cannot be combined yet: the "
@@ -607,15 +631,17 @@ def _checked_options(
         )
     return {
         "accumulation_steps": _validation.check_accumulation_steps(
-            accumulation_steps
+            options["accumulation_steps"]
         ),
-        "clip_norm": _validation.check_clip_norm(clip_norm),
+        "clip_norm": _validation.check_clip_norm(options["clip_norm"]),
         "multitask": multitask,
-        "skip_nonfinite": _validation.check_bool("skip_nonfinite", skip_nonfinite),
-        "telemetry": _validation.check_bool("telemetry", telemetry),
+        "skip_nonfinite": _validation.check_bool(
+            "skip_nonfinite", options["skip_nonfinite"]
+        ),
+        "telemetry": _validation.check_bool("telemetry", options["telemetry"]),
         "micro_batches": micro_batches,
         "max_consecutive_nonfinite": _validation.check_optional_int(
-            "max_consecutive_nonfinite", max_consecutive_nonfinite, 1,
+            "max_consecutive_nonfinite", options["max_consecutive_nonfinite"], 1,
             " (dropped micro-batches in a row before training stops) or None",
         ),
     }
@@ -634,3 +660,26 @@ def _takes_options(cls):
 # `model.save("m.h5")` writes `model.__class__.__name__`): the alias lets
 # `keras.models.load_model("m.h5")` find the class without `custom_objects`.
 keras.saving.get_custom_objects().setdefault("FastGradModel", FastGradModel)
+
+
+class _Batch(collections.namedtuple("_Batch", [
+    "loss", "y_pred", "grads", "x", "y", "sample_weight", "num_samples",
+    "normaliser", "divide",
+])):
+    """What the forward and backward pass of one micro-batch produced.
+
+    `grads` are unscaled (and weighted by the micro-batch's share where
+    micro-batches are combined); `normaliser` is the share's denominator
+    contribution (`weighting.Share.real`); `divide`: whether the update
+    divides the summed gradients by the global normaliser."""
+
+
+class _Verdict(collections.namedtuple("_Verdict", [
+    "checked", "all_finite", "keep", "drops", "counts", "total",
+])):
+    """The finite check of one micro-batch (global over replicas).
+
+    `checked`: the `finite.marks` vector; `keep`: whether its gradient
+    goes on (`all_finite`, or always when nothing is dropped: `drops`);
+    `counts`: whether a drop counts towards the divergence streak (`None`:
+    it does); `total`: the normaliser summed over replicas."""
