@@ -221,13 +221,22 @@ def test_gradvac_follows_the_ema_over_steps(num_tasks, beta):
 def test_gradvac_state_ignores_a_nonfinite_step():
     merger = TaskMerger("gradvac")
     J = _jac(2, seed=1, conflict=0.8)
-    merger.merge([[tf.constant(g, tf.float32)] for g in J])
+    head = tf.ones([3])
+    merger.merge([[tf.constant(J[0], tf.float32), None], [tf.constant(J[1], tf.float32), head]])
     before = merger.aggregator.state_variables[0].numpy()
     assert np.abs(before).max() > 0
-    J[1, 3] = np.nan
-    merged, _ = merger.merge([[tf.constant(g, tf.float32)] for g in J])
+    J = _jac(2, seed=2, conflict=0.9)  # finite shared gradients, a NaN head
+    nan_head = tf.constant([1.0, np.nan, 1.0])
+    per_task = [[tf.constant(J[0], tf.float32), None], [tf.constant(J[1], tf.float32), nan_head]]
+    merged, info = merger.merge(per_task)
+    assert np.isfinite(info["gram"].numpy()).all() and np.isfinite(merged[0].numpy()).all()
+    np.testing.assert_array_equal(merger.aggregator.state_variables[0].numpy(), before)
+    J[1, 3] = np.nan  # a NaN shared gradient
+    merged, _ = merger.merge([[tf.constant(g, tf.float32), None] for g in J])
     assert not np.isfinite(merged[0].numpy()).all()
     np.testing.assert_array_equal(merger.aggregator.state_variables[0].numpy(), before)
+    merger.merge([[tf.constant(g, tf.float32), None] for g in _jac(2, seed=3, conflict=0.9)])
+    assert not np.array_equal(merger.aggregator.state_variables[0].numpy(), before)
 
 
 def test_gradvac_options_and_state_api():
@@ -427,3 +436,13 @@ def test_new_names_are_registered():
     for name in NEW:
         assert name in aggregators.NAMES
         assert aggregators.get(name.upper()).name == name
+
+
+def test_config_keeps_small_real_directions_of_a_float64_gram():
+    # Two tasks 1e-3 apart: the unit Gram's smallest eigenvalue is ~1e-7 of
+    # the largest, a real direction in float64 that the official pinv keeps.
+    rng = np.random.default_rng(13)
+    J = rng.normal(size=(3, P))
+    J[1] = J[0] + 1e-3 * rng.normal(size=P)
+    merged = aggregators.ConFIG().weights(_gram(J)).numpy() @ J
+    np.testing.assert_allclose(merged, config_np(J), rtol=1e-5, atol=1e-8)
