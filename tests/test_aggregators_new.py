@@ -240,7 +240,8 @@ def test_gradvac_state_ignores_a_nonfinite_step():
 
 
 def test_gradvac_options_and_state_api():
-    with pytest.raises(ValueError, match=r"`beta` must be a number >= 0.0 and <= 1.0. Received: beta=2"):
+    expected = r"`beta` must be a number >= 0.0 and <= 1.0. Received: beta=2"
+    with pytest.raises(ValueError, match=expected):
         aggregators.GradVac(beta=2)
     agg = aggregators.get(aggregators.serialize(aggregators.GradVac(beta=0.2)))
     assert agg.beta == 0.2 and agg.state_variables == []
@@ -326,7 +327,8 @@ def test_nonfinite_gram_gives_nonfinite_weights(name):
 
 def test_options_are_validated():
     for cls in (aggregators.UPGrad, aggregators.DualProj):
-        with pytest.raises(ValueError, match=r"`reg_eps` must be a number >= 0.0. Received: reg_eps=-1"):
+        expected = r"`reg_eps` must be a number >= 0.0. Received: reg_eps=-1"
+        with pytest.raises(ValueError, match=expected):
             cls(reg_eps=-1)
         with pytest.raises(ValueError, match=r"`max_iter` must be an integer >= 1"):
             cls(max_iter=0)
