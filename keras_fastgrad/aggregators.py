@@ -27,7 +27,10 @@ import tensorflow as tf
 from keras_fastgrad import _solvers
 from keras_fastgrad._solvers import pcgrad_weights  # noqa: F401 (public)
 
-NAMES = ("aligned", "cagrad", "imtl", "mean", "mgda", "pcgrad", "sum")
+NAMES = (
+    "aligned", "cagrad", "config", "dualproj", "gradvac", "imtl", "mean", "mgda",
+    "nashmtl", "pcgrad", "sum", "upgrad",
+)
 _PACKAGE = "keras_fastgrad"
 
 
@@ -71,6 +74,22 @@ class Aggregator:
 
     def _weights(self, gram, seed_tensor):
         raise NotImplementedError
+
+    # Optional state (e.g. GradVac's EMA targets). `TaskMerger` calls
+    # `build` once the task count is known, merges with the weights of
+    # `weights_and_state` and assigns the new state only when the merged
+    # gradient is finite. Stateless aggregators keep these defaults.
+    def build(self, num_tasks):
+        """Creates the state variables for `num_tasks` tasks (none here)."""
+
+    @property
+    def state_variables(self):
+        """The state variables (a list, empty for stateless aggregators)."""
+        return []
+
+    def weights_and_state(self, gram, seed_tensor=None):
+        """`(weights, new_state)`: `new_state` aligns with `state_variables`."""
+        return self.weights(gram, seed_tensor), []
 
     def get_config(self):
         return {}
@@ -365,7 +384,18 @@ class AlignedMTL(Aggregator):
         return {"task_weights": self.task_weights}
 
 
-_CLASSES = {c.name: c for c in (Sum, Mean, PCGrad, MGDA, CAGrad, IMTL, AlignedMTL)}
+# The newer methods live in modules of their own (they import this one).
+from keras_fastgrad._cone_aggregators import ConFIG, DualProj, UPGrad  # noqa: E402
+from keras_fastgrad._gradvac import GradVac  # noqa: E402
+from keras_fastgrad._nashmtl import NashMTL  # noqa: E402
+
+_CLASSES = {
+    c.name: c
+    for c in (
+        Sum, Mean, PCGrad, MGDA, CAGrad, IMTL, AlignedMTL,
+        UPGrad, DualProj, ConFIG, GradVac, NashMTL,
+    )
+}
 
 
 def serialize(aggregator):

@@ -55,7 +55,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.trainer import Trainer
 
-from keras_fastgrad import aggregators
+from keras_fastgrad import aggregators, finite
 from keras_fastgrad._compile_loss import wrapped_output_losses
 from keras_fastgrad._replicas import num_replicas, replica_sum
 
@@ -260,6 +260,9 @@ class TaskMerger:
             self._norms = _variable(tf.zeros([num_tasks]), "task_grad_norms")
             self._cosine = _variable(tf.zeros([num_tasks] * 2), "task_cosine")
             self._conflicts = _variable(tf.zeros([]), "task_conflicts")
+            # A stateful aggregator's state (saved with the model: it is
+            # the model's `multitask` attribute).
+            self.aggregator.build(num_tasks)
         self.task_names = task_names
 
     @property
@@ -322,10 +325,19 @@ class TaskMerger:
         reg_grads = None
         if regularization is not None:
             reg_grads = _float32(unscale(tape.gradient(regularization, sources)))
-        return self.merge(per_task, reg_grads, grad_scale)
+        losses_finite = None
+        if self.aggregator.state_variables:
+            losses = task_losses + [r for r in [regularization] if r is not None]
+            losses_finite = finite.all_finite(losses)
+        return self.merge(per_task, reg_grads, grad_scale, losses_finite)
 
-    def merge(self, per_task, reg_grads=None, grad_scale=None):
-        """Merges `T` gradient lists (`None` = not reached), see `__call__`."""
+    def merge(self, per_task, reg_grads=None, grad_scale=None, losses_finite=None):
+        """Merges `T` gradient lists (`None` = not reached), see `__call__`.
+
+        A stateful aggregator's new state is assigned only when the merged
+        gradients (and `losses_finite`, if given) are finite: a micro-batch
+        the step drops as non-finite leaves it unchanged.
+        """
         num_tasks, num_vars = len(per_task), len(per_task[0])
         self.build(self.task_names or [f"task_{i}" for i in range(num_tasks)])
 
@@ -363,7 +375,8 @@ class TaskMerger:
         if grad_scale is not None:
             gram = gram / tf.square(tf.cast(grad_scale, tf.float32))
 
-        weights = tf.cast(self.aggregator.weights(gram), tf.float32)
+        weights, new_state = self.aggregator.weights_and_state(gram)
+        weights = tf.cast(weights, tf.float32)
         # Each replica's share of the global merged gradient (see __call__).
         shares = weights / replicas if replicas > 1 else weights
         for reaching, indices in groups.items():
@@ -377,6 +390,13 @@ class TaskMerger:
                 r if m is None else (m if r is None else m + r)
                 for m, r in zip(merged, reg_grads)
             ]
+
+        if new_state:
+            keep = finite.all_finite(merged)
+            if losses_finite is not None:
+                keep = keep & losses_finite
+            for variable, value in zip(self.aggregator.state_variables, new_state):
+                variable.assign(tf.where(keep, value, variable.value))
 
         info = aggregators.gram_telemetry(gram)
         self._norms.assign(info["norms"])

@@ -413,8 +413,9 @@ def test_get_keeps_arguments_and_errors():
     assert aggregators.get(None) is None
     assert sorted(aggregators.NAMES) == list(aggregators.NAMES)
     expected = (
-        r"`multitask` must be one of \['aligned', 'cagrad', 'imtl', 'mean', 'mgda', "
-        r"'pcgrad', 'sum'\] or an Aggregator instance\. Received: multitask='foo'"
+        r"`multitask` must be one of \['aligned', 'cagrad', 'config', 'dualproj', "
+        r"'gradvac', 'imtl', 'mean', 'mgda', 'nashmtl', 'pcgrad', 'sum', 'upgrad'\] "
+        r"or an Aggregator instance\. Received: multitask='foo'"
     )
     with pytest.raises(ValueError, match=expected):
         aggregators.get("foo")

@@ -1,0 +1,126 @@
+"""Nash-MTL: the Nash bargaining solution of the tasks' gradients.
+
+Navon et al., "Multi-Task Learning as a Bargaining Game" (ICML 2022): the
+update `sum_i alpha_i g_i` with `alpha > 0` solving `G alpha = 1 / alpha`
+(elementwise), i.e. every task gets `alpha_i <g_i, update> = 1`. That
+`alpha` is the unique minimiser of the strictly convex, self-concordant
+`f(alpha) = alpha^T G alpha / 2 - sum_i log(alpha_i)` (its gradient is
+`G alpha - 1/alpha`), found here by damped Newton steps in-graph where the
+official code runs a sequence of convex programs with cvxpy/ECOS.
+"""
+
+import tensorflow as tf
+
+from keras_fastgrad import aggregators
+from keras_fastgrad._cone_aggregators import _check_number, _finite_or_nan
+from keras_fastgrad._solvers import _eps, _tiny
+
+
+def nash_weights(gram, reg_eps=1e-6, max_iter=50):
+    """`alpha > 0` with `(G_n + reg_eps I) alpha = 1 / alpha`, `G_n = G / ||G||_F`.
+
+    The official code divides `G` by its Frobenius norm before solving (the
+    weights then do not depend on the gradients' scale) and applies
+    `alpha` to the unnormalised gradients; so does this function. A task
+    whose gradient is zero (`G_ii <= T eps(dtype) max(diag G)`) gets weight
+    0 and is left out of the solve (its gradient adds nothing whatever its
+    weight); `G = 0` gives all zeros. `reg_eps` (relative to the
+    normalised `G`) keeps `alpha` bounded when no positive solution exists
+    (e.g. two opposite gradients).
+
+    Newton on `f` from `alpha_i = 1 / sqrt(G_ii)`: the step
+    `d = -(G + diag(1/alpha^2))^-1 (G alpha - 1/alpha)` is taken in full
+    once the Newton decrement `lambda = sqrt(-grad^T d)` is below 1/4, and
+    scaled by `1 / (1 + lambda)` before (the damped phase of Newton's
+    method for self-concordant functions: every iterate stays positive).
+    At most `max_iter` steps; stops once `max_i |alpha_i (G alpha)_i - 1|`
+    is below `64 T eps(dtype)`.
+
+    Args:
+        gram: `[T, T]` float tensor.
+        reg_eps: float >= 0, the ridge added to the normalised `G`.
+        max_iter: int, the cap on the Newton steps.
+
+    Returns:
+        `[T]` task weights.
+    """
+    num_tasks, dtype = gram.shape[0], gram.dtype
+    eye = tf.eye(num_tasks, dtype=dtype)
+    frobenius = tf.norm(gram)
+    empty = frobenius <= _tiny(dtype)
+    gram = gram / tf.where(empty, tf.ones_like(frobenius), frobenius)
+    diag = tf.linalg.diag_part(gram)
+    active = diag > num_tasks * _eps(dtype) * tf.reduce_max(diag)
+    mask = tf.cast(active, dtype)
+    # Zero tasks decouple (their own unit diagonal) and are zeroed at the end.
+    system = gram * mask[:, None] * mask[None, :] + tf.linalg.diag(1.0 - mask)
+    system += reg_eps * eye
+    tol = 64.0 * num_tasks * _eps(dtype)
+
+    def body(i, alpha, done):
+        g_alpha = tf.linalg.matvec(system, alpha)
+        grad = g_alpha - 1.0 / alpha
+        hessian = system + tf.linalg.diag(1.0 / tf.square(alpha))
+        step = -tf.linalg.solve(hessian, grad[:, None])[:, 0]
+        decrement = tf.sqrt(tf.maximum(-tf.reduce_sum(grad * step), 0.0))
+        damping = tf.where(decrement < 0.25, tf.ones_like(decrement), 1.0 / (1.0 + decrement))
+        alpha = tf.maximum(alpha + damping * step, _tiny(dtype))
+        residual = tf.reduce_max(tf.abs(alpha * tf.linalg.matvec(system, alpha) - 1.0))
+        return i + 1, alpha, residual <= tol
+
+    alpha0 = tf.math.rsqrt(tf.linalg.diag_part(system))
+    _, alpha, _ = tf.while_loop(
+        lambda i, alpha, done: (i < max_iter) & tf.logical_not(done),
+        body,
+        (tf.constant(0), alpha0, tf.constant(False)),
+        maximum_iterations=max_iter,
+    )
+    return tf.where(active & tf.logical_not(empty), alpha, 0.0)
+
+
+@aggregators._register
+class NashMTL(aggregators.Aggregator):
+    """Nash-MTL (Navon et al., ICML 2022), "Multi-Task Learning as a Bargaining Game".
+
+    Weights `alpha > 0` solving the bargaining condition
+    `G_n alpha = 1 / alpha` (elementwise) on the Gram matrix normalised by
+    its Frobenius norm, `G_n = G / ||G||_F`, as the official
+    `NashMTL.get_weighted_loss`; `alpha` weighs the unnormalised task
+    gradients. Solved exactly (not by the official sequence of convex
+    programs, warm-started from the previous step) with damped Newton
+    steps in-graph (`nash_weights`). Kept from the official code: the
+    normalisation. Not kept: updating the weights only every
+    `update_weights_every` steps, and the gradient-norm clipping of the
+    shared parameters (`max_norm=1`; use `FastGradModel(clip_norm=1.0)`).
+    A zero-gradient task gets weight 0; a small ridge `reg_eps` keeps the
+    weights finite when the condition has no solution (opposite
+    gradients). A non-finite `G` gives NaN weights.
+
+    Args:
+        reg_eps: float >= 0, the ridge added to the normalised `G`.
+        max_iter: int >= 1, the cap on the Newton steps.
+
+    Example:
+
+    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
+    >>> w = NashMTL(reg_eps=0.0).weights(gram)
+    >>> w.numpy().round(4).tolist()
+    [1.0153, 2.0305]
+    >>> g_n = gram / tf.norm(gram)  # the bargaining condition G_n w = 1 / w
+    >>> (tf.linalg.matvec(g_n, w) * w).numpy().round(6).tolist()
+    [1.0, 1.0]
+    """
+
+    name = "nashmtl"
+
+    def __init__(self, reg_eps=1e-6, max_iter=50):
+        self.reg_eps = _check_number("reg_eps", reg_eps)
+        self.max_iter = aggregators._check_int("max_iter", max_iter, 1)
+
+    def _weights(self, gram, seed_tensor):
+        return _finite_or_nan(
+            gram, lambda g: nash_weights(g, self.reg_eps, self.max_iter)
+        )
+
+    def get_config(self):
+        return {"reg_eps": self.reg_eps, "max_iter": self.max_iter}
