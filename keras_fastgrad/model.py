@@ -86,7 +86,9 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         micro_batches: Integer >= 1, defaults to `1`. Splits each batch into
             this many slices inside the step (a `tf.while_loop`): one update
             per batch, equal to the un-split step, with the activation
-            memory of one slice (see `keras_fastgrad.slicing`).
+            memory of one slice (see `keras_fastgrad.slicing`). With
+            `multitask`, the task gradients are summed over the slices and
+            merged once.
         max_consecutive_nonfinite: Integer >= 1 or `None`, defaults to
             `10`. A run that drops this many micro-batches in a row (no
             update applied in between; loss-scale overflows that halving
@@ -300,7 +302,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             self._fg_check_slices(x)
             loss, y_pred, grads, share = sliced_gradients(
                 self, x, y, sample_weight, variables, self._fg_scaling,
-                self.micro_batches,
+                self.micro_batches, merger=self._fg_merger,
             )
             self._fg_record_trace_facts(variables, grads)
         else:
@@ -621,14 +623,6 @@ def _checked_options(**options):
     options = {**_DEFAULT_OPTIONS, **options}
     micro_batches = check_micro_batches(options["micro_batches"])
     multitask = _validation.check_multitask(options["multitask"])
-    if micro_batches > 1 and multitask is not None:
-        raise ValueError(
-            "`micro_batches` and `multitask` cannot be combined yet: the "
-            "multi-task merge needs each task's gradient on the whole "
-            f"batch. Received: micro_batches={micro_batches}, "
-            f"multitask={multitask!r}. Fix: use `accumulation_steps` with "
-            "smaller batches instead of `micro_batches`."
-        )
     return {
         "accumulation_steps": _validation.check_accumulation_steps(
             options["accumulation_steps"]

@@ -55,7 +55,7 @@ def _pad_and_split(t, pad, slices):
     return tf.reshape(padded, tf.concat([[slices, -1], tf.shape(t)[1:]], 0))
 
 
-def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
+def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, merger=None):
     """Forward and backward of `model` on `slices` slices of one batch.
 
     Args:
@@ -64,6 +64,10 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
         variables: The trainable variables the tape watches.
         scaling: The step's `LossScaling` unit.
         slices: Python int >= 2.
+        merger: The model's `multitask.TaskMerger`, or `None`. With one,
+            each task's gradient is summed over the slices on its own, and
+            the sums (the task gradients of the whole batch) are merged once
+            after the loop: the same update as the un-split step.
 
     Returns:
         `(loss, y_pred, grads, share)`: the batch loss as Keras would
@@ -92,36 +96,41 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
         xi = tree.map_structure(lambda t: t[i], xs)
         yi = None if ys is None else tree.map_structure(lambda t: t[i], ys)
         wi = None if ws is None else tree.map_structure(lambda t: t[i], ws)
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
+        with tf.GradientTape(
+            watch_accessed_variables=False, persistent=merger is not None
+        ) as tape:
             for v in variables:
                 tape.watch(v.value)
             y_pred = model(xi, training=True) if model._call_has_training_arg else model(xi)
             with LossShares(model, size, rows=rows[i]) as shares:
-                loss = model._compute_loss(
-                    x=xi, y=yi, y_pred=y_pred, sample_weight=wi, training=True
-                )
+                losses = _slice_losses(model, xi, yi, y_pred, wi, merger)
             share = shares.share()
             weight = share.loss_weight(replicas)
-            scaled = scaling.scale(loss, weight)
-        grads = scaling.unscale(tape.gradient(scaled, [v.value for v in variables]), weight)
+            scaled = [scaling.scale(loss, weight) for loss in losses]
+        sources = [v.value for v in variables]
+        grads = [scaling.unscale(tape.gradient(l, sources), weight) for l in scaled]
         flat_pred = tree.flatten(y_pred)
         if not facts:
-            facts["has_grad"] = [g is not None for g in grads]
+            facts["has_grad"] = [[g is not None for g in row] for row in grads]
             facts["mean"] = share.mean
             facts["has_mask"] = [get_keras_mask(p) is not None for p in flat_pred]
         sums = [
-            total if g is None else total + tf.cast(g, tf.float32)
-            for total, g in zip(sums, grads)
+            [
+                total if g is None else total + tf.cast(g, tf.float32)
+                for total, g in zip(row_sums, row)
+            ]
+            for row_sums, row in zip(sums, grads)
         ]
         outputs = [ta.write(i, p) for ta, p in zip(outputs, flat_pred)]
         masks = [
             ta.write(i, get_keras_mask(p) if has else tf.zeros([0], tf.bool))
             for ta, p, has in zip(masks, flat_pred, facts["has_mask"])
         ]
+        loss = tf.add_n([tf.cast(l, tf.float32) for l in losses])
         return (
             i + 1,
             sums,
-            loss_sum + tf.cast(loss, tf.float32) * share.actual,
+            loss_sum + loss * share.actual,
             actual_sum + share.actual,
             real_sum + share.real,
             outputs,
@@ -129,12 +138,18 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
         )
 
     flat_spec = tree.flatten(out_spec)
+    num_losses = 1
+    if merger is not None:  # one sum per task, and the regularisation's
+        compile_loss = model._compile_loss
+        if not compile_loss.built:  # (the task names come with its build)
+            compile_loss.build(tree.map_structure(lambda t: t[0], ys), out_spec)
+        num_losses = len(_task_names(model)) + 1
     _, sums, loss_sum, actual_sum, real_sum, outputs, masks = tf.while_loop(
         lambda i, *_: i < slices,
         body,
         (
             tf.constant(0),
-            [tf.zeros(v.shape, tf.float32) for v in variables],
+            [[tf.zeros(v.shape, tf.float32) for v in variables] for _ in range(num_losses)],
             tf.constant(0.0),
             tf.constant(0.0),
             tf.constant(0.0),
@@ -143,13 +158,29 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
         ),
         maximum_iterations=slices,
     )
-    grads = [s if present else None for s, present in zip(sums, facts["has_grad"])]
+    sums = [
+        [s if present else None for s, present in zip(row, has)]
+        for row, has in zip(sums, facts["has_grad"])
+    ]
     # `"sum"`: the batch's loss is the plain sum (its normaliser is 1).
     real = real_sum if facts["mean"] else tf.constant(1.0)
-    loss_sum, grads = _take_back_extra_regularization(
-        model, variables, grads, loss_sum, actual_sum - real,
+    # Regularisation: in the plain loss, or the last of the task losses.
+    loss_sum, regularized = _take_back_extra_regularization(
+        model, variables, sums[-1], loss_sum, actual_sum - real,
         replicas if facts["mean"] else 1,
     )
+    if merger is None:
+        grads = regularized
+    else:  # the whole batch's task gradients, merged once
+        num_tasks = len(_task_names(model))
+        merger.build(_task_names(model))
+        has_regularization = any(g is not None for g in regularized)
+        grads, _ = merger.merge(
+            sums[:num_tasks],
+            regularized if has_regularization else None,
+            grad_scale=actual_sum,
+            losses_finite=tf.math.is_finite(loss_sum),
+        )
     merged = []
     for ta, mask_ta, has in zip(outputs, masks, facts["has_mask"]):
         p = _merge_slices(ta.stack(), n)
@@ -159,6 +190,28 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
     y_pred = tree.pack_sequence_as(out_spec, merged)
     share = Share(real, real, facts["mean"])
     return loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share
+
+
+def _slice_losses(model, x, y, y_pred, sample_weight, merger):
+    """The slice's losses: the model's loss, or (multi-task) one per task
+    and the regularisation (`model.losses`)."""
+    if merger is None:
+        return [model._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )]
+    from keras_fastgrad.multitask import regularization_loss, task_losses
+
+    regularization = regularization_loss(model)  # (a constant if none:
+    # no variable gets a gradient from it)
+    return task_losses(model, y, y_pred, sample_weight) + [
+        tf.constant(0.0) if regularization is None else regularization
+    ]
+
+
+def _task_names(model):
+    from keras_fastgrad.multitask import task_names
+
+    return task_names(model)
 
 
 def _merge_slices(stacked, n):
