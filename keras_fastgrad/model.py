@@ -21,7 +21,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
 from keras.src.utils.python_utils import default as _keras_default
 
-from keras_fastgrad import _validation, aggregators
+from keras_fastgrad import _validation, aggregators, feature_space
 from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
 from keras_fastgrad._replicas import (
@@ -75,6 +75,17 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             variables are merged by the method, each task's own variables
             get its plain gradient, and the regularisation gradient is
             added after merging (see `keras_fastgrad.multitask`).
+        multitask_space: `"parameters"` (default) or `"features"`. Where
+            the `multitask` method compares the tasks. `"parameters"`: the
+            task gradients over the shared variables (exact, `T` backward
+            passes through the trunk). `"features"`: the task gradients
+            with respect to the shared representation `Z` (MGDA-UB), then
+            one trunk backward pass of their weighted sum; the heads get
+            their plain gradients (see `keras_fastgrad.feature_space`).
+        multitask_features: `None` (default) or a layer name, with
+            `multitask_space="features"`: the layer whose output is `Z`.
+            `None` finds `Z` in a functional model (the deepest tensor all
+            outputs depend on); a subclassed model must name it.
         skip_nonfinite: Boolean, defaults to `True`. A micro-batch whose loss
             or gradient holds NaN/Inf is dropped: it never touches the
             weights or the optimizer state, it is left out of its window's
@@ -127,6 +138,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         telemetry=False,
         micro_batches=1,
         max_consecutive_nonfinite=10,
+        multitask_space="parameters",
+        multitask_features=None,
         **kwargs,
     ):
         # Options saved by `get_config` under `fastgrad_options` (a subclass
@@ -142,6 +155,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             telemetry=telemetry,
             micro_batches=micro_batches,
             max_consecutive_nonfinite=max_consecutive_nonfinite,
+            multitask_space=multitask_space,
+            multitask_features=multitask_features,
         )
         options.update(restored or {})
         options = _checked_options(**options)
@@ -373,10 +388,12 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         ) as tape:
             for v in variables:
                 tape.watch(v.value)
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
+            features = feature_space.capture(self, tape)  # no-op unless "features"
+            with features:
+                if self._call_has_training_arg:
+                    y_pred = self(x, training=True)
+                else:
+                    y_pred = self(x)
             with shares or contextlib.nullcontext():
                 if merger is None:
                     loss = self._compute_loss(
@@ -402,7 +419,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             self._fg_record_trace_facts(variables, grads)
             grads = scaling.unscale(grads, weight)
         else:  # each task's gradient is unscaled once, then merged
-            grads, _ = merger(
+            merge = features.merger(merger) if features.active else merger
+            grads, _ = merge(
                 tape, scaled_tasks, regularization, variables,
                 unscale=lambda g: scaling.unscale(g, weight),
                 grad_scale=None if share is None else share.actual,
@@ -571,6 +589,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             "telemetry": self.telemetry,
             "micro_batches": self.micro_batches,
             "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
+            "multitask_space": self.multitask_space,
+            "multitask_features": self.multitask_features,
         }
 
 
@@ -582,6 +602,8 @@ OPTION_NAMES = (
     "telemetry",
     "micro_batches",
     "max_consecutive_nonfinite",
+    "multitask_space",
+    "multitask_features",
 )
 
 
@@ -593,6 +615,8 @@ def _checked_options(
     telemetry=False,
     micro_batches=1,
     max_consecutive_nonfinite=10,
+    multitask_space="parameters",
+    multitask_features=None,
 ):
     """The constructor's options, validated (Keras-style errors)."""
     micro_batches = check_micro_batches(micro_batches)
@@ -617,6 +641,9 @@ def _checked_options(
         "max_consecutive_nonfinite": _validation.check_optional_int(
             "max_consecutive_nonfinite", max_consecutive_nonfinite, 1,
             " (dropped micro-batches in a row before training stops) or None",
+        ),
+        **_validation.check_multitask_space(
+            multitask_space, multitask_features, multitask
         ),
     }
 

@@ -363,7 +363,7 @@ class TaskMerger:
         if grad_scale is not None:
             gram = gram / tf.square(tf.cast(grad_scale, tf.float32))
 
-        weights = tf.cast(self.aggregator.weights(gram), tf.float32)
+        weights, info = self.weigh(gram)
         # Each replica's share of the global merged gradient (see __call__).
         shares = weights / replicas if replicas > 1 else weights
         for reaching, indices in groups.items():
@@ -378,11 +378,19 @@ class TaskMerger:
                 for m, r in zip(merged, reg_grads)
             ]
 
+        return merged, {"gram": gram, "weights": weights, **info}
+
+    def weigh(self, gram):
+        """The aggregator's float32 task weights for `gram` (`[T, T]`, of
+        the true gradients); records the telemetry. Returns `(weights,
+        info)`, `info` as `aggregators.gram_telemetry`. Also used by the
+        features-space merge (`keras_fastgrad.feature_space`)."""
+        weights = tf.cast(self.aggregator.weights(gram), tf.float32)
         info = aggregators.gram_telemetry(gram)
         self._norms.assign(info["norms"])
         self._cosine.assign(info["cosine"])
         self._conflicts.assign(tf.cast(info["num_conflicts"], tf.float32))
-        return merged, {"gram": gram, "weights": weights, **info}
+        return weights, info
 
     def logs(self):
         """The latest telemetry as float32 scalars under fixed log keys."""
