@@ -401,3 +401,52 @@ def test_save_load_keeps_the_options(tmp_path):
     loaded.train_on_batch(x, y)
     for a, b in zip(weights_of(model).values(), weights_of(loaded).values()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------ tf.distribute
+_MIRRORED = r"""
+import json, os, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import numpy as np
+sys.path.insert(0, os.path.join(sys.argv[2], "tests"))
+from test_feature_space import build, compiled, make_data, weights_of
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+x, y = make_data(n=11)  # global batches 4, 4, 3: the last splits 2 / 1
+result = {}
+for acc in (1, 2):
+    runs = []
+    for distributed in (False, True):
+        scope = strategy.scope() if distributed else tf.init_scope()
+        with scope:
+            model = compiled(build(multitask="mgda", accumulation_steps=acc, telemetry=True))
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        runs.append((list(weights_of(model).values()), history))
+    result[f"acc{acc}"] = {
+        "max_weight_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(runs[0][0], runs[1][0])),
+        "norm_a": [runs[0][1]["task_grad_norm/a"][-1], runs[1][1]["task_grad_norm/a"][-1]],
+    }
+json.dump(result, open(sys.argv[1], "w"))
+"""
+
+
+def test_mirrored_strategy_uses_the_global_gram(tmp_path):
+    # Two logical CPUs need a fresh process. Per-replica Gram matrices (each
+    # replica weighting its own half batch) would differ from one device.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "result.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _MIRRORED, str(out), root],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case in json.loads(out.read_text()).values():
+        assert case["max_weight_diff"] < 1e-5
+        np.testing.assert_allclose(case["norm_a"][0], case["norm_a"][1], rtol=1e-5)
