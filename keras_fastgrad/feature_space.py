@@ -57,6 +57,7 @@ import threading
 
 import tensorflow as tf
 from keras.src import tree
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 from keras_fastgrad._gradients import to_float32
 from keras_fastgrad._replicas import num_replicas, replica_sum
@@ -175,9 +176,15 @@ def _refuse(model, reason, fix):
 
 def _named_layer(model, name):
     layers = list(model._flatten_layers(include_self=False, recursive=True))
-    for layer in layers:
-        if layer.name == name:
-            return layer
+    found = [layer for layer in layers if layer.name == name]
+    if len(found) > 1:
+        raise ValueError(
+            f"`multitask_features` must name one layer. Received: "
+            f"multitask_features={name!r}, the name of {len(found)} layers. "
+            "Fix: give the trunk's last layer a unique `name`."
+        )
+    if found:
+        return found[0]
     names = [layer.name for layer in layers]
     raise ValueError(
         "`multitask_features` must name a layer of the model (its output is "
@@ -274,7 +281,9 @@ def _install(layer):
         def call(*args, **kwargs):
             outputs = original(*args, **kwargs)
             active = getattr(_THREAD, "captures", {}).get(id(layer))
-            return outputs if active is None else active.record(outputs)
+            if active is None or in_symbolic_scope():  # Keras' shape inference
+                return outputs
+            return active.record(outputs)
 
         object.__setattr__(layer, "call", call)  # no Keras tracking
         _INSTALLED[id(layer)] = [1, previous]

@@ -324,6 +324,36 @@ def test_subclassed_model_with_a_named_layer():
     assert "call" not in vars(model.trunk)  # the capture is undone
 
 
+class Trunk(keras.layers.Layer):
+    """A custom layer without `build` (its Dense is built by `call`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4, activation="tanh")
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_unbuilt_subclass_with_a_custom_trunk_layer():
+    class Model(keras_fastgrad.FastGradModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.trunk = Trunk(name="trunk")
+            self.a = keras.layers.Dense(1, name="a")
+            self.b = keras.layers.Dense(1, name="b")
+
+        def call(self, x):
+            z = self.trunk(x)
+            return {"a": self.a(z), "b": self.b(z)}
+
+    model = compiled(Model(multitask="mgda", multitask_space="features",
+                           multitask_features="trunk"))
+    x, y = make_data()
+    model.train_on_batch(x, y)
+    assert all(np.isfinite(w).all() for w in weights_of(model).values())
+
+
 # ------------------------------------------------------- the rest of the chain
 @pytest.mark.parametrize("method", ["sum", "mean"])
 def test_accumulation_equals_the_big_batch(method):
