@@ -354,6 +354,18 @@ def test_unbuilt_subclass_with_a_custom_trunk_layer():
     assert all(np.isfinite(w).all() for w in weights_of(model).values())
 
 
+def test_fastgrad_gives_a_plain_model_the_features_space_step():
+    x, y = make_data()
+    model = compiled(build(multitask="mgda"))
+    plain = keras_fastgrad.fastgrad(compiled(build(keras.Model)), multitask="mgda",
+                                    multitask_space="features")
+    assert plain.get_config()["multitask_space"] == "features"
+    for m in (model, plain):
+        m.train_on_batch(x, y)
+    for a, b in zip(weights_of(model).values(), weights_of(plain).values()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 # ------------------------------------------------------- the rest of the chain
 @pytest.mark.parametrize("method", ["sum", "mean"])
 def test_accumulation_equals_the_big_batch(method):
