@@ -27,7 +27,15 @@ from round to round, after a warm-up fit (tracing is not timed). Ratios
   cotangents of the trunk output).
 - PCGrad / keras.Model: what a user pays over the summed loss.
 
-Writes benchmarks/out/multitask.json.
+Representation space (`--space`, issue 12; T = 2, 4, 8): the same model
+and data, three sides per T: `keras.Model` (summed loss), PCGrad in
+parameter space (T trunk backward passes) and PCGrad with
+`multitask_space="features"` (T head backward passes, one trunk backward):
+
+- features PCGrad / keras.Model: target <= 1.20 at T=4.
+- parameters PCGrad / keras.Model, features / parameters PCGrad.
+
+Writes benchmarks/out/multitask.json (`--space`: multitask_space.json).
 """
 
 import argparse
@@ -193,11 +201,46 @@ def fit_fn(model, x, y):
     return run
 
 
+def spaces(rounds, steps, task_counts=(2, 4, 8)):
+    """Features- vs parameter-space PCGrad vs keras.Model, interleaved."""
+    results, targets, best_ms = {}, {}, {}
+    for num_tasks in task_counts:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(BATCH * steps, 784)).astype("float32")
+        y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32")
+             for t in range(num_tasks)}
+        fast = keras_fastgrad.FastGradModel
+        run = {
+            "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
+            "parameters": fit_fn(mlp(fast, num_tasks, multitask="pcgrad"), x, y),
+            "features": fit_fn(mlp(fast, num_tasks, multitask="pcgrad",
+                                   multitask_space="features"), x, y),
+        }
+        pairs = [
+            ("features PCGrad / keras.Model summed loss", "features", "keras",
+             "<= 1.20 at T=4"),
+            ("parameters PCGrad / keras.Model summed loss", "parameters", "keras", ""),
+            ("features PCGrad / parameters PCGrad", "features", "parameters", "< 1"),
+        ]
+        named = [(f"T={num_tasks}: {name}", run[a], run[b]) for name, a, b, _ in pairs]
+        ratios = interleaved_ratios(named, rounds)
+        for name, numerator, denominator in named:
+            ratios[name]["best_epoch_ratio"] = min(numerator.times) / min(denominator.times)
+        results.update(ratios)
+        targets.update({f"T={num_tasks}: {name}": t for name, _, _, t in pairs})
+        best_ms[num_tasks] = {k: 1000 * min(f.times) / steps for k, f in run.items()}
+    _report(rounds, steps, results, targets, best_ms, "multitask_space")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--space", action="store_true",
+                        help="only the features- vs parameter-space rows")
     args = parser.parse_args()
     rounds, steps = (5, 4) if args.quick else (12, 8)
+    if args.space:
+        return spaces(rounds, steps)
     # Quick mode measures the issue's target case only (T=4).
     task_counts = (4,) if args.quick else (2, 4)
     results, targets, best_ms = {}, {}, {}
@@ -238,12 +281,12 @@ def main():
     _report(rounds, steps, results, targets, best_ms)
 
 
-def _report(rounds, steps, results, targets, best_ms):
+def _report(rounds, steps, results, targets, best_ms, out_name="multitask"):
     report(
         f"Multi-task step-time ratios ({rounds} rounds x {steps} steps, batch {BATCH})",
         results,
         targets,
-        "multitask",
+        out_name,
     )
     print(f"\n{'ratio of best epoch times':58s} {'best':>7s}")
     for name, r in results.items():
@@ -252,7 +295,7 @@ def _report(rounds, steps, results, targets, best_ms):
         f"T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
         for t, ms in best_ms.items()
     ))
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "multitask.json")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"{out_name}.json")
     with open(path) as f:
         saved = json.load(f)
     saved["best_ms_per_step"] = {f"T={t}": ms for t, ms in best_ms.items()}

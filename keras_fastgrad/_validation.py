@@ -209,3 +209,36 @@ def check_steps_per_execution_under_strategy(steps_per_execution, strategy):
             "`steps_per_execution=1` (a larger global batch amortises the "
             "per-call cost instead)."
         )
+
+
+def check_multitask_space(space, features, multitask):
+    """`multitask_space` and `multitask_features`, checked together.
+
+    Returns:
+        A dict with both options.
+    """
+    from keras_fastgrad.feature_space import SPACES
+
+    space = check_choice("multitask_space", space, SPACES)
+    if features is not None and not isinstance(features, str):
+        raise TypeError(
+            "`multitask_features` must be None or a layer name (a string). "
+            f"Received: multitask_features={features!r} of type "
+            f"{type(features).__name__}."
+        )
+    if space == "features" and multitask is None:
+        raise ValueError(
+            "`multitask_space=\"features\"` needs a multi-task method. "
+            "Received: multitask=None, multitask_space=\"features\". Fix: "
+            "pass `multitask=\"pcgrad\"` (or another method), or leave "
+            "`multitask_space` at \"parameters\"."
+        )
+    if features is not None and space != "features":
+        raise ValueError(
+            "`multitask_features` names the shared representation of "
+            "`multitask_space=\"features\"`. Received: "
+            f"multitask_features={features!r}, multitask_space={space!r}. "
+            "Fix: pass `multitask_space=\"features\"`, or drop "
+            "`multitask_features`."
+        )
+    return {"multitask_space": space, "multitask_features": features}

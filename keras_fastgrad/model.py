@@ -23,7 +23,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import Trainer, functional_init_arguments
 from keras.src.utils.python_utils import default as _keras_default
 
-from keras_fastgrad import _validation, aggregators
+from keras_fastgrad import _validation, aggregators, feature_space
 from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
 from keras_fastgrad._replicas import (
@@ -77,6 +77,17 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             variables are merged by the method, each task's own variables
             get its plain gradient, and the regularisation gradient is
             added after merging (see `keras_fastgrad.multitask`).
+        multitask_space: `"parameters"` (default) or `"features"`. Where
+            the `multitask` method compares the tasks. `"parameters"`: the
+            task gradients over the shared variables (exact, `T` backward
+            passes through the trunk). `"features"`: the task gradients
+            with respect to the shared representation `Z` (MGDA-UB), then
+            one trunk backward pass of their weighted sum; the heads get
+            their plain gradients (see `keras_fastgrad.feature_space`).
+        multitask_features: `None` (default) or a layer name, with
+            `multitask_space="features"`: the layer whose output is `Z`.
+            `None` finds `Z` in a functional model (the deepest tensor all
+            outputs depend on); a subclassed model must name it.
         skip_nonfinite: Boolean, defaults to `True`. A micro-batch whose loss
             or gradient holds NaN/Inf is dropped: it never touches the
             weights or the optimizer state, it is left out of its window's
@@ -131,6 +142,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         telemetry=False,
         micro_batches=1,
         max_consecutive_nonfinite=10,
+        multitask_space="parameters",
+        multitask_features=None,
         **kwargs,
     ):
         # Options saved by `get_config` under `fastgrad_options` (a subclass
@@ -405,10 +418,12 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         ) as tape:
             for v in variables:
                 tape.watch(v.value)
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
+            features = feature_space.capture(self, tape)  # no-op unless "features"
+            with features:
+                if self._call_has_training_arg:
+                    y_pred = self(x, training=True)
+                else:
+                    y_pred = self(x)
             with shares or contextlib.nullcontext():
                 if merger is None:
                     loss = self._compute_loss(
@@ -434,7 +449,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             self._fg_record_trace_facts(variables, grads)
             grads = scaling.unscale(grads, weight)
         else:  # each task's gradient is unscaled once, then merged
-            grads, _ = merger(
+            merge = features.merger(merger) if features.active else merger
+            grads, _ = merge(
                 tape, scaled_tasks, regularization, variables,
                 unscale=lambda g: scaling.unscale(g, weight),
                 grad_scale=None if share is None else share.actual,
@@ -605,6 +621,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             "telemetry": self.telemetry,
             "micro_batches": self.micro_batches,
             "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
+            "multitask_space": self.multitask_space,
+            "multitask_features": self.multitask_features,
         }
 
 
@@ -623,6 +641,17 @@ def _checked_options(**options):
     options = {**_DEFAULT_OPTIONS, **options}
     micro_batches = check_micro_batches(options["micro_batches"])
     multitask = _validation.check_multitask(options["multitask"])
+    if micro_batches > 1 and multitask is not None and (
+        options["multitask_space"] == "features"
+    ):
+        raise ValueError(
+            "`micro_batches` and `multitask_space=\"features\"` cannot be "
+            "combined yet: the features-space merge needs each task's "
+            "gradient over the representation of the whole batch. Received: "
+            f"micro_batches={micro_batches}, multitask={multitask!r}, "
+            "multitask_space='features'. Fix: use `accumulation_steps` with "
+            "smaller batches, or `multitask_space=\"parameters\"`."
+        )
     return {
         "accumulation_steps": _validation.check_accumulation_steps(
             options["accumulation_steps"]
@@ -637,6 +666,9 @@ def _checked_options(**options):
         "max_consecutive_nonfinite": _validation.check_optional_int(
             "max_consecutive_nonfinite", options["max_consecutive_nonfinite"], 1,
             " (dropped micro-batches in a row before training stops) or None",
+        ),
+        **_validation.check_multitask_space(
+            options["multitask_space"], options["multitask_features"], multitask
         ),
     }
 

@@ -375,8 +375,7 @@ class TaskMerger:
         if grad_scale is not None:
             gram = gram / tf.square(tf.cast(grad_scale, tf.float32))
 
-        weights, new_state = self.aggregator.weights_and_state(gram)
-        weights = tf.cast(weights, tf.float32)
+        weights, info, new_state = self.weigh(gram)
         # Each replica's share of the global merged gradient (see __call__).
         shares = weights / replicas if replicas > 1 else weights
         for reaching, indices in groups.items():
@@ -391,18 +390,35 @@ class TaskMerger:
                 for m, r in zip(merged, reg_grads)
             ]
 
-        if new_state:
-            keep = finite.all_finite(merged)
-            if losses_finite is not None:
-                keep = keep & losses_finite
-            for variable, value in zip(self.aggregator.state_variables, new_state):
-                variable.assign(tf.where(keep, value, variable.value))
+        self.commit_state(new_state, merged, losses_finite)
+        return merged, {"gram": gram, "weights": weights, **info}
 
+    def weigh(self, gram):
+        """The aggregator's float32 task weights for `gram` (`[T, T]`, of
+        the true gradients); records the telemetry. Returns `(weights,
+        info, new_state)`: `info` as `aggregators.gram_telemetry`,
+        `new_state` a stateful aggregator's next state (for `commit_state`;
+        empty otherwise). Also used by the features-space merge
+        (`keras_fastgrad.feature_space`)."""
+        weights, new_state = self.aggregator.weights_and_state(gram)
+        weights = tf.cast(weights, tf.float32)
         info = aggregators.gram_telemetry(gram)
         self._norms.assign(info["norms"])
         self._cosine.assign(info["cosine"])
         self._conflicts.assign(tf.cast(info["num_conflicts"], tf.float32))
-        return merged, {"gram": gram, "weights": weights, **info}
+        return weights, info, new_state
+
+    def commit_state(self, new_state, merged, losses_finite=None):
+        """Assigns a stateful aggregator's `new_state`, only when the
+        merged gradients (and `losses_finite`, if given) are finite: a
+        micro-batch the step drops leaves the state unchanged."""
+        if not new_state:
+            return
+        keep = finite.all_finite(merged)
+        if losses_finite is not None:
+            keep = keep & losses_finite
+        for variable, value in zip(self.aggregator.state_variables, new_state):
+            variable.assign(tf.where(keep, value, variable.value))
 
     def logs(self):
         """The latest telemetry as float32 scalars under fixed log keys."""

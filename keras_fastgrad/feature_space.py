@@ -1,0 +1,161 @@
+"""Multi-task merging in representation space (`multitask_space="features"`).
+
+The parameter-space merge (`keras_fastgrad.multitask`) differentiates every
+task down to the first layer: `T` backward passes through the trunk. Here the
+aggregator sees the gradients with respect to the shared representation `Z`
+(the trunk's output) instead, as MGDA-UB does (Sener & Koltun 2018, "upper
+bound"; LibMTL's `rep_grad`):
+
+1. one forward pass; the output `Z` of the shared layer is cut from the graph
+   (`stop_gradient`) and watched, so each task's backward stops at `Z`:
+   `dZ_t = dL_t / dZ`, head only;
+2. the Gram matrix `G[s, t] = <dZ_s, dZ_t>` (summed over the batch and over
+   the replicas: the global batch's `Z` is the replicas' rows stacked) goes
+   to the aggregator, whose weights `w` are constants;
+3. ONE trunk backward pass with the cotangent `sum_t w_t dZ_t`: the trunk
+   gets `sum_t w_t dL_t/dtheta` (for fixed `w` the exact gradient of
+   `sum_t w_t L_t`: only the weights are approximated);
+4. every path that does not pass through `Z` keeps its plain gradient: the
+   heads get `sum_t dL_t/dphi`; a variable used both upstream of `Z` and
+   directly by a head (a tied embedding) gets its merged part through `Z`
+   plus its plain direct part; the regularisation gradient is added as in
+   parameter space.
+
+Cost: `T` head backward passes and one trunk backward pass, against `T`
+full backward passes in parameter space.
+
+Finding `Z`: `FastGradModel(multitask_features="layer_name")` names the
+layer whose output is `Z` (all its floating outputs; needed for subclassed
+models). Otherwise, for a functional model, `Z` is the deepest tensor every
+model output depends on (`find_features`). The layer must run once per
+forward pass; its output is captured by wrapping its `call` for the duration
+of the step's forward pass (at trace time: no cost per step).
+
+Example:
+
+>>> inputs = keras.Input((4,))
+>>> trunk = keras.layers.Dense(8, activation="tanh", name="trunk")(inputs)
+>>> outputs = {"a": keras.layers.Dense(1, name="a")(trunk),
+...            "b": keras.layers.Dense(1, name="b")(trunk)}
+>>> model = keras_fastgrad.FastGradModel(
+...     inputs, outputs, multitask="mgda", multitask_space="features")
+>>> find_features(model)
+('trunk', 0)
+>>> model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
+>>> x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+>>> history = model.fit(x, {"a": x[:, :1], "b": -x[:, :1]}, verbose=0)
+
+References:
+    Sener & Koltun, "Multi-Task Learning as Multi-Objective Optimization",
+    NeurIPS 2018, https://arxiv.org/abs/1810.04650 (Section 3.3, MGDA-UB).
+    Lin & Zhang, "LibMTL: A Python Library for Multi-Task Learning", JMLR
+    2023 (`rep_grad=True`).
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from keras_fastgrad._gradients import to_float32
+from keras_fastgrad._replicas import num_replicas, replica_sum
+from keras_fastgrad._representation import Capture, find_features  # noqa: F401
+
+SPACES = ("parameters", "features")
+
+
+def capture(model, tape):
+    """`Capture(model, tape)` in features space, else a no-op context."""
+    if getattr(model, "multitask_space", "parameters") != "features":
+        return _NoCapture()
+    return _Step(model, tape)
+
+
+class _NoCapture(contextlib.nullcontext):
+    active = False
+
+
+class _Step(Capture):
+    def merger(self, task_merger):
+        """A callable with `TaskMerger.__call__`'s signature (see `merge`)."""
+        return lambda *args, **kwargs: merge(self, task_merger, *args, **kwargs)
+
+
+# ------------------------------------------------------------------ merge
+def merge(capture, merger, tape, task_losses, regularization, variables,
+          unscale=None, grad_scale=None, task_names=None):
+    """Merged float32 gradients, as `TaskMerger.__call__` but in `Z` space.
+
+    Args and returns as `keras_fastgrad.multitask.TaskMerger.__call__`;
+    `capture` holds `Z` and its cut copy, `merger` the aggregator and the
+    telemetry variables (`TaskMerger.weigh`).
+    """
+    if not capture.cut:
+        raise ValueError(
+            "`multitask_features` must name a layer that runs in the forward "
+            f"pass. Received: multitask_features={capture.layer.name!r}, "
+            "which did not run. Fix: name the trunk's last layer."
+        )
+    num_tasks = len(task_losses)
+    names = task_names or [f"task_{i}" for i in range(num_tasks)]
+    merger.build(names)
+    unscale = unscale or (lambda grads: grads)
+    sources = [v.value for v in variables]
+    cut, count = capture.cut, len(capture.cut)
+
+    direct, dz = [None] * len(sources), []  # paths that skip Z: plain
+    for name, loss in zip(names, task_losses):
+        grads = tape.gradient(loss, cut + sources)  # head only
+        if any(g is None for g in grads[:count]):
+            raise ValueError(
+                "`multitask_features` must name a layer on every task's path. "
+                f"Received: multitask_features={capture.layer.name!r}; task "
+                f"{name!r} does not read its output. Fix: name a layer all "
+                "outputs depend on (the trunk's last layer)."
+            )
+        dz.append(grads[:count])
+        direct = _add(direct, grads[count:])
+    dz_extra = [None] * count  # e.g. an activity regulariser on Z itself
+    if regularization is not None:
+        grads = tape.gradient(regularization, cut + sources)
+        dz_extra, direct = grads[:count], _add(direct, grads[count:])
+
+    # Gram over Z (flattened: summed over the batch), of the unscaled dZ_t.
+    flat = tf.stack([
+        tf.concat([tf.reshape(g, [-1]) for g in _float32(unscale(d))], 0)
+        for d in dz
+    ])
+    gram = tf.matmul(flat, flat, transpose_b=True)
+    if num_replicas() > 1:  # the global batch's Gram: one small all-reduce
+        gram, grad_scale = replica_sum([gram, grad_scale])
+    if grad_scale is not None:
+        gram = gram / tf.square(tf.cast(grad_scale, tf.float32))
+    weights, info, new_state = merger.weigh(gram)
+
+    # ONE trunk backward, in the scaled domain (float16 keeps its range).
+    cotangents = []
+    for k, z in enumerate(capture.features):
+        c = tf.add_n([w * tf.cast(d[k], tf.float32)
+                      for w, d in zip(tf.unstack(weights), dz)])
+        if dz_extra[k] is not None:
+            c += tf.cast(dz_extra[k], tf.float32)
+        cotangents.append(tf.cast(c, z.dtype))
+    trunk = tape.gradient(capture.features, sources, output_gradients=cotangents)
+    grads = _add(_float32(unscale(direct)), _float32(unscale(trunk)))
+    merger.commit_state(new_state, grads)
+    return grads, {"gram": gram, "weights": weights, **info}
+
+
+def _add(a, b):
+    return [x if y is None else (y if x is None else _sum(x, y))
+            for x, y in zip(a, b)]
+
+
+def _sum(x, y):
+    if isinstance(x, tf.IndexedSlices) and isinstance(y, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([x.values, y.values], 0),
+                                tf.concat([x.indices, y.indices], 0), x.dense_shape)
+    return tf.convert_to_tensor(x) + tf.convert_to_tensor(y)
+
+
+def _float32(grads):
+    return [to_float32(g) for g in grads]
