@@ -302,7 +302,13 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         variables = self.trainable_variables
         if not variables:
             warnings.warn("The model does not have any trainable weights.")
-        first = first_input(x)  # a clear `ValueError` when `x` holds no tensor
+        try:
+            first = first_input(x)  # a `ValueError` when `x` holds no tensor
+        except ValueError:
+            # Keras' own error first where it has one (a required input is
+            # `None`: "not optional"), as `keras.Model` raises it.
+            self(x, **({"training": True} if self._call_has_training_arg else {}))
+            raise
         if "input_shape_changes" in self._fg_log_keys:  # only when read
             self._fg_telemetry.record_input_shape(first)
         num_rows = tf.shape(first)[0]

@@ -76,16 +76,36 @@ def test_loss_scale_factor_grad_norm_is_the_true_gradient_norm():
 
 # ------------------------------------------------------------- x: no tensor
 def test_fit_with_no_input_tensor_raises_value_error():
+    # The error `keras.Model` raises (its input is not optional), not a
+    # silent epoch of zero steps.
     x, y = data(n=8)
     ref = mlp()
     ref.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError):  # what `keras.Model` raises
+    with pytest.raises(ValueError) as expected:
         ref.fit([None], y, epochs=1, verbose=0)
     model = fast()
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"`x` must hold at least one input tensor.*Fix:"):
+    with pytest.raises(ValueError) as raised:
         model.fit([None], y, epochs=1, verbose=0)
+    assert "is not optional, but None was passed" in str(expected.value)
+    assert "is not optional, but None was passed" in str(raised.value)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+class IgnoresItsInput(keras_fastgrad.FastGradModel):
+    def __init__(self):
+        super().__init__()
+        self.bias = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.bias(tf.ones([2, 1]))
+
+
+def test_fit_with_no_input_tensor_our_error_where_keras_has_none():
+    model = IgnoresItsInput()
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    with pytest.raises(ValueError, match=r"`x` must hold at least one input tensor.*Fix:"):
+        model.train_on_batch([None], np.ones((2, 1)))
 
 
 # ---------------------------------------------------------- clone_model

@@ -40,7 +40,14 @@ DEFAULT_FILES = (
 
 # test id ("file::Class::test") -> why it differs with the swap. Each one
 # is a documented difference (README, "Documented differences").
-KNOWN_DIFFERENCES = {}
+KNOWN_DIFFERENCES = {
+    "models/functional_test/FunctionalTest::test_basic_flow_multi_input": (
+        "the test builds `Functional(inputs, outputs)` directly and checks "
+        "`isinstance(model, Model)`: with `Model` rebound, a plain "
+        "`Functional` is not a `FastGradModel` (an artifact of the swap, "
+        "not a behaviour difference)"
+    ),
+}
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
