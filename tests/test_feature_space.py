@@ -287,7 +287,7 @@ def test_a_layer_off_some_task_path_is_refused():
     (dict(multitask_features=3), TypeError, r"`multitask_features` must be None or a layer"),
     (dict(multitask_space="parameters", multitask_features="trunk"), ValueError,
      r"Fix: pass `multitask_space=\"features\"`"),
-    (dict(micro_batches=2), ValueError, r"`micro_batches` and `multitask` cannot"),
+    (dict(micro_batches=2), ValueError, r"`micro_batches` and `multitask_space=.features.` cannot"),
 ])
 def test_options_are_validated(options, error, match):
     options = {"multitask": "pcgrad", **options}
