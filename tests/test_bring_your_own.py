@@ -266,6 +266,22 @@ def test_fastgrad_kerashub_classifier_accumulates_exactly_and_saves(tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_callbacks_on_a_plain_kerashub_fit_leave_its_training_bit_identical():
+    x, y = bert_batch()
+    ref, model = tiny_bert_classifier(), tiny_bert_classifier()
+    cls = type(model)
+    for m in (ref, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ref.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    h = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[GradientNormLogger(), TapeVariableCounter()])
+    assert weights_equal(ref, model)
+    assert h.history["tape_variables"][0] == len(model.trainable_variables)
+    assert np.isfinite(h.history["grad_norm"][0]) and h.history["grad_norm"][0] > 0
+    assert type(model) is cls
+
+
 # ------------------------------------------------ callbacks on plain fits
 def all_callbacks():
     return [GradientNormLogger(), TapeVariableCounter(), RetraceWatch(), NonFiniteGuard()]
