@@ -16,10 +16,8 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras.src.losses.loss import unscale_loss_for_distribution
-from keras.src.models.functional import Functional
-from keras.src.models.model import Trainer, functional_init_arguments
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import _validation, aggregators
 from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
@@ -159,12 +157,11 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 f"multitask={multitask!r}. Fix: use `accumulation_steps` with "
                 "smaller batches instead of `micro_batches`."
             )
-        if isinstance(self, Functional) and functional_init_arguments(args, kwargs):
+        if isinstance(self, compat.Functional) and compat.functional_init_arguments(args, kwargs):
             # What `keras.Model.__init__` does for the functional form,
             # without injecting `Functional` into this class's bases (which
             # would break later subclassed uses of `FastGradModel`).
-            Trainer.__init__(self)
-            Functional.__init__(self, *args, **kwargs)
+            compat.init_functional(self, args, kwargs)
         else:
             super().__init__(*args, **kwargs)
         self.accumulation_steps = accumulation_steps
@@ -196,8 +193,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         super().compile(*args, **kwargs)
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
-        object.__setattr__(
-            self, "_loss_tracker", TrainingLoss(name="loss", streak=self._fg_streak)
+        compat.set_loss_tracker(
+            self, TrainingLoss(name="loss", streak=self._fg_streak)
         )
         _validation.check_optimizer_ownership(
             self.optimizer, self.accumulation_steps, self.clip_norm
@@ -303,7 +300,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         # step has anyway, where it can (no extra `cond` per step).
         acc = self._fg_accumulator
         drops_with_keep = self.skip_nonfinite or scaling.active  # keep == finite
-        metrics_loss = unscale_loss_for_distribution(loss)
+        metrics_loss = compat.unscale_loss_for_distribution(loss)
         if (
             acc is None
             and drops_with_keep
@@ -367,16 +364,13 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         ) as tape:
             for v in variables:
                 tape.watch(v.value)
-            if self._call_has_training_arg:
+            if compat.call_has_training_arg(self):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
             with shares or contextlib.nullcontext():
                 if merger is None:
-                    loss = self._compute_loss(
-                        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                        training=True,
-                    )
+                    loss = compat.compute_loss(self, x, y, y_pred, sample_weight)
                 else:  # one loss per task; regularisation is not a task
                     tasks = task_losses(self, y, y_pred, sample_weight)
                     regularization = regularization_loss(self)
@@ -473,7 +467,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
     def _fg_update_metrics(self, loss, num_samples, x, y, y_pred, sample_weight):
         """Keras' `loss` tracker (weighted by the batch size, as Keras'
         `train_step` does) and compiled metrics; returns the logs."""
-        self._loss_tracker.update_state(loss, sample_weight=num_samples)
+        compat.loss_tracker(self).update_state(loss, sample_weight=num_samples)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _fg_apply_window(self):

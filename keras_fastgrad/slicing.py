@@ -20,9 +20,10 @@ computed per slice.
 """
 
 import tensorflow as tf
-from keras.src import tree
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras import tree
 
+from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad._keras_compat import get_keras_mask, set_keras_mask
 from keras_fastgrad._replicas import num_replicas
 from keras_fastgrad.weighting import LossShares, Share
 
@@ -59,7 +60,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
     """Forward and backward of `model` on `slices` slices of one batch.
 
     Args:
-        model: The `FastGradModel` (uses its `_compute_loss` and `call`).
+        model: The `FastGradModel` (uses its training loss and `call`).
         x, y, sample_weight: The batch, as Keras unpacks it.
         variables: The trainable variables the tape watches.
         scaling: The step's `LossScaling` unit.
@@ -95,11 +96,9 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             for v in variables:
                 tape.watch(v.value)
-            y_pred = model(xi, training=True) if model._call_has_training_arg else model(xi)
+            y_pred = model(xi, training=True) if compat.call_has_training_arg(model) else model(xi)
             with LossShares(model, size, rows=rows[i]) as shares:
-                loss = model._compute_loss(
-                    x=xi, y=yi, y_pred=y_pred, sample_weight=wi, training=True
-                )
+                loss = compat.compute_loss(model, xi, yi, y_pred, wi)
             share = shares.share()
             weight = share.loss_weight(replicas)
             scaled = scaling.scale(loss, weight)
