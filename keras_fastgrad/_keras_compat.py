@@ -36,6 +36,11 @@ from keras.src.trainers.trainer import Trainer
 
 KERAS_VERSION = tuple(int(p) for p in keras.__version__.split(".")[:2])
 MIN_KERAS_VERSION = (3, 8)
+# Keras creates metric variables sync-on-read (per replica, summed when
+# read) from 3.10 on. Before, they are mirrored on write and every metric
+# update is a `merge_call`, which the step cannot run inside its `cond`s in
+# replica context: several replicas need Keras >= 3.10.
+MULTI_REPLICA_SUPPORTED = KERAS_VERSION >= (3, 10)
 
 __all__ = [
     "Functional",
@@ -115,6 +120,20 @@ def first_batch(iterator):
     for entry in iterator:
         return next(entry[-1])
     return None
+
+
+# Before Keras 3.11, `fit` passes the FIRST batch of a train function call
+# (`steps_per_execution` batches) to `on_train_batch_end`; from 3.11 on, the
+# last (`end_step`, not capped at the epoch's end).
+_BATCH_END_REPORTS_LAST = KERAS_VERSION >= (3, 11)
+
+
+def last_batch(model, batch):
+    """The 0-based index of the last batch of the train function call that
+    `on_train_batch_end(batch, ...)` reports, as Keras >= 3.11 passes it."""
+    if _BATCH_END_REPORTS_LAST:
+        return batch
+    return batch + (getattr(model, "steps_per_execution", None) or 1) - 1
 
 
 def init_functional(model, args, kwargs):

@@ -211,6 +211,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         _validation.check_steps_per_execution_under_strategy(
             self.steps_per_execution, self.distribute_strategy
         )
+        _validation.check_keras_supports_replicas(self.distribute_strategy)
         self._fg_build_state()
         if not self.optimizer.built:  # state must exist before tracing
             self.optimizer.build(self.trainable_variables)

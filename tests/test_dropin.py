@@ -79,12 +79,17 @@ def test_fit_with_no_input_tensor_raises_value_error():
     x, y = data(n=8)
     ref = mlp()
     ref.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError):  # what `keras.Model` raises
+    with pytest.raises(Exception) as raised:  # what `keras.Model` raises
         ref.fit([None], y, epochs=1, verbose=0)
     model = fast()
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"`x` must hold at least one input tensor.*Fix:"):
-        model.fit([None], y, epochs=1, verbose=0)
+    if not isinstance(raised.value, ValueError):
+        # Keras < 3.10 fails in its data adapter, before any train step.
+        with pytest.raises(type(raised.value)):
+            model.fit([None], y, epochs=1, verbose=0)
+    else:
+        with pytest.raises(ValueError, match=r"`x` must hold at least one input tensor.*Fix:"):
+            model.fit([None], y, epochs=1, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
 
 

@@ -10,7 +10,10 @@ moves something fails here first, with the name in the message.
 import ast
 import importlib
 import inspect
+import os
 import pathlib
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -217,3 +220,76 @@ def test_only_the_compat_module_reads_private_keras_attributes():
         "Private Keras/TF attributes must be used through "
         f"keras_fastgrad/_keras_compat.py. Received uses in: {found}."
     )
+
+
+# ------------------------------------------------------- version branches
+def test_several_replicas_refused_before_keras_3_10(monkeypatch):
+    from types import SimpleNamespace
+
+    from keras_fastgrad import _validation
+
+    class MirroredStrategy(SimpleNamespace):
+        pass
+
+    two = MirroredStrategy(num_replicas_in_sync=2)
+    monkeypatch.setattr(compat, "MULTI_REPLICA_SUPPORTED", False)
+    with pytest.raises(
+        ValueError,
+        match=r"needs Keras >= 3\.10.*Received: keras==.*`MirroredStrategy` "
+        r"with 2 replicas\. Fix: `pip install \"keras>=3\.10\"`",
+    ):
+        _validation.check_keras_supports_replicas(two)
+    _validation.check_keras_supports_replicas(MirroredStrategy(num_replicas_in_sync=1))
+    monkeypatch.setattr(compat, "MULTI_REPLICA_SUPPORTED", True)
+    _validation.check_keras_supports_replicas(two)
+
+
+_TWO_REPLICAS_SCRIPT = """
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import keras_fastgrad
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    inputs = keras.Input((3,))
+    model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+try:
+    model.fit(np.ones((4, 3)), np.ones((4, 1)), verbose=0)
+except ValueError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(
+    compat.MULTI_REPLICA_SUPPORTED, reason="only Keras < 3.10 refuses replicas"
+)
+def test_fit_on_two_replicas_raises_the_clear_error_on_old_keras():
+    # Two logical CPUs must be configured before TensorFlow initialises.
+    root = str(PACKAGE_DIR.parent)
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _TWO_REPLICAS_SCRIPT],
+        env=dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "needs Keras >= 3.10" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_batch_end_index_is_the_calls_last_batch(steps_per_execution):
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(compat.last_batch(self.model, batch))
+
+    inputs = keras.Input((3,))
+    model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
+    model.fit(np.ones((6, 3)), np.ones((6, 1)), batch_size=1, verbose=0,
+              callbacks=[Record()])
+    assert seen == list(range(steps_per_execution - 1, 6, steps_per_execution))
