@@ -40,23 +40,9 @@ def wrapped_output_losses(model, wrap):
             compile_loss, [entry._replace(loss=wrap(entry)) for entry in originals]
         )
 
-    patched_build = "build" in vars(compile_loss)
-    previous_build = compile_loss.build
-    if compile_loss.built:
-        install()
-    else:
-
-        def build_then_install(y_true, y_pred):
-            previous_build(y_true, y_pred)
-            install()
-
-        compile_loss.build = build_then_install
     try:
-        yield originals
+        with compat.once_built(compile_loss, install):
+            yield originals
     finally:
-        if patched_build:
-            compile_loss.build = previous_build
-        else:
-            vars(compile_loss).pop("build", None)
         if originals:
             compat.set_output_losses(compile_loss, originals)

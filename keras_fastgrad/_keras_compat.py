@@ -42,18 +42,10 @@ MIN_KERAS_VERSION = (3, 8)
 # replica context: several replicas need Keras >= 3.10.
 MULTI_REPLICA_SUPPORTED = KERAS_VERSION >= (3, 10)
 
-__all__ = [
-    "Functional",
-    "KerasSaveable",
-    "Trainer",
-    "apply_mask",
-    "compute_output_spec",
-    "functional_init_arguments",
-    "get_keras_mask",
-    "reduce_weighted_values",
-    "set_keras_mask",
-    "unscale_loss_for_distribution",
-]
+# Imported above and used as they are elsewhere in the package:
+# `Functional`, `KerasSaveable`, `Trainer`, `apply_mask`,
+# `compute_output_spec`, `functional_init_arguments`, `get_keras_mask`,
+# `set_keras_mask`, `reduce_weighted_values`, `unscale_loss_for_distribution`.
 
 # ------------------------------------------------------------------ model
 # Private `keras.Model` (Trainer / Layer) members read or called.
@@ -183,6 +175,31 @@ def set_output_losses(compile_loss, entries):
 def user_loss(compile_loss):
     """The `loss` argument that `compile` received."""
     return compile_loss._user_loss
+
+
+@contextlib.contextmanager
+def once_built(compile_loss, install):
+    """Runs `install()` now if `compile_loss` is built, else right after
+    Keras builds it (on its first call, which calls `build(y_true,
+    y_pred)`) within the block; the hook is removed on exit."""
+    patched_build = "build" in vars(compile_loss)
+    previous_build = compile_loss.build
+    if compile_loss.built:
+        install()
+    else:
+
+        def build_then_install(y_true, y_pred):
+            previous_build(y_true, y_pred)
+            install()
+
+        compile_loss.build = build_then_install
+    try:
+        yield
+    finally:
+        if patched_build:
+            compile_loss.build = previous_build
+        else:
+            vars(compile_loss).pop("build", None)
 
 
 # ------------------------------------------------------------------ saving

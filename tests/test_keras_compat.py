@@ -98,6 +98,24 @@ def test_compile_loss_entries_have_the_fields_we_use():
     }
 
 
+def test_compile_loss_builds_itself_on_its_first_call():
+    from keras.src.trainers.compile_utils import CompileLoss
+
+    assert {"y_true", "y_pred"} <= _parameters(CompileLoss.build)
+    assert "self.build(" in inspect.getsource(CompileLoss)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    compile_loss = compat.compile_loss(model)
+    assert not compile_loss.built
+    installed = []
+    with compat.once_built(compile_loss, lambda: installed.append(True)):
+        assert not installed
+        model.compute_loss(np.ones((2, 3)), np.ones((2, 1)), model(np.ones((2, 3))))
+        assert installed == [True]
+    assert "build" not in vars(compile_loss)
+
+
 def test_loss_tracker_is_a_mean_metric():
     model = _compiled_model()
     assert isinstance(compat.loss_tracker(model), keras.metrics.Mean)
