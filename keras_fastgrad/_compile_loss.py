@@ -1,13 +1,15 @@
 """The one place that reaches into Keras' `CompileLoss` output losses.
 
 `CompileLoss` matches `y`, `y_pred` and `sample_weight` structures and then
-calls one loss object per output (`_flat_losses`). The step needs to see
+calls one loss object per output (`compat.output_losses`). The step needs to see
 each of those calls (the per-task values for multi-task merging, the loss
 normalisers for exact weighting) without re-implementing the matching: it
 swaps the loss objects for wrappers while the model computes its loss.
 """
 
 import contextlib
+
+from keras_fastgrad import _keras_compat as compat
 
 
 @contextlib.contextmanager
@@ -26,35 +28,21 @@ def wrapped_output_losses(model, wrap):
     Yields:
         The list of the original entries (filled once installed).
     """
-    compile_loss = getattr(model, "_compile_loss", None)
+    compile_loss = compat.compile_loss(model)
     originals = []
     if compile_loss is None:
         yield originals
         return
 
     def install():
-        originals[:] = compile_loss._flat_losses
-        compile_loss._flat_losses = [
-            entry._replace(loss=wrap(entry)) for entry in originals
-        ]
+        originals[:] = compat.output_losses(compile_loss)
+        compat.set_output_losses(
+            compile_loss, [entry._replace(loss=wrap(entry)) for entry in originals]
+        )
 
-    patched_build = "build" in vars(compile_loss)
-    previous_build = compile_loss.build
-    if compile_loss.built:
-        install()
-    else:
-
-        def build_then_install(y_true, y_pred):
-            previous_build(y_true, y_pred)
-            install()
-
-        compile_loss.build = build_then_install
     try:
-        yield originals
+        with compat.once_built(compile_loss, install):
+            yield originals
     finally:
-        if patched_build:
-            compile_loss.build = previous_build
-        else:
-            vars(compile_loss).pop("build", None)
         if originals:
-            compile_loss._flat_losses = list(originals)
+            compat.set_output_losses(compile_loss, originals)

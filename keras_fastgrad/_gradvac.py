@@ -12,8 +12,8 @@ an entry of its own (`multitask`), which a plain `keras.Model` ignores.
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.saving.keras_saveable import KerasSaveable
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad._cone_aggregators import _check_number
 from keras_fastgrad._solvers import _eps, _tiny
@@ -74,7 +74,7 @@ def gradvac_weights(gram, targets, beta):
 
 
 @aggregators._register
-class GradVac(aggregators.Aggregator, KerasSaveable):
+class GradVac(aggregators.Aggregator, compat.KerasSaveable):
     """GradVac (Wang et al., ICLR 2021), "Gradient Vaccine".
 
     "Gradient Vaccine: Investigating and Improving Multi-task Optimization
@@ -107,7 +107,7 @@ class GradVac(aggregators.Aggregator, KerasSaveable):
     """
 
     name = "gradvac"
-    # `KerasSaveable.__reduce__` pickles through a model file; an aggregator
+    # `compat.KerasSaveable.__reduce__` pickles through a model file; an aggregator
     # copies and pickles as a plain object.
     __reduce__ = object.__reduce__
 

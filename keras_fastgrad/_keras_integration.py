@@ -21,12 +21,9 @@ import sys
 
 import keras
 import tensorflow as tf
-from keras.src import tree
-from keras.src.backend import compute_output_spec
-from keras.src.models import cloning
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
-from keras.src.saving import object_registration
+from keras import tree
+
+from keras_fastgrad import _keras_compat as compat
 
 
 class KerasIntegrationMixin:
@@ -36,10 +33,10 @@ class KerasIntegrationMixin:
         # Like `keras.Model.__new__`: the functional form is an instance of
         # a class that also inherits from `Functional` (see
         # `_functional_variant`), so this class's bases never change.
-        functional = functional_init_arguments(args, kwargs) and not issubclass(
-            cls, keras.Sequential
+        functional = compat.functional_init_arguments(args, kwargs) and not (
+            issubclass(cls, keras.Sequential)
         )
-        if functional and not issubclass(cls, Functional):
+        if functional and not issubclass(cls, compat.Functional):
             cls = _functional_variant(cls)
         instance = super().__new__(cls, *args, **kwargs)
         if functional:
@@ -81,14 +78,14 @@ class KerasIntegrationMixin:
         # moves. Keras builds an unbuilt model symbolically only under a
         # strategy; we build it without one too, except when `run_eagerly`:
         # `call` may then hold eager-only Python (see `_fg_build_eagerly`).
-        strategy = self._distribute_strategy
+        strategy = compat.own_distribute_strategy(self)
         optimizer = getattr(self, "optimizer", None)
         # Once every layer is built (a functional model, say), there is no
         # variable left for a training call to create.
         first_training = (
             optimizer is not None
             and not optimizer.built
-            and not all(layer.built for layer in self._flatten_layers())
+            and not all(layer.built for layer in compat.flatten_layers(self))
         )
         if strategy is None and self.built and not first_training:
             return super()._maybe_symbolic_build(iterator, data_batch)
@@ -99,15 +96,13 @@ class KerasIntegrationMixin:
             # do eagerly (plain `keras.Model.fit` fails there); the build
             # only needs the batch's structure, shapes and dtypes: replica
             # 0's part has them.
-            for _, _, it in iterator:
-                data_batch = tree.map_structure(
-                    lambda v: strategy.experimental_local_results(v)[0]
-                    if isinstance(v, tf.distribute.DistributedValues)
-                    else v,
-                    next(it),
-                )
-                break
-        eager = self._distribute_strategy is None and self.run_eagerly
+            data_batch = tree.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues)
+                else v,
+                compat.first_batch(iterator),
+            )
+        eager = compat.own_distribute_strategy(self) is None and self.run_eagerly
         with strategy.scope():
             training_built = first_training and self._fg_build_training_variables(
                 data_batch, quiet=eager
@@ -115,7 +110,7 @@ class KerasIntegrationMixin:
             if eager and not training_built:
                 self._fg_build_eagerly(data_batch)
             elif not eager:
-                self._symbolic_build(data_batch=data_batch)
+                compat.symbolic_build(self, data_batch)
 
     def _fg_build_training_variables(self, data_batch, quiet):
         """Creates the variables of `call(x, training=True)` with a symbolic
@@ -127,9 +122,9 @@ class KerasIntegrationMixin:
             else keras.KerasTensor(v.shape, keras.backend.standardize_dtype(v.dtype)),
             x,
         )
-        kwargs = {"training": True} if self._call_has_training_arg else {}
+        kwargs = {"training": True} if compat.call_has_training_arg(self) else {}
         try:
-            compute_output_spec(self, x, **kwargs)
+            compat.compute_output_spec(self, x, **kwargs)
         except Exception as e:
             if quiet:
                 return False
@@ -150,10 +145,10 @@ class KerasIntegrationMixin:
         Keras' symbolic build does but eagerly: its `call` may hold
         eager-only Python (`float(tensor)`, `.numpy()`). Variables that only
         `training=True` creates are then not built before the first step."""
-        if all(layer.built for layer in self._flatten_layers()):
+        if all(layer.built for layer in compat.flatten_layers(self)):
             return  # (`model.build(shape)` may have left layers unbuilt)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data_batch)
-        kwargs = {"training": False} if self._call_has_training_arg else {}
+        kwargs = {"training": False} if compat.call_has_training_arg(self) else {}
         self(x, **kwargs)
 
     def fit(self, *args, **kwargs):
@@ -201,14 +196,6 @@ def _with_divergence_stop(model, callbacks):
     return callbacks + [DivergenceStop(lambda: model._fg_divergence)]
 
 
-# `keras.models.clone_model` builds a functional clone in this function as
-# `model.__class__(inputs, outputs, name=model.name)`: no options, and no
-# hook that would let the class pass them on.
-_CLONE_FUNCTIONAL_CODE = getattr(
-    getattr(cloning, "_clone_functional_model", None), "__code__", None
-)
-
-
 def _model_being_cloned(frame):
     """The model that `keras.models.clone_model` is cloning, if the model
     under construction is that clone, else `None`.
@@ -219,9 +206,10 @@ def _model_being_cloned(frame):
     # A subclass that overrides `__new__` sits between the caller and here.
     while frame is not None and frame.f_code.co_name == "__new__":
         frame = frame.f_back
-    if frame is None or frame.f_code is not _CLONE_FUNCTIONAL_CODE:
-        return None
-    model = frame.f_locals.get("model")
+    # `keras.models.clone_model` builds a functional clone as
+    # `model.__class__(inputs, outputs, name=model.name)`: no options, and
+    # no hook that would let the class pass them on.
+    model = compat.model_cloned_in(frame)
     return model if isinstance(model, KerasIntegrationMixin) else None
 
 
@@ -242,11 +230,9 @@ def _functional_variant(cls):
     if variant is None:
         variant = type(
             cls.__name__,
-            (cls, Functional),
+            (cls, compat.Functional),
             {"__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__},
         )
-        object_registration.GLOBAL_CUSTOM_NAMES[variant] = (
-            object_registration.get_registered_name(cls)
-        )
+        compat.register_serialized_name(variant, cls)
         _FUNCTIONAL_VARIANTS[cls] = variant
     return variant

@@ -8,9 +8,9 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import tree
-from keras.src.saving import serialization_lib
+from keras import tree
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.model import FastGradModel
 
 PHASES = ("forward", "forward_backward", "step")
@@ -21,8 +21,8 @@ MIXED_MODES = ("mixed_float16", "mixed_bfloat16")
 def phase_functions(model, facts):
     """forward, forward_backward and step as Python functions of a batch."""
     fastgrad = isinstance(model, FastGradModel)
-    has_training_arg = getattr(model, "_call_has_training_arg", True)
-    compute_loss = getattr(model, "_compute_loss", model.compute_loss)
+    has_training_arg = compat.call_has_training_arg(model)
+    compute_loss = compat.compute_loss_function(model)
 
     def loss_of(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -57,7 +57,7 @@ def mode_calls(model, mode, batch, facts):
     """{(mode, phase): (callable, batch)} for one mode."""
     if mode in MIXED_MODES:
         model = mixed_precision_clone(model, mode)
-        model._symbolic_build(data_batch=batch)
+        compat.symbolic_build(model, batch)
         model.make_train_function()
         facts = {}
     functions = phase_functions(model, facts)
@@ -73,11 +73,11 @@ def mode_calls(model, mode, batch, facts):
 
 def mixed_precision_clone(model, policy):
     """The model rebuilt under `policy`, compiled alike, with the same weights."""
-    config = _to_policy(serialization_lib.serialize_keras_object(model), policy)
+    config = _to_policy(keras.saving.serialize_keras_object(model), policy)
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(policy)
     try:
-        clone = serialization_lib.deserialize_keras_object(
+        clone = keras.saving.deserialize_keras_object(
             config, custom_objects={type(model).__name__: type(model)})
     finally:
         keras.mixed_precision.set_global_policy(previous)

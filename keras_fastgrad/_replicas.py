@@ -6,6 +6,8 @@ small vectors across replicas; gradients are summed only at an update.
 
 import tensorflow as tf
 
+from keras_fastgrad._keras_compat import in_multi_worker_mode
+
 
 def num_replicas():
     """Number of replicas in sync of the current strategy (1 without one)."""
@@ -90,7 +92,7 @@ def for_keras_reduction(logs):
     strategy = tf.distribute.get_strategy()
     multi_worker = isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    ) and in_multi_worker_mode(strategy)
     if not multi_worker:
         return logs
     return {k: tf.reshape(v, [1]) for k, v in logs.items()}

@@ -8,8 +8,9 @@ layer's `call` for the duration of one forward pass (trace time) and cuts
 import threading
 
 import tensorflow as tf
-from keras.src import tree
-from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+from keras import tree
+
+from keras_fastgrad import _keras_compat as compat
 
 _LOCK = threading.Lock()
 _THREAD = threading.local()  # MirroredStrategy traces replicas in threads
@@ -122,7 +123,7 @@ def _refuse(model, reason, fix):
 
 
 def _named_layer(model, name):
-    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    layers = [l for l in compat.flatten_layers(model) if l is not model]
     found = [layer for layer in layers if layer.name == name]
     if len(found) > 1:
         raise ValueError(
@@ -213,7 +214,7 @@ def _install(layer):
         def call(*args, **kwargs):
             outputs = original(*args, **kwargs)
             active = getattr(_THREAD, "captures", {}).get(id(layer))
-            if active is None or in_symbolic_scope():  # Keras' shape inference
+            if active is None or compat.in_symbolic_scope():  # Keras' shape inference
                 return outputs
             return active.record(outputs)
 

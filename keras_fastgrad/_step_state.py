@@ -16,8 +16,8 @@ import weakref
 
 import keras
 import tensorflow as tf
-from keras.src.saving.keras_saveable import KerasSaveable
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.accumulation import WindowAccumulator
 from keras_fastgrad.divergence import DivergenceWatch
 from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key, layer_key
@@ -25,7 +25,7 @@ from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key, l
 _STATE_PREFIX = "fastgrad_"
 
 
-class StepStateEntry(KerasSaveable):
+class StepStateEntry(compat.KerasSaveable):
     """The step's state as an entry of its own in `.keras` and
     `.weights.h5` files (`fastgrad_step_state`), next to the model's
     weights rather than among them: a plain `keras.Model` of the same
@@ -42,7 +42,7 @@ class StepStateEntry(KerasSaveable):
     def _obj_type(self):
         # Keras' saving accepts a few known kinds only; this entry has no
         # saveable attributes of its own to walk.
-        return "Loss"
+        return compat.SAVEABLE_OBJ_TYPE
 
     def save_own_variables(self, store):
         model = self._model_ref()

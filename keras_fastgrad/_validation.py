@@ -7,6 +7,9 @@ the value received and, where there is one, the fix.
 import numbers
 import os
 
+import keras
+
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import aggregators
 
 MULTITASK_NAMES = aggregators.NAMES
@@ -242,3 +245,23 @@ def check_multitask_space(space, features, multitask):
             "`multitask_features`."
         )
     return {"multitask_space": space, "multitask_features": features}
+
+
+def check_keras_supports_replicas(strategy):
+    """Refuses several replicas on Keras < 3.10.
+
+    Before 3.10 Keras creates metric variables mirrored on write: every
+    metric update is a `merge_call`, which the step cannot run inside its
+    conditional update (TensorFlow: "`merge_call` called while defining a
+    new graph or a tf.function"). From 3.10 they are sync-on-read.
+    """
+    replicas = strategy.num_replicas_in_sync
+    if replicas > 1 and not compat.MULTI_REPLICA_SUPPORTED:
+        raise ValueError(
+            "Training a FastGradModel on several replicas needs Keras >= "
+            "3.10: older Keras updates metrics with a `merge_call`, which "
+            "the step cannot run inside its conditional update. Received: "
+            f"keras=={keras.__version__}, `{type(strategy).__name__}` with "
+            f"{replicas} replicas. Fix: `pip install \"keras>=3.10\"`, or "
+            "train on one device (no strategy)."
+        )

@@ -21,6 +21,7 @@ the window once (`replica_sum`), and a checkpoint reads the total.
 import keras
 import tensorflow as tf
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad._gradients import to_float32
 
 
@@ -51,7 +52,7 @@ class WindowAccumulator:
     def build(self, variables):
         """Creates the float32 state for the given trainable variables."""
         self.sums = [
-            keras.Variable(
+            compat.variable(
                 tf.zeros(v.shape, tf.float32),
                 trainable=False,
                 autocast=False,

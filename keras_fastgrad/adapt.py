@@ -19,10 +19,8 @@ the `fit` of a plain model the measuring step for that `fit` only.
 import inspect
 
 import keras
-from keras.src.models.functional import Functional
-from keras.src.saving import object_registration
-from keras.src.utils import python_utils
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.model import OPTION_NAMES, FastGradModel, _checked_options
 from keras_fastgrad.sequential import FastGradSequential
 from keras_fastgrad._keras_integration import _functional_variant
@@ -154,7 +152,7 @@ def _check_model(model):
 
 def _step_class(cls):
     """The class with the step for a model of class `cls`."""
-    if cls is Functional:
+    if cls is compat.Functional:
         return _functional_variant(FastGradModel)
     if cls is keras.Sequential:
         return FastGradSequential
@@ -187,7 +185,7 @@ def _adapted_class(cls):
             "model": {
                 "module": cls.__module__,
                 "class_name": cls.__name__,
-                "registered_name": object_registration.get_registered_name(cls),
+                "registered_name": keras.saving.get_registered_name(cls),
                 "config": config,
             },
             "fastgrad_options": self._fg_options(),
@@ -195,7 +193,9 @@ def _adapted_class(cls):
 
     # Keras' automatic config (of `cls`'s constructor arguments) applies
     # exactly when it applies to `cls`.
-    get_config._is_default = python_utils.is_default(cls.get_config)
+    get_config = compat.with_default_mark(
+        get_config, compat.is_keras_default(cls.get_config)
+    )
     namespace = {
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
@@ -206,7 +206,7 @@ def _adapted_class(cls):
         "_fg_adapted_from": cls,
     }
     adapted = type(cls.__name__, (FastGradModel, cls), namespace)
-    object_registration.GLOBAL_CUSTOM_NAMES[adapted] = _ADAPTER_NAME
+    compat.serialize_as(adapted, _ADAPTER_NAME)
     return adapted
 
 

@@ -12,38 +12,15 @@ only runs in replica context), so gradients are summed exactly once.
 Without a strategy this is a plain `tf.cond`.
 """
 
-import contextlib
-
 import tensorflow as tf
+
+from keras_fastgrad._keras_compat import direct_merge_calls
 
 
 def _first_replica(distribution, value):
     if value is None:
         return None
     return distribution.experimental_local_results(value)[0]
-
-
-@contextlib.contextmanager
-def _direct_merge_calls(distribution):
-    """Lets Keras' optimizer run from cross-replica context.
-
-    The optimizer routes its updates through `maybe_merge_call`, which asks
-    the replica context for a `merge_call` unless the strategy says it needs
-    none. From cross-replica context the right call is the function itself,
-    which is what `maybe_merge_call` does when the strategy needs no
-    `merge_call`: say so while the update is traced.
-    """
-    extended = distribution.extended
-    shadowed = "_use_merge_call" in vars(extended)
-    previous = vars(extended).get("_use_merge_call")
-    extended._use_merge_call = lambda: False
-    try:
-        yield
-    finally:
-        if shadowed:
-            extended._use_merge_call = previous
-        else:
-            del extended._use_merge_call
 
 
 def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()):
@@ -82,7 +59,11 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
         local_args, other_args = local[:num_args], local[num_args:]
 
         def apply():
-            with _direct_merge_calls(distribution):
+            # Keras' optimizer routes its updates through `maybe_merge_call`,
+            # which asks for a `merge_call` unless the strategy needs none;
+            # from cross-replica context the right call is the function
+            # itself: say so while the update is traced.
+            with direct_merge_calls(distribution):
                 update_fn(*local_args)
             return tf.constant(True)
 

@@ -18,11 +18,8 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras.src.losses.loss import unscale_loss_for_distribution
-from keras.src.models.functional import Functional
-from keras.src.models.model import Trainer, functional_init_arguments
-from keras.src.utils.python_utils import default as _keras_default
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import _validation, aggregators, feature_space
 from keras_fastgrad.applying import apply_if
 from keras_fastgrad.clipping import clip_by_global_norm, global_norm
@@ -155,10 +152,10 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         options = _checked_options(
             **{**{name: given[name] for name in OPTION_NAMES}, **(restored or {})}
         )
-        if functional_init_arguments(args, kwargs) and not isinstance(
+        if compat.functional_init_arguments(args, kwargs) and not isinstance(
             self, keras.Sequential
         ):
-            if not isinstance(self, Functional):
+            if not isinstance(self, compat.Functional):
                 # `super().__init__(inputs=..., outputs=...)` from a
                 # subclass's `__init__`: Keras would rewrite the bases of
                 # every class up to `keras.Model` (and so break every later
@@ -168,8 +165,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             # What `keras.Model.__init__` does for the functional form,
             # without injecting `Functional` into this class's bases (which
             # would break later subclassed uses of `FastGradModel`).
-            Trainer.__init__(self)
-            Functional.__init__(self, *args, **kwargs)
+            compat.init_functional(self, args, kwargs)
         else:
             super().__init__(*args, **kwargs)
         self._fg_setup(options)
@@ -212,8 +208,8 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         compiled before `fastgrad` gave it the step)."""
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
-        object.__setattr__(
-            self, "_loss_tracker", TrainingLoss(name="loss", streak=self._fg_streak)
+        compat.set_loss_tracker(
+            self, TrainingLoss(name="loss", streak=self._fg_streak)
         )
         _validation.check_optimizer_ownership(
             self.optimizer, self.accumulation_steps, self.clip_norm
@@ -230,6 +226,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         _validation.check_steps_per_execution_under_strategy(
             self.steps_per_execution, self.distribute_strategy
         )
+        _validation.check_keras_supports_replicas(self.distribute_strategy)
         self._fg_build_state()
         if not self.optimizer.built:  # state must exist before tracing
             self.optimizer.build(self.trainable_variables)
@@ -307,7 +304,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         except ValueError:
             # Keras' own error first where it has one (a required input is
             # `None`: "not optional"), as `keras.Model` raises it.
-            self(x, **({"training": True} if self._call_has_training_arg else {}))
+            self(x, **({"training": True} if compat.call_has_training_arg(self) else {}))
             raise
         if "input_shape_changes" in self._fg_log_keys:  # only when read
             self._fg_telemetry.record_input_shape(first)
@@ -426,16 +423,13 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 tape.watch(v.value)
             features = feature_space.capture(self, tape)  # no-op unless "features"
             with features:
-                if self._call_has_training_arg:
+                if compat.call_has_training_arg(self):
                     y_pred = self(x, training=True)
                 else:
                     y_pred = self(x)
             with shares or contextlib.nullcontext():
                 if merger is None:
-                    loss = self._compute_loss(
-                        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                        training=True,
-                    )
+                    loss = compat.compute_loss(self, x, y, y_pred, sample_weight)
                 else:  # one loss per task; regularisation is not a task
                     tasks = task_losses(self, y, y_pred, sample_weight)
                     regularization = regularization_loss(self)
@@ -506,7 +500,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
 
         def update():
             self._fg_update(batch.grads, verdict.total if batch.divide else None)
-            return self._fg_update_metrics(batch, unscale_loss_for_distribution(batch.loss))
+            return self._fg_update_metrics(batch, compat.unscale_loss_for_distribution(batch.loss))
 
         def drop():
             self._fg_record_drop(verdict.checked, verdict.counts)
@@ -518,7 +512,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         """Keras' `loss` tracker and metrics, left unchanged by a dropped
         micro-batch (its NaN would make them NaN for the rest of the
         epoch): one `cond`, in replica context."""
-        loss = unscale_loss_for_distribution(batch.loss)
+        loss = compat.unscale_loss_for_distribution(batch.loss)
         if type(self).compute_metrics is not keras.Model.compute_metrics:
             # A user override may return other keys: call it as Keras does.
             return self._fg_update_metrics(
@@ -531,7 +525,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
     def _fg_update_metrics(self, batch, loss, num_samples=None):
         """Keras' `loss` tracker (weighted by the batch size, as Keras'
         `train_step` does) and compiled metrics; returns the logs."""
-        self._loss_tracker.update_state(
+        compat.loss_tracker(self).update_state(
             loss, sample_weight=batch.num_samples if num_samples is None else num_samples
         )
         return self.compute_metrics(
@@ -591,7 +585,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             tf.cond(finite_update, apply, drop)
 
     # ---------------------------------------------------------------- config
-    @_keras_default  # Keras' automatic config of a subclass's own arguments
+    @compat.keras_default  # Keras' automatic config of a subclass's own arguments
     def get_config(self):
         config = super().get_config()
         if _takes_options(type(self)):

@@ -52,9 +52,9 @@ References:
 
 import keras
 import tensorflow as tf
-from keras.src import tree
-from keras.src.trainers.trainer import Trainer
+from keras import tree
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import aggregators, finite
 from keras_fastgrad._compile_loss import wrapped_output_losses
 from keras_fastgrad._replicas import num_replicas, replica_sum
@@ -122,7 +122,7 @@ def task_losses(model, y, y_pred, sample_weight=None):
     >>> bool(abs(float(losses[0] + losses[1]) - float(total)) < 1e-6)
     True
     """
-    compile_loss = model._compile_loss
+    compile_loss = compat.compile_loss(model)
     if compile_loss is None:
         _raise_too_few(model, 0)
     recorded = []
@@ -145,7 +145,7 @@ def task_losses(model, y, y_pred, sample_weight=None):
 
 def task_names(model):
     """The task names (the output loss names), once the losses are built."""
-    return [entry.name for entry in model._compile_loss._flat_losses]
+    return [entry.name for entry in compat.output_losses(compat.compile_loss(model))]
 
 
 def regularization_loss(model):
@@ -154,7 +154,7 @@ def regularization_loss(model):
     Scaled for distribution as in `keras.Model.compute_loss`. Call it inside
     the tape, after the forward pass.
     """
-    losses = [model._aggregate_additional_loss(loss) for loss in model.losses]
+    losses = [compat.additional_loss(model, loss) for loss in model.losses]
     if not losses:
         return None
     return losses[0] if len(losses) == 1 else keras.ops.sum(losses)
@@ -170,7 +170,7 @@ def check_task_count(model):
         ValueError: if `compute_loss` is overridden (the tasks are the
             compiled losses) or the model has fewer than two task losses.
     """
-    if type(model).compute_loss is not Trainer.compute_loss:
+    if type(model).compute_loss is not keras.Model.compute_loss:
         raise ValueError(
             f"`multitask={_method(model)}` merges the compiled output losses, "
             f"but `{type(model).__name__}` overrides `compute_loss`, which "
@@ -178,13 +178,13 @@ def check_task_count(model):
             "output instead of overriding `compute_loss`, or use "
             "`multitask=None`."
         )
-    compile_loss = model._compile_loss
+    compile_loss = compat.compile_loss(model)
     if compile_loss is None:
         _raise_too_few(model, 0)
     outputs = getattr(model, "outputs", None)
     if not outputs:
         return  # not known before the first call (subclassed model)
-    loss = compile_loss._user_loss
+    loss = compat.user_loss(compile_loss)
     num_outputs = len(tree.flatten(outputs))
     if num_outputs == 1:
         count = 1
@@ -203,8 +203,8 @@ def _method(model):
 
 def _raise_too_few(model, count):
     names = list(getattr(model, "output_names", None) or [])
-    compile_loss = getattr(model, "_compile_loss", None)
-    loss = None if compile_loss is None else compile_loss._user_loss
+    compile_loss = compat.compile_loss(model)
+    loss = None if compile_loss is None else compat.user_loss(compile_loss)
     raise ValueError(
         f"`multitask={_method(model)}`: a multi-task method needs at least two "
         "task losses (one compiled loss per model output). This model has "

@@ -23,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from keras.src import tree  # noqa: E402
+from keras import tree  # noqa: E402
 
 from keras_fastgrad.model import FastGradModel  # noqa: E402
 from keras_fastgrad.profiling import MODES, profile_step  # noqa: E402

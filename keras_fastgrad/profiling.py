@@ -14,6 +14,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import _profiling_report
 from keras_fastgrad import _profiling_runs as runs
 from keras_fastgrad._profiling_runs import PHASES
@@ -178,7 +179,7 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     else:
         batch = data
     batch = runs.as_tensors(batch, batch_size)
-    model._symbolic_build(data_batch=batch)  # builds model, loss, metrics, optimizer
+    compat.symbolic_build(model, batch)  # builds model, loss, metrics, optimizer
     saved_train_function = model.train_function
     model.make_train_function()  # FastGradModel sets its step state up here
     state = runs.Snapshot(model)

@@ -20,9 +20,10 @@ computed per slice.
 """
 
 import tensorflow as tf
-from keras.src import tree
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras import tree
 
+from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad._keras_compat import get_keras_mask, set_keras_mask
 from keras_fastgrad._replicas import num_replicas
 from keras_fastgrad.weighting import LossShares, Share
 
@@ -59,7 +60,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
     """Forward and backward of `model` on `slices` slices of one batch.
 
     Args:
-        model: The `FastGradModel` (uses its `_compute_loss` and `call`).
+        model: The `FastGradModel` (uses its training loss and `call`).
         x, y, sample_weight: The batch, as Keras unpacks it.
         variables: The trainable variables the tape watches.
         scaling: The step's `LossScaling` unit.
@@ -101,7 +102,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
         ) as tape:
             for v in variables:
                 tape.watch(v.value)
-            y_pred = model(xi, training=True) if model._call_has_training_arg else model(xi)
+            y_pred = model(xi, training=True) if compat.call_has_training_arg(model) else model(xi)
             with LossShares(model, size, rows=rows[i]) as shares:
                 losses = _slice_losses(model, xi, yi, y_pred, wi, merger)
             share = shares.share()
@@ -140,7 +141,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
     flat_spec = tree.flatten(out_spec)
     num_losses = 1
     if merger is not None:  # one sum per task, and the regularisation's
-        compile_loss = model._compile_loss
+        compile_loss = compat.compile_loss(model)
         if not compile_loss.built:  # (the task names come with its build)
             compile_loss.build(tree.map_structure(lambda t: t[0], ys), out_spec)
         num_losses = len(_task_names(model)) + 1
@@ -196,9 +197,7 @@ def _slice_losses(model, x, y, y_pred, sample_weight, merger):
     """The slice's losses: the model's loss, or (multi-task) one per task
     and the regularisation (`model.losses`)."""
     if merger is None:
-        return [model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )]
+        return [compat.compute_loss(model, x, y, y_pred, sample_weight)]
     from keras_fastgrad.multitask import regularization_loss, task_losses
 
     regularization = regularization_loss(model)  # (a constant if none:

@@ -36,9 +36,12 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common.masking import get_keras_mask
-from keras.src.losses.loss import apply_mask, reduce_weighted_values
 
+from keras_fastgrad._keras_compat import (
+    apply_mask,
+    get_keras_mask,
+    reduce_weighted_values,
+)
 from keras_fastgrad._compile_loss import wrapped_output_losses
 
 _MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")

@@ -3,8 +3,17 @@
 
 import keras
 import numpy as np
+import pytest
 
 import keras_fastgrad
+from keras_fastgrad import _keras_compat
+
+# FastGradModel refuses several replicas on Keras < 3.10 (a clear error,
+# tested in test_keras_compat.py); these tests need them.
+needs_multi_replica_keras = pytest.mark.skipif(
+    not _keras_compat.MULTI_REPLICA_SUPPORTED,
+    reason=f"several replicas need Keras >= 3.10 (installed: {keras.__version__})",
+)
 
 
 def data(n=12, features=3, outputs=1, seed=0):

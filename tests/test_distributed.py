@@ -15,6 +15,9 @@ import sys
 import keras
 import numpy as np
 import pytest
+from helpers import needs_multi_replica_keras
+
+pytestmark = needs_multi_replica_keras
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -81,14 +81,16 @@ def test_fit_with_no_input_tensor_raises_value_error():
     x, y = data(n=8)
     ref = mlp()
     ref.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError) as expected:
+    with pytest.raises(Exception) as expected:  # what `keras.Model` raises
         ref.fit([None], y, epochs=1, verbose=0)
     model = fast()
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(type(expected.value)) as raised:
         model.fit([None], y, epochs=1, verbose=0)
-    assert "is not optional, but None was passed" in str(expected.value)
-    assert "is not optional, but None was passed" in str(raised.value)
+    if isinstance(expected.value, ValueError):  # (Keras < 3.10: its data
+        # adapter fails first, before any train step)
+        assert "is not optional, but None was passed" in str(expected.value)
+        assert "is not optional, but None was passed" in str(raised.value)
     assert int(model.optimizer.iterations.numpy()) == 0
 
 

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import data, max_weight_diff
+from helpers import data, max_weight_diff, needs_multi_replica_keras
 
 import keras_fastgrad
 
@@ -172,6 +172,7 @@ for options in ({}, {"accumulation_steps": 2}):
 """
 
 
+@needs_multi_replica_keras
 def test_training_only_layer_under_mirrored_strategy():
     # Two logical CPUs must be configured before TensorFlow initialises:
     # the case runs in a fresh process.

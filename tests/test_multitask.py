@@ -18,7 +18,7 @@ import tensorflow as tf
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask import regularization_loss, task_losses
-from helpers import pcgrad_np
+from helpers import needs_multi_replica_keras, pcgrad_np
 
 LR = 0.1
 TASKS = ("a", "b", "c")
@@ -493,6 +493,7 @@ json.dump(result, open(sys.argv[1], "w"))
 """
 
 
+@needs_multi_replica_keras
 def test_mirrored_strategy_merges_the_global_task_gradients(tmp_path):
     # Two logical CPUs need a fresh process. A per-replica merge (each
     # replica merging its own half-batch gradients) would differ from the

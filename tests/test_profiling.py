@@ -138,7 +138,7 @@ def test_global_dtype_policy_is_restored(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("cannot rebuild this model")
 
-    monkeypatch.setattr(_profiling_runs.serialization_lib, "deserialize_keras_object", broken)
+    monkeypatch.setattr(keras.saving, "deserialize_keras_object", broken)
     result = keras_fastgrad.profile_step(
         model, batch(), modes=("function", "mixed_float16"), repeats=1, warmup=1,
         verbose=0)

@@ -1,6 +1,7 @@
 """`GradientNormLogger`: puts the step's gradient measurements into the logs
 and, optionally, into TensorBoard (written from the host)."""
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.callbacks import _base
 from keras_fastgrad.callbacks._tensorboard import SummaryWriter
 from keras_fastgrad.multitask import is_task_key
@@ -147,6 +148,7 @@ class GradientNormLogger(_base.FastGradCallback):
         if logs is None:
             return
         self._add_clipped_fraction(logs)
+        batch = compat.last_batch(self.model, batch)
         steps = self.params.get("steps") if self.params else None
         if steps:  # the last call of a `steps_per_execution` group may be short
             batch = min(batch, steps - 1)

@@ -3,6 +3,7 @@ says where it was."""
 
 import warnings
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.callbacks import _base
 
 ACTIONS = ("raise", "stop", "warn")
@@ -120,6 +121,7 @@ class NonFiniteGuard(_base.FastGradCallback):
         self._begin = batch
 
     def on_train_batch_end(self, batch, logs=None):
+        batch = compat.last_batch(self.model, batch)
         count = (logs or {}).get("nonfinite_count")
         if count is None or count <= self._seen:
             return

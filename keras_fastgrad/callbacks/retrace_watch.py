@@ -3,6 +3,7 @@ why it probably did."""
 
 import warnings
 
+from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.callbacks import _base
 
 TRAIN_TRACES = "train_traces"
@@ -84,6 +85,7 @@ class RetraceWatch(_base.FastGradCallback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        batch = compat.last_batch(self.model, batch)
         if self._pending is not None:  # a batch followed: not the last one
             self._warn(last_batch=False)
         model = self.model

@@ -1,0 +1,366 @@
+"""The one seam between keras_fastgrad and Keras'/TensorFlow's private API.
+
+Every use of a name that Keras or TensorFlow does not export (`keras.src`,
+`_`-prefixed attributes, TF strategy internals) lives here, behind a small
+named function or alias; the rest of the package imports only this module
+and the public API (`keras.tree`, `keras.saving`, ...). Where Keras releases
+differ (supported: Keras >= 3.8 with TensorFlow >= 2.18) the version branch
+is here too.
+
+`tests/test_keras_compat.py` is the canary: it checks that every name in
+`PRIVATE_NAMES` (and every private method the package overrides,
+`OVERRIDDEN_PRIVATE_METHODS`) still exists in the installed Keras and
+TensorFlow, with the arguments we pass, and that no other module of the
+package imports `keras.src` or `tensorflow.python`. A Keras upgrade that
+moves one of them fails there, in one place.
+"""
+
+import contextlib
+import inspect
+
+import keras
+import tensorflow as tf
+from keras.src.backend import compute_output_spec
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras.src.losses.loss import (
+    apply_mask,
+    reduce_weighted_values,
+    unscale_loss_for_distribution,
+)
+from keras.src.models import cloning as _cloning
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+from keras.src.saving import object_registration as _object_registration
+from keras.src.saving.keras_saveable import KerasSaveable
+from keras.src.trainers.trainer import Trainer
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+from keras.src.utils import python_utils as _python_utils
+
+KERAS_VERSION = tuple(int(p) for p in keras.__version__.split(".")[:2])
+MIN_KERAS_VERSION = (3, 8)
+# Keras creates metric variables sync-on-read (per replica, summed when
+# read) from 3.10 on. Before, they are mirrored on write and every metric
+# update is a `merge_call`, which the step cannot run inside its `cond`s in
+# replica context: several replicas need Keras >= 3.10.
+MULTI_REPLICA_SUPPORTED = KERAS_VERSION >= (3, 10)
+
+# Imported above and used as they are elsewhere in the package:
+# `Functional`, `KerasSaveable`, `Trainer`, `apply_mask`,
+# `compute_output_spec`, `functional_init_arguments`, `get_keras_mask`,
+# `set_keras_mask`, `reduce_weighted_values`, `unscale_loss_for_distribution`.
+
+# ------------------------------------------------------------------ model
+# Private `keras.Model` (Trainer / Layer) members read or called.
+
+
+def call_has_training_arg(model):
+    """Whether `model.call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """The training loss as Keras' own `train_step` computes it (the
+    wrapper around `compute_loss` that passes `training=True` only to an
+    override that accepts it)."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def compute_loss_function(model):
+    """`model._compute_loss` (or the public `compute_loss` where absent):
+    a callable of `(x, y, y_pred, sample_weight, training)`."""
+    return getattr(model, "_compute_loss", model.compute_loss)
+
+
+def loss_tracker(model):
+    """The `Mean` metric behind the `loss` log (set by `compile`)."""
+    return model._loss_tracker
+
+
+def set_loss_tracker(model, tracker):
+    """Replaces the `loss` tracker, as `compile` sets it: not tracked as a
+    user metric (`object.__setattr__` bypasses Keras' attribute tracking)."""
+    object.__setattr__(model, "_loss_tracker", tracker)
+
+
+def additional_loss(model, loss):
+    """One entry of `model.losses` cast and scaled for distribution, as
+    `keras.Model.compute_loss` adds it."""
+    return model._aggregate_additional_loss(loss)
+
+
+def symbolic_build(model, data_batch):
+    """Builds the model, compiled loss and metrics, and optimizer with a
+    symbolic pass on `data_batch` (what `fit` does before the first step)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def own_distribute_strategy(model):
+    """The strategy the model was created under, or `None` (the public
+    `distribute_strategy` falls back to the default strategy)."""
+    return model._distribute_strategy
+
+
+def flatten_layers(model):
+    """Every layer of the model, itself included, recursively."""
+    return model._flatten_layers()
+
+
+def first_batch(iterator):
+    """The next batch of the `EpochIterator` that `fit` passes to
+    `_maybe_symbolic_build`. Its entries are `(step, data_iterator)` before
+    Keras 3.11, `(begin_step, end_step, data_iterator)` from 3.11 on."""
+    for entry in iterator:
+        return next(entry[-1])
+    return None
+
+
+# Before Keras 3.11, `fit` passes the FIRST batch of a train function call
+# (`steps_per_execution` batches) to `on_train_batch_end`; from 3.11 on, the
+# last (`end_step`, not capped at the epoch's end).
+_BATCH_END_REPORTS_LAST = KERAS_VERSION >= (3, 11)
+
+
+def last_batch(model, batch):
+    """The 0-based index of the last batch of the train function call that
+    `on_train_batch_end(batch, ...)` reports, as Keras >= 3.11 passes it."""
+    if _BATCH_END_REPORTS_LAST:
+        return batch
+    return batch + (getattr(model, "steps_per_execution", None) or 1) - 1
+
+
+def init_functional(model, args, kwargs):
+    """What `keras.Model.__init__` does for the functional form
+    (`Model(inputs, outputs)`), without injecting `Functional` into the
+    class's bases."""
+    Trainer.__init__(model)
+    Functional.__init__(model, *args, **kwargs)
+
+
+# Private methods of Keras classes that the package overrides in a class
+# body (kept there: moving them would split the class). The canary checks
+# that Keras still has, and calls, each of them.
+OVERRIDDEN_PRIVATE_METHODS = (
+    (keras.Model, "_maybe_symbolic_build", ("iterator", "data_batch")),
+    (keras.Model, "_get_metrics_result_or_logs", ("logs",)),
+    (KerasSaveable, "_obj_type", ()),
+)
+
+# What `StepStateEntry._obj_type` returns: Keras' saving walks only a few
+# known kinds of objects; "Loss" is one whose own attributes it does not
+# walk (the entry has none to save besides its own variables).
+SAVEABLE_OBJ_TYPE = "Loss"
+
+# --------------------------------------------------------------- compile loss
+# `CompileLoss` calls one loss object per output, from `_flat_losses`
+# entries `(path, loss, loss_weights, name)`; the step wraps them.
+
+
+def compile_loss(model):
+    """The model's `CompileLoss` (`None` before `compile` or without a
+    compiled loss)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def output_losses(compile_loss):
+    """The list of `CompileLoss`'s per-output entries (named tuples with
+    `path`, `loss`, `loss_weights`, `name`); `None` before it is built."""
+    return compile_loss._flat_losses
+
+
+def set_output_losses(compile_loss, entries):
+    """Replaces `CompileLoss`'s per-output entries."""
+    compile_loss._flat_losses = list(entries)
+
+
+def user_loss(compile_loss):
+    """The `loss` argument that `compile` received."""
+    return compile_loss._user_loss
+
+
+@contextlib.contextmanager
+def once_built(compile_loss, install):
+    """Runs `install()` now if `compile_loss` is built, else right after
+    Keras builds it (on its first call, which calls `build(y_true,
+    y_pred)`) within the block; the hook is removed on exit."""
+    patched_build = "build" in vars(compile_loss)
+    previous_build = compile_loss.build
+    if compile_loss.built:
+        install()
+    else:
+
+        def build_then_install(y_true, y_pred):
+            previous_build(y_true, y_pred)
+            install()
+
+        compile_loss.build = build_then_install
+    try:
+        yield
+    finally:
+        if patched_build:
+            compile_loss.build = previous_build
+        else:
+            vars(compile_loss).pop("build", None)
+
+
+# ------------------------------------------------------------------ saving
+
+
+def serialize_as(cls, name):
+    """Serializes `cls` under the registered name `name` (a string)."""
+    _object_registration.GLOBAL_CUSTOM_NAMES[cls] = name
+
+
+def keras_default(method):
+    """Marks `get_config` as Keras' default one: Keras' automatic config
+    of the constructor's arguments then applies to subclasses that do not
+    define their own (Keras checks the mark on `self.get_config`)."""
+    return _python_utils.default(method)
+
+
+def is_keras_default(method):
+    """Whether `method` carries Keras' default-method mark."""
+    return _python_utils.is_default(method)
+
+
+def with_default_mark(function, default):
+    """`function`, marked as Keras' default method iff `default`."""
+    if default:
+        return _python_utils.default(function)
+    return function
+
+
+def register_serialized_name(cls, registered_as):
+    """Serializes `cls` under the name `registered_as` is registered with,
+    so a `.keras` file names that class and loading it finds it."""
+    _object_registration.GLOBAL_CUSTOM_NAMES[cls] = (
+        keras.saving.get_registered_name(registered_as)
+    )
+
+
+# ------------------------------------------------------------------ cloning
+# `keras.models.clone_model` builds a functional clone in this function as
+# `model.__class__(inputs, outputs, name=model.name)`, with the original in
+# its local variable `model`.
+_CLONE_FUNCTIONAL_CODE = getattr(
+    getattr(_cloning, "_clone_functional_model", None), "__code__", None
+)
+
+
+def model_cloned_in(frame):
+    """The model that `keras.models.clone_model` is cloning when `frame`
+    is its functional-clone function, else `None`."""
+    if frame is None or frame.f_code is not _CLONE_FUNCTIONAL_CODE:
+        return None
+    return frame.f_locals.get("model")
+
+
+# ---------------------------------------------------------------- variables
+# `keras.Variable(synchronization=...)` exists from Keras 3.10 on; before,
+# the TF backend's variable creates its `tf.Variable` in `_initialize`
+# without it.
+_VARIABLE_HAS_SYNCHRONIZATION = (
+    "synchronization" in inspect.signature(keras.Variable.__init__).parameters
+)
+_SYNCHRONIZATION = {
+    "auto": tf.VariableSynchronization.AUTO,
+    "on_read": tf.VariableSynchronization.ON_READ,
+    "on_write": tf.VariableSynchronization.ON_WRITE,
+    "none": tf.VariableSynchronization.NONE,
+}
+
+
+class _SynchronizedVariable(keras.Variable):
+    """A Keras variable whose `tf.Variable` gets a `synchronization` (Keras
+    < 3.10 has no such argument)."""
+
+    def __init__(self, *args, synchronization="auto", **kwargs):
+        self._fg_synchronization = synchronization
+        super().__init__(*args, **kwargs)
+
+    def _initialize(self, value):
+        self._value = tf.Variable(
+            value,
+            dtype=self._dtype,
+            trainable=self.trainable,
+            name=self.name,
+            aggregation=self._map_aggregation(self.aggregation),
+            synchronization=_SYNCHRONIZATION[self._fg_synchronization],
+        )
+
+
+def variable(initializer, *, synchronization="auto", **kwargs):
+    """`keras.Variable(initializer, synchronization=..., **kwargs)` on every
+    supported Keras (`synchronization="on_read"`: per-replica values,
+    reduced by the variable's `aggregation` when read in cross-replica
+    context)."""
+    if synchronization == "auto":
+        return keras.Variable(initializer, **kwargs)
+    if _VARIABLE_HAS_SYNCHRONIZATION:
+        return keras.Variable(initializer, synchronization=synchronization, **kwargs)
+    return _SynchronizedVariable(initializer, synchronization=synchronization, **kwargs)
+
+
+# ------------------------------------------------------------ tf.distribute
+
+
+def in_multi_worker_mode(strategy):
+    """Whether `strategy` runs collectives across several workers."""
+    return strategy.extended._in_multi_worker_mode()
+
+
+@contextlib.contextmanager
+def direct_merge_calls(distribution):
+    """Within the block, `distribution` reports that it needs no
+    `merge_call`, so Keras' optimizer (`maybe_merge_call`) calls its update
+    function directly: right from cross-replica context."""
+    extended = distribution.extended
+    shadowed = "_use_merge_call" in vars(extended)
+    previous = vars(extended).get("_use_merge_call")
+    extended._use_merge_call = lambda: False
+    try:
+        yield
+    finally:
+        if shadowed:
+            extended._use_merge_call = previous
+        else:
+            del extended._use_merge_call
+
+
+# ------------------------------------------------------------------ canary
+# Every private name above, as (owner, attribute): checked by
+# `tests/test_keras_compat.py`. Instance attributes set by `compile`
+# (`_loss_tracker`, `_compile_loss`) and by `CompileLoss.__init__`
+# (`_flat_losses`, `_user_loss`) are checked on a compiled model there.
+PRIVATE_NAMES = (
+    ("keras.src.backend", "compute_output_spec"),
+    ("keras.src.backend.common.masking", "get_keras_mask"),
+    ("keras.src.backend.common.masking", "set_keras_mask"),
+    ("keras.src.losses.loss", "apply_mask"),
+    ("keras.src.losses.loss", "reduce_weighted_values"),
+    ("keras.src.losses.loss", "unscale_loss_for_distribution"),
+    ("keras.src.models.cloning", "_clone_functional_model"),
+    ("keras.src.models.functional", "Functional"),
+    ("keras.src.models.model", "functional_init_arguments"),
+    ("keras.src.saving.object_registration", "GLOBAL_CUSTOM_NAMES"),
+    ("keras.src.saving.keras_saveable", "KerasSaveable"),
+    ("keras.src.trainers.trainer", "Trainer"),
+    ("keras.src.backend.common.symbolic_scope", "in_symbolic_scope"),
+    ("keras.src.utils.python_utils", "default"),
+    ("keras.src.utils.python_utils", "is_default"),
+    ("keras.Model", "_call_has_training_arg"),
+    ("keras.Model", "_compute_loss"),
+    ("keras.Model", "_aggregate_additional_loss"),
+    ("keras.Model", "_symbolic_build"),
+    ("keras.Model", "_flatten_layers"),
+    ("keras.Model", "_loss_tracker"),
+    ("keras.Model", "_distribute_strategy"),
+    ("keras.Model", "_compile_loss"),
+    ("CompileLoss", "_flat_losses"),
+    ("CompileLoss", "_user_loss"),
+    ("keras.Variable", "_initialize"),
+    ("keras.Variable", "_map_aggregation"),
+    ("tf.distribute.StrategyExtended", "_in_multi_worker_mode"),
+    ("tf.distribute.StrategyExtended", "_use_merge_call"),
+)

@@ -1,0 +1,313 @@
+"""Canary for the private Keras/TensorFlow API that keras_fastgrad uses.
+
+Every private name lives in `keras_fastgrad/_keras_compat.py`. These tests
+check that each still exists in the installed Keras and TensorFlow, takes
+the arguments we pass, and is still called by Keras where we override it;
+and that no other module reaches into private API. A Keras upgrade that
+moves something fails here first, with the name in the message.
+"""
+
+import ast
+import importlib
+import inspect
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_fastgrad
+from keras_fastgrad import _keras_compat as compat
+
+PACKAGE_DIR = pathlib.Path(keras_fastgrad.__file__).parent
+COMPAT_FILE = PACKAGE_DIR / "_keras_compat.py"
+
+
+def _compiled_model():
+    inputs = keras.Input((3,))
+    a = keras.layers.Dense(1, name="a")(inputs)
+    b = keras.layers.Dense(1, name="b")(inputs)
+    model = keras.Model(inputs, {"a": a, "b": b})
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mae"})
+    x = np.ones((2, 3), "float32")
+    y = {"a": np.zeros((2, 1), "float32"), "b": np.zeros((2, 1), "float32")}
+    model.compute_loss(x, y, model(x))  # builds the `CompileLoss`
+    return model
+
+
+def _owner(name):
+    if name == "keras.Model":
+        return _compiled_model()
+    if name == "CompileLoss":
+        return compat.compile_loss(_compiled_model())
+    if name == "keras.Variable":
+        return keras.Variable
+    if name == "tf.distribute.StrategyExtended":
+        return tf.distribute.MirroredStrategy(["/cpu:0"]).extended
+    return importlib.import_module(name)
+
+
+def _parameters(fn):
+    return set(inspect.signature(fn).parameters)
+
+
+@pytest.mark.parametrize(
+    "owner, name", compat.PRIVATE_NAMES, ids=[f"{o}.{n}" for o, n in compat.PRIVATE_NAMES]
+)
+def test_private_name_exists(owner, name):
+    if owner == "keras.Variable" and compat._VARIABLE_HAS_SYNCHRONIZATION:
+        pytest.skip("used only where `keras.Variable` has no `synchronization`")
+    assert hasattr(_owner(owner), name), (
+        f"keras {keras.__version__} / tensorflow {tf.__version__} has no "
+        f"`{owner}.{name}`, which keras_fastgrad/_keras_compat.py uses. "
+        "Fix: add a version branch for it there."
+    )
+
+
+def test_private_functions_take_the_arguments_we_pass():
+    from keras.src.losses import loss as loss_module
+    from keras.src.models import cloning
+
+    model = _compiled_model()
+    assert {"x", "y", "y_pred", "sample_weight", "training"} <= _parameters(
+        model._compute_loss
+    )
+    assert "data_batch" in _parameters(model._symbolic_build)
+    assert {"sample_weight", "mask", "dtype", "reduction"} <= _parameters(
+        loss_module.apply_mask
+    )
+    assert {"values", "sample_weight", "mask", "reduction", "dtype"} <= _parameters(
+        loss_module.reduce_weighted_values
+    )
+    # `model_cloned_in` reads the original from this local variable.
+    assert "model" in cloning._clone_functional_model.__code__.co_varnames
+    assert compat._CLONE_FUNCTIONAL_CODE is cloning._clone_functional_model.__code__
+
+
+def test_compile_loss_entries_have_the_fields_we_use():
+    entries = compat.output_losses(compat.compile_loss(_compiled_model()))
+    assert [e.name for e in entries] == ["a", "b"]
+    for entry in entries:
+        assert {"path", "loss", "loss_weights", "name"} <= set(entry._fields)
+    assert compat.user_loss(compat.compile_loss(_compiled_model())) == {
+        "a": "mse", "b": "mae"
+    }
+
+
+def test_compile_loss_builds_itself_on_its_first_call():
+    from keras.src.trainers.compile_utils import CompileLoss
+
+    assert {"y_true", "y_pred"} <= _parameters(CompileLoss.build)
+    assert "self.build(" in inspect.getsource(CompileLoss)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    compile_loss = compat.compile_loss(model)
+    assert not compile_loss.built
+    installed = []
+    with compat.once_built(compile_loss, lambda: installed.append(True)):
+        assert not installed
+        model.compute_loss(np.ones((2, 3)), np.ones((2, 1)), model(np.ones((2, 3))))
+        assert installed == [True]
+    assert "build" not in vars(compile_loss)
+
+
+def test_loss_tracker_is_a_mean_metric():
+    model = _compiled_model()
+    assert isinstance(compat.loss_tracker(model), keras.metrics.Mean)
+    tracker = keras.metrics.Mean(name="loss")
+    compat.set_loss_tracker(model, tracker)
+    assert compat.loss_tracker(model) is tracker
+
+
+@pytest.mark.parametrize(
+    "cls, name, parameters",
+    compat.OVERRIDDEN_PRIVATE_METHODS,
+    ids=[n for _, n, _ in compat.OVERRIDDEN_PRIVATE_METHODS],
+)
+def test_overridden_private_method_exists_with_its_arguments(cls, name, parameters):
+    method = getattr(cls, name, None)
+    assert callable(method), (
+        f"keras {keras.__version__} has no `{cls.__name__}.{name}`, which "
+        "keras_fastgrad overrides. Fix: find where Keras now does that work "
+        "and move the override there (see `_keras_compat.py`)."
+    )
+    assert set(parameters) <= _parameters(method)
+
+
+def test_keras_still_calls_the_methods_we_override():
+    from keras.src.saving import saving_lib
+
+    fit_source = inspect.getsource(type(_compiled_model()).fit)
+    assert "_maybe_symbolic_build" in fit_source
+    assert "_get_metrics_result_or_logs" in fit_source
+    assert "_obj_type" in inspect.getsource(saving_lib)
+    assert compat.SAVEABLE_OBJ_TYPE in inspect.getsource(saving_lib)
+
+
+def test_first_batch_reads_fits_epoch_iterator():
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    x = np.arange(12, dtype="float32").reshape(6, 2)
+    iterator = TFEpochIterator(
+        x=x, batch_size=4, distribute_strategy=tf.distribute.get_strategy()
+    )
+    batch = compat.first_batch(iterator)
+    np.testing.assert_array_equal(np.asarray(keras.tree.flatten(batch)[0]), x[:4])
+
+
+def test_variable_on_read_is_sync_on_read_under_a_strategy():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        v = compat.variable(
+            tf.zeros([2]), synchronization="on_read", aggregation="sum",
+            trainable=False, autocast=False, name="on_read",
+        )
+    assert v.value.synchronization == tf.VariableSynchronization.ON_READ
+    assert isinstance(v, keras.Variable)
+
+
+def test_direct_merge_calls_restores_the_strategy():
+    extended = tf.distribute.MirroredStrategy(["/cpu:0"]).extended
+    before = extended._use_merge_call()
+    with compat.direct_merge_calls(_StrategyOf(extended)):
+        assert extended._use_merge_call() is False
+    assert extended._use_merge_call() == before
+    assert "_use_merge_call" not in vars(extended)
+
+
+class _StrategyOf:
+    def __init__(self, extended):
+        self.extended = extended
+
+
+def test_keras_version_is_supported():
+    assert compat.KERAS_VERSION >= compat.MIN_KERAS_VERSION
+
+
+# ----------------------------------------------------------- the one seam
+_PRIVATE_MODULES = ("keras.src", "tensorflow.python")
+
+
+def _package_sources():
+    return sorted(p for p in PACKAGE_DIR.rglob("*.py") if p != COMPAT_FILE)
+
+
+def _private_imports(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            if name.startswith(_PRIVATE_MODULES):
+                yield node.lineno, name
+
+
+def test_only_the_compat_module_imports_private_modules():
+    found = [
+        f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {name}"
+        for path in _package_sources()
+        for line, name in _private_imports(ast.parse(path.read_text()))
+    ]
+    assert not found, (
+        "Only keras_fastgrad/_keras_compat.py may import `keras.src` or "
+        f"`tensorflow.python`. Received imports in: {found}. Fix: add a "
+        "named function or alias to `_keras_compat.py` and call that."
+    )
+
+
+def test_only_the_compat_module_reads_private_keras_attributes():
+    private = {name for _, name in compat.PRIVATE_NAMES if name.startswith("_")}
+    overridden = {name for _, name, _ in compat.OVERRIDDEN_PRIVATE_METHODS}
+    found = []
+    for path in _package_sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = getattr(node, "attr", None)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                name = node.value
+            if name in private and name not in overridden:
+                found.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}: {name}")
+    assert not found, (
+        "Private Keras/TF attributes must be used through "
+        f"keras_fastgrad/_keras_compat.py. Received uses in: {found}."
+    )
+
+
+# ------------------------------------------------------- version branches
+def test_several_replicas_refused_before_keras_3_10(monkeypatch):
+    from types import SimpleNamespace
+
+    from keras_fastgrad import _validation
+
+    class MirroredStrategy(SimpleNamespace):
+        pass
+
+    two = MirroredStrategy(num_replicas_in_sync=2)
+    monkeypatch.setattr(compat, "MULTI_REPLICA_SUPPORTED", False)
+    with pytest.raises(
+        ValueError,
+        match=r"needs Keras >= 3\.10.*Received: keras==.*`MirroredStrategy` "
+        r"with 2 replicas\. Fix: `pip install \"keras>=3\.10\"`",
+    ):
+        _validation.check_keras_supports_replicas(two)
+    _validation.check_keras_supports_replicas(MirroredStrategy(num_replicas_in_sync=1))
+    monkeypatch.setattr(compat, "MULTI_REPLICA_SUPPORTED", True)
+    _validation.check_keras_supports_replicas(two)
+
+
+_TWO_REPLICAS_SCRIPT = """
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import keras_fastgrad
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    inputs = keras.Input((3,))
+    model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+try:
+    model.fit(np.ones((4, 3)), np.ones((4, 1)), verbose=0)
+except ValueError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(
+    compat.MULTI_REPLICA_SUPPORTED, reason="only Keras < 3.10 refuses replicas"
+)
+def test_fit_on_two_replicas_raises_the_clear_error_on_old_keras():
+    # Two logical CPUs must be configured before TensorFlow initialises.
+    root = str(PACKAGE_DIR.parent)
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _TWO_REPLICAS_SCRIPT],
+        env=dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "needs Keras >= 3.10" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_batch_end_index_is_the_calls_last_batch(steps_per_execution):
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(compat.last_batch(self.model, batch))
+
+    inputs = keras.Input((3,))
+    model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
+    model.fit(np.ones((6, 3)), np.ones((6, 1)), batch_size=1, verbose=0,
+              callbacks=[Record()])
+    assert seen == list(range(steps_per_execution - 1, 6, steps_per_execution))
