@@ -12,6 +12,7 @@ only runs in replica context), so gradients are summed exactly once.
 Without a strategy this is a plain `tf.cond`.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad._keras_compat import direct_merge_calls
@@ -28,7 +29,8 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
     `should_apply`.
 
     Args:
-        should_apply: Boolean scalar, identical on every replica.
+        should_apply: Boolean scalar (tensor or Python bool), identical on
+            every replica.
         update_fn: Callable that applies the optimizer and updates state;
             returns nothing. It must not run collectives (read sync-on-read
             variables instead, which reduce when read there).
@@ -49,6 +51,8 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
     """
 
     num_args = len(args)
+    if isinstance(should_apply, (bool, np.bool_)):  # `tf.cond` wants a tensor
+        should_apply = tf.constant(bool(should_apply))
 
     def decide_and_apply(distribution, should_apply, *all_args):
         first = lambda value: _first_replica(distribution, value)  # noqa: E731

@@ -306,13 +306,6 @@ class TestApplyIf:
         assert float(applied.numpy()) == 7.0  # 5 + 2
         assert float(skipped.numpy()) == 1.0
 
-    @pytest.mark.xfail(
-        strict=True, raises=TypeError,
-        reason="apply_if passes a Python bool straight to tf.cond: accepted "
-        "eagerly, but inside tf.function tf.cond raises 'pred must not be a "
-        "Python bool' (the docstring only says 'Boolean scalar'; the step "
-        "itself always passes tensors)",
-    )
     def test_in_tf_function_python_condition(self):
         applied, skipped = branch_variables()
 
