@@ -173,7 +173,7 @@ class SummingMerger(TaskMerger):
     """The floor inside FastGradModel: the same step, the task gradients
     summed instead of merged (isolates the merge's cost)."""
 
-    def merge(self, per_task, reg_grads=None, grad_scale=None):
+    def merge(self, per_task, reg_grads=None, grad_scale=None, losses_finite=None):
         return [_sum(c) for c in zip(*per_task)], {}
 
 
