@@ -21,6 +21,7 @@ import inspect
 import keras
 
 from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad import aggregators
 from keras_fastgrad.model import OPTION_NAMES, FastGradModel, _checked_options
 from keras_fastgrad.sequential import FastGradSequential
 from keras_fastgrad._keras_integration import _functional_variant
@@ -77,11 +78,12 @@ def fastgrad(model, **options):
             f"{list(OPTION_NAMES)} (see `FastGradModel`)."
         )
     if isinstance(model, FastGradModel):
+        # Compared as saved (an aggregator by its config, not its identity).
         current = model._fg_options()
-        changed = {
-            k: v for k, v in _checked_options(**{**current, **options}).items()
-            if v != getattr(model, k)
-        }
+        proposed = _checked_options(**{**current, **options})
+        if proposed["multitask"] is not None:
+            proposed["multitask"] = aggregators.serialize(proposed["multitask"])
+        changed = {k: v for k, v in proposed.items() if v != current[k]}
         if changed:
             raise ValueError(
                 "`model` already is a `FastGradModel`; its options are set "

@@ -196,6 +196,12 @@ def test_fastgrad_checks_its_arguments():
     assert fastgrad(model, accumulation_steps=2) is model
     with pytest.raises(ValueError, match="already is a `FastGradModel`"):
         fastgrad(model, accumulation_steps=4)
+    # An aggregator compares by its config: the same method is no change.
+    multitask = fastgrad(mlp(), multitask="pcgrad")
+    assert fastgrad(multitask) is multitask
+    assert fastgrad(multitask, multitask="pcgrad") is multitask
+    with pytest.raises(ValueError, match="already is a `FastGradModel`"):
+        fastgrad(multitask, multitask="mgda")
 
 
 def test_fastgrad_mobilenet_v3_small_trains_like_keras_model(tmp_path):
