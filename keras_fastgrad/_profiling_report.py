@@ -6,6 +6,8 @@ import numbers
 import keras
 import tensorflow as tf
 
+from keras_fastgrad._profiling_runs import MODES
+
 LABELS = {
     "eager": "eager",
     "function": "tf.function",
@@ -20,8 +22,6 @@ UPDATE_SHARE_LIMIT = 0.5
 
 
 def check_arguments(model, modes, repeats, warmup, batch_size, verbose, data):
-    from keras_fastgrad.profiling import MODES
-
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a `keras.Model`. Received: "

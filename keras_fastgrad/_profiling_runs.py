@@ -13,6 +13,7 @@ from keras import tree
 from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.model import FastGradModel
 
+MODES = ("eager", "function", "xla", "mixed_float16", "mixed_bfloat16")
 PHASES = ("forward", "forward_backward", "step")
 MIXED_MODES = ("mixed_float16", "mixed_bfloat16")
 
@@ -174,7 +175,7 @@ class Snapshot:
         variables = (list(model.variables) + list(model.optimizer.variables)
                      + list(model.metrics_variables))
         if isinstance(model, FastGradModel):
-            variables += model._fg_state_variables()
+            variables += model.fastgrad_step_state.variables
         unique = {id(v): v for v in variables}
         self.variables = list(unique.values())
         self.values = [np.array(v.numpy()) for v in self.variables]

@@ -1,14 +1,30 @@
-"""The step's state on the model: created before tracing, saved with it.
+"""`StepState`: everything `FastGradModel`'s step keeps between calls.
 
-`FastGradModel` keeps its accumulators and telemetry counters in
-`keras.Variable`s held by small units (`WindowAccumulator`,
-`StepTelemetry`), not as layer weights: `model.weights` and
-`get_weights()` stay those of a `keras.Model`. The state is saved in an
-entry of its own of a `.keras` / `.weights.h5` file (`StepStateEntry`), so
-a checkpoint taken mid-window resumes exactly, weights saved by a plain
-`keras.Model` load into a `FastGradModel`, and weights saved by a
-`FastGradModel` load into a plain `keras.Model` of the same architecture. Trace-time facts (how many variables the tape watched, which got
-no gradient) are recorded here too.
+One object per model (`model.fastgrad_step_state`), passed explicitly to
+the step's units (`keras_fastgrad._step`), as optax passes its
+`MultiStepsState`. What it holds:
+
+- the units with state (`keras.Variable`s created by `build`, before the
+  train function is traced): `telemetry` (`StepTelemetry`), `divergence`
+  (`DivergenceWatch`), `accumulator` (`WindowAccumulator`, `None` without
+  accumulation); and those without variables of their own: `scaling`
+  (`LossScaling`, around the optimizer), `merger` (`TaskMerger`, `None`
+  without `multitask`);
+- trace-time facts of the traced step (`tape_variables`, `no_gradient`,
+  `trace_count`): Python values recorded while tracing, on purpose;
+- where `fit` is (`in_fit`, `evaluating`): Keras calls the same hook at the
+  end of an epoch and of an `evaluate`.
+
+Under `tf.function` the units assign to their variables rather than return
+new values: Keras' train function runs the step for its side effects. The
+units take the state's parts as arguments; nothing else keeps step state.
+
+The variables are not layer weights (`model.weights` and `get_weights()`
+stay those of a `keras.Model`): the state is an entry of its own in
+`.keras` / `.weights.h5` files, so a checkpoint taken mid-window resumes
+exactly, a plain `keras.Model` of the same architecture loads a
+`FastGradModel`'s file (it has no such entry to read) and a
+`FastGradModel` loading a plain model's weights starts its state fresh.
 """
 
 import warnings
@@ -20,25 +36,107 @@ import tensorflow as tf
 from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.accumulation import WindowAccumulator
 from keras_fastgrad.divergence import DivergenceWatch
-from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key, layer_key
+from keras_fastgrad.multitask import TaskMerger
+from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
-_STATE_PREFIX = "fastgrad_"
 
-
-class StepStateEntry(compat.KerasSaveable):
-    """The step's state as an entry of its own in `.keras` and
-    `.weights.h5` files (`fastgrad_step_state`), next to the model's
-    weights rather than among them: a plain `keras.Model` of the same
-    architecture loads the file (it has no such entry to read), and a
-    `FastGradModel` loading weights saved by a plain `keras.Model` finds no
-    entry and starts its state fresh.
-    """
+class StepState(compat.KerasSaveable):
+    """The step's state (see the module docstring) and its saved entry."""
 
     def __init__(self, model):
-        # A weak reference, not the model: Keras' saving walks this entry's
-        # attributes, and a model attribute would lead it back in a loop.
+        # A weak reference: Keras' saving walks this entry's attributes, and
+        # the model would lead it back in a loop.
         self._model_ref = weakref.ref(model)
+        self.merger = None
+        self.log_keys = set()
+        self.telemetry = self.divergence = self.accumulator = None
+        self.scaling = None  # set when the train function is made
+        self.tape_variables = None
+        self.no_gradient = None
+        self.grad_is_none = None
+        self.trace_count = 0
+        self.divide_window = True
+        self.in_fit = False
+        self.evaluating = 0
+        self.flush_function = None
+        self._built_for = None
 
+    def configure(self, multitask, telemetry):
+        """The units the options choose: the task merger (`None` without
+        `multitask`) and the telemetry keys (all with `telemetry`)."""
+        self.merger = None if multitask is None else TaskMerger(multitask)
+        self.log_keys = set(LOG_KEYS) if telemetry else set()
+
+    # ------------------------------------------------------------- building
+    def build(self, model):
+        """Creates the units' variables for `model`'s trainable variables
+        (again only when they or the requested optional keys changed; a
+        change of keys alone keeps the values)."""
+        variables = model.trainable_variables
+        optional = sorted(k for k in self.log_keys if is_optional_key(k))
+        key = (tuple(id(v) for v in variables), tuple(optional))
+        if self._built_for == key:
+            return
+        old_values = self.values()
+        with model.distribute_strategy.scope(), keras.name_scope("fastgrad"):
+            telemetry = StepTelemetry()
+            telemetry.build([v.path for v in variables], optional)
+            divergence = DivergenceWatch(model.max_consecutive_nonfinite)
+            divergence.build()
+            accumulator = None
+            if model.accumulation_steps > 1:
+                accumulator = WindowAccumulator(model.accumulation_steps)
+                accumulator.build(variables)
+        same_variables = self._built_for and self._built_for[0] == key[0]
+        self.telemetry, self.divergence = telemetry, divergence
+        self.accumulator = accumulator
+        self._built_for = key
+        if same_variables:
+            for v, value in zip(self.variables, old_values):
+                v.assign(value)
+
+    @property
+    def variables(self):
+        """The units' variables (built first if needed): what is saved."""
+        if self._built_for is None:
+            self.build(self._model_ref())
+        state = list(self.telemetry.variables) + self.divergence.variables
+        if self.accumulator is not None:
+            state += self.accumulator.variables
+        return state
+
+    def values(self):
+        """The variables' values (numpy), `[]` before `build`."""
+        if self._built_for is None:
+            return []
+        return [v.numpy() for v in self.variables]
+
+    def streak(self):
+        """The divergence streak variable while training (the `loss`
+        tracker reads it), `None` while evaluating or before `build`."""
+        if self.evaluating or self.divergence is None:
+            return None
+        return self.divergence.streak
+
+    # --------------------------------------------------- trace-time facts
+    def record_trace_facts(self, variables, grads):
+        """Facts of the traced graph (a Python side effect at trace time,
+        on purpose): how many variables the tape watched, which got no
+        gradient."""
+        if not tf.executing_eagerly():  # eager steps are not traces
+            self.trace_count += 1
+        self.tape_variables = len(variables)
+        self.no_gradient = [v.path for v, g in zip(variables, grads) if g is None]
+        self.grad_is_none = [g is None for g in grads]
+
+    def no_gradient_template(self):
+        """`None` where a variable gets no gradient (the accumulator
+        leaves those out of the window's sums), `True` elsewhere."""
+        if self.grad_is_none is None:
+            return None
+        return [None if none else True for none in self.grad_is_none]
+
+    # --------------------------------------------------------------- saving
     def _obj_type(self):
         # Keras' saving accepts a few known kinds only; this entry has no
         # saveable attributes of its own to walk.
@@ -47,77 +145,20 @@ class StepStateEntry(compat.KerasSaveable):
     def save_own_variables(self, store):
         model = self._model_ref()
         if model is not None and model.built:
-            for i, v in enumerate(model._fg_state_variables()):
+            for i, v in enumerate(self.variables):
                 store[str(i)] = v.numpy()
 
     def load_own_variables(self, store):
+        self.load({k: store[k] for k in store.keys()})
+
+    def load(self, store):
+        """Restores the variables from `{"0": array, "1": ...}`; a mismatch
+        (another `accumulation_steps`, other variables) warns and starts
+        fresh: the weights are loaded either way."""
         model = self._model_ref()
-        if model is not None:
-            model._fg_load_state({k: store[k] for k in store.keys()})
-
-
-class StepStateMixin:
-    """State, saving and trace-time facts of `FastGradModel`'s step."""
-
-    def _fg_build_state(self):
-        """Creates the step's state for the current trainable variables."""
-        variables = self.trainable_variables
-        optional = sorted(k for k in self._fg_log_keys if is_optional_key(k))
-        key = (tuple(id(v) for v in variables), tuple(optional))
-        if self._fg_state_for == key:
+        if not store or model is None or not model.built:
             return
-        old_state = self._fg_state_values()
-        with self.distribute_strategy.scope(), keras.name_scope("fastgrad"):
-            telemetry = StepTelemetry()
-            telemetry.build([v.path for v in variables], optional)
-            divergence = DivergenceWatch(self.max_consecutive_nonfinite)
-            divergence.build()
-            accumulator = None
-            if self.accumulation_steps > 1:
-                accumulator = WindowAccumulator(self.accumulation_steps)
-                accumulator.build(variables)
-        same_variables = self._fg_state_for and self._fg_state_for[0] == key[0]
-        self._fg_telemetry, self._fg_accumulator = telemetry, accumulator
-        self._fg_divergence = divergence
-        self._fg_state_for = key
-        if same_variables:  # only the requested keys changed: keep the state
-            for v, value in zip(self._fg_state_variables(), old_state):
-                v.assign(value)
-
-    def _fg_state_values(self):
-        if self._fg_state_for is None:
-            return []
-        return [v.numpy() for v in self._fg_state_variables()]
-
-    def _fg_state_variables(self):
-        """The step's training state: saved and restored with the model."""
-        if self._fg_state_for is None:
-            self._fg_build_state()
-        state = list(self._fg_telemetry.variables) + self._fg_divergence.variables
-        if self._fg_accumulator is not None:
-            state += self._fg_accumulator.variables
-        return state
-
-    def load_own_variables(self, store):
-        # Files written before the state had an entry of its own kept it in
-        # the model's entry, as `fastgrad_<i>`: still read.
-        keys = list(store.keys())
-        own = {k: store[k] for k in keys if not k.startswith(_STATE_PREFIX)}
-        super().load_own_variables(own)
-        legacy = [store[f"{_STATE_PREFIX}{i}"] for i in range(len(keys)) if f"{_STATE_PREFIX}{i}" in store]
-        if legacy and self.built:
-            # That layout had no divergence streak after the telemetry.
-            at = len(self._fg_state_variables()) and len(self._fg_telemetry.variables)
-            legacy = legacy[:at] + [0.0] + legacy[at:]
-            self._fg_load_state({str(i): value for i, value in enumerate(legacy)})
-
-    def _fg_load_state(self, store):
-        """Restores the step's state from `{"0": array, "1": ...}`; a
-        mismatch (another `accumulation_steps`, other variables) warns and
-        starts fresh: the weights are loaded either way."""
-        if not store or not self.built:
-            return
-        state = self._fg_state_variables()
+        state = self.variables
         if len(store) != len(state):
             warnings.warn(
                 f"FastGradModel: the saved step state has {len(store)} "
@@ -130,88 +171,10 @@ class StepStateMixin:
         for i, v in enumerate(state):
             v.assign(store[str(i)])
 
-    def _fg_record_trace_facts(self, variables, grads):
-        # Python side effect at trace time on purpose: these are facts of
-        # the traced graph (how many variables the tape watched, which got
-        # no gradient), not per-step values.
-        if not tf.executing_eagerly():  # eager steps are not traces
-            self._fg_trace_count += 1
-        self._fg_tape_variables = len(variables)
-        self._fg_no_gradient = [
-            v.path for v, g in zip(variables, grads) if g is None
-        ]
-        self._fg_grad_is_none = [g is None for g in grads]
-
-    def _fg_no_gradient_template(self):
-        flags = getattr(self, "_fg_grad_is_none", None)
-        if flags is None:
-            return None
-        return [None if none else True for none in flags]
-
-    @property
-    def tape_variable_count(self):
-        """Number of variables the tape watched in the traced train step
-        (`None` before the first trace)."""
-        return self._fg_tape_variables
-
-    @property
-    def train_step_trace_count(self):
-        """How many times `train_step` was traced (retracing shows here)."""
-        return self._fg_trace_count
-
-    def layer_norm_keys(self):
-        """The `grad_norm/<layer>` keys this model's layers would log."""
-        return list(dict.fromkeys(layer_key(v.path) for v in self.trainable_variables))
-
-    @property
-    def variables_without_gradient(self):
-        """Paths of trainable variables that got no gradient in the traced
-        step (unused, or cut off by `stop_gradient`); `None` before the
-        first trace."""
-        return self._fg_no_gradient
-
-    def enable_telemetry(self, keys=LOG_KEYS):
-        """Adds telemetry keys to the step's logs (used by the callbacks).
-
-        Args:
-            keys: Iterable of names from `keras_fastgrad.LOG_KEYS`.
-
-        Raises:
-            ValueError: for a name that is not a telemetry key.
-
-        The train function is rebuilt (retraced) on the next `fit` when the
-        set of keys grows.
-        """
-        keys = set(keys)
-        unknown = {k for k in keys if k not in LOG_KEYS and not is_optional_key(k)}
-        if unknown:
-            raise ValueError(
-                f"`keys` must be names from {list(LOG_KEYS)}, "
-                "`update_ratio` or `grad_norm/<layer>` (multi-task models: "
-                "`task_grad_norm/<task>`, `task_cosine/<a>/<b>`, "
-                f"`task_conflicts`). Received unknown names: {sorted(unknown)}"
-            )
-        if not keys <= self._fg_log_keys:
-            self._fg_log_keys |= keys
-            self.train_function = None
-
-    def telemetry_counters(self):
-        """The step's cumulative counters now, as Python floats.
-
-        Returns:
-            Dict with `updates`, `clipped_updates` and `nonfinite_count`
-            (over the model's life; saved with the model). Zeros before the
-            step's state exists. Reads three scalars from the device.
-
-        Example:
-
-        >>> inputs = keras.Input((2,))
-        >>> model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
-        >>> model.telemetry_counters()
-        {'updates': 0.0, 'clipped_updates': 0.0, 'nonfinite_count': 0.0}
-        """
-        names = ("updates", "clipped_updates", "nonfinite_count")
-        if self._fg_telemetry is None:
-            return dict.fromkeys(names, 0.0)
-        return {name: float(getattr(self._fg_telemetry, name).numpy()) for name in names}
-
+    def load_legacy(self, values):
+        """Files written before the state had an entry of its own kept it
+        in the model's entry, without the divergence streak (after the
+        telemetry)."""
+        at = len(self.variables) and len(self.telemetry.variables)
+        values = values[:at] + [0.0] + values[at:]
+        self.load({str(i): value for i, value in enumerate(values)})

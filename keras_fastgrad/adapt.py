@@ -24,7 +24,7 @@ from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad.model import OPTION_NAMES, FastGradModel, _checked_options
 from keras_fastgrad.sequential import FastGradSequential
-from keras_fastgrad._keras_integration import _functional_variant
+from keras_fastgrad._keras_integration import functional_variant
 
 _ADAPTER_NAME = "keras_fastgrad>FastGradAdapter"
 
@@ -155,7 +155,7 @@ def _check_model(model):
 def _step_class(cls):
     """The class with the step for a model of class `cls`."""
     if cls is compat.Functional:
-        return _functional_variant(FastGradModel)
+        return functional_variant(FastGradModel)
     if cls is keras.Sequential:
         return FastGradSequential
     adapted = _ADAPTED.get(cls)

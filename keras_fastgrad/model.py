@@ -1,54 +1,40 @@
 """`FastGradModel`: a `keras.Model` whose train step owns the gradient path.
 
-The step reads as a chain of small units, each with its own module:
+The step reads as a chain of small units (`keras_fastgrad._step`), each
+calling the module that does its maths:
 
-    forward + loss (tape watches only the trainable variables)
-      -> unscale (loss_scaling) -> finite check (finite)
-      -> accumulate (accumulation) -> clip (clipping) -> apply (applying)
+    forward + loss (`_forward`: the tape watches only the trainable variables)
+      -> share of the window (`weighting`) -> unscale (`loss_scaling`)
+      -> [multi-task] merge (`multitask`, `feature_space`)
+      -> finite check (`finite`) -> accumulate (`accumulation`)
+      -> clip (`clipping`) -> apply (`applying`)
 
-and records what it measured in `telemetry`. `train_step` orchestrates; the
-units do the maths.
+and records what it measured in `telemetry`. Its state is one object,
+`StepState` (`model.fastgrad_step_state`), passed to every unit. This
+module holds the options, `train_step` (it orchestrates; no maths), the
+Keras hooks (each delegating to `_keras_integration`) and the config.
 """
 
-import collections
-import contextlib
 import functools
 import inspect
-import warnings
+import sys
 
 import keras
 import tensorflow as tf
 
 from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad import _validation, aggregators, feature_space
-from keras_fastgrad.applying import apply_if
-from keras_fastgrad.clipping import clip_by_global_norm, global_norm
-from keras_fastgrad._replicas import (
-    for_keras_reduction,
-    global_metric_results,
-    num_replicas,
-    replica_sum,
-)
-from keras_fastgrad._gradients import scale
-from keras_fastgrad.divergence import TrainingLoss, failed
-from keras_fastgrad import finite
+from keras_fastgrad import _keras_integration as integration
+from keras_fastgrad import _step, _validation, aggregators
+from keras_fastgrad._step_state import StepState
+from keras_fastgrad.divergence import TrainingLoss
 from keras_fastgrad.loss_scaling import LossScaling
-from keras_fastgrad.slicing import check_micro_batches, first_input, sliced_gradients
-from keras_fastgrad.multitask import (
-    TaskMerger,
-    check_task_count,
-    regularization_loss,
-    task_losses,
-    task_names,
-)
-from keras_fastgrad._keras_integration import KerasIntegrationMixin, _functional_variant
-from keras_fastgrad._step_state import StepStateEntry, StepStateMixin
-from keras_fastgrad.telemetry import LOG_KEYS
-from keras_fastgrad.weighting import LossShares
+from keras_fastgrad.multitask import check_task_count
+from keras_fastgrad.slicing import check_micro_batches
+from keras_fastgrad.telemetry import LOG_KEYS, is_optional_key, layer_key
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")
-class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
+class FastGradModel(keras.Model):
     """A `keras.Model` with exact accumulation, clipping and NaN safety.
 
     Use it wherever you would use `keras.Model` (functional or subclassed),
@@ -161,7 +147,7 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
                 # every class up to `keras.Model` (and so break every later
                 # subclassed `FastGradModel`); this instance gets the
                 # class's functional variant instead.
-                self.__class__ = _functional_variant(type(self))
+                self.__class__ = integration.functional_variant(type(self))
             # What `keras.Model.__init__` does for the functional form,
             # without injecting `Functional` into this class's bases (which
             # would break later subclassed uses of `FastGradModel`).
@@ -170,33 +156,19 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             super().__init__(*args, **kwargs)
         self._fg_setup(options)
 
+
     def _fg_setup(self, options):
         """The step's options and (empty) state on a Keras-initialised
         model: from `__init__`, or on an existing model (`fastgrad`)."""
-        self._fg_set_options(options)
-        self._fg_divergence = None
-        self._fg_accumulator = None
-        self._fg_telemetry = None
-        self._fg_state_for = None
-        self._fg_scaling = None
-        self._fg_flush_function = None
-        self._fg_in_fit = False
-        self._fg_evaluating = 0
-        self._fg_tape_variables = None
-        self._fg_no_gradient = None
-        self._fg_trace_count = 0
-        self._fg_divide_window = True
         # Saved as its own entry of `.keras` / `.weights.h5` files.
-        self.fastgrad_step_state = StepStateEntry(self)
+        self.fastgrad_step_state = StepState(self)
+        self._fg_set_options(options)
 
     def _fg_set_options(self, options):
         """Sets the (checked) constructor options on the model."""
         for name, value in options.items():
             setattr(self, name, value)
-        self._fg_merger = (
-            None if self.multitask is None else TaskMerger(self.multitask)
-        )
-        self._fg_log_keys = set(LOG_KEYS) if self.telemetry else set()
+        self.fastgrad_step_state.configure(self.multitask, self.telemetry)
 
     # ------------------------------------------------------------ compile/fit
     def compile(self, *args, **kwargs):
@@ -209,12 +181,12 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
         compat.set_loss_tracker(
-            self, TrainingLoss(name="loss", streak=self._fg_streak)
+            self, TrainingLoss(name="loss", streak=self.fastgrad_step_state.streak)
         )
         _validation.check_optimizer_ownership(
             self.optimizer, self.accumulation_steps, self.clip_norm
         )
-        if self._fg_merger is not None:
+        if self.multitask is not None:
             check_task_count(self)
 
     def make_train_function(self, force=False):
@@ -227,11 +199,12 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             self.steps_per_execution, self.distribute_strategy
         )
         _validation.check_keras_supports_replicas(self.distribute_strategy)
-        self._fg_build_state()
+        state = self.fastgrad_step_state
+        state.build(self)
         if not self.optimizer.built:  # state must exist before tracing
             self.optimizer.build(self.trainable_variables)
-        self._fg_scaling = LossScaling(self.optimizer)
-        self._fg_flush_function = None
+        state.scaling = LossScaling(self.optimizer)
+        state.flush_function = None
         return super().make_train_function(force=force)
 
     def apply_partial_window(self):
@@ -245,344 +218,182 @@ class FastGradModel(StepStateMixin, KerasIntegrationMixin, keras.Model):
             The telemetry logs (Python floats) after the flush, or `None`
             when nothing was pending.
         """
-        acc = self._fg_accumulator
+        state = self.fastgrad_step_state
+        acc = state.accumulator
         if acc is None or int(acc.micro_step.numpy()) % acc.steps == 0:
             return None
-        if self._fg_flush_function is None:
+        if state.flush_function is None:
             # A `partial`, not a lambda: TF keys its retracing warning on a
             # function's code, shared by every model's lambda.
-            self._fg_flush_function = tf.function(
-                functools.partial(self.distribute_strategy.run, self._fg_flush_step),
+            state.flush_function = tf.function(
+                functools.partial(self.distribute_strategy.run, _step.flush, args=(self, state)),
                 jit_compile=bool(self.jit_compile),
             )
-        self._fg_flush_function()
+        state.flush_function()
         return {
             k: float(v)
-            for k, v in self._fg_telemetry.logs(
-                self._fg_scaling.current_scale(), self._fg_tape_variables or 0
+            for k, v in state.telemetry.logs(
+                state.scaling.current_scale(), state.tape_variables or 0
             ).items()
         }
 
-    def _fg_flush_step(self):
-        acc = self._fg_accumulator
-        apply_if(acc.has_samples(), self._fg_apply_window)
-        acc.restart()
-
     # ------------------------------------------------------------- the step
     def train_step(self, data):
-        """One micro-batch through the chain:
+        """One micro-batch through the chain (`keras_fastgrad._step`):
 
-        forward + backward (+ unscale, + task merge) -> finite check
-          -> accumulate -> [window complete] clip -> check -> apply
+        gradients (forward, backward, unscale, task merge) -> finite check
+          -> [one replica, no accumulation] update or drop, in one `cond`
+          -> [else] accumulate -> [window complete] clip, check, apply
 
         then Keras' loss tracker and metrics, and the telemetry keys. A
         micro-batch whose loss or gradient is not finite is dropped (with
         `skip_nonfinite`, or under loss scaling) and counted instead.
         """
+        state = self.fastgrad_step_state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = self._fg_gradients(x, y, sample_weight)
-        verdict = self._fg_finite_check(batch)
-        if self._fg_single_cond():  # one replica, no accumulation
-            logs = self._fg_update_or_drop(batch, verdict)
+        batch = _step.gradients(self, state, x, y, sample_weight)
+        verdict = _step.finite_check(self, state, batch)
+        if _step.single_cond(self, state):
+            logs = _step.update_or_drop(self, state, batch, verdict)
         else:
-            self._fg_accumulate_or_apply(batch, verdict)
-            logs = global_metric_results(
-                self.metrics, self._fg_compute_metrics(verdict.keep, batch)
-            )
-        return self._fg_with_telemetry(logs)
+            _step.accumulate_or_apply(self, state, batch, verdict)
+            logs = _step.metrics_logs(self, verdict.keep, batch)
+        return _step.with_telemetry(state, logs)
 
-    def _fg_gradients(self, x, y, sample_weight):
-        """Forward and backward (whole batch, or `micro_batches` slices);
-        the gradients unscaled and, where micro-batches are combined
-        (accumulation, replicas, slices), weighted by the micro-batch's
-        share of the window (`weighting.py`; folded into the loss)."""
-        variables = self.trainable_variables
-        if not variables:
-            warnings.warn("The model does not have any trainable weights.")
+    # ------------------------------------------- Keras hooks (_keras_integration)
+    def __new__(cls, *args, **kwargs):
+        # Like `keras.Model.__new__`, but the functional form is an instance
+        # of a class that also inherits from `Functional`: this class's
+        # bases never change.
+        functional = integration.is_functional_call(cls, args, kwargs)
+        if functional and not issubclass(cls, compat.Functional):
+            cls = integration.functional_variant(cls)
+        instance = super().__new__(cls, *args, **kwargs)
+        if functional:  # read (and removed) by `__init__`
+            options = integration.cloned_options(sys._getframe(1), FastGradModel)
+            if options is not None:
+                vars(instance)["_fg_cloned_options"] = options
+        return instance
+
+    def __reduce__(self):
+        # Keras pickles a model as its `.keras` bytes plus the class's
+        # `_unpickle_model`, which pickle finds by the class's name; the
+        # functional variants and `fastgrad`'s classes share their name with
+        # another class. Loading goes by the file's registered names anyway.
+        _, args = super().__reduce__()
+        return (FastGradModel._unpickle_model, args)
+
+    def compile_from_config(self, config):
+        if type(self).compile is not FastGradModel.compile:  # a subclass's own
+            return super().compile_from_config(config)
+        integration.compile_from_config(self, config)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if not integration.builds_itself(self):
+            return super()._maybe_symbolic_build(iterator, data_batch)
+        integration.build_for_training(self, iterator, data_batch)
+
+    def fit(self, *args, **kwargs):
+        args, kwargs = integration.with_divergence_stop(self, args, kwargs)
+        state = self.fastgrad_step_state
+        state.in_fit = True
         try:
-            first = first_input(x)  # a `ValueError` when `x` holds no tensor
-        except ValueError:
-            # Keras' own error first where it has one (a required input is
-            # `None`: "not optional"), as `keras.Model` raises it.
-            self(x, **({"training": True} if compat.call_has_training_arg(self) else {}))
-            raise
-        if "input_shape_changes" in self._fg_log_keys:  # only when read
-            self._fg_telemetry.record_input_shape(first)
-        num_rows = tf.shape(first)[0]
-        weighted = (
-            self._fg_accumulator is not None
-            or num_replicas() > 1
-            or self.micro_batches > 1
-        )
-        if self.micro_batches > 1:
-            self._fg_check_slices(x)
-            loss, y_pred, grads, share = sliced_gradients(
-                self, x, y, sample_weight, variables, self._fg_scaling,
-                self.micro_batches, merger=self._fg_merger,
-            )
-            self._fg_record_trace_facts(variables, grads)
-        else:
-            loss, y_pred, grads, share = self._fg_batch_gradients(
-                x, y, sample_weight, variables, num_rows if weighted else None
-            )
-        # The normaliser the window's sum is divided by (`None`: the
-        # gradients are already the mean, or a "sum" loss is summed).
-        self._fg_divide_window = share.mean if weighted else True
-        return _Batch(
-            loss=loss, y_pred=y_pred, grads=grads, x=x, y=y,
-            sample_weight=sample_weight,
-            num_samples=tf.cast(num_rows, tf.float32),
-            normaliser=share.real if weighted else tf.constant(1.0),
-            divide=weighted and share.mean,
-        )
+            return super().fit(*args, **kwargs)
+        finally:
+            state.in_fit = False
 
-    def _fg_finite_check(self, batch):
-        """Is the micro-batch finite (on every replica: one small
-        all-reduce, so every replica decides alike)? Updates the loss
-        scale. Returns a `_Verdict`."""
-        scaling = self._fg_scaling
-        checked = finite.marks(batch.grads, batch.loss)
-        total = batch.normaliser
-        if num_replicas() > 1:
-            flags, total = replica_sum([finite.to_flags(checked), total])
-            checked = finite.from_flags(flags)
-        all_finite = finite.is_finite(checked)
-        drops = self.skip_nonfinite or scaling.active  # keep == finite
-        # Before `scaling.update`: the scale the micro-batch was dropped at.
-        counts = failed(all_finite, scaling) if scaling.active else None
-        scaling.update(all_finite)
-        return _Verdict(
-            checked=checked, all_finite=all_finite,
-            keep=all_finite if drops else tf.constant(True),
-            drops=drops, counts=counts, total=total,
-        )
+    def evaluate(self, *args, **kwargs):
+        state = self.fastgrad_step_state
+        state.evaluating += 1
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            state.evaluating -= 1
 
-    def _fg_single_cond(self):
-        """One replica, no accumulation, default metrics: the update and
-        the metrics share one `cond` (`_fg_update_or_drop`)."""
-        return (
-            self._fg_accumulator is None
-            and (self.skip_nonfinite or self._fg_scaling.active)
-            and num_replicas() == 1
-            and type(self).compute_metrics is keras.Model.compute_metrics
-        )
+    def _get_metrics_result_or_logs(self, logs):
+        # Keras calls this right after an epoch's last batch, before
+        # validation and `on_epoch_end` (and at the end of `evaluate`).
+        logs = integration.with_flushed(self, logs)
+        return super()._get_metrics_result_or_logs(logs)
 
-    def _fg_accumulate_or_apply(self, batch, verdict):
-        """Without accumulation: apply the (replica-summed) gradient, or
-        record the drop. With it: add to the window, and apply the window
-        once complete. Drop bookkeeping rides in the other branch of a
-        `cond` the step has anyway, where it can."""
-        acc = self._fg_accumulator
-        drop_args = (verdict.checked, verdict.counts)
-        not_finite = tf.logical_not(verdict.all_finite)
-        if acc is None:
-            update_args = (
-                replica_sum(batch.grads), verdict.total if batch.divide else None
-            )
-            if verdict.drops:
-                apply_if(
-                    verdict.keep, self._fg_update, args=update_args,
-                    otherwise=self._fg_record_drop, otherwise_args=drop_args,
-                )
-            else:  # non-finite gradients are applied, as keras.Model does
-                apply_if(not_finite, self._fg_record_drop, args=drop_args)
-                apply_if(verdict.keep, self._fg_update, args=update_args)
-            return
-        otherwise = None
-        if verdict.drops and num_replicas() == 1:
-            otherwise = functools.partial(self._fg_record_drop, *drop_args)
-        else:
-            apply_if(not_finite, self._fg_record_drop, args=drop_args)
-        window_complete = acc.add(batch.grads, verdict.total, verdict.keep, otherwise=otherwise)
-        apply_if(tf.logical_and(window_complete, acc.has_samples()), self._fg_apply_window)
+    def load_own_variables(self, store):
+        # Files written before the step's state had an entry of its own
+        # kept it in the model's entry, as `fastgrad_<i>`: still read.
+        keys = list(store.keys())
+        super().load_own_variables({k: store[k] for k in keys if not k.startswith("fastgrad_")})
+        legacy = [store[f"fastgrad_{i}"] for i in range(len(keys)) if f"fastgrad_{i}" in store]
+        if legacy and self.built:
+            self.fastgrad_step_state.load_legacy(legacy)
 
-    def _fg_with_telemetry(self, logs):
-        """The step's logs plus the requested telemetry keys."""
-        if self._fg_log_keys:
-            measured = self._fg_telemetry.logs(
-                self._fg_scaling.current_scale(), self._fg_tape_variables
-            )
-            logs.update({k: v for k, v in measured.items() if k in self._fg_log_keys})
-            if self._fg_merger is not None:  # task keys, from the Gram matrix
-                logs.update(self._fg_merger.logs())
-        return for_keras_reduction(logs)
+    # ------------------------------------------------ what the step measured
+    @property
+    def tape_variable_count(self):
+        """Number of variables the tape watched in the traced train step
+        (`None` before the first trace)."""
+        return self.fastgrad_step_state.tape_variables
 
-    def _fg_batch_gradients(self, x, y, sample_weight, variables, num_rows):
-        """Forward and backward on the whole batch (one tape); with
-        `multitask`, the task gradients merged. Returns `(loss, y_pred,
-        grads, share)`: the gradients unscaled and, when `num_rows` is
-        given (micro-batches are combined), multiplied by the micro-batch's
-        share (`weighting.LossShares`; `share` is `None` otherwise)."""
-        scaling = self._fg_scaling
-        merger = self._fg_merger
-        shares = None if num_rows is None else LossShares(self, num_rows)
-        with tf.GradientTape(
-            watch_accessed_variables=False, persistent=merger is not None
-        ) as tape:
-            for v in variables:
-                tape.watch(v.value)
-            features = feature_space.capture(self, tape)  # no-op unless "features"
-            with features:
-                if compat.call_has_training_arg(self):
-                    y_pred = self(x, training=True)
-                else:
-                    y_pred = self(x)
-            with shares or contextlib.nullcontext():
-                if merger is None:
-                    loss = compat.compute_loss(self, x, y, y_pred, sample_weight)
-                else:  # one loss per task; regularisation is not a task
-                    tasks = task_losses(self, y, y_pred, sample_weight)
-                    regularization = regularization_loss(self)
-                    loss = tf.add_n(
-                        tasks + [r for r in [regularization] if r is not None]
-                    )
-            share = None if shares is None else shares.share()
-            weight = None if share is None else share.loss_weight(num_replicas())
-            if merger is None:
-                scaled_loss = scaling.scale(loss, weight)
-            else:
-                scaled_tasks = [scaling.scale(t, weight) for t in tasks]
-                if regularization is not None:
-                    regularization = scaling.scale(regularization, weight)
-        if merger is None:
-            grads = tape.gradient(scaled_loss, [v.value for v in variables])
-            self._fg_record_trace_facts(variables, grads)
-            grads = scaling.unscale(grads, weight)
-        else:  # each task's gradient is unscaled once, then merged
-            merge = features.merger(merger) if features.active else merger
-            grads, _ = merge(
-                tape, scaled_tasks, regularization, variables,
-                unscale=lambda g: scaling.unscale(g, weight),
-                grad_scale=None if share is None else share.actual,
-                task_names=task_names(self),
-            )
-            self._fg_record_trace_facts(variables, grads)
-        return loss, y_pred, grads, share
+    @property
+    def train_step_trace_count(self):
+        """How many times `train_step` was traced (retracing shows here)."""
+        return self.fastgrad_step_state.trace_count
 
-    def _fg_streak(self):
-        """The divergence streak variable while training (`TrainingLoss`
-        reads it), `None` while evaluating or before the state exists."""
-        if self._fg_evaluating or self._fg_divergence is None:
-            return None
-        return self._fg_divergence.streak
+    @property
+    def variables_without_gradient(self):
+        """Paths of trainable variables that got no gradient in the traced
+        step (unused, or cut off by `stop_gradient`); `None` before the
+        first trace."""
+        return self.fastgrad_step_state.no_gradient
 
-    def _fg_record_drop(self, checked, counts=None):
-        """Bookkeeping of a non-finite micro-batch (in the branch that runs
-        only then): where it went bad, and the divergence streak.
+    def layer_norm_keys(self):
+        """The `grad_norm/<layer>` keys this model's layers would log."""
+        return list(dict.fromkeys(layer_key(v.path) for v in self.trainable_variables))
+
+    def enable_telemetry(self, keys=LOG_KEYS):
+        """Adds telemetry keys to the step's logs (used by the callbacks).
 
         Args:
-            checked: The micro-batch's (global) `finite.marks` vector.
-            counts: Boolean scalar, whether the drop counts towards the
-                streak (`divergence.failed`, under loss scaling); `None`:
-                it does.
-        """
-        first_bad, num_bad = finite.summarize(checked)
-        self._fg_telemetry.record_drop(first_bad, num_bad)
-        if self.skip_nonfinite or self._fg_scaling.active:
-            self._fg_divergence.record_drop(
-                tf.constant(True) if counts is None else counts
-            )
+            keys: Iterable of names from `keras_fastgrad.LOG_KEYS`.
 
-    def _fg_check_slices(self, x):
-        batch = first_input(x).shape[0]
-        if batch is not None and batch < self.micro_batches:
+        Raises:
+            ValueError: for a name that is not a telemetry key.
+
+        The train function is rebuilt (retraced) on the next `fit` when the
+        set of keys grows.
+        """
+        keys = set(keys)
+        unknown = {k for k in keys if k not in LOG_KEYS and not is_optional_key(k)}
+        if unknown:
             raise ValueError(
-                "`micro_batches` must not exceed the batch size (each slice "
-                f"needs a sample). Received: micro_batches={self.micro_batches} "
-                f"for a batch of {batch}. Fix: a larger `batch_size` or fewer "
-                "`micro_batches`."
+                f"`keys` must be names from {list(LOG_KEYS)}, "
+                "`update_ratio` or `grad_norm/<layer>` (multi-task models: "
+                "`task_grad_norm/<task>`, `task_cosine/<a>/<b>`, "
+                f"`task_conflicts`). Received unknown names: {sorted(unknown)}"
             )
+        state = self.fastgrad_step_state
+        if not keys <= state.log_keys:
+            state.log_keys |= keys
+            self.train_function = None
 
-    def _fg_update_or_drop(self, batch, verdict):
-        """One replica, no accumulation: the update and the metrics, or the
-        drop's bookkeeping, in a single `cond` (every `cond` costs a few
-        ops per step, which shows on short steps)."""
+    def telemetry_counters(self):
+        """The step's cumulative counters now, as Python floats.
 
-        def update():
-            self._fg_update(batch.grads, verdict.total if batch.divide else None)
-            return self._fg_update_metrics(batch, compat.unscale_loss_for_distribution(batch.loss))
+        Returns:
+            Dict with `updates`, `clipped_updates` and `nonfinite_count`
+            (over the model's life; saved with the model). Zeros before the
+            step's state exists. Reads three scalars from the device.
 
-        def drop():
-            self._fg_record_drop(verdict.checked, verdict.counts)
-            return self.get_metrics_result()
+        Example:
 
-        return tf.cond(verdict.keep, update, drop)
-
-    def _fg_compute_metrics(self, keep, batch):
-        """Keras' `loss` tracker and metrics, left unchanged by a dropped
-        micro-batch (its NaN would make them NaN for the rest of the
-        epoch): one `cond`, in replica context."""
-        loss = compat.unscale_loss_for_distribution(batch.loss)
-        if type(self).compute_metrics is not keras.Model.compute_metrics:
-            # A user override may return other keys: call it as Keras does.
-            return self._fg_update_metrics(
-                batch, tf.where(keep, loss, 0.0), tf.where(keep, batch.num_samples, 0.0)
-            )
-        return tf.cond(
-            keep, lambda: self._fg_update_metrics(batch, loss), self.get_metrics_result
-        )
-
-    def _fg_update_metrics(self, batch, loss, num_samples=None):
-        """Keras' `loss` tracker (weighted by the batch size, as Keras'
-        `train_step` does) and compiled metrics; returns the logs."""
-        compat.loss_tracker(self).update_state(
-            loss, sample_weight=batch.num_samples if num_samples is None else num_samples
-        )
-        return self.compute_metrics(
-            batch.x, batch.y, batch.y_pred, sample_weight=batch.sample_weight
-        )
-
-    def _fg_apply_window(self):
-        acc = self._fg_accumulator
-        self._fg_update(
-            acc.window_sums(self._fg_no_gradient_template()),
-            acc.normaliser if self._fg_divide_window else None,
-        )
-        acc.reset()
-
-    def _fg_update(self, grads, normaliser=None):
-        """Normalise, clip, check, apply, record.
-
-        Runs in the update branch, in cross-replica context, on the global
-        gradient (weighted sums divided by `normaliser` when it is given).
+        >>> inputs = keras.Input((2,))
+        >>> model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.telemetry_counters()
+        {'updates': 0.0, 'clipped_updates': 0.0, 'nonfinite_count': 0.0}
         """
-        if normaliser is not None:
-            grads = [scale(g, 1.0 / normaliser) for g in grads]
-        telemetry = self._fg_telemetry
-        variables = self.trainable_variables
-        norm = was_clipped = None
-        if "grad_norm" in self._fg_log_keys or self.clip_norm is not None:
-            norm = global_norm(grads)
-        telemetry.record_layer_norms(grads)
-        if self.clip_norm is not None:
-            grads, was_clipped = clip_by_global_norm(grads, self.clip_norm, norm)
-        # Each micro-batch was finite, but a window's or the replicas' sum of
-        # finite gradients can overflow: checked here, right before the
-        # update (free with clipping: the norm is finite iff they all are).
-        if self.clip_norm is not None:
-            finite_update = tf.math.is_finite(norm)
-        elif self._fg_accumulator is not None or num_replicas() > 1:
-            finite_update = finite.all_finite(grads)
-        else:
-            finite_update = None  # the micro-batch check covered these
-
-        def apply():
-            before = telemetry.snapshot(variables)
-            self._fg_scaling.apply(grads, variables)
-            telemetry.record_update_ratio(before, variables)
-            telemetry.record_update(norm, was_clipped)
-            self._fg_divergence.record_update()
-            return tf.constant(True)
-
-        def drop():
-            telemetry.record_dropped_update()
-            self._fg_divergence.record_drop(tf.constant(True))
-            return tf.constant(False)
-
-        if finite_update is None:
-            apply()
-        else:
-            tf.cond(finite_update, apply, drop)
+        names = ("updates", "clipped_updates", "nonfinite_count")
+        telemetry = self.fastgrad_step_state.telemetry
+        if telemetry is None:
+            return dict.fromkeys(names, 0.0)
+        return {name: float(getattr(telemetry, name).numpy()) for name in names}
 
     # ---------------------------------------------------------------- config
     @compat.keras_default  # Keras' automatic config of a subclass's own arguments
@@ -686,26 +497,3 @@ def _takes_options(cls):
 # `model.save("m.h5")` writes `model.__class__.__name__`): the alias lets
 # `keras.models.load_model("m.h5")` find the class without `custom_objects`.
 keras.saving.get_custom_objects().setdefault("FastGradModel", FastGradModel)
-
-
-class _Batch(collections.namedtuple("_Batch", [
-    "loss", "y_pred", "grads", "x", "y", "sample_weight", "num_samples",
-    "normaliser", "divide",
-])):
-    """What the forward and backward pass of one micro-batch produced.
-
-    `grads` are unscaled (and weighted by the micro-batch's share where
-    micro-batches are combined); `normaliser` is the share's denominator
-    contribution (`weighting.Share.real`); `divide`: whether the update
-    divides the summed gradients by the global normaliser."""
-
-
-class _Verdict(collections.namedtuple("_Verdict", [
-    "checked", "all_finite", "keep", "drops", "counts", "total",
-])):
-    """The finite check of one micro-batch (global over replicas).
-
-    `checked`: the `finite.marks` vector; `keep`: whether its gradient
-    goes on (`all_finite`, or always when nothing is dropped: `drops`);
-    `counts`: whether a drop counts towards the divergence streak (`None`:
-    it does); `total`: the normaliser summed over replicas."""

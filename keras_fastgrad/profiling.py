@@ -17,10 +17,9 @@ import tensorflow as tf
 from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import _profiling_report
 from keras_fastgrad import _profiling_runs as runs
-from keras_fastgrad._profiling_runs import PHASES
+from keras_fastgrad._profiling_runs import MODES, PHASES
 from keras_fastgrad.model import FastGradModel
 
-MODES = ("eager", "function", "xla", "mixed_float16", "mixed_bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,8 +23,11 @@ import tensorflow as tf
 from keras import tree
 
 from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad._forward import call_for_training, watching
 from keras_fastgrad._keras_compat import get_keras_mask, set_keras_mask
 from keras_fastgrad._replicas import num_replicas
+from keras_fastgrad._validation import check_int
+from keras_fastgrad.multitask import regularization_loss, task_losses, task_names
 from keras_fastgrad.weighting import LossShares, Share
 
 
@@ -97,12 +100,8 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
         xi = tree.map_structure(lambda t: t[i], xs)
         yi = None if ys is None else tree.map_structure(lambda t: t[i], ys)
         wi = None if ws is None else tree.map_structure(lambda t: t[i], ws)
-        with tf.GradientTape(
-            watch_accessed_variables=False, persistent=merger is not None
-        ) as tape:
-            for v in variables:
-                tape.watch(v.value)
-            y_pred = model(xi, training=True) if compat.call_has_training_arg(model) else model(xi)
+        with watching(variables, persistent=merger is not None) as tape:
+            y_pred = call_for_training(model, xi)
             with LossShares(model, size, rows=rows[i]) as shares:
                 losses = _slice_losses(model, xi, yi, y_pred, wi, merger)
             share = shares.share()
@@ -144,7 +143,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
         compile_loss = compat.compile_loss(model)
         if not compile_loss.built:  # (the task names come with its build)
             compile_loss.build(tree.map_structure(lambda t: t[0], ys), out_spec)
-        num_losses = len(_task_names(model)) + 1
+        num_losses = len(task_names(model)) + 1
     _, sums, loss_sum, actual_sum, real_sum, outputs, masks = tf.while_loop(
         lambda i, *_: i < slices,
         body,
@@ -173,8 +172,8 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
     if merger is None:
         grads = regularized
     else:  # the whole batch's task gradients, merged once
-        num_tasks = len(_task_names(model))
-        merger.build(_task_names(model))
+        num_tasks = len(task_names(model))
+        merger.build(task_names(model))
         has_regularization = any(g is not None for g in regularized)
         grads, _ = merger.merge(
             sums[:num_tasks],
@@ -198,19 +197,11 @@ def _slice_losses(model, x, y, y_pred, sample_weight, merger):
     and the regularisation (`model.losses`)."""
     if merger is None:
         return [compat.compute_loss(model, x, y, y_pred, sample_weight)]
-    from keras_fastgrad.multitask import regularization_loss, task_losses
-
     regularization = regularization_loss(model)  # (a constant if none:
     # no variable gets a gradient from it)
     return task_losses(model, y, y_pred, sample_weight) + [
         tf.constant(0.0) if regularization is None else regularization
     ]
-
-
-def _task_names(model):
-    from keras_fastgrad.multitask import task_names
-
-    return task_names(model)
 
 
 def _merge_slices(stacked, n):
@@ -226,9 +217,7 @@ def _take_back_extra_regularization(model, variables, grads, loss_sum, extra, fa
     regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
     if not regularized:
         return loss_sum, grads
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-        for v in regularized:
-            tape.watch(v.value)
+    with watching(regularized) as tape:
         penalty = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
     reg_grads = dict(zip((id(v) for v in regularized), tape.gradient(penalty, [v.value for v in regularized])))
     surplus = extra * factor
@@ -241,8 +230,6 @@ def _take_back_extra_regularization(model, variables, grads, loss_sum, extra, fa
 
 def check_micro_batches(value):
     """`micro_batches` must be an integer >= 1."""
-    from keras_fastgrad._validation import check_int
-
     return check_int(
         "micro_batches", value, 1, " (slices of each batch, run one after the other)"
     )

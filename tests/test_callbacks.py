@@ -445,7 +445,7 @@ class ScriptedTraces(keras_fastgrad.FastGradModel):
 
     @property
     def train_step_trace_count(self):
-        return self._fg_trace_count + self.extra
+        return super().train_step_trace_count + self.extra
 
 
 class AddTrace(keras.callbacks.Callback):

@@ -112,7 +112,7 @@ def test_training_only_layer_is_accumulated(build):
         _aux_head_class(keras_fastgrad.FastGradModel)(accumulation_steps=2),
         3, build=build,
     )
-    assert len(model._fg_accumulator.variables) > len(model.trainable_variables)
+    assert len(model.fastgrad_step_state.accumulator.variables) > len(model.trainable_variables)
     assert int(model.optimizer.iterations.numpy()) == 4
     _assert_same_weights(model, reference)
 

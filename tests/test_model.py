@@ -145,7 +145,7 @@ def test_accumulators_are_float32_state():
     model = fast(accumulation_steps=2)
     model.compile(optimizer=sgd(), loss="mse")
     model.fit(*data(n=4), batch_size=2, verbose=0)
-    sums = model._fg_accumulator.sums
+    sums = model.fastgrad_step_state.accumulator.sums
     assert len(sums) == len(model.trainable_variables)
     assert all(s.dtype == "float32" for s in sums)
 
@@ -378,7 +378,7 @@ def test_checkpoint_mid_window_resumes_exactly(tmp_path):
     path = str(tmp_path / "mid.keras")
     model.save(path)
     resumed = keras.models.load_model(path)
-    assert int(resumed._fg_accumulator.micro_step.numpy()) == 1
+    assert int(resumed.fastgrad_step_state.accumulator.micro_step.numpy()) == 1
     resumed.train_on_batch(x[4:8], y[4:8])
     resumed.train_on_batch(x[8:], y[8:])
     assert int(resumed.optimizer.iterations.numpy()) == 1

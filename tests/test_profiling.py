@@ -61,7 +61,7 @@ def state_of(model):
     variables = (model.variables + model.optimizer.variables
                  + model.metrics_variables)
     if isinstance(model, keras_fastgrad.FastGradModel):
-        variables += model._fg_state_variables()
+        variables += model.fastgrad_step_state.variables
     return [np.array(v.numpy()) for v in variables]
 
 

@@ -1,0 +1,364 @@
+"""The units of `FastGradModel.train_step`, in the order the step runs them.
+
+    gradients -> finite_check -> update_or_drop            (one `cond`)
+                              -> accumulate_or_apply -> update
+    then metrics and telemetry logs
+
+Each takes the model (its options, its call and compiled loss) and its
+`StepState` explicitly and does one thing; the maths is in the modules they
+call (`weighting`, `loss_scaling`, `finite`, `accumulation`, `clipping`,
+`applying`, `multitask`, `slicing`).
+"""
+
+import collections
+import functools
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad import feature_space, finite
+from keras_fastgrad._forward import call_for_training, watching
+from keras_fastgrad._gradients import scale
+from keras_fastgrad._replicas import (
+    for_keras_reduction,
+    global_metric_results,
+    num_replicas,
+    replica_sum,
+)
+from keras_fastgrad.applying import apply_if
+from keras_fastgrad.clipping import clip_by_global_norm, global_norm
+from keras_fastgrad.divergence import failed
+from keras_fastgrad.multitask import regularization_loss, task_losses, task_names
+from keras_fastgrad.slicing import first_input, sliced_gradients
+from keras_fastgrad.weighting import LossShares
+
+
+class Batch(collections.namedtuple("Batch", [
+    "loss", "y_pred", "grads", "x", "y", "sample_weight", "num_samples",
+    "normaliser", "divide",
+])):
+    """What the forward and backward pass of one micro-batch produced.
+
+    `grads` are unscaled (and weighted by the micro-batch's share where
+    micro-batches are combined); `normaliser` is the share's denominator
+    contribution (`weighting.Share.real`); `divide`: whether the update
+    divides the summed gradients by the global normaliser."""
+
+
+class Verdict(collections.namedtuple("Verdict", [
+    "checked", "all_finite", "keep", "drops", "counts", "total",
+])):
+    """The finite check of one micro-batch (global over replicas).
+
+    `checked`: the `finite.marks` vector; `keep`: whether its gradient
+    goes on (`all_finite`, or always when nothing is dropped: `drops`);
+    `counts`: whether a drop counts towards the divergence streak (`None`:
+    it does); `total`: the normaliser summed over replicas."""
+
+
+# ------------------------------------------------------------ gradients
+def gradients(model, state, x, y, sample_weight):
+    """Forward and backward (whole batch, or `micro_batches` slices); the
+    gradients unscaled and, where micro-batches are combined (accumulation,
+    replicas, slices), weighted by the micro-batch's share of the window
+    (`weighting`: folded into the loss). Returns a `Batch`."""
+    variables = model.trainable_variables
+    if not variables:
+        warnings.warn("The model does not have any trainable weights.")
+    try:
+        first = first_input(x)  # a `ValueError` when `x` holds no tensor
+    except ValueError:
+        # Keras' own error first where it has one (a required input is
+        # `None`: "not optional"), as `keras.Model` raises it.
+        call_for_training(model, x)
+        raise
+    if "input_shape_changes" in state.log_keys:  # only when read
+        state.telemetry.record_input_shape(first)
+    num_rows = tf.shape(first)[0]
+    weighted = (
+        state.accumulator is not None or num_replicas() > 1 or model.micro_batches > 1
+    )
+    if model.micro_batches > 1:
+        _check_slices(model, x)
+        loss, y_pred, grads, share = sliced_gradients(
+            model, x, y, sample_weight, variables, state.scaling,
+            model.micro_batches, merger=state.merger,
+        )
+    else:
+        loss, y_pred, grads, share = _batch_gradients(
+            model, state, x, y, sample_weight, variables, num_rows if weighted else None
+        )
+    state.record_trace_facts(variables, grads)
+    # Whether the window's sum is divided by its normaliser (not when the
+    # gradients already are the mean, or a "sum" loss is summed).
+    state.divide_window = share.mean if weighted else True
+    return Batch(
+        loss=loss, y_pred=y_pred, grads=grads, x=x, y=y,
+        sample_weight=sample_weight,
+        num_samples=tf.cast(num_rows, tf.float32),
+        normaliser=share.real if weighted else tf.constant(1.0),
+        divide=weighted and share.mean,
+    )
+
+
+def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
+    """Forward and backward on the whole batch (one tape); with
+    `multitask`, the task gradients merged. Returns `(loss, y_pred, grads,
+    share)`: the gradients unscaled and, when `num_rows` is given
+    (micro-batches are combined), multiplied by the micro-batch's share
+    (`weighting.LossShares`; `share` is `None` otherwise)."""
+    scaling, merger = state.scaling, state.merger
+    shares = None if num_rows is None else LossShares(model, num_rows)
+    with watching(variables, persistent=merger is not None) as tape:
+        features = feature_space.capture(model, tape)  # no-op unless "features"
+        with features:
+            y_pred = call_for_training(model, x)
+        with shares or _NO_SHARES:
+            if merger is None:
+                loss = compat.compute_loss(model, x, y, y_pred, sample_weight)
+            else:  # one loss per task; regularisation is not a task
+                tasks = task_losses(model, y, y_pred, sample_weight)
+                regularization = regularization_loss(model)
+                loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
+        share = None if shares is None else shares.share()
+        weight = None if share is None else share.loss_weight(num_replicas())
+        if merger is None:
+            scaled_loss = scaling.scale(loss, weight)
+        else:
+            scaled_tasks = [scaling.scale(t, weight) for t in tasks]
+            if regularization is not None:
+                regularization = scaling.scale(regularization, weight)
+    if merger is None:
+        grads = tape.gradient(scaled_loss, [v.value for v in variables])
+        return loss, y_pred, scaling.unscale(grads, weight), share
+    # Each task's gradient is unscaled once, then merged.
+    merge = features.merger(merger) if features.active else merger
+    grads, _ = merge(
+        tape, scaled_tasks, regularization, variables,
+        unscale=lambda g: scaling.unscale(g, weight),
+        grad_scale=None if share is None else share.actual,
+        task_names=task_names(model),
+    )
+    return loss, y_pred, grads, share
+
+
+class _NoShares:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_SHARES = _NoShares()
+
+
+def _check_slices(model, x):
+    batch = first_input(x).shape[0]
+    if batch is not None and batch < model.micro_batches:
+        raise ValueError(
+            "`micro_batches` must not exceed the batch size (each slice "
+            f"needs a sample). Received: micro_batches={model.micro_batches} "
+            f"for a batch of {batch}. Fix: a larger `batch_size` or fewer "
+            "`micro_batches`."
+        )
+
+
+# --------------------------------------------------------- finite check
+def finite_check(model, state, batch):
+    """Is the micro-batch finite (on every replica: one small all-reduce,
+    so every replica decides alike)? Updates the loss scale. Returns a
+    `Verdict`."""
+    scaling = state.scaling
+    checked = finite.marks(batch.grads, batch.loss)
+    total = batch.normaliser
+    if num_replicas() > 1:
+        flags, total = replica_sum([finite.to_flags(checked), total])
+        checked = finite.from_flags(flags)
+    all_finite = finite.is_finite(checked)
+    drops = model.skip_nonfinite or scaling.active  # keep == finite
+    # Before `scaling.update`: the scale the micro-batch was dropped at.
+    counts = failed(all_finite, scaling) if scaling.active else None
+    scaling.update(all_finite)
+    return Verdict(
+        checked=checked, all_finite=all_finite,
+        keep=all_finite if drops else tf.constant(True),
+        drops=drops, counts=counts, total=total,
+    )
+
+
+def record_drop(model, state, checked, counts=None):
+    """Bookkeeping of a non-finite micro-batch (in the branch that runs
+    only then): where it went bad, and the divergence streak.
+
+    Args:
+        checked: The micro-batch's (global) `finite.marks` vector.
+        counts: Boolean scalar, whether the drop counts towards the streak
+            (`divergence.failed`, under loss scaling); `None`: it does.
+    """
+    first_bad, num_bad = finite.summarize(checked)
+    state.telemetry.record_drop(first_bad, num_bad)
+    if model.skip_nonfinite or state.scaling.active:
+        state.divergence.record_drop(tf.constant(True) if counts is None else counts)
+
+
+# ------------------------------------------------- update (or accumulate)
+def single_cond(model, state):
+    """One replica, no accumulation, default metrics: the update and the
+    metrics share one `cond` (`update_or_drop`)."""
+    return (
+        state.accumulator is None
+        and (model.skip_nonfinite or state.scaling.active)
+        and num_replicas() == 1
+        and type(model).compute_metrics is keras.Model.compute_metrics
+    )
+
+
+def update_or_drop(model, state, batch, verdict):
+    """One replica, no accumulation: the update and the metrics, or the
+    drop's bookkeeping, in a single `cond` (every `cond` costs a few ops
+    per step, which shows on short steps). Returns the metrics' logs."""
+
+    def apply():
+        update(model, state, batch.grads, verdict.total if batch.divide else None)
+        return _update_metrics(model, batch, compat.unscale_loss_for_distribution(batch.loss))
+
+    def drop():
+        record_drop(model, state, verdict.checked, verdict.counts)
+        return model.get_metrics_result()
+
+    return tf.cond(verdict.keep, apply, drop)
+
+
+def accumulate_or_apply(model, state, batch, verdict):
+    """Without accumulation: apply the (replica-summed) gradient, or record
+    the drop. With it: add to the window, and apply the window once
+    complete. Drop bookkeeping rides in the other branch of a `cond` the
+    step has anyway, where it can."""
+    acc = state.accumulator
+    drop = functools.partial(record_drop, model, state)
+    drop_args = (verdict.checked, verdict.counts)
+    not_finite = tf.logical_not(verdict.all_finite)
+    if acc is None:
+        apply = functools.partial(update, model, state)
+        update_args = (replica_sum(batch.grads), verdict.total if batch.divide else None)
+        if verdict.drops:
+            apply_if(verdict.keep, apply, args=update_args,
+                     otherwise=drop, otherwise_args=drop_args)
+        else:  # non-finite gradients are applied, as keras.Model does
+            apply_if(not_finite, drop, args=drop_args)
+            apply_if(verdict.keep, apply, args=update_args)
+        return
+    otherwise = None
+    if verdict.drops and num_replicas() == 1:
+        otherwise = functools.partial(drop, *drop_args)
+    else:
+        apply_if(not_finite, drop, args=drop_args)
+    window_complete = acc.add(batch.grads, verdict.total, verdict.keep, otherwise=otherwise)
+    apply_if(
+        tf.logical_and(window_complete, acc.has_samples()),
+        functools.partial(apply_window, model, state),
+    )
+
+
+def apply_window(model, state):
+    """Applies the accumulated window (sums / normaliser) and empties it."""
+    acc = state.accumulator
+    update(
+        model, state,
+        acc.window_sums(state.no_gradient_template()),
+        acc.normaliser if state.divide_window else None,
+    )
+    acc.reset()
+
+
+def flush(model, state):
+    """Applies a partial window, if it holds samples, and restarts it."""
+    apply_if(state.accumulator.has_samples(), functools.partial(apply_window, model, state))
+    state.accumulator.restart()
+
+
+def update(model, state, grads, normaliser=None):
+    """Normalise -> clip -> check -> apply -> record.
+
+    Runs in the update branch, in cross-replica context, on the global
+    gradient (weighted sums divided by `normaliser` when it is given).
+    """
+    if normaliser is not None:
+        grads = [scale(g, 1.0 / normaliser) for g in grads]
+    telemetry = state.telemetry
+    variables = model.trainable_variables
+    norm = was_clipped = None
+    if "grad_norm" in state.log_keys or model.clip_norm is not None:
+        norm = global_norm(grads)
+    telemetry.record_layer_norms(grads)
+    if model.clip_norm is not None:
+        grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, norm)
+    # Each micro-batch was finite, but a window's or the replicas' sum of
+    # finite gradients can overflow: checked here, right before the update
+    # (free with clipping: the norm is finite iff they all are).
+    if model.clip_norm is not None:
+        finite_update = tf.math.is_finite(norm)
+    elif state.accumulator is not None or num_replicas() > 1:
+        finite_update = finite.all_finite(grads)
+    else:
+        finite_update = None  # the micro-batch check covered these
+
+    def apply():
+        before = telemetry.snapshot(variables)
+        state.scaling.apply(grads, variables)
+        telemetry.record_update_ratio(before, variables)
+        telemetry.record_update(norm, was_clipped)
+        state.divergence.record_update()
+        return tf.constant(True)
+
+    def drop():
+        telemetry.record_dropped_update()
+        state.divergence.record_drop(tf.constant(True))
+        return tf.constant(False)
+
+    if finite_update is None:
+        apply()
+    else:
+        tf.cond(finite_update, apply, drop)
+
+
+# ------------------------------------------------------ metrics and logs
+def metrics_logs(model, keep, batch):
+    """Keras' `loss` tracker and metrics, left unchanged by a dropped
+    micro-batch (its NaN would make them NaN for the rest of the epoch),
+    as global results: one `cond`, in replica context."""
+    loss = compat.unscale_loss_for_distribution(batch.loss)
+    if type(model).compute_metrics is not keras.Model.compute_metrics:
+        # A user override may return other keys: call it as Keras does.
+        logs = _update_metrics(
+            model, batch, tf.where(keep, loss, 0.0), tf.where(keep, batch.num_samples, 0.0)
+        )
+    else:
+        logs = tf.cond(
+            keep, lambda: _update_metrics(model, batch, loss), model.get_metrics_result
+        )
+    return global_metric_results(model.metrics, logs)
+
+
+def _update_metrics(model, batch, loss, num_samples=None):
+    """Keras' `loss` tracker (weighted by the batch size, as Keras'
+    `train_step` does) and compiled metrics; returns the logs."""
+    compat.loss_tracker(model).update_state(
+        loss, sample_weight=batch.num_samples if num_samples is None else num_samples
+    )
+    return model.compute_metrics(
+        batch.x, batch.y, batch.y_pred, sample_weight=batch.sample_weight
+    )
+
+
+def with_telemetry(state, logs):
+    """The step's logs plus the requested telemetry keys."""
+    if state.log_keys:
+        measured = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables)
+        logs.update({k: v for k, v in measured.items() if k in state.log_keys})
+        if state.merger is not None:  # task keys, from the Gram matrix
+            logs.update(state.merger.logs())
+    return for_keras_reduction(logs)
