@@ -28,6 +28,17 @@ def replica_sum(values):
     return [None if v is None else next(reduced) for v in values]
 
 
+def first_replica(distribution, value):
+    """Replica 0's copy of `value` (a tensor, `None`, or a list/tuple of
+    them), in cross-replica context: the values a `merge_call` passes on
+    are per-replica."""
+    if isinstance(value, (list, tuple)):
+        return [first_replica(distribution, v) for v in value]
+    if value is None:
+        return None
+    return distribution.experimental_local_results(value)[0]
+
+
 def in_cross_replica_context(fn, *args):
     """Runs `fn(*args)` once in cross-replica context (for assigning state
     that is not mirrored per replica, like the loss scale). `args` must be
@@ -37,8 +48,7 @@ def in_cross_replica_context(fn, *args):
         return fn(*args)
 
     def merged(distribution, *args):
-        local = [distribution.experimental_local_results(a)[0] for a in args]
-        return fn(*local)
+        return fn(*(first_replica(distribution, a) for a in args))
 
     return context.merge_call(merged, args=args)
 

@@ -12,7 +12,6 @@ import keras
 from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import aggregators
 
-MULTITASK_NAMES = aggregators.NAMES
 
 
 def check_accumulation_steps(value):
@@ -43,7 +42,7 @@ def check_clip_norm(value):
 def check_multitask(value):
     """Returns `None` or the `Aggregator` for a multi-task method.
 
-    Accepts `None`, a name from `MULTITASK_NAMES`, an
+    Accepts `None`, a name from `aggregators.NAMES`, an
     `keras_fastgrad.aggregators.Aggregator` instance or its config dict (as
     `get_config` writes it).
     """
@@ -51,10 +50,10 @@ def check_multitask(value):
         return None
     if isinstance(value, aggregators.Aggregator) or isinstance(value, dict):
         return aggregators.get(value)
-    if isinstance(value, str) and value.lower() in MULTITASK_NAMES:
+    if isinstance(value, str) and value.lower() in aggregators.NAMES:
         return aggregators.get(value)
     raise ValueError(
-        f"`multitask` must be None or one of {list(MULTITASK_NAMES)}. "
+        f"`multitask` must be None or one of {list(aggregators.NAMES)}. "
         f"Received: multitask={value!r}. A custom method is an instance of "
         "`keras_fastgrad.aggregators.Aggregator`."
     )
@@ -265,3 +264,43 @@ def check_keras_supports_replicas(strategy):
             f"{replicas} replicas. Fix: `pip install \"keras>=3.10\"`, or "
             "train on one device (no strategy)."
         )
+
+
+def check_options(options):
+    """`FastGradModel`'s options (a dict with every name), validated:
+    the checked values, or the first Keras-style error."""
+    micro_batches = check_int(
+        "micro_batches", options["micro_batches"], 1,
+        " (slices of each batch, run one after the other)",
+    )
+    multitask = check_multitask(options["multitask"])
+    if micro_batches > 1 and multitask is not None and (
+        options["multitask_space"] == "features"
+    ):
+        raise ValueError(
+            "`micro_batches` and `multitask_space=\"features\"` cannot be "
+            "combined yet: the features-space merge needs each task's "
+            "gradient over the representation of the whole batch. Received: "
+            f"micro_batches={micro_batches}, multitask={multitask!r}, "
+            "multitask_space='features'. Fix: use `accumulation_steps` with "
+            "smaller batches, or `multitask_space=\"parameters\"`."
+        )
+    return {
+        "accumulation_steps": check_accumulation_steps(
+            options["accumulation_steps"]
+        ),
+        "clip_norm": check_clip_norm(options["clip_norm"]),
+        "multitask": multitask,
+        "skip_nonfinite": check_bool(
+            "skip_nonfinite", options["skip_nonfinite"]
+        ),
+        "telemetry": check_bool("telemetry", options["telemetry"]),
+        "micro_batches": micro_batches,
+        "max_consecutive_nonfinite": check_optional_int(
+            "max_consecutive_nonfinite", options["max_consecutive_nonfinite"], 1,
+            " (dropped micro-batches in a row before training stops) or None",
+        ),
+        **check_multitask_space(
+            options["multitask_space"], options["multitask_features"], multitask
+        ),
+    }

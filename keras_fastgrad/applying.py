@@ -16,12 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad._keras_compat import direct_merge_calls
-
-
-def _first_replica(distribution, value):
-    if value is None:
-        return None
-    return distribution.experimental_local_results(value)[0]
+from keras_fastgrad._replicas import first_replica
 
 
 def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()):
@@ -55,11 +50,7 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
         should_apply = tf.constant(bool(should_apply))
 
     def decide_and_apply(distribution, should_apply, *all_args):
-        first = lambda value: _first_replica(distribution, value)  # noqa: E731
-        local = [
-            [first(v) for v in a] if isinstance(a, (list, tuple)) else first(a)
-            for a in all_args
-        ]
+        local = [first_replica(distribution, a) for a in all_args]
         local_args, other_args = local[:num_args], local[num_args:]
 
         def apply():
@@ -76,7 +67,7 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
                 otherwise(*other_args)
             return tf.constant(False)
 
-        tf.cond(first(should_apply), apply, skip)
+        tf.cond(first_replica(distribution, should_apply), apply, skip)
 
     replica_context = tf.distribute.get_replica_context()
     if replica_context is None:  # already in cross-replica context

@@ -29,7 +29,6 @@ from keras_fastgrad._step_state import StepState
 from keras_fastgrad.divergence import TrainingLoss
 from keras_fastgrad.loss_scaling import LossScaling
 from keras_fastgrad.multitask import check_task_count
-from keras_fastgrad.slicing import check_micro_batches
 from keras_fastgrad.telemetry import LOG_KEYS, is_optional_key, layer_key
 
 
@@ -449,39 +448,7 @@ OPTION_NAMES = tuple(_DEFAULT_OPTIONS)
 def _checked_options(**options):
     """The constructor's options (defaults for those not given),
     validated (Keras-style errors)."""
-    options = {**_DEFAULT_OPTIONS, **options}
-    micro_batches = check_micro_batches(options["micro_batches"])
-    multitask = _validation.check_multitask(options["multitask"])
-    if micro_batches > 1 and multitask is not None and (
-        options["multitask_space"] == "features"
-    ):
-        raise ValueError(
-            "`micro_batches` and `multitask_space=\"features\"` cannot be "
-            "combined yet: the features-space merge needs each task's "
-            "gradient over the representation of the whole batch. Received: "
-            f"micro_batches={micro_batches}, multitask={multitask!r}, "
-            "multitask_space='features'. Fix: use `accumulation_steps` with "
-            "smaller batches, or `multitask_space=\"parameters\"`."
-        )
-    return {
-        "accumulation_steps": _validation.check_accumulation_steps(
-            options["accumulation_steps"]
-        ),
-        "clip_norm": _validation.check_clip_norm(options["clip_norm"]),
-        "multitask": multitask,
-        "skip_nonfinite": _validation.check_bool(
-            "skip_nonfinite", options["skip_nonfinite"]
-        ),
-        "telemetry": _validation.check_bool("telemetry", options["telemetry"]),
-        "micro_batches": micro_batches,
-        "max_consecutive_nonfinite": _validation.check_optional_int(
-            "max_consecutive_nonfinite", options["max_consecutive_nonfinite"], 1,
-            " (dropped micro-batches in a row before training stops) or None",
-        ),
-        **_validation.check_multitask_space(
-            options["multitask_space"], options["multitask_features"], multitask
-        ),
-    }
+    return _validation.check_options({**_DEFAULT_OPTIONS, **options})
 
 
 def _takes_options(cls):

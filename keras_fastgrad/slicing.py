@@ -26,7 +26,6 @@ from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad._forward import call_for_training, watching
 from keras_fastgrad._keras_compat import get_keras_mask, set_keras_mask
 from keras_fastgrad._replicas import num_replicas
-from keras_fastgrad._validation import check_int
 from keras_fastgrad.multitask import regularization_loss, task_losses, task_names
 from keras_fastgrad.weighting import LossShares, Share
 
@@ -226,11 +225,3 @@ def _take_back_extra_regularization(model, variables, grads, loss_sum, extra, fa
         for v, g in zip(variables, grads)
     ]
     return loss_sum - extra * penalty, grads
-
-
-def check_micro_batches(value):
-    """`micro_batches` must be an integer >= 1."""
-    return check_int(
-        "micro_batches", value, 1, " (slices of each batch, run one after the other)"
-    )
-

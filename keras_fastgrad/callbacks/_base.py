@@ -12,9 +12,6 @@ from keras_fastgrad._validation import (  # noqa: F401
     check_optional_path,
 )
 
-# The step's cumulative counters that callbacks difference between calls.
-COUNTERS = ("updates", "clipped_updates", "nonfinite_count")
-
 
 class FastGradCallback(keras.callbacks.Callback):
     """Base class of the callbacks that read `FastGradModel`'s telemetry.
@@ -101,13 +98,3 @@ class FastGradCallback(keras.callbacks.Callback):
 
     def check_model(self, model):
         """Hook: raise if this callback's settings do not fit `model`."""
-
-
-def read_counters(model):
-    """The model's cumulative step counters now (`model.telemetry_counters`).
-
-    Callbacks difference the counters between calls; this gives the value
-    before the first call of a `fit`.
-    """
-    counters = model.telemetry_counters()
-    return {name: counters[name] for name in COUNTERS}

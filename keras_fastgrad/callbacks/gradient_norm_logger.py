@@ -138,7 +138,7 @@ class GradientNormLogger(_base.FastGradCallback):
     # ------------------------------------------------------------- training
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        self._epoch_start = _base.read_counters(self.model)
+        self._epoch_start = self.model.telemetry_counters()
         self._keys = self._logged_keys()
         self._batches_before_epoch = self._last_written = self._step = 0
         if self.tensorboard_dir is not None:
@@ -165,7 +165,7 @@ class GradientNormLogger(_base.FastGradCallback):
             return
         self._add_clipped_fraction(logs)
         if self.clip_fraction:
-            self._epoch_start = {k: logs.get(k, 0.0) for k in _base.COUNTERS}
+            self._epoch_start = {k: logs.get(k, 0.0) for k in self._epoch_start}
         if self._writer is not None:
             self._writer.scalars(self._present(logs), epoch, "epoch_")
             if self.histogram_freq and (epoch + 1) % self.histogram_freq == 0:

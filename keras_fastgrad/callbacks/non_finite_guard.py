@@ -102,7 +102,7 @@ class NonFiniteGuard(_base.FastGradCallback):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        self._seen = _base.read_counters(self.model)["nonfinite_count"]
+        self._seen = self.model.telemetry_counters()["nonfinite_count"]
         self._epoch = self._begin = 0
         self._pending, self._latest = 0, None  # warn: count and latest report this epoch
 
