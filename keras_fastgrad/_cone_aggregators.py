@@ -15,7 +15,7 @@ once it satisfies the KKT conditions.
 
 import tensorflow as tf
 
-from keras_fastgrad import aggregators
+from keras_fastgrad import _aggregator_base as aggregators
 from keras_fastgrad._solvers import _eps, _tiny
 
 

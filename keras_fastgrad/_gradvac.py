@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad import aggregators
+from keras_fastgrad import _aggregator_base as aggregators
 from keras_fastgrad._cone_aggregators import _check_number
 from keras_fastgrad._solvers import _eps, _tiny
 

@@ -11,7 +11,7 @@ official code runs a sequence of convex programs with cvxpy/ECOS.
 
 import tensorflow as tf
 
-from keras_fastgrad import aggregators
+from keras_fastgrad import _aggregator_base as aggregators
 from keras_fastgrad._cone_aggregators import _check_number, _finite_or_nan
 from keras_fastgrad._solvers import _eps, _tiny
 
