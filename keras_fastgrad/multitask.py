@@ -359,39 +359,29 @@ class TaskMerger:
                 per_task[t][k] = g
             grad_scale = summed[-1]
 
-        # The Gram matrix over the shared variables, one variable at a time
-        # and one task pair at a time: `<g_a, g_b>` as a `[1, P] x [P, 1]`
-        # matmul of the flat views (a reshape, no copy). Stacking the `T`
-        # gradients first (`[T, P]`, then one `T x T` matmul) writes a copy
-        # of all of them and is ~4x slower on CPU (benchmarks/bench_multitask.py).
-        dense = {}  # (t, k) -> task t's dense gradient of shared variable k
-        products = {}  # (a, b), a <= b -> list of [1, 1] partial products
+        # The Gram matrix over the shared variables, one variable at a time:
+        # the `[S, P_k]` stack is reused by the merge (no flat vector).
+        stacked = {}
+        gram = tf.zeros([num_tasks, num_tasks], tf.float32)
         for reaching, indices in groups.items():
+            partial = 0.0
             for k in indices:
-                flat = {}
-                for t in reaching:
-                    # (an `IndexedSlices` gradient of a shared variable is
-                    # densified, as `tf.add_n` would)
-                    dense[t, k] = tf.convert_to_tensor(per_task[t][k])
-                    flat[t] = tf.reshape(dense[t, k], [1, -1])
-                for i, a in enumerate(reaching):
-                    for b in reaching[i:]:
-                        products.setdefault((a, b), []).append(
-                            tf.matmul(flat[a], flat[b], transpose_b=True)
-                        )
-        gram = _symmetric(products, num_tasks)
+                rows = tf.stack([per_task[t][k] for t in reaching])
+                stacked[k] = tf.reshape(rows, [len(reaching), -1])
+                partial += tf.matmul(stacked[k], stacked[k], transpose_b=True)
+            select = tf.one_hot(reaching, num_tasks, dtype=tf.float32)  # [S, T]
+            gram += tf.matmul(select, tf.matmul(partial, select), transpose_a=True)
         if grad_scale is not None:
             gram = gram / tf.square(tf.cast(grad_scale, tf.float32))
 
         weights, info, new_state = self.weigh(gram)
         # Each replica's share of the global merged gradient (see __call__).
         shares = weights / replicas if replicas > 1 else weights
-        task_shares = tf.unstack(shares) if groups else []
         for reaching, indices in groups.items():
+            w = tf.gather(shares, reaching)
             for k in indices:
-                merged[k] = _weighted_sum(
-                    [task_shares[t] for t in reaching], [dense[t, k] for t in reaching]
-                )
+                flat = tf.linalg.matvec(stacked[k], w, transpose_a=True)
+                merged[k] = tf.reshape(flat, tf.shape(per_task[reaching[0]][k]))
 
         if reg_grads is not None:
             merged = [
@@ -475,26 +465,6 @@ def _variable(value, name):
         value, dtype="float32", trainable=False, autocast=False,
         aggregation="only_first_replica", name=name,
     )
-
-
-def _weighted_sum(weights, grads):
-    """`sum_t w_t g_t`: `T` scalings and one `add_n` (no `[T, P]` stack)."""
-    return tf.add_n([w * g for w, g in zip(weights, grads)])
-
-
-def _symmetric(products, num_tasks):
-    """The `[T, T]` float32 Gram matrix from its upper triangle's partial
-    products (`{(a, b): [[1, 1], ...]}`, a <= b; a missing pair is 0)."""
-    zero = tf.zeros([], tf.float32)
-    entries = {
-        pair: tf.cast(tf.reshape(tf.add_n(terms), []), tf.float32)
-        for pair, terms in products.items()
-    }
-    rows = [
-        tf.stack([entries.get((min(a, b), max(a, b)), zero) for b in range(num_tasks)])
-        for a in range(num_tasks)
-    ]
-    return tf.stack(rows)
 
 
 def _float32(grads):
