@@ -50,8 +50,6 @@ References:
     https://arxiv.org/abs/2001.06782
 """
 
-import threading
-
 import keras
 import tensorflow as tf
 from keras import tree
@@ -224,9 +222,9 @@ class TaskMerger:
     Args:
         aggregator: A `keras_fastgrad.aggregators.Aggregator` (or a name).
 
-    The telemetry of the latest call is recorded by `logs` in float32
-    variables, created on the first call for the task names it gets (they
-    are measurements: not saved with the model).
+    The telemetry of the latest call lives in float32 variables, created on
+    the first call for the task names it gets (they are measurements: not
+    saved with the model; `logs` reads them).
 
     Example:
 
@@ -251,9 +249,6 @@ class TaskMerger:
         self.aggregator = aggregators.get(aggregator)
         self.task_names = None
         self._norms = self._cosine = self._conflicts = None
-        # The latest merge's telemetry, for `logs`, per thread: the replicas
-        # of a `MirroredStrategy` trace the step in threads of their own.
-        self._latest = {}
 
     def build(self, task_names):
         """Creates the telemetry variables for these task names."""
@@ -394,19 +389,17 @@ class TaskMerger:
 
     def weigh(self, gram):
         """The aggregator's float32 task weights for `gram` (`[T, T]`, of
-        the true gradients). Returns `(weights, info, new_state)`: `info` as
-        `aggregators.gram_telemetry`, `new_state` a stateful aggregator's
-        next state (for `commit_state`; empty otherwise). Also used by the
-        features-space merge (`keras_fastgrad.feature_space`).
-
-        The telemetry is kept for `logs`, which records it: a step that
-        never reads the task keys computes none of it (in a `tf.function`
-        unused ops are pruned; assigning the variables here every step
-        cost ~3% of the benchmark's PCGrad step, `bench_multitask.py`)."""
+        the true gradients); records the telemetry. Returns `(weights,
+        info, new_state)`: `info` as `aggregators.gram_telemetry`,
+        `new_state` a stateful aggregator's next state (for `commit_state`;
+        empty otherwise). Also used by the features-space merge
+        (`keras_fastgrad.feature_space`)."""
         weights, new_state = self.aggregator.weights_and_state(gram)
         weights = tf.cast(weights, tf.float32)
         info = aggregators.gram_telemetry(gram)
-        self._latest[threading.get_ident()] = info
+        self._norms.assign(info["norms"])
+        self._cosine.assign(info["cosine"])
+        self._conflicts.assign(tf.cast(info["num_conflicts"], tf.float32))
         return weights, info, new_state
 
     def commit_state(self, new_state, merged, losses_finite=None):
@@ -422,19 +415,9 @@ class TaskMerger:
             variable.assign(tf.where(keep, value, variable.value))
 
     def logs(self):
-        """The latest telemetry as float32 scalars under fixed log keys.
-
-        Records the telemetry of the latest merge first when it is usable
-        here (eagerly, or in the graph that merged, e.g. at the end of the
-        same train step); otherwise returns the last recorded values.
-        """
+        """The latest telemetry as float32 scalars under fixed log keys."""
         if self.task_names is None:
             return {}
-        latest = self._latest.pop(threading.get_ident(), None)
-        if latest is not None and _usable_here(latest["norms"]):
-            self._norms.assign(latest["norms"])
-            self._cosine.assign(latest["cosine"])
-            self._conflicts.assign(tf.cast(latest["num_conflicts"], tf.float32))
         names = self.task_names
         logs = {
             f"{NORM_PREFIX}{name}": self._norms[i] for i, name in enumerate(names)
@@ -444,19 +427,6 @@ class TaskMerger:
                 logs[f"{COSINE_PREFIX}{names[i]}/{names[j]}"] = self._cosine[i, j]
         logs[CONFLICTS] = tf.identity(self._conflicts.value)
         return logs
-
-
-def _usable_here(tensor):
-    """Whether `tensor` can be used in the current context: eager, or from
-    the graph being built or one it is nested in (a capture)."""
-    if not tf.is_symbolic_tensor(tensor):
-        return tf.executing_eagerly()
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        if graph is tensor.graph:
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
 
 
 def _variable(value, name):
