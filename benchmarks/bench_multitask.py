@@ -41,7 +41,10 @@ parameter space (T trunk backward passes) and PCGrad with
 - parameters PCGrad / keras.Model, features / parameters PCGrad.
 
 `--target`: only the rows of the T=4 target (floor, PCGrad, merge and sum
-alone), so more rounds fit in a few minutes. Writes
+alone), 16 rounds of 24-step epochs (about 2 minutes on 2 cores). Epochs
+of 4 steps (`--quick`) are short against `fit`'s own per-epoch work and
+the noise of a shared machine: their per-round PCGrad / floor ratios
+spread from ~0.75 to ~2. Writes
 benchmarks/out/multitask.json (`--space`: multitask_space.json).
 """
 
@@ -274,6 +277,8 @@ def main():
     parser.add_argument("--steps", type=int, help="override the steps per epoch")
     args = parser.parse_args()
     rounds, steps = (5, 4) if args.quick else (12, 8)
+    if args.target:  # long epochs: fit's per-epoch overhead and noise shrink
+        rounds, steps = 16, 24
     rounds, steps = args.rounds or rounds, args.steps or steps
     if args.space:
         return spaces(rounds, steps)
