@@ -118,7 +118,6 @@ VIEWS = {"Reshape", "Identity", "Placeholder", "Squeeze", "ExpandDims",
 
 
 def _merge_graph(num_tasks=4, shapes=((300, 200), (200,), (200, 100), (100,))):
-    per_task = [[tf.zeros(s) for s in shapes] for _ in range(num_tasks)]
     merger = TaskMerger("pcgrad")
 
     @tf.function(autograph=False)
