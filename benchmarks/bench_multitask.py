@@ -1,6 +1,7 @@
 """Cost of multi-task merging (issue 4), ratios in one process, interleaved.
 
-    python benchmarks/bench_multitask.py [--quick]
+    python benchmarks/bench_multitask.py [--quick | --target | --space]
+                                         [--rounds N] [--steps N]
 
 Model: 784 -> 3 x 1024 Dense relu (shared trunk) -> T heads Dense(10),
 sparse categorical cross-entropy per head, Adam, batch 256, synthetic data
@@ -14,9 +15,13 @@ from round to round, after a warm-up fit (tracing is not timed). Ratios
   summed-loss step (one backward pass). Any per-task method pays this.
 - PCGrad / floor: `FastGradModel(multitask="pcgrad")` / the floor.
   Target <= 1.05 at T=4 (the merge is nearly free).
-- PCGrad / FastGradModel floor: the same FastGradModel step with the task
-  gradients summed instead of merged: the cost of the merge alone (stack,
-  Gram matrix, weights, `w^T J`) without the chain's own overhead.
+- merge alone / sum alone: `TaskMerger("pcgrad").merge` (Gram matrix,
+  weights, `w^T J`) / `tf.add_n` per variable, both in a `tf.function` on
+  the same fixed T task gradients of this model (public API only). Printed
+  with it: the merge's extra time as a share of the floor's step,
+  `(median merge - median sum) / median floor step`; the rest of
+  `PCGrad / floor - 1` is FastGradModel's step around the backward passes
+  (finite check, `cond`, telemetry, ...).
 - PCGrad / naive PCGrad: / a step of the tutorial kind: shared gradients
   flattened into one vector per task, pairwise projections in vector space
   (the same algorithm, O(T^2 P) vector work). Target <= 0.75.
@@ -35,12 +40,18 @@ parameter space (T trunk backward passes) and PCGrad with
 - features PCGrad / keras.Model: target <= 1.20 at T=4.
 - parameters PCGrad / keras.Model, features / parameters PCGrad.
 
-Writes benchmarks/out/multitask.json (`--space`: multitask_space.json).
+`--target`: only the rows of the T=4 target (floor, PCGrad, merge and sum
+alone), 16 rounds of 24-step epochs (about 2 minutes on 2 cores). Epochs
+of 4 steps (`--quick`) are short against `fit`'s own per-epoch work and
+the noise of a shared machine: their per-round PCGrad / floor ratios
+spread from ~0.75 to ~2. Writes
+benchmarks/out/multitask.json (`--space`: multitask_space.json).
 """
 
 import argparse
 import json
 import os
+import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -169,18 +180,41 @@ class NaivePCGrad(_TaskStep):
         return grads
 
 
-class SummingMerger(TaskMerger):
-    """The floor inside FastGradModel: the same step, the task gradients
-    summed instead of merged (isolates the merge's cost)."""
+def merge_fns(num_tasks, x, y, steps):
+    """(merge, total): zero-argument functions that each time `steps`
+    calls of `TaskMerger("pcgrad").merge` / a per-variable `tf.add_n` on
+    the same fixed task gradients (the floor model's, on one batch)."""
+    model = mlp(Floor, num_tasks)
+    model.compile(loss={name: keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+                        for name in model.output_names})
+    xb, yb = x[:BATCH], {k: v[:BATCH] for k, v in y.items()}
+    variables = model.trainable_variables
+    with tf.GradientTape(persistent=True) as tape:
+        tasks = task_losses(model, yb, model(xb, training=True))
+    per_task = [tape.gradient(t, variables) for t in tasks]
+    merger = TaskMerger("pcgrad")
 
-    def merge(self, per_task, reg_grads=None, grad_scale=None, losses_finite=None):
-        return [_sum(c) for c in zip(*per_task)], {}
+    @tf.function(autograph=False)
+    def merge(grads):
+        return merger.merge(grads)[0]
 
+    @tf.function(autograph=False)
+    def total(grads):
+        return [_sum(c) for c in zip(*grads)]
 
-def fastgrad_floor(num_tasks):
-    model = mlp(keras_fastgrad.FastGradModel, num_tasks, multitask="sum")
-    model._fg_merger = SummingMerger("sum")
-    return model
+    def timed(fn):
+        def run():
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn(per_task)
+            run.times.append(time.perf_counter() - start)
+
+        run.times = []
+        run()  # trace
+        run.times.clear()
+        return run
+
+    return timed(merge), timed(total)
 
 
 def fit_fn(model, x, y):
@@ -237,38 +271,49 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--space", action="store_true",
                         help="only the features- vs parameter-space rows")
+    parser.add_argument("--target", action="store_true",
+                        help="only the PCGrad / floor target's rows, at T=4")
+    parser.add_argument("--rounds", type=int, help="override the round count")
+    parser.add_argument("--steps", type=int, help="override the steps per epoch")
     args = parser.parse_args()
     rounds, steps = (5, 4) if args.quick else (12, 8)
+    if args.target:  # long epochs: fit's per-epoch overhead and noise shrink
+        rounds, steps = 16, 24
+    rounds, steps = args.rounds or rounds, args.steps or steps
     if args.space:
         return spaces(rounds, steps)
-    # Quick mode measures the issue's target case only (T=4).
-    task_counts = (4,) if args.quick else (2, 4)
-    results, targets, best_ms = {}, {}, {}
+    # Quick and target modes measure the issue's target case only (T=4).
+    task_counts = (4,) if args.quick or args.target else (2, 4)
+    results, targets, best_ms, extra = {}, {}, {}, {}
     for num_tasks in task_counts:
         rng = np.random.default_rng(0)
         x = rng.normal(size=(BATCH * steps, 784)).astype("float32")
         y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32")
              for t in range(num_tasks)}
         run = {
-            "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
             "floor": fit_fn(mlp(Floor, num_tasks), x, y),
             "pcgrad": fit_fn(
                 mlp(keras_fastgrad.FastGradModel, num_tasks, multitask="pcgrad"), x, y
             ),
-            "fg_floor": fit_fn(fastgrad_floor(num_tasks), x, y),
-            "naive": fit_fn(mlp(NaivePCGrad, num_tasks), x, y),
-            "jacobian": fit_fn(mlp(JacobianFloor, num_tasks), x, y),
-            "batched": fit_fn(mlp(BatchedCotangentFloor, num_tasks), x, y),
         }
+        if not args.target:
+            run.update({
+                "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
+                "naive": fit_fn(mlp(NaivePCGrad, num_tasks), x, y),
+                "jacobian": fit_fn(mlp(JacobianFloor, num_tasks), x, y),
+                "batched": fit_fn(mlp(BatchedCotangentFloor, num_tasks), x, y),
+            })
+        run["merge"], run["sum"] = merge_fns(num_tasks, x, y, steps)
         pairs = [
             ("floor / keras.Model summed loss", "floor", "keras", "about 2 at T=4 (issue)"),
             ("PCGrad / floor", "pcgrad", "floor", "<= 1.05 at T=4"),
-            ("PCGrad / FastGradModel floor (merge cost)", "pcgrad", "fg_floor", "lower is better"),
+            ("merge alone / sum alone (fixed gradients)", "merge", "sum", "lower is better"),
             ("PCGrad / naive PCGrad", "pcgrad", "naive", "<= 0.75"),
             ("jacobian floor / tape-loop floor", "jacobian", "floor", "< 1 to switch"),
             ("batched-cotangent floor / tape-loop floor", "batched", "floor", "< 1 to switch"),
             ("PCGrad / keras.Model summed loss", "pcgrad", "keras", "for the README"),
         ]
+        pairs = [p for p in pairs if p[1] in run and p[2] in run]
         named = [(f"T={num_tasks}: {name}", run[a], run[b]) for name, a, b, _ in pairs]
         ratios = interleaved_ratios(named, rounds)
         # On a shared machine bursts of other work hit single rounds; the
@@ -278,10 +323,14 @@ def main():
         results.update(ratios)
         targets.update({f"T={num_tasks}: {name}": t for name, _, _, t in pairs})
         best_ms[num_tasks] = {k: 1000 * min(f.times) / steps for k, f in run.items()}
-    _report(rounds, steps, results, targets, best_ms)
+        median = {k: statistics.median(f.times) for k, f in run.items()}
+        extra[f"T={num_tasks}: merge's extra time / floor step"] = (
+            (median["merge"] - median["sum"]) / median["floor"]
+        )
+    _report(rounds, steps, results, targets, best_ms, extra=extra)
 
 
-def _report(rounds, steps, results, targets, best_ms, out_name="multitask"):
+def _report(rounds, steps, results, targets, best_ms, out_name="multitask", extra=None):
     report(
         f"Multi-task step-time ratios ({rounds} rounds x {steps} steps, batch {BATCH})",
         results,
@@ -291,6 +340,9 @@ def _report(rounds, steps, results, targets, best_ms, out_name="multitask"):
     print(f"\n{'ratio of best epoch times':58s} {'best':>7s}")
     for name, r in results.items():
         print(f"{name:58s} {r['best_epoch_ratio']:7.3f}")
+    for name, value in (extra or {}).items():
+        print(f"{name:58s} {value:7.3f}  (medians; PCGrad / floor - 1 - this "
+              "= FastGradModel's step around the backward passes)")
     print("\nbest ms per step: " + "; ".join(
         f"T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
         for t, ms in best_ms.items()
@@ -299,6 +351,7 @@ def _report(rounds, steps, results, targets, best_ms, out_name="multitask"):
     with open(path) as f:
         saved = json.load(f)
     saved["best_ms_per_step"] = {f"T={t}": ms for t, ms in best_ms.items()}
+    saved.update(extra or {})
     with open(path, "w") as f:
         json.dump(saved, f, indent=2)
 

@@ -222,9 +222,9 @@ class TaskMerger:
     Args:
         aggregator: A `keras_fastgrad.aggregators.Aggregator` (or a name).
 
-    The telemetry of the latest call lives in float32 variables
-    (`variables`), created on the first call for the task names it gets
-    (they are measurements: not saved with the model).
+    The telemetry of the latest call lives in float32 variables, created on
+    the first call for the task names it gets (they are measurements: not
+    saved with the model; `logs` reads them).
 
     Example:
 
@@ -264,12 +264,6 @@ class TaskMerger:
             # the model's `multitask` attribute).
             self.aggregator.build(num_tasks)
         self.task_names = task_names
-
-    @property
-    def variables(self):
-        if self.task_names is None:
-            return []
-        return [self._norms, self._cosine, self._conflicts]
 
     def __call__(
         self,
