@@ -138,7 +138,7 @@ def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
     grads, _ = merge(
         tape, scaled_tasks, regularization, variables,
         unscale=lambda g: scaling.unscale(g, weight),
-        grad_scale=None if share is None else share.actual,
+        share=None if share is None else share.actual,
         task_names=task_names(model),
     )
     return loss, y_pred, grads, share

@@ -82,7 +82,7 @@ class _Step(Capture):
 
 # ------------------------------------------------------------------ merge
 def merge(capture, merger, tape, task_losses, regularization, variables,
-          unscale=None, grad_scale=None, task_names=None):
+          unscale=None, share=None, task_names=None):
     """Merged float32 gradients, as `TaskMerger.__call__` but in `Z` space.
 
     Args and returns as `keras_fastgrad.multitask.TaskMerger.__call__`;
@@ -126,9 +126,9 @@ def merge(capture, merger, tape, task_losses, regularization, variables,
     ])
     gram = tf.matmul(flat, flat, transpose_b=True)
     if num_replicas() > 1:  # the global batch's Gram: one small all-reduce
-        gram, grad_scale = replica_sum([gram, grad_scale])
-    if grad_scale is not None:
-        gram = gram / tf.square(tf.cast(grad_scale, tf.float32))
+        gram, share = replica_sum([gram, share])
+    if share is not None:
+        gram = gram / tf.square(tf.cast(share, tf.float32))
     weights, info, new_state = merger.weigh(gram)
 
     # ONE trunk backward, in the scaled domain (float16 keeps its range).

@@ -272,7 +272,7 @@ class TaskMerger:
         regularization,
         variables,
         unscale=None,
-        grad_scale=None,
+        share=None,
         task_names=None,
     ):
         """Merged float32 gradients for `variables` and the Gram telemetry.
@@ -286,9 +286,10 @@ class TaskMerger:
             unscale: Callable mapping a gradient list to the gradients of
                 the unscaled losses (identity if `None`); applied to every
                 task gradient before merging.
-            grad_scale: Optional float32 scalar by which the unscaled
-                gradients exceed the true ones (the sample count under
-                accumulation). The Gram matrix is divided by its square
+            share: Optional float32 scalar, the micro-batch's share of its
+                window (`weighting.Share.actual`: its loss's normaliser,
+                where micro-batches are combined) by which the gradients
+                exceed those of its mean loss. The Gram matrix is divided by its square
                 before the aggregator and the telemetry see it; the merged
                 gradient keeps the factor (the aggregators are homogeneous).
             task_names: Names for the log keys (`task_<i>` if `None`).
@@ -323,9 +324,9 @@ class TaskMerger:
         if self.aggregator.state_variables:
             losses = task_losses + [r for r in [regularization] if r is not None]
             losses_finite = finite.all_finite(losses)
-        return self.merge(per_task, reg_grads, grad_scale, losses_finite)
+        return self.merge(per_task, reg_grads, share, losses_finite)
 
-    def merge(self, per_task, reg_grads=None, grad_scale=None, losses_finite=None):
+    def merge(self, per_task, reg_grads=None, share=None, losses_finite=None):
         """Merges `T` gradient lists (`None` = not reached), see `__call__`.
 
         A stateful aggregator's new state is assigned only when the merged
@@ -348,11 +349,11 @@ class TaskMerger:
         replicas = num_replicas()
         if replicas > 1:  # merge the global task gradients (one all-reduce)
             shared = [(t, k) for r, ks in groups.items() for k in ks for t in r]
-            summed = replica_sum([per_task[t][k] for t, k in shared] + [grad_scale])
+            summed = replica_sum([per_task[t][k] for t, k in shared] + [share])
             per_task = [list(row) for row in per_task]
             for (t, k), g in zip(shared, summed):
                 per_task[t][k] = g
-            grad_scale = summed[-1]
+            share = summed[-1]
 
         # The Gram matrix over the shared variables, one variable at a time:
         # the `[S, P_k]` stack is reused by the merge (no flat vector).
@@ -366,8 +367,8 @@ class TaskMerger:
                 partial += tf.matmul(stacked[k], stacked[k], transpose_b=True)
             select = tf.one_hot(reaching, num_tasks, dtype=tf.float32)  # [S, T]
             gram += tf.matmul(select, tf.matmul(partial, select), transpose_a=True)
-        if grad_scale is not None:
-            gram = gram / tf.square(tf.cast(grad_scale, tf.float32))
+        if share is not None:
+            gram = gram / tf.square(tf.cast(share, tf.float32))
 
         weights, info, new_state = self.weigh(gram)
         # Each replica's share of the global merged gradient (see __call__).

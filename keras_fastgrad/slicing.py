@@ -177,7 +177,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
         grads, _ = merger.merge(
             sums[:num_tasks],
             regularized if has_regularization else None,
-            grad_scale=actual_sum,
+            share=actual_sum,
             losses_finite=tf.math.is_finite(loss_sum),
         )
     merged = []

@@ -62,3 +62,47 @@ def pcgrad_np(J, orders):
                 g = g - dot / (J[j] @ J[j]) * J[j]
         merged += g
     return merged
+
+
+def run_mirrored_multitask(tmp_path, module, method):
+    """Runs `tests/mirrored_multitask.py` for a test module and an
+    aggregator in a fresh process; returns its result per accumulation
+    setting (`{"acc1": {...}, "acc2": {...}}`)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests)
+    out = tmp_path / "result.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, os.path.join(tests, "mirrored_multitask.py"), str(out), module, method],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def mgda_np(gram):
+    """min_{w in simplex} w^T G w, exactly: KKT on every support set."""
+    import itertools
+
+    num, best = len(gram), (np.inf, None)
+    for size in range(1, num + 1):
+        for support in itertools.combinations(range(num), size):
+            s = list(support)
+            kkt = np.zeros((size + 1, size + 1))
+            kkt[:size, :size], kkt[:size, size], kkt[size, :size] = gram[np.ix_(s, s)], 1, 1
+            try:
+                sol = np.linalg.solve(kkt, np.r_[np.zeros(size), 1.0])
+            except np.linalg.LinAlgError:
+                continue
+            if np.all(sol[:size] >= -1e-12):
+                w = np.zeros(num)
+                w[s] = sol[:size]
+                if w @ gram @ w < best[0]:
+                    best = (w @ gram @ w, w)
+    return best[1]

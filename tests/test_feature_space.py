@@ -21,7 +21,7 @@ import tensorflow as tf
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.feature_space import find_features
-from helpers import pcgrad_np
+from helpers import mgda_np, pcgrad_np, run_mirrored_multitask
 
 LR = 0.1
 TASKS = ("a", "b", "c")
@@ -80,26 +80,6 @@ def by_hand(model, x, y, loss_weights=None):
         grads[t] = {p: (np.zeros(w[p].shape) if gi is None else gi.numpy().astype("float64"))
                     for p, gi in g.items()}
     return np.stack(dz), grads
-
-
-def mgda_np(gram):
-    """min_{w in simplex} w^T G w, exactly: KKT on every support set."""
-    num, best = len(gram), (np.inf, None)
-    for size in range(1, num + 1):
-        for support in itertools.combinations(range(num), size):
-            s = list(support)
-            kkt = np.zeros((size + 1, size + 1))
-            kkt[:size, :size], kkt[:size, size], kkt[size, :size] = gram[np.ix_(s, s)], 1, 1
-            try:
-                sol = np.linalg.solve(kkt, np.r_[np.zeros(size), 1.0])
-            except np.linalg.LinAlgError:
-                continue
-            if np.all(sol[:size] >= -1e-12):
-                w = np.zeros(num)
-                w[s] = sol[:size]
-                if w @ gram @ w < best[0]:
-                    best = (w @ gram @ w, w)
-    return best[1]
 
 
 def pcgrad_weights_np(dz, orders):
@@ -446,49 +426,9 @@ def test_save_load_keeps_the_options(tmp_path):
 
 
 # ------------------------------------------------------------ tf.distribute
-_MIRRORED = r"""
-import json, os, sys
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import numpy as np
-sys.path.insert(0, os.path.join(sys.argv[2], "tests"))
-from test_feature_space import build, compiled, make_data, weights_of
-
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-x, y = make_data(n=11)  # global batches 4, 4, 3: the last splits 2 / 1
-result = {}
-for acc in (1, 2):
-    runs = []
-    for distributed in (False, True):
-        scope = strategy.scope() if distributed else tf.init_scope()
-        with scope:
-            model = compiled(build(multitask="mgda", accumulation_steps=acc, telemetry=True))
-        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
-        runs.append((list(weights_of(model).values()), history))
-    result[f"acc{acc}"] = {
-        "max_weight_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(runs[0][0], runs[1][0])),
-        "norm_a": [runs[0][1]["task_grad_norm/a"][-1], runs[1][1]["task_grad_norm/a"][-1]],
-    }
-json.dump(result, open(sys.argv[1], "w"))
-"""
-
-
 def test_mirrored_strategy_uses_the_global_gram(tmp_path):
     # Two logical CPUs need a fresh process. Per-replica Gram matrices (each
     # replica weighting its own half batch) would differ from one device.
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "result.json"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", _MIRRORED, str(out), root],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for case in json.loads(out.read_text()).values():
+    for case in run_mirrored_multitask(tmp_path, "test_feature_space", "mgda").values():
         assert case["max_weight_diff"] < 1e-5
         np.testing.assert_allclose(case["norm_a"][0], case["norm_a"][1], rtol=1e-5)

@@ -100,7 +100,7 @@ def test_merge_matches_numpy_for_partly_shared_and_sparse_gradients():
 
 def test_merge_with_grad_scale_divides_the_gram_only():
     per_task, values = _gradients(seed=1)
-    merged, info = TaskMerger(RowSums()).merge(per_task, grad_scale=tf.constant(2.0))
+    merged, info = TaskMerger(RowSums()).merge(per_task, share=tf.constant(2.0))
     scaled = [[None if v is None else v / 2.0 for v in row] for row in values]
     gram, w, _ = _reference(scaled)  # the true gradients' Gram and weights
     _, _, expected = _reference(values)

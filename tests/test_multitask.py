@@ -18,7 +18,7 @@ import tensorflow as tf
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask import regularization_loss, task_losses
-from helpers import needs_multi_replica_keras, pcgrad_np
+from helpers import needs_multi_replica_keras, pcgrad_np, run_mirrored_multitask
 
 LR = 0.1
 TASKS = ("a", "b", "c")
@@ -460,37 +460,12 @@ def test_task_keys_are_accepted_by_enable_telemetry():
 
 
 # ------------------------------------------------------------ tf.distribute
-_MIRRORED = r"""
-import json, os, sys
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import numpy as np
-sys.path.insert(0, os.path.join(sys.argv[2], "tests"))
-from test_multitask import build, compiled, make_data, weights_of, task_gradients, reference_model, shared_mask, flat
-
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-x, y = make_data(n=11)  # global batches 4, 4, 3: the last splits 2 / 1
-result = {}
-for acc in (1, 2):
-    runs = []
-    for distributed in (False, True):
-        if distributed:
-            with strategy.scope():
-                model = compiled(build(multitask="pcgrad", accumulation_steps=acc, telemetry=True))
-        else:
-            model = compiled(build(multitask="pcgrad", accumulation_steps=acc, telemetry=True))
-        grads = task_gradients(reference_model(model), x[:4], {t: v[:4] for t, v in y.items()})
-        J = [flat(grads[t], shared_mask(model)) for t in "ab"]
-        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
-        runs.append((weights_of(model), history))
-    result[f"acc{acc}"] = {
-        "first_batch_conflicts": bool(J[0] @ J[1] < 0),
-        "max_weight_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(runs[0][0], runs[1][0])),
-        "norm_a": [runs[0][1]["task_grad_norm/a"][-1], runs[1][1]["task_grad_norm/a"][-1]],
-    }
-json.dump(result, open(sys.argv[1], "w"))
-"""
+def mirrored_probe(model, x, y):
+    """For tests/mirrored_multitask.py: do the tasks conflict on the first
+    batch (else a per-replica merge could not differ)?"""
+    grads = task_gradients(reference_model(model), x[:4], {t: v[:4] for t, v in y.items()})
+    J = [flat(grads[t], shared_mask(model)) for t in "ab"]
+    return {"first_batch_conflicts": bool(J[0] @ J[1] < 0)}
 
 
 @needs_multi_replica_keras
@@ -498,21 +473,7 @@ def test_mirrored_strategy_merges_the_global_task_gradients(tmp_path):
     # Two logical CPUs need a fresh process. A per-replica merge (each
     # replica merging its own half-batch gradients) would differ from the
     # single-device run whenever the tasks conflict.
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "result.json"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _MIRRORED, str(out), root],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for case in json.loads(out.read_text()).values():
+    for case in run_mirrored_multitask(tmp_path, "test_multitask", "pcgrad").values():
         assert case["first_batch_conflicts"]
         assert case["max_weight_diff"] < 1e-5
         np.testing.assert_allclose(case["norm_a"][0], case["norm_a"][1], rtol=1e-5)

@@ -10,36 +10,15 @@
   directly and `tf.GradientTape`, the masked means written out by hand.
 """
 
-import itertools
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import keras_fastgrad
+from helpers import mgda_np
 
 LR = 0.05
-
-
-def mgda_np(gram):
-    """min_{w in simplex} w^T G w, exactly: KKT on every support set."""
-    num, best = len(gram), (np.inf, None)
-    for size in range(1, num + 1):
-        for support in itertools.combinations(range(num), size):
-            s = list(support)
-            kkt = np.zeros((size + 1, size + 1))
-            kkt[:size, :size], kkt[:size, size], kkt[size, :size] = gram[np.ix_(s, s)], 1, 1
-            try:
-                sol = np.linalg.solve(kkt, np.r_[np.zeros(size), 1.0])
-            except np.linalg.LinAlgError:
-                continue
-            if np.all(sol[:size] >= -1e-12):
-                w = np.zeros(num)
-                w[s] = sol[:size]
-                if w @ gram @ w < best[0]:
-                    best = (w @ gram @ w, w)
-    return best[1]
 
 
 # ------------------------------------------------------------------ models

@@ -1,0 +1,57 @@
+"""A multi-task model on one device and on two replicas (two logical CPUs,
+`MirroredStrategy`), accumulation 1 and 2; run in a fresh process (the
+logical devices must be set before TensorFlow starts) by
+`helpers.run_mirrored_multitask`.
+
+    python tests/mirrored_multitask.py OUT.json MODULE METHOD
+
+`MODULE` (a test module) provides `build`, `compiled`, `make_data`,
+`weights_of` and optionally `mirrored_probe(model, x, y) -> dict` (facts
+about the untrained model, added to the result).
+"""
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+
+def main(out, module_name, method):
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    module = importlib.import_module(module_name)
+    probe = getattr(module, "mirrored_probe", None)
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    x, y = module.make_data(n=11)  # global batches 4, 4, 3: the last splits 2 / 1
+    result = {}
+    for acc in (1, 2):
+        runs, facts = [], {}
+        for distributed in (False, True):
+            with strategy.scope() if distributed else contextlib.nullcontext():
+                model = module.compiled(
+                    module.build(multitask=method, accumulation_steps=acc, telemetry=True)
+                )
+            if probe is not None:
+                facts = probe(model, x, y)
+            history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+            weights = module.weights_of(model)
+            runs.append((list(weights.values()) if isinstance(weights, dict) else weights, history))
+        result[f"acc{acc}"] = {
+            **facts,
+            "max_weight_diff": max(
+                float(np.max(np.abs(a - b))) for a, b in zip(runs[0][0], runs[1][0])
+            ),
+            "norm_a": [runs[0][1]["task_grad_norm/a"][-1], runs[1][1]["task_grad_norm/a"][-1]],
+        }
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
