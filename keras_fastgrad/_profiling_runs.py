@@ -12,6 +12,7 @@ from keras import tree
 
 from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad.model import FastGradModel
+from keras_fastgrad.slicing import first_input
 
 MODES = ("eager", "function", "xla", "mixed_float16", "mixed_bfloat16")
 PHASES = ("forward", "forward_backward", "step")
@@ -202,7 +203,7 @@ def as_tensors(batch, batch_size):
 
 def batch_size_of(batch):
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
-    return int(next(t for t in tree.flatten(x) if t is not None).shape[0])
+    return int(first_input(x).shape[0])
 
 
 def model_mode(model):

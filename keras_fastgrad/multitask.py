@@ -58,16 +58,7 @@ from keras_fastgrad import _keras_compat as compat
 from keras_fastgrad import aggregators, finite
 from keras_fastgrad._compile_loss import wrapped_output_losses
 from keras_fastgrad._replicas import num_replicas, replica_sum
-
-NORM_PREFIX = "task_grad_norm/"
-COSINE_PREFIX = "task_cosine/"
-CONFLICTS = "task_conflicts"
-
-
-def is_task_key(key):
-    """Whether `key` is a multi-task telemetry log key."""
-    return key == CONFLICTS or key.startswith((NORM_PREFIX, COSINE_PREFIX))
-
+from keras_fastgrad.telemetry import CONFLICTS, COSINE_PREFIX, NORM_PREFIX
 
 # ----------------------------------------------------------------- losses
 class _Recording:

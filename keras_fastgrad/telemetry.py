@@ -46,7 +46,6 @@ import keras
 import tensorflow as tf
 
 from keras_fastgrad._gradients import summed_rows
-from keras_fastgrad.multitask import is_task_key
 
 LOG_KEYS = (
     "grad_norm",
@@ -61,6 +60,17 @@ LOG_KEYS = (
 )
 LAYER_NORM_PREFIX = "grad_norm/"
 UPDATE_RATIO = "update_ratio"
+
+
+# A multi-task model's keys (`keras_fastgrad.multitask` records them).
+NORM_PREFIX = "task_grad_norm/"
+COSINE_PREFIX = "task_cosine/"
+CONFLICTS = "task_conflicts"
+
+
+def is_task_key(key):
+    """Whether `key` is a multi-task telemetry log key."""
+    return key == CONFLICTS or key.startswith((NORM_PREFIX, COSINE_PREFIX))
 
 
 def layer_key(variable_path):
