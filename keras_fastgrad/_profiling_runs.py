@@ -11,6 +11,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad._forward import call_for_training, watching
 from keras_fastgrad.model import FastGradModel
 from keras_fastgrad.slicing import first_input
 
@@ -23,12 +24,11 @@ MIXED_MODES = ("mixed_float16", "mixed_bfloat16")
 def phase_functions(model, facts):
     """forward, forward_backward and step as Python functions of a batch."""
     fastgrad = isinstance(model, FastGradModel)
-    has_training_arg = compat.call_has_training_arg(model)
     compute_loss = compat.compute_loss_function(model)
 
     def loss_of(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = model(x, training=True) if has_training_arg else model(x)
+        y_pred = call_for_training(model, x)
         loss = compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                             training=True)
         return model.optimizer.scale_loss(loss)
@@ -40,10 +40,7 @@ def phase_functions(model, facts):
         variables = model.trainable_variables
         # The same tape as the model's own step: FastGradModel watches
         # exactly its trainable variables, Keras' step watches all it uses.
-        with tf.GradientTape(watch_accessed_variables=not fastgrad) as tape:
-            if fastgrad:
-                for v in variables:
-                    tape.watch(v.value)
+        with watching(variables) if fastgrad else tf.GradientTape() as tape:
             loss = loss_of(data)
         facts["watched"] = len(tape.watched_variables())  # at trace time
         grads = tape.gradient(loss, [v.value for v in variables])

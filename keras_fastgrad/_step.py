@@ -11,6 +11,7 @@ call (`weighting`, `loss_scaling`, `finite`, `accumulation`, `clipping`,
 """
 
 import collections
+import contextlib
 import functools
 import warnings
 
@@ -115,7 +116,7 @@ def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
         features = feature_space.capture(model, tape)  # no-op unless "features"
         with features:
             y_pred = call_for_training(model, x)
-        with shares or _NO_SHARES:
+        with shares or contextlib.nullcontext():
             if merger is None:
                 loss = compat.compute_loss(model, x, y, y_pred, sample_weight)
             else:  # one loss per task; regularisation is not a task
@@ -142,17 +143,6 @@ def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
         task_names=task_names(model),
     )
     return loss, y_pred, grads, share
-
-
-class _NoShares:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_SHARES = _NoShares()
 
 
 def _check_slices(model, x):

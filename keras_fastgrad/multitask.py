@@ -280,9 +280,10 @@ class TaskMerger:
             share: Optional float32 scalar, the micro-batch's share of its
                 window (`weighting.Share.actual`: its loss's normaliser,
                 where micro-batches are combined) by which the gradients
-                exceed those of its mean loss. The Gram matrix is divided by its square
-                before the aggregator and the telemetry see it; the merged
-                gradient keeps the factor (the aggregators are homogeneous).
+                exceed those of its mean loss. The Gram matrix is divided
+                by its square before the aggregator and the telemetry see
+                it; the merged gradient keeps the factor (the aggregators
+                are homogeneous).
             task_names: Names for the log keys (`task_<i>` if `None`).
 
         Returns:

@@ -110,32 +110,27 @@ def test_micro_batches_with_masks_on_several_outputs_warn_that_rows_weigh():
 
 
 # ------------------------------------------------------- features space
-def _features_reference(model, trunk, heads, x, y, loss_fns):
-    """(trunk gradients per task, head gradients summed, Gram of dL_t/dZ):
-    Keras layers called directly on copies of nothing (the model's own
-    layers, before the step), one tape per task."""
-    trunk_vars = [v for layer in trunk for v in layer.trainable_variables]
+def _features_reference(trunk, trunk_vars, heads, x, y, loss_fns):
+    """(trunk gradients per task, head gradients, Gram of dL_t/dZ) from the
+    model's own layers called directly (`z = trunk(x)`, `head(z)`) before
+    the step, one tape per task."""
     per_task, head_grads, dz = [], {}, []
     for t, head in heads.items():
         with tf.GradientTape(persistent=True) as tape:
-            z = x
-            for layer in trunk:
-                z = layer(z)
+            z = trunk(x)
             tape.watch(z)
-            loss = loss_fns[t](y[t], head(z), z)
+            loss = loss_fns[t](y[t], head(z))
         dz.append(tape.gradient(loss, z).numpy().astype("float64").ravel())
         per_task.append([tf.convert_to_tensor(g).numpy().astype("float64")
                          for g in tape.gradient(loss, trunk_vars)])
         for v, g in zip(head.trainable_variables, tape.gradient(loss, head.trainable_variables)):
             head_grads[v.path] = g.numpy().astype("float64")
     dz = np.stack(dz)
-    return trunk_vars, per_task, head_grads, dz @ dz.T
+    return per_task, head_grads, dz @ dz.T
 
 
-def _check_features_step(model, trunk, heads, x, y, loss_fns):
-    trunk_vars, per_task, head_grads, gram = _features_reference(
-        model, trunk, heads, x, y, loss_fns
-    )
+def _check_features_step(model, trunk, trunk_vars, heads, x, y, loss_fns):
+    per_task, head_grads, gram = _features_reference(trunk, trunk_vars, heads, x, y, loss_fns)
     assert gram[0, 1] < 0, "the test needs conflicting tasks"
     w = mgda_np(gram)
     assert 0.05 < w[0] < 0.95, "MGDA weights at a vertex would not test the merge"
@@ -153,14 +148,16 @@ def _check_features_step(model, trunk, heads, x, y, loss_fns):
 def test_features_space_on_a_conv_trunk_with_per_pixel_losses():
     model = conv_net(multitask="mgda", multitask_space="features")
     x, y = image_data(model)
-    trunk = [model.get_layer("conv1"), model.get_layer("conv2")]
+    conv1, conv2 = model.get_layer("conv1"), model.get_layer("conv2")
     heads = {t: model.get_layer(t) for t in ("a", "b")}
     scale = {"a": 1.0, "b": 0.7}
     # "mse" per pixel (mean over the channel axis), then the mean over
     # batch, height and width; times the loss weight.
-    loss_fns = {t: (lambda yt, p, z, t=t: scale[t] * tf.reduce_mean(tf.square(p - yt)))
+    loss_fns = {t: (lambda yt, p, t=t: scale[t] * tf.reduce_mean(tf.square(p - yt)))
                 for t in heads}
-    _check_features_step(model, trunk, heads, tf.constant(x), y, loss_fns)
+    _check_features_step(model, lambda images: conv2(conv1(images)),
+                         conv1.trainable_variables + conv2.trainable_variables,
+                         heads, tf.constant(x), y, loss_fns)
 
 
 def test_features_space_on_a_masked_gru():
@@ -172,24 +169,14 @@ def test_features_space_on_a_masked_gru():
     heads = {t: model.get_layer(t) for t in ("a", "b")}
     mask = tf.constant((x != 0).astype("float32"))
 
-    class Trunk:  # the embedding's mask goes to the GRU
-        trainable_variables = embed.trainable_variables
-
-    def embed_then_gru(tokens):
-        return gru(embed(tokens), mask=tf.not_equal(tokens, 0))
-
-    # Masked mean of the per-timestep squared error over the valid steps.
-    def masked_mse(yt, p, z):
+    def masked_mse(yt, p):
+        """Mean of the per-timestep squared error over the valid steps."""
         per_step = tf.reduce_mean(tf.square(p - yt), axis=-1)
         return tf.reduce_sum(per_step * mask) / tf.reduce_sum(mask)
 
-    class Layers:
-        def __init__(self, fn, variables):
-            self.fn, self.trainable_variables = fn, variables
-
-        def __call__(self, x):
-            return self.fn(x)
-
-    trunk = [Layers(embed_then_gru, embed.trainable_variables + gru.trainable_variables)]
-    _check_features_step(model, trunk, heads, tf.constant(x), y,
-                         {t: masked_mse for t in heads})
+    _check_features_step(
+        model,
+        lambda tokens: gru(embed(tokens), mask=tf.not_equal(tokens, 0)),  # the padding mask
+        embed.trainable_variables + gru.trainable_variables,
+        heads, tf.constant(x), y, {t: masked_mse for t in heads},
+    )

@@ -180,11 +180,15 @@ class TestWindowAccumulator:
         signals = [bool(acc.add([tf.constant([1.0])], 1.0, tf.constant(True))) for _ in range(7)]
         assert signals == [False, False, True, False, False, True, False]
 
-    def test_reset_empties_sums_but_keeps_counting(self):
-        v = keras.Variable([0.0, 0.0])
+    @staticmethod
+    def _one_micro_batch_into_a_window_of_two():
         acc = WindowAccumulator(steps=2)
-        acc.build([v])
+        acc.build([keras.Variable([0.0, 0.0])])
         acc.add([tf.constant([1.0, 2.0])], 2.0, tf.constant(True))
+        return acc
+
+    def test_reset_empties_sums_but_keeps_counting(self):
+        acc = self._one_micro_batch_into_a_window_of_two()
         acc.reset()
         np.testing.assert_array_equal(acc.window_sums()[0].numpy(), [0.0, 0.0])
         assert float(acc.normaliser.numpy()) == 0.0
@@ -195,10 +199,7 @@ class TestWindowAccumulator:
         assert float(acc.normaliser.numpy()) == 1.0
 
     def test_restart_empties_sums_and_starts_at_micro_step_zero(self):
-        v = keras.Variable([0.0, 0.0])
-        acc = WindowAccumulator(steps=2)
-        acc.build([v])
-        acc.add([tf.constant([1.0, 2.0])], 2.0, tf.constant(True))
+        acc = self._one_micro_batch_into_a_window_of_two()
         acc.restart()
         np.testing.assert_array_equal(acc.window_sums()[0].numpy(), [0.0, 0.0])
         assert float(acc.normaliser.numpy()) == 0.0
