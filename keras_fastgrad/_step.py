@@ -274,10 +274,12 @@ def update(model, state, grads, normaliser=None):
     """Normalise -> clip -> check -> apply -> record.
 
     Runs in the update branch, in cross-replica context, on the global
-    gradient (weighted sums divided by `normaliser` when it is given).
+    gradient (weighted sums divided by `normaliser` when it is given; by
+    `divide_no_nan`, as Keras reduces a loss: a normaliser of 0, every
+    sample weight 0 or every position masked, gives a zero gradient).
     """
     if normaliser is not None:
-        grads = [scale(g, 1.0 / normaliser) for g in grads]
+        grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     telemetry = state.telemetry
     variables = model.trainable_variables
     norm = was_clipped = None

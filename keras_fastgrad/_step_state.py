@@ -159,6 +159,8 @@ class StepState(compat.KerasSaveable):
         if not store or model is None or not model.built:
             return
         state = self.variables
+        if self.accumulator is not None and len(store) == len(state) - 1:
+            store = self._without_included_count(store, len(state))
         if len(store) != len(state):
             warnings.warn(
                 f"FastGradModel: the saved step state has {len(store)} "
@@ -170,6 +172,13 @@ class StepState(compat.KerasSaveable):
             return
         for i, v in enumerate(state):
             v.assign(store[str(i)])
+
+    def _without_included_count(self, store, size):
+        """A file saved before the accumulator counted its included
+        micro-batches (its last variable): a window with a positive
+        normaliser held at least one (what was decided by then)."""
+        normaliser = store[str(size - 3)]  # ..., normaliser, micro_step
+        return {**store, str(size - 1): int(float(normaliser) > 0.0)}
 
     def load_legacy(self, values):
         """Files written before the state had an entry of its own kept it

@@ -9,7 +9,11 @@ weights), so the gradient of the concatenated window is
 (`g = sum_j g_j` for `reduction="sum"`). The accumulator keeps
 `sum_j D_j g_j` and `N` in float32 variables (model state, saved with the
 model) and the step divides once, at the update. A micro-batch left out
-(non-finite) adds neither to the sum nor to `N`. Sparse gradients
+(non-finite) adds neither to the sum nor to `N`. A window whose `N` is 0
+(every sample weight 0, every position masked) still makes an update, with
+a zero gradient, as Keras does on the big batch (its loss is
+`divide_no_nan(S, D)`): the window counts its included micro-batches, and
+only a window without any (all dropped, or empty) is not applied. Sparse gradients
 (`tf.IndexedSlices`) are added to their rows only (on one replica; under a
 strategy the per-replica sums support no `scatter_add`: added densely).
 
@@ -71,10 +75,16 @@ class WindowAccumulator:
             0, dtype="int64", trainable=False,
             aggregation="only_first_replica", name="micro_step",
         )
+        self.included = keras.Variable(
+            0, dtype="int64", trainable=False,
+            aggregation="only_first_replica", name="included_micro_batches",
+        )
 
     @property
     def variables(self):
-        return self.sums + [self.normaliser, self.micro_step]
+        """The state, in the order it is saved (`included` last: files
+        saved before it existed lack only that one)."""
+        return self.sums + [self.normaliser, self.micro_step, self.included]
 
     def add(self, weighted_grads, normaliser, include, otherwise=None):
         """Adds one micro-batch; returns whether its window is now complete.
@@ -119,13 +129,15 @@ class WindowAccumulator:
 
         tf.cond(include, add, leave_out)
         self.normaliser.assign_add(tf.where(include, normaliser, 0.0))
+        self.included.assign_add(tf.cast(include, tf.int64))
         self.micro_step.assign_add(1)
         return tf.equal(self.micro_step % self.steps, 0)
 
     def has_samples(self):
-        """Boolean scalar: the window's normaliser is positive (it holds an
-        included micro-batch with at least one counted loss element)."""
-        return self.normaliser > 0.0
+        """Boolean scalar: the window holds an included micro-batch (its
+        normaliser may be 0: then the update's gradient is 0, as Keras'
+        on the big batch)."""
+        return self.included > 0
 
     def window_sums(self, grads_template=None):
         """`sum_j n_j g_j` over the window: in cross-replica context the
@@ -146,6 +158,7 @@ class WindowAccumulator:
         for total in self.sums:
             total.assign(tf.zeros_like(total))
         self.normaliser.assign(0.0)
+        self.included.assign(0)
 
     def restart(self):
         """Empties the window and starts the next one at micro-step 0."""

@@ -1,6 +1,7 @@
 """In-step micro-batching: one batch, `m` slices, one gradient.
 
-The batch of n samples is padded to `m * s` rows, s = ceil(n / m), and a
+The batch of n samples is padded to `m * s` rows, s = ceil(n / m) (with
+copies of its first rows, so the padding is as finite as the data), and a
 `tf.while_loop` runs forward and backward on one slice at a time, adding the
 slice's gradient to float32 loop-carried sums: activation memory is that of
 one slice. Padded rows are masked out of every output loss (whatever its
@@ -50,12 +51,11 @@ def first_input(x):
     )
 
 
-def _pad_and_split(t, pad, slices):
-    """`[n, ...]` -> `[slices, s, ...]`, zero-padded at the end."""
-    t = tf.convert_to_tensor(t)
-    paddings = [[0, pad]] + [[0, 0]] * (len(t.shape) - 1)
-    padded = tf.pad(t, paddings)
-    return tf.reshape(padded, tf.concat([[slices, -1], tf.shape(t)[1:]], 0))
+def _pad_and_split(t, order, slices):
+    """`[n, ...]` -> `[slices, s, ...]`: the rows in `order` (the batch's
+    rows, then copies of its first rows as padding)."""
+    t = tf.gather(tf.convert_to_tensor(t), order)
+    return tf.reshape(t, tf.concat([[slices, -1], tf.shape(t)[1:]], 0))
 
 
 def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, merger=None):
@@ -87,7 +87,11 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
     rows = tf.reshape(
         tf.concat([tf.ones([n], tf.bool), tf.zeros([pad], tf.bool)], 0), [slices, -1]
     )
-    split = lambda t: _pad_and_split(t, pad, slices)  # noqa: E731
+    # Padding rows are copies of real rows, not zeros: a zero row can be
+    # NaN in the forward pass (a fully masked sequence pools to 0/0), and
+    # NaN times the mask that removes the row from the loss is still NaN.
+    order = tf.math.floormod(tf.range(size * slices), n)
+    split = lambda t: _pad_and_split(t, order, slices)  # noqa: E731
     xs = tree.map_structure(split, x)
     ys = None if y is None else tree.map_structure(split, y)
     ws = None if sample_weight is None else tree.map_structure(split, sample_weight)

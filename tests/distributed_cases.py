@@ -170,6 +170,27 @@ def case_masked_sequences():
     return compare(build, sgd(), x, y, {"batch_size": 8}, reference=reference)
 
 
+def case_zero_normaliser():
+    # Global batches of 8 (4 per replica, 2 slices of 2), windows of 2
+    # batches; every sample weight of the second window is 0 (its global
+    # normaliser is 0): Keras on the big batch (16) steps with a zero
+    # gradient, so Adam's moments move; no NaN may reach the weights.
+    x, y = data(n=64)
+    w = np.ones(64, "float32")
+    w[16:32] = 0.0
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    compile_kwargs = lambda: {"optimizer": keras.optimizers.Adam(0.05), "loss": loss}  # noqa: E731
+    build = lambda: fast(micro_batches=2, accumulation_steps=2)  # noqa: E731
+    reference = train(
+        mlp, compile_kwargs, x, y, {"batch_size": 16, "sample_weight": w}, False
+    )
+    result = compare(
+        build, compile_kwargs, x, y, {"batch_size": 8, "sample_weight": w}, reference
+    )
+    result["iterations"] = int(reference[0].optimizer.iterations.numpy())
+    return result
+
+
 def case_replica_sum_overflow():
     # One sample per replica, each gradient 2e38 (finite); their sum is inf.
     inputs = keras.Input((1,))

@@ -78,6 +78,13 @@ def test_masked_sequences_weighted_by_valid_steps_across_replicas(mirrored):
     _assert_same_as_single_device(mirrored["masked_sequences"])
 
 
+def test_window_whose_global_normaliser_is_zero_steps_like_keras(mirrored):
+    # Reference: keras.Model on the big batch (one device).
+    result = mirrored["zero_normaliser"]
+    assert result["iterations"] == 4
+    _assert_same_as_single_device(result)
+
+
 def test_replica_sum_that_overflows_never_reaches_the_weights(mirrored):
     result = mirrored["replica_sum_overflow"]
     assert result["weights"] == [1.0]  # dropped, then a tiny finite update

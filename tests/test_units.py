@@ -72,7 +72,8 @@ class TestWindowAccumulator:
             np.testing.assert_array_equal(keras.ops.convert_to_numpy(total), 0.0)
         assert float(acc.normaliser.numpy()) == 0.0
         assert int(acc.micro_step.numpy()) == 0
-        assert len(acc.variables) == 6
+        assert int(acc.included.numpy()) == 0
+        assert len(acc.variables) == 7  # 4 sums, normaliser, micro_step, included
         assert not bool(acc.has_samples())
 
     def test_window_sums_and_normaliser_equal_numpy_sums(self):
