@@ -169,10 +169,13 @@ class TestWindowAccumulator:
         acc.build([v])
         acc.add([tf.constant([NAN])], 3.0, tf.constant(False))
         assert not bool(acc.has_samples())
-        acc.add([tf.constant([1.0])], 0.0, tf.constant(True))  # no counted element
-        assert not bool(acc.has_samples())
-        acc.add([tf.constant([1.0])], 0.5, tf.constant(True))
+        # Included with no counted element (every weight 0): Keras would
+        # still step on that batch, with a zero gradient.
+        acc.add([tf.constant([0.0])], 0.0, tf.constant(True))
         assert bool(acc.has_samples())
+        assert float(acc.normaliser.numpy()) == 0.0
+        acc.reset()
+        assert not bool(acc.has_samples())
 
     def test_window_complete_every_steps_micro_steps(self):
         v = keras.Variable([0.0])
