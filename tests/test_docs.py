@@ -10,7 +10,7 @@ docstring needs
   (a class: its `__init__`; `*args` / `**kwargs` are not required; a
   dataclass may document its fields under `Attributes:`);
 - an `Example` section with `>>>` lines. The examples run as doctests in the
-  same `python -m pytest` run (`--doctest-modules` in setup.cfg).
+  same `python -m pytest` run (`--doctest-modules` in pyproject.toml).
 
 Gaps known when this test was written are listed in `KNOWN_GAPS`, so the
 list is visible and does not grow; a fixed gap must be removed from it.
