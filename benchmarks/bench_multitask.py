@@ -62,7 +62,7 @@ import tensorflow as tf  # noqa: E402
 from harness import interleaved_ratios, report  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
-from keras_fastgrad.multitask import TaskMerger, task_losses  # noqa: E402
+from keras_fastgrad.multitask.merger import TaskMerger, task_losses  # noqa: E402
 
 BATCH = 256
 

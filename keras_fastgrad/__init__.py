@@ -5,11 +5,11 @@ usual `compile` / `fit`.
 """
 
 from keras_fastgrad import callbacks
-from keras_fastgrad.model import FastGradModel
-from keras_fastgrad.sequential import FastGradSequential
-from keras_fastgrad.adapt import fastgrad
-from keras_fastgrad.profiling import StepProfile, profile_step
-from keras_fastgrad.telemetry import LOG_KEYS
+from keras_fastgrad.models.model import FastGradModel
+from keras_fastgrad.models.sequential import FastGradSequential
+from keras_fastgrad.models.adapt import fastgrad
+from keras_fastgrad.profiling.measure import StepProfile, profile_step
+from keras_fastgrad.step.telemetry import LOG_KEYS
 
 __version__ = "0.1.0"
 

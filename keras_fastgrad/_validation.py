@@ -9,7 +9,7 @@ import os
 
 import keras
 
-from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 
 
@@ -219,7 +219,7 @@ def check_multitask_space(space, features, multitask):
     Returns:
         A dict with both options.
     """
-    from keras_fastgrad.feature_space import SPACES
+    from keras_fastgrad.multitask.feature_space import SPACES
 
     space = check_choice("multitask_space", space, SPACES)
     if features is not None and not isinstance(features, str):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import keras_fastgrad
-from keras_fastgrad import _keras_compat
+from keras_fastgrad import _compat as _keras_compat
 
 # FastGradModel refuses several replicas on Keras < 3.10 (a clear error,
 # tested in test_keras_compat.py); these tests need them.

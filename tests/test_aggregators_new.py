@@ -17,7 +17,7 @@ from scipy.optimize import least_squares, minimize
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
-from keras_fastgrad.multitask import TaskMerger
+from keras_fastgrad.multitask.merger import TaskMerger
 from test_multitask import (
     assert_step, build, compiled, expected_gradient, flat, make_data,
     reference_model, shared_mask, task_gradients, weights_of,

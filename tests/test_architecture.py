@@ -93,7 +93,7 @@ def test_the_package_has_no_import_cycles():
 def test_the_step_reads_its_state_from_one_object():
     # The step's units get `StepState` as an argument; the model keeps no
     # step state in attributes of its own.
-    model_source = (PACKAGE_DIR / "model.py").read_text()
+    model_source = (PACKAGE_DIR / "models" / "model.py").read_text()
     assigned = {
         node.attr
         for node in ast.walk(ast.parse(model_source))

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
-from keras_fastgrad.feature_space import find_features
+from keras_fastgrad.multitask.feature_space import find_features
 from helpers import mgda_np, pcgrad_np, run_mirrored_multitask
 
 LR = 0.1

@@ -1,6 +1,6 @@
 """Canary for the private Keras/TensorFlow API that keras_fastgrad uses.
 
-Every private name lives in `keras_fastgrad/_keras_compat.py`. These tests
+Every private name lives in `keras_fastgrad/_compat.py`. These tests
 check that each still exists in the installed Keras and TensorFlow, takes
 the arguments we pass, and is still called by Keras where we override it;
 and that no other module reaches into private API. A Keras upgrade that
@@ -21,10 +21,9 @@ import pytest
 import tensorflow as tf
 
 import keras_fastgrad
-from keras_fastgrad import _keras_compat as compat
-
+from keras_fastgrad import _compat as compat
 PACKAGE_DIR = pathlib.Path(keras_fastgrad.__file__).parent
-COMPAT_FILE = PACKAGE_DIR / "_keras_compat.py"
+COMPAT_FILE = PACKAGE_DIR / "_compat.py"
 
 
 def _compiled_model():
@@ -63,7 +62,7 @@ def test_private_name_exists(owner, name):
         pytest.skip("used only where `keras.Variable` has no `synchronization`")
     assert hasattr(_owner(owner), name), (
         f"keras {keras.__version__} / tensorflow {tf.__version__} has no "
-        f"`{owner}.{name}`, which keras_fastgrad/_keras_compat.py uses. "
+        f"`{owner}.{name}`, which keras_fastgrad/_compat.py uses. "
         "Fix: add a version branch for it there."
     )
 
@@ -134,7 +133,7 @@ def test_overridden_private_method_exists_with_its_arguments(cls, name, paramete
     assert callable(method), (
         f"keras {keras.__version__} has no `{cls.__name__}.{name}`, which "
         "keras_fastgrad overrides. Fix: find where Keras now does that work "
-        "and move the override there (see `_keras_compat.py`)."
+        "and move the override there (see `_compat.py`)."
     )
     assert set(parameters) <= _parameters(method)
 
@@ -217,9 +216,9 @@ def test_only_the_compat_module_imports_private_modules():
         for line, name in _private_imports(ast.parse(path.read_text()))
     ]
     assert not found, (
-        "Only keras_fastgrad/_keras_compat.py may import `keras.src` or "
+        "Only keras_fastgrad/_compat.py may import `keras.src` or "
         f"`tensorflow.python`. Received imports in: {found}. Fix: add a "
-        "named function or alias to `_keras_compat.py` and call that."
+        "named function or alias to `_compat.py` and call that."
     )
 
 
@@ -236,7 +235,7 @@ def test_only_the_compat_module_reads_private_keras_attributes():
                 found.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}: {name}")
     assert not found, (
         "Private Keras/TF attributes must be used through "
-        f"keras_fastgrad/_keras_compat.py. Received uses in: {found}."
+        f"keras_fastgrad/_compat.py. Received uses in: {found}."
     )
 
 

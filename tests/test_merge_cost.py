@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import aggregators
-from keras_fastgrad.multitask import TaskMerger
+from keras_fastgrad.multitask.merger import TaskMerger
 
 
 class RowSums(aggregators.Aggregator):

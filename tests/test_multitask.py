@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
-from keras_fastgrad.multitask import regularization_loss, task_losses
+from keras_fastgrad.multitask.merger import regularization_loss, task_losses
 from helpers import needs_multi_replica_keras, pcgrad_np, run_mirrored_multitask
 
 LR = 0.1

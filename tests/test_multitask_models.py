@@ -100,7 +100,7 @@ def test_micro_batches_with_multitask_on_a_gru_equal_the_unsplit_step(method):
 
 
 def test_micro_batches_with_masks_on_several_outputs_warn_that_rows_weigh():
-    # The documented limit (`keras_fastgrad.weighting`): each output's
+    # The documented limit (`keras_fastgrad.step.weighting`): each output's
     # masked normaliser differs from its rows, and one weight per slice
     # cannot be exact for all outputs; the step says so.
     x, y = sequence_data(14)

@@ -10,9 +10,9 @@ import pytest
 import tensorflow as tf
 
 import keras_fastgrad
-from keras_fastgrad import _profiling_runs
+from keras_fastgrad.profiling import _runs as _profiling_runs
 from keras_fastgrad import profile as profile_cli
-from keras_fastgrad.profiling import PhaseTimes, StepProfile
+from keras_fastgrad.profiling.measure import PhaseTimes, StepProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,7 +1,7 @@
 """Unit tests for the stateful units of the train step, each called directly.
 
-Covers `keras_fastgrad.accumulation.WindowAccumulator` and
-`keras_fastgrad.applying.apply_if`; `LossScaling` is in
+Covers `keras_fastgrad.step.accumulation.WindowAccumulator` and
+`keras_fastgrad.step.applying.apply_if`; `LossScaling` is in
 `test_units_loss_scaling.py`, the pure numeric units in
 `test_units_numerics.py`.
 
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastgrad.accumulation import WindowAccumulator
-from keras_fastgrad.applying import apply_if
+from keras_fastgrad.step.accumulation import WindowAccumulator
+from keras_fastgrad.step.applying import apply_if
 
 NAN, INF = float("nan"), float("inf")
 

@@ -1,4 +1,4 @@
-"""Unit tests for `keras_fastgrad.loss_scaling.LossScaling`, called directly.
+"""Unit tests for `keras_fastgrad.step.loss_scaling.LossScaling`, called directly.
 
 References: scales are worked out by hand from Keras' documented dynamic
 loss scaling rule (`keras.optimizers.LossScaleOptimizer`: initial scale
@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_fastgrad.loss_scaling import LossScaling
+from keras_fastgrad.step.loss_scaling import LossScaling
 
 NAN = float("nan")
 

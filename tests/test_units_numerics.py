@@ -1,7 +1,7 @@
 """Unit tests for the pure numeric units, each called directly.
 
-Covers `keras_fastgrad.clipping`, `keras_fastgrad.finite`,
-`keras_fastgrad._gradients` and `keras_fastgrad.weighting.Share`.
+Covers `keras_fastgrad.step.clipping`, `keras_fastgrad.step.finite`,
+`keras_fastgrad.step.gradients` and `keras_fastgrad.step.weighting.Share`.
 
 References: every expected value is either worked out by hand (written in
 the test, with the arithmetic beside it) or computed by numpy in float64 on
@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastgrad import _gradients, finite
-from keras_fastgrad.clipping import clip_by_global_norm, global_norm
-from keras_fastgrad.weighting import Share
+from keras_fastgrad.step import gradients as _gradients
+
+from keras_fastgrad.step import finite
+from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
+from keras_fastgrad.step.weighting import Share
 
 NAN, INF = float("nan"), float("inf")
 

@@ -60,9 +60,7 @@ class FastGradCallback(keras.callbacks.Callback):
         return self.telemetry_keys
 
     def set_model(self, model):
-        from keras_fastgrad import adapt
-
-        # A plain Keras model gets the step for this `fit` (`adapt.attach`:
+        from keras_fastgrad.models import adapt  # A plain Keras model gets the step for this `fit` (`adapt.attach`:
         # default options, exactly `keras.Model`'s updates), until
         # `on_train_end`.
         self._attached = adapt.attach(model)
@@ -90,8 +88,7 @@ class FastGradCallback(keras.callbacks.Callback):
         self._detach()
 
     def _detach(self):
-        from keras_fastgrad import adapt
-
+        from keras_fastgrad.models import adapt
         if getattr(self, "_attached", False):
             self._attached = False
             adapt.detach(self.model)

@@ -1,10 +1,10 @@
 """`GradientNormLogger`: puts the step's gradient measurements into the logs
 and, optionally, into TensorBoard (written from the host)."""
 
-from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad import _compat as compat
 from keras_fastgrad.callbacks import _base
 from keras_fastgrad.callbacks._tensorboard import SummaryWriter
-from keras_fastgrad.telemetry import is_task_key
+from keras_fastgrad.step.telemetry import is_task_key
 
 CLIPPED_FRACTION = "clipped_fraction"
 

@@ -3,7 +3,7 @@ says where it was."""
 
 import warnings
 
-from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad import _compat as compat
 from keras_fastgrad.callbacks import _base
 
 ACTIONS = ("raise", "stop", "warn")

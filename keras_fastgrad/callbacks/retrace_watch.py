@@ -3,7 +3,7 @@ why it probably did."""
 
 import warnings
 
-from keras_fastgrad import _keras_compat as compat
+from keras_fastgrad import _compat as compat
 from keras_fastgrad.callbacks import _base
 
 TRAIN_TRACES = "train_traces"

@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_fastgrad.model import FastGradModel
+from keras_fastgrad.models.model import FastGradModel
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")

@@ -14,11 +14,11 @@ import dataclasses
 
 import tensorflow as tf
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad import _profiling_report
-from keras_fastgrad import _profiling_runs as runs
-from keras_fastgrad._profiling_runs import MODES, PHASES
-from keras_fastgrad.model import FastGradModel
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.profiling import _report as _profiling_report
+from keras_fastgrad.profiling import _runs as runs
+from keras_fastgrad.profiling._runs import MODES, PHASES
+from keras_fastgrad.models.model import FastGradModel
 
 
 
@@ -138,7 +138,7 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
             arrays or tensors (or `x` alone for a model without targets),
             or a `tf.data.Dataset` of such batches: its first batch is
             profiled and the time to get a batch from it is measured too.
-        modes: Sequence of names from `keras_fastgrad.profiling.MODES`,
+        modes: Sequence of names from `keras_fastgrad.profiling.measure.MODES`,
             defaults to all five.
         repeats: Integer >= 1, defaults to `20`. Timed rounds.
         warmup: Integer >= 1, defaults to `3`. Untimed calls of each

@@ -18,22 +18,23 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad import feature_space, finite
-from keras_fastgrad._forward import call_for_training, watching
-from keras_fastgrad._gradients import scale
-from keras_fastgrad._replicas import (
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.multitask import feature_space
+from keras_fastgrad.step import finite
+from keras_fastgrad.step.forward import call_for_training, watching
+from keras_fastgrad.step.gradients import scale
+from keras_fastgrad.step.replicas import (
     for_keras_reduction,
     global_metric_results,
     num_replicas,
     replica_sum,
 )
-from keras_fastgrad.applying import apply_if
-from keras_fastgrad.clipping import clip_by_global_norm, global_norm
-from keras_fastgrad.divergence import failed
-from keras_fastgrad.multitask import regularization_loss, task_losses, task_names
-from keras_fastgrad.slicing import first_input, sliced_gradients
-from keras_fastgrad.weighting import LossShares
+from keras_fastgrad.step.applying import apply_if
+from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
+from keras_fastgrad.step.divergence import failed
+from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
+from keras_fastgrad.step.slicing import first_input, sliced_gradients
+from keras_fastgrad.step.weighting import LossShares
 
 
 class Batch(collections.namedtuple("Batch", [

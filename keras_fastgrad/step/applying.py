@@ -15,8 +15,8 @@ Without a strategy this is a plain `tf.cond`.
 import numpy as np
 import tensorflow as tf
 
-from keras_fastgrad._keras_compat import direct_merge_calls
-from keras_fastgrad._replicas import first_replica
+from keras_fastgrad._compat import direct_merge_calls
+from keras_fastgrad.step.replicas import first_replica
 
 
 def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()):

@@ -24,19 +24,19 @@ Example:
 import keras
 import tensorflow as tf
 
-from keras_fastgrad import _solvers
-from keras_fastgrad._aggregator_base import (  # noqa: F401 (Aggregator: public)
+from keras_fastgrad.aggregators import _solvers
+from keras_fastgrad.aggregators._base import (  # noqa: F401 (Aggregator: public)
     Aggregator,
     _check_gram,
     _check_int,
     _register,
 )
-from keras_fastgrad._solvers import pcgrad_weights  # noqa: F401 (public)
+from keras_fastgrad.aggregators._solvers import pcgrad_weights  # noqa: F401 (public)
 
 # The newer methods live in modules of their own.
-from keras_fastgrad._cone_aggregators import ConFIG, DualProj, UPGrad
-from keras_fastgrad._gradvac import GradVac
-from keras_fastgrad._nashmtl import NashMTL
+from keras_fastgrad.aggregators._cone import ConFIG, DualProj, UPGrad
+from keras_fastgrad.aggregators._gradvac import GradVac
+from keras_fastgrad.aggregators._nashmtl import NashMTL
 
 NAMES = (
     "aligned", "cagrad", "config", "dualproj", "gradvac", "imtl", "mean", "mgda",

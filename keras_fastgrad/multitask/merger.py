@@ -54,11 +54,12 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad import aggregators, finite
-from keras_fastgrad._compile_loss import wrapped_output_losses
-from keras_fastgrad._replicas import num_replicas, replica_sum
-from keras_fastgrad.telemetry import CONFLICTS, COSINE_PREFIX, NORM_PREFIX
+from keras_fastgrad import _compat as compat
+from keras_fastgrad import aggregators
+from keras_fastgrad.step import finite
+from keras_fastgrad.step.compile_loss import wrapped_output_losses
+from keras_fastgrad.step.replicas import num_replicas, replica_sum
+from keras_fastgrad.step.telemetry import CONFLICTS, COSINE_PREFIX, NORM_PREFIX
 
 # ----------------------------------------------------------------- losses
 class _Recording:
@@ -386,7 +387,7 @@ class TaskMerger:
         info, new_state)`: `info` as `aggregators.gram_telemetry`,
         `new_state` a stateful aggregator's next state (for `commit_state`;
         empty otherwise). Also used by the features-space merge
-        (`keras_fastgrad.feature_space`)."""
+        (`keras_fastgrad.multitask.feature_space`)."""
         weights, new_state = self.aggregator.weights_and_state(gram)
         weights = tf.cast(weights, tf.float32)
         info = aggregators.gram_telemetry(gram)

@@ -27,7 +27,7 @@ common to all of them; the number of rows is used, exact when each output's
 normaliser is its rows times a constant (no masks, no data-dependent
 weights); otherwise a warning says the window is weighted by rows.
 
-Slices of a padded batch (`keras_fastgrad.slicing`) pass `rows`, a
+Slices of a padded batch (`keras_fastgrad.step.slicing`) pass `rows`, a
 validity vector: padded rows are masked out of every output loss, whatever
 its rank, and the share counts only the real rows.
 """
@@ -37,12 +37,12 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_fastgrad._keras_compat import (
+from keras_fastgrad._compat import (
     apply_mask,
     get_keras_mask,
     reduce_weighted_values,
 )
-from keras_fastgrad._compile_loss import wrapped_output_losses
+from keras_fastgrad.step.compile_loss import wrapped_output_losses
 
 _MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 

@@ -9,7 +9,7 @@ rows added up first, so the norm is that of the dense gradient.
 
 import tensorflow as tf
 
-from keras_fastgrad._gradients import scale, summed_rows
+from keras_fastgrad.step.gradients import scale, summed_rows
 
 
 def global_norm(grads):

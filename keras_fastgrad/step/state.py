@@ -1,7 +1,7 @@
 """`StepState`: everything `FastGradModel`'s step keeps between calls.
 
 One object per model (`model.fastgrad_step_state`), passed explicitly to
-the step's units (`keras_fastgrad._step`), as optax passes its
+the step's units (`keras_fastgrad.step.train_step`), as optax passes its
 `MultiStepsState`. What it holds:
 
 - the units with state (`keras.Variable`s created by `build`, before the
@@ -33,11 +33,11 @@ import weakref
 import keras
 import tensorflow as tf
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad.accumulation import WindowAccumulator
-from keras_fastgrad.divergence import DivergenceWatch
-from keras_fastgrad.multitask import TaskMerger
-from keras_fastgrad.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.step.accumulation import WindowAccumulator
+from keras_fastgrad.step.divergence import DivergenceWatch
+from keras_fastgrad.multitask.merger import TaskMerger
+from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 
 class StepState(compat.KerasSaveable):

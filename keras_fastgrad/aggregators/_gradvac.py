@@ -13,10 +13,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad import _aggregator_base as aggregators
-from keras_fastgrad._cone_aggregators import _check_number
-from keras_fastgrad._solvers import _eps, _tiny
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.aggregators import _base as aggregators
+from keras_fastgrad.aggregators._cone import _check_number
+from keras_fastgrad.aggregators._solvers import _eps, _tiny
 
 
 def gradvac_weights(gram, targets, beta):

@@ -10,10 +10,10 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad._forward import call_for_training, watching
-from keras_fastgrad.model import FastGradModel
-from keras_fastgrad.slicing import first_input
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.step.forward import call_for_training, watching
+from keras_fastgrad.models.model import FastGradModel
+from keras_fastgrad.step.slicing import first_input
 
 MODES = ("eager", "function", "xla", "mixed_float16", "mixed_bfloat16")
 PHASES = ("forward", "forward_backward", "step")

@@ -23,8 +23,8 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad.divergence import DivergenceStop
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.step.divergence import DivergenceStop
 
 
 # ------------------------------------------------------------- __new__

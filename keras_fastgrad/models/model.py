@@ -1,6 +1,6 @@
 """`FastGradModel`: a `keras.Model` whose train step owns the gradient path.
 
-The step reads as a chain of small units (`keras_fastgrad._step`), each
+The step reads as a chain of small units (`keras_fastgrad.step.train_step`), each
 calling the module that does its maths:
 
     forward + loss (`_forward`: the tape watches only the trainable variables)
@@ -22,14 +22,15 @@ import sys
 import keras
 import tensorflow as tf
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad import _keras_integration as integration
-from keras_fastgrad import _step, _validation, aggregators
-from keras_fastgrad._step_state import StepState
-from keras_fastgrad.divergence import TrainingLoss
-from keras_fastgrad.loss_scaling import LossScaling
-from keras_fastgrad.multitask import check_task_count
-from keras_fastgrad.telemetry import LOG_KEYS, is_optional_key, layer_key
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.models import _keras_hooks as integration
+from keras_fastgrad import _validation, aggregators
+from keras_fastgrad.step import train_step as _step
+from keras_fastgrad.step.state import StepState
+from keras_fastgrad.step.divergence import TrainingLoss
+from keras_fastgrad.step.loss_scaling import LossScaling
+from keras_fastgrad.multitask.merger import check_task_count
+from keras_fastgrad.step.telemetry import LOG_KEYS, is_optional_key, layer_key
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")
@@ -65,7 +66,7 @@ class FastGradModel(keras.Model):
             passes through the trunk). `"features"`: the task gradients
             with respect to the shared representation `Z` (MGDA-UB), then
             one trunk backward pass of their weighted sum; the heads get
-            their plain gradients (see `keras_fastgrad.feature_space`).
+            their plain gradients (see `keras_fastgrad.multitask.feature_space`).
         multitask_features: `None` (default) or a layer name, with
             `multitask_space="features"`: the layer whose output is `Z`.
             `None` finds `Z` in a functional model (the deepest tensor all
@@ -79,7 +80,7 @@ class FastGradModel(keras.Model):
         micro_batches: Integer >= 1, defaults to `1`. Splits each batch into
             this many slices inside the step (a `tf.while_loop`): one update
             per batch, equal to the un-split step, with the activation
-            memory of one slice (see `keras_fastgrad.slicing`). With
+            memory of one slice (see `keras_fastgrad.step.slicing`). With
             `multitask`, the task gradients are summed over the slices and
             merged once.
         max_consecutive_nonfinite: Integer >= 1 or `None`, defaults to
@@ -89,10 +90,10 @@ class FastGradModel(keras.Model):
             a `RuntimeWarning`. Periods in which nothing was kept, or that
             end while micro-batches are being dropped, log `loss=nan`, so
             best-checkpoint callbacks never pick them (see
-            `keras_fastgrad.divergence`). `None` never stops.
+            `keras_fastgrad.step.divergence`). `None` never stops.
         telemetry: Boolean, defaults to `False`. Adds the step's measurements
             (`grad_norm`, `nonfinite_count`, `loss_scale`, ... see
-            `keras_fastgrad.telemetry.LOG_KEYS`) to the logs. The callbacks
+            `keras_fastgrad.step.telemetry.LOG_KEYS`) to the logs. The callbacks
             of `keras_fastgrad.callbacks` switch it on when attached.
         *args, **kwargs: Passed to `keras.Model`.
 
@@ -238,7 +239,7 @@ class FastGradModel(keras.Model):
 
     # ------------------------------------------------------------- the step
     def train_step(self, data):
-        """One micro-batch through the chain (`keras_fastgrad._step`):
+        """One micro-batch through the chain (`keras_fastgrad.step.train_step`):
 
         gradients (forward, backward, unscale, task merge) -> finite check
           -> [one replica, no accumulation] update or drop, in one `cond`

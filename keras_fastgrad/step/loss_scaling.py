@@ -18,8 +18,8 @@ but the gradients are unscaled right away (accumulation, clipping and
 import keras
 import tensorflow as tf
 
-from keras_fastgrad._gradients import scale
-from keras_fastgrad._replicas import in_cross_replica_context
+from keras_fastgrad.step.gradients import scale
+from keras_fastgrad.step.replicas import in_cross_replica_context
 
 
 class LossScaling:

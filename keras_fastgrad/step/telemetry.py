@@ -45,7 +45,7 @@ for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 import keras
 import tensorflow as tf
 
-from keras_fastgrad._gradients import summed_rows
+from keras_fastgrad.step.gradients import summed_rows
 
 LOG_KEYS = (
     "grad_norm",

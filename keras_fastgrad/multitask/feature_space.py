@@ -56,9 +56,9 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_fastgrad._gradients import to_float32
-from keras_fastgrad._replicas import num_replicas, replica_sum
-from keras_fastgrad._representation import Capture, find_features  # noqa: F401
+from keras_fastgrad.step.gradients import to_float32
+from keras_fastgrad.step.replicas import num_replicas, replica_sum
+from keras_fastgrad.multitask.representation import Capture, find_features  # noqa: F401
 
 SPACES = ("parameters", "features")
 
@@ -85,7 +85,7 @@ def merge(capture, merger, tape, task_losses, regularization, variables,
           unscale=None, share=None, task_names=None):
     """Merged float32 gradients, as `TaskMerger.__call__` but in `Z` space.
 
-    Args and returns as `keras_fastgrad.multitask.TaskMerger.__call__`;
+    Args and returns as `keras_fastgrad.multitask.merger.TaskMerger.__call__`;
     `capture` holds `Z` and its cut copy, `merger` the aggregator and the
     telemetry variables (`TaskMerger.weigh`).
     """

@@ -1,6 +1,6 @@
 """Exact gradient accumulation over a window of micro-batches.
 
-Keras reduces a loss as `S / D` (`keras_fastgrad.weighting`: `D` is the
+Keras reduces a loss as `S / D` (`keras_fastgrad.step.weighting`: `D` is the
 number of loss elements, of valid ones under a mask, or the sum of sample
 weights), so the gradient of the concatenated window is
 
@@ -25,8 +25,8 @@ the window once (`replica_sum`), and a checkpoint reads the total.
 import keras
 import tensorflow as tf
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad._gradients import to_float32
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.step.gradients import to_float32
 
 
 class WindowAccumulator:

@@ -15,8 +15,8 @@ once it satisfies the KKT conditions.
 
 import tensorflow as tf
 
-from keras_fastgrad import _aggregator_base as aggregators
-from keras_fastgrad._solvers import _eps, _tiny
+from keras_fastgrad.aggregators import _base as aggregators
+from keras_fastgrad.aggregators._solvers import _eps, _tiny
 
 
 def _check_number(name, value, minimum=0.0, maximum=None, open_min=False):

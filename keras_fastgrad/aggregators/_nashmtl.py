@@ -11,9 +11,9 @@ official code runs a sequence of convex programs with cvxpy/ECOS.
 
 import tensorflow as tf
 
-from keras_fastgrad import _aggregator_base as aggregators
-from keras_fastgrad._cone_aggregators import _check_number, _finite_or_nan
-from keras_fastgrad._solvers import _eps, _tiny
+from keras_fastgrad.aggregators import _base as aggregators
+from keras_fastgrad.aggregators._cone import _check_number, _finite_or_nan
+from keras_fastgrad.aggregators._solvers import _eps, _tiny
 
 
 def nash_weights(gram, reg_eps=1e-6, max_iter=50):

@@ -6,7 +6,7 @@ import numbers
 import keras
 import tensorflow as tf
 
-from keras_fastgrad._profiling_runs import MODES
+from keras_fastgrad.profiling._runs import MODES
 
 LABELS = {
     "eager": "eager",

@@ -6,7 +6,7 @@ copies of its first rows, so the padding is as finite as the data), and a
 slice's gradient to float32 loop-carried sums: activation memory is that of
 one slice. Padded rows are masked out of every output loss (whatever its
 rank: per-sample, per-timestep, per-pixel), and each slice's gradient is
-multiplied by its loss's normaliser `D_i` (`keras_fastgrad.weighting`), so
+multiplied by its loss's normaliser `D_i` (`keras_fastgrad.step.weighting`), so
 the sums are gradients of the summed losses and dividing by the batch's
 normaliser gives exactly the gradient of the un-split batch, masks and
 sample weights included, for any n (tests: uneven splits, masked sequences,
@@ -23,12 +23,12 @@ computed per slice.
 import tensorflow as tf
 from keras import tree
 
-from keras_fastgrad import _keras_compat as compat
-from keras_fastgrad._forward import call_for_training, watching
-from keras_fastgrad._keras_compat import get_keras_mask, set_keras_mask
-from keras_fastgrad._replicas import num_replicas
-from keras_fastgrad.multitask import regularization_loss, task_losses, task_names
-from keras_fastgrad.weighting import LossShares, Share
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.step.forward import call_for_training, watching
+from keras_fastgrad._compat import get_keras_mask, set_keras_mask
+from keras_fastgrad.step.replicas import num_replicas
+from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
+from keras_fastgrad.step.weighting import LossShares, Share
 
 
 def first_input(x):

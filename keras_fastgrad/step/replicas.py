@@ -6,7 +6,7 @@ small vectors across replicas; gradients are summed only at an update.
 
 import tensorflow as tf
 
-from keras_fastgrad._keras_compat import in_multi_worker_mode
+from keras_fastgrad._compat import in_multi_worker_mode
 
 
 def num_replicas():

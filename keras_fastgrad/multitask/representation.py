@@ -2,7 +2,7 @@
 
 `find_features` walks a functional graph; `Capture` wraps the chosen
 layer's `call` for the duration of one forward pass (trace time) and cuts
-`Z` from the graph. Used by `keras_fastgrad.feature_space`.
+`Z` from the graph. Used by `keras_fastgrad.multitask.feature_space`.
 """
 
 import threading
@@ -10,8 +10,7 @@ import threading
 import tensorflow as tf
 from keras import tree
 
-from keras_fastgrad import _keras_compat as compat
-
+from keras_fastgrad import _compat as compat
 _LOCK = threading.Lock()
 _THREAD = threading.local()  # MirroredStrategy traces replicas in threads
 _INSTALLED = {}  # id(layer) -> [users, previous instance `call` or _MISSING]

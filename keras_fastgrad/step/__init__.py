@@ -1,0 +1,9 @@
+"""The train step, one unit per module, in the order it runs them
+(`train_step.py` chains them; `state.py` holds what they keep):
+
+    forward (`forward.py`) -> weigh by the loss's normaliser (`weighting.py`;
+    micro-batches: `slicing.py`) -> unscale (`loss_scaling.py`) -> finite
+    check (`finite.py`) -> accumulate (`accumulation.py`) -> clip
+    (`clipping.py`) -> apply (`applying.py`, legal under `tf.distribute`:
+    `replicas.py`) -> record (`telemetry.py`, `divergence.py`)
+"""
