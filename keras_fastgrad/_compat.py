@@ -17,6 +17,7 @@ moves one of them fails there, in one place.
 
 import contextlib
 import inspect
+import sys
 
 import keras
 import tensorflow as tf
@@ -328,6 +329,38 @@ def direct_merge_calls(distribution):
             del extended._use_merge_call
 
 
+def unpickle_model_function(cls):
+    """What Keras' `Model.__reduce__` names to rebuild a pickled model."""
+    return cls._unpickle_model
+
+
+def caller_frame(depth):
+    """The frame `depth` calls up from the caller (CPython's
+    `sys._getframe`)."""
+    return sys._getframe(depth + 1)
+
+
+# ------------------------------------------------------- functional graph
+# How a functional model's tensors were made (the features space finds the
+# shared representation by walking them).
+
+
+def keras_history(tensor):
+    """`(operation, node_index, tensor_index)` of a symbolic tensor."""
+    return tensor._keras_history
+
+
+def parent_tensors(tensor):
+    """The input tensors of the call that produced `tensor`."""
+    operation, node_index, _ = tensor._keras_history
+    return operation._inbound_nodes[node_index].input_tensors
+
+
+def nodes_by_depth(model):
+    """A functional model's `{depth: [node, ...]}`."""
+    return model._nodes_by_depth
+
+
 # ------------------------------------------------------------------ canary
 # Every private name above, as (owner, attribute): checked by
 # `tests/test_keras_compat.py`. Instance attributes set by `compile`
@@ -357,6 +390,10 @@ PRIVATE_NAMES = (
     ("keras.Model", "_loss_tracker"),
     ("keras.Model", "_distribute_strategy"),
     ("keras.Model", "_compile_loss"),
+    ("keras.Model", "_unpickle_model"),
+    ("Functional", "_nodes_by_depth"),
+    ("KerasTensor", "_keras_history"),
+    ("keras.Operation", "_inbound_nodes"),
     ("CompileLoss", "_flat_losses"),
     ("CompileLoss", "_user_loss"),
     ("keras.Variable", "_initialize"),

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import keras_fastgrad
-from keras_fastgrad import _compat as _keras_compat
+from keras_fastgrad import _compat
 
 # FastGradModel refuses several replicas on Keras < 3.10 (a clear error,
 # tested in test_keras_compat.py); these tests need them.
 needs_multi_replica_keras = pytest.mark.skipif(
-    not _keras_compat.MULTI_REPLICA_SUPPORTED,
+    not _compat.MULTI_REPLICA_SUPPORTED,
     reason=f"several replicas need Keras >= 3.10 (installed: {keras.__version__})",
 )
 

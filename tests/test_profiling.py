@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_fastgrad
-from keras_fastgrad.profiling import _runs as _profiling_runs
+from keras_fastgrad.profiling import _runs
 from keras_fastgrad import profile as profile_cli
 from keras_fastgrad.profiling.measure import PhaseTimes, StepProfile
 
@@ -151,7 +151,7 @@ def test_global_dtype_policy_is_restored(monkeypatch):
 def test_mixed_precision_clone_keeps_options_weights_and_compile():
     model = mlp(accumulation_steps=3, clip_norm=2.0)
     model(np.zeros((1, 4), "float32"))
-    clone = _profiling_runs.mixed_precision_clone(model, "mixed_float16")
+    clone = _runs.mixed_precision_clone(model, "mixed_float16")
     assert keras.mixed_precision.global_policy().name == "float32"
     assert isinstance(clone, keras_fastgrad.FastGradModel)
     assert (clone.accumulation_steps, clone.clip_norm) == (3, 2.0)
@@ -271,7 +271,7 @@ def test_every_mode_skipped_still_reports(monkeypatch):
         raise RuntimeError("cannot rebuild this model")
 
     model = mlp()
-    monkeypatch.setattr(_profiling_runs, "mixed_precision_clone", broken)
+    monkeypatch.setattr(_runs, "mixed_precision_clone", broken)
     result = keras_fastgrad.profile_step(
         model, batch(), modes=("mixed_bfloat16",), repeats=2, warmup=1, verbose=0)
     assert result.phases == {} and result.traces is None

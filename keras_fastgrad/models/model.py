@@ -12,12 +12,11 @@ calling the module that does its maths:
 and records what it measured in `telemetry`. Its state is one object,
 `StepState` (`model.fastgrad_step_state`), passed to every unit. This
 module holds the options, `train_step` (it orchestrates; no maths), the
-Keras hooks (each delegating to `_keras_integration`) and the config.
+Keras hooks (each delegating to `models/_keras_hooks.py`) and the config.
 """
 
 import functools
 import inspect
-import sys
 
 import keras
 import tensorflow as tf
@@ -242,6 +241,7 @@ class FastGradModel(keras.Model):
         """One micro-batch through the chain (`keras_fastgrad.step.train_step`):
 
         gradients (forward, backward, unscale, task merge) -> finite check
+          -> loss-scale update
           -> [one replica, no accumulation] update or drop, in one `cond`
           -> [else] accumulate -> [window complete] clip, check, apply
 
@@ -253,6 +253,7 @@ class FastGradModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = _step.gradients(self, state, x, y, sample_weight)
         verdict = _step.finite_check(self, state, batch)
+        _step.update_loss_scale(state, verdict)
         if _step.single_cond(self, state):
             logs = _step.update_or_drop(self, state, batch, verdict)
         else:
@@ -260,7 +261,7 @@ class FastGradModel(keras.Model):
             logs = _step.metrics_logs(self, verdict.keep, batch)
         return _step.with_telemetry(state, logs)
 
-    # ------------------------------------------- Keras hooks (_keras_integration)
+    # ---------------------------------------------- Keras hooks (_keras_hooks)
     def __new__(cls, *args, **kwargs):
         # Like `keras.Model.__new__`, but the functional form is an instance
         # of a class that also inherits from `Functional`: this class's
@@ -270,7 +271,7 @@ class FastGradModel(keras.Model):
             cls = integration.functional_variant(cls)
         instance = super().__new__(cls, *args, **kwargs)
         if functional:  # read (and removed) by `__init__`
-            options = integration.cloned_options(sys._getframe(1), FastGradModel)
+            options = integration.cloned_options(compat.caller_frame(1), FastGradModel)
             if options is not None:
                 vars(instance)["_fg_cloned_options"] = options
         return instance
@@ -281,7 +282,7 @@ class FastGradModel(keras.Model):
         # functional variants and `fastgrad`'s classes share their name with
         # another class. Loading goes by the file's registered names anyway.
         _, args = super().__reduce__()
-        return (FastGradModel._unpickle_model, args)
+        return (compat.unpickle_model_function(FastGradModel), args)
 
     def compile_from_config(self, config):
         if type(self).compile is not FastGradModel.compile:  # a subclass's own

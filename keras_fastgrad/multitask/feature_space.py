@@ -56,7 +56,7 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_fastgrad.step.gradients import to_float32
+from keras_fastgrad.step.gradients import to_float32_list
 from keras_fastgrad.step.replicas import num_replicas, replica_sum
 from keras_fastgrad.multitask.representation import Capture, find_features  # noqa: F401
 
@@ -121,7 +121,7 @@ def merge(capture, merger, tape, task_losses, regularization, variables,
 
     # Gram over Z (flattened: summed over the batch), of the unscaled dZ_t.
     flat = tf.stack([
-        tf.concat([tf.reshape(g, [-1]) for g in _float32(unscale(d))], 0)
+        tf.concat([tf.reshape(g, [-1]) for g in to_float32_list(unscale(d))], 0)
         for d in dz
     ])
     gram = tf.matmul(flat, flat, transpose_b=True)
@@ -140,7 +140,7 @@ def merge(capture, merger, tape, task_losses, regularization, variables,
             c += tf.cast(dz_extra[k], tf.float32)
         cotangents.append(tf.cast(c, z.dtype))
     trunk = tape.gradient(capture.features, sources, output_gradients=cotangents)
-    grads = _add(_float32(unscale(direct)), _float32(unscale(trunk)))
+    grads = _add(to_float32_list(unscale(direct)), to_float32_list(unscale(trunk)))
     merger.commit_state(new_state, grads)
     return grads, {"gram": gram, "weights": weights, **info}
 
@@ -157,5 +157,4 @@ def _sum(x, y):
     return tf.convert_to_tensor(x) + tf.convert_to_tensor(y)
 
 
-def _float32(grads):
-    return [to_float32(g) for g in grads]
+

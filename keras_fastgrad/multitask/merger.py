@@ -58,8 +58,10 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad.step import finite
 from keras_fastgrad.step.compile_loss import wrapped_output_losses
+from keras_fastgrad.step.gradients import to_float32_list
 from keras_fastgrad.step.replicas import num_replicas, replica_sum
 from keras_fastgrad.step.telemetry import CONFLICTS, COSINE_PREFIX, NORM_PREFIX
+from keras_fastgrad.step.variables import global_variable
 
 # ----------------------------------------------------------------- losses
 class _Recording:
@@ -249,9 +251,9 @@ class TaskMerger:
             return
         num_tasks = len(task_names)
         with tf.init_scope():  # may be called while tracing the step
-            self._norms = _variable(tf.zeros([num_tasks]), "task_grad_norms")
-            self._cosine = _variable(tf.zeros([num_tasks] * 2), "task_cosine")
-            self._conflicts = _variable(tf.zeros([]), "task_conflicts")
+            self._norms = global_variable(tf.zeros([num_tasks]), "task_grad_norms")
+            self._cosine = global_variable(tf.zeros([num_tasks] * 2), "task_cosine")
+            self._conflicts = global_variable(tf.zeros([]), "task_conflicts")
             # A stateful aggregator's state (saved with the model: it is
             # the model's `multitask` attribute).
             self.aggregator.build(num_tasks)
@@ -308,11 +310,11 @@ class TaskMerger:
         sources = [v.value for v in variables]
         unscale = unscale or (lambda grads: grads)
         per_task = [
-            _float32(unscale(tape.gradient(loss, sources))) for loss in task_losses
+            to_float32_list(unscale(tape.gradient(loss, sources))) for loss in task_losses
         ]
         reg_grads = None
         if regularization is not None:
-            reg_grads = _float32(unscale(tape.gradient(regularization, sources)))
+            reg_grads = to_float32_list(unscale(tape.gradient(regularization, sources)))
         losses_finite = None
         if self.aggregator.state_variables:
             losses = task_losses + [r for r in [regularization] if r is not None]
@@ -423,13 +425,4 @@ class TaskMerger:
         return logs
 
 
-def _variable(value, name):
-    # Measurements, the same on every replica: replica 0's write wins.
-    return keras.Variable(
-        value, dtype="float32", trainable=False, autocast=False,
-        aggregation="only_first_replica", name=name,
-    )
 
-
-def _float32(grads):
-    return [None if g is None else tf.cast(g, tf.float32) for g in grads]

@@ -66,14 +66,14 @@ def find_features(model):
     deepest = max(depth[id(t)] for t in common)
     candidates = [t for t in common if depth[id(t)] == deepest]
     if len(candidates) > 1:
-        names = sorted(t._keras_history[0].name for t in candidates)
+        names = sorted(compat.keras_history(t)[0].name for t in candidates)
         _refuse(model, f"several shared tensors are equally deep (outputs of "
                 f"{names})", "name the layer to use, e.g. "
                 f"`multitask_features={names[0]!r}`")
-    layer, _, index = candidates[0]._keras_history
+    layer, _, index = compat.keras_history(candidates[0])
     calls = sum(
         node.operation is layer
-        for nodes in model._nodes_by_depth.values() for node in nodes
+        for nodes in compat.nodes_by_depth(model).values() for node in nodes
     )
     if calls > 1:
         _refuse(model, f"the shared tensor comes from layer `{layer.name}`, "
@@ -89,8 +89,7 @@ def _walk(tensor):
         if id(t) in seen:
             continue
         seen[id(t)] = t
-        operation, node_index, _ = t._keras_history
-        stack.extend(operation._inbound_nodes[node_index].input_tensors)
+        stack.extend(compat.parent_tensors(t))
     return list(seen.values())
 
 
@@ -104,8 +103,7 @@ def _ancestors(tensor, depth):
 
 def _graph_depth(tensor, depth):
     if id(tensor) not in depth:
-        operation, node_index, _ = tensor._keras_history
-        parents = operation._inbound_nodes[node_index].input_tensors
+        parents = compat.parent_tensors(tensor)
         depth[id(tensor)] = 1 + max(
             (_graph_depth(p, depth) for p in parents), default=-1
         )

@@ -15,7 +15,7 @@ import dataclasses
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.profiling import _report as _profiling_report
+from keras_fastgrad.profiling import _report
 from keras_fastgrad.profiling import _runs as runs
 from keras_fastgrad.profiling._runs import MODES, PHASES
 from keras_fastgrad.models.model import FastGradModel
@@ -48,7 +48,7 @@ class PhaseTimes:
 
 
 @dataclasses.dataclass
-class StepProfile(_profiling_report.ReportMixin):
+class StepProfile(_report.ReportMixin):
     """What `profile_step` measured (times in milliseconds, medians).
 
     Attributes:
@@ -170,7 +170,7 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     >>> print(profile.table())  # doctest: +ELLIPSIS
     Step profile of Functional 'functional...' (batch 8; ...
     """
-    modes, repeats, warmup, batch_size, verbose = _profiling_report.check_arguments(
+    modes, repeats, warmup, batch_size, verbose = _report.check_arguments(
         model, modes, repeats, warmup, batch_size, verbose, data)
     data_ms = data_shapes = None
     if isinstance(data, tf.data.Dataset):

@@ -22,11 +22,12 @@ sync-on-read sums: micro-steps do not all-reduce gradients; the update sums
 the window once (`replica_sum`), and a checkpoint reads the total.
 """
 
-import keras
+import keras  # noqa: F401 (the doctests)
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.step.gradients import to_float32
+from keras_fastgrad.step.variables import global_variable
 
 
 class WindowAccumulator:
@@ -42,7 +43,7 @@ class WindowAccumulator:
     >>> acc.build([v])
     >>> _ = acc.add([tf.constant([4.0, 4.0])], 4.0, tf.constant(True))
     >>> done = acc.add([tf.constant([8.0, 8.0])], 2.0, tf.constant(True))
-    >>> total = acc.window_sums()[0] / acc.normaliser  # (4*1 + 2*4) / 6
+    >>> total = acc.window_gradient()[0]  # (4*1 + 2*4) / 6
     >>> bool(done), total.numpy().tolist()
     (True, [2.0, 2.0])
     """
@@ -52,6 +53,9 @@ class WindowAccumulator:
         self.sums = []
         self.normaliser = None
         self.micro_step = None
+        # Trace-time fact of the loss (its reduction), recorded by `add`
+        # and read by `window_gradient`: the same for the model's life.
+        self.mean_reduction = True
 
     def build(self, variables):
         """Creates the float32 state for the given trainable variables."""
@@ -67,18 +71,9 @@ class WindowAccumulator:
             for i, v in enumerate(variables)
         ]
         # Global values, the same on every replica.
-        self.normaliser = keras.Variable(
-            0.0, dtype="float32", trainable=False,
-            aggregation="only_first_replica", name="accumulated_normaliser",
-        )
-        self.micro_step = keras.Variable(
-            0, dtype="int64", trainable=False,
-            aggregation="only_first_replica", name="micro_step",
-        )
-        self.included = keras.Variable(
-            0, dtype="int64", trainable=False,
-            aggregation="only_first_replica", name="included_micro_batches",
-        )
+        self.normaliser = global_variable(0.0, "accumulated_normaliser")
+        self.micro_step = global_variable(0, "micro_step", dtype="int64")
+        self.included = global_variable(0, "included_micro_batches", dtype="int64")
 
     @property
     def variables(self):
@@ -86,7 +81,7 @@ class WindowAccumulator:
         saved before it existed lack only that one)."""
         return self.sums + [self.normaliser, self.micro_step, self.included]
 
-    def add(self, weighted_grads, normaliser, include, otherwise=None):
+    def add(self, weighted_grads, normaliser, include, mean_reduction=True, otherwise=None):
         """Adds one micro-batch; returns whether its window is now complete.
 
         Args:
@@ -98,6 +93,9 @@ class WindowAccumulator:
                 all replicas.
             include: boolean scalar, the same on every replica; `False`
                 leaves the micro-batch out.
+            mean_reduction: Python bool, whether the window's gradient is
+                its sums divided by the normaliser (`False`: a `"sum"`
+                loss, the sums themselves).
             otherwise: Optional callable run (no arguments) in the `cond`
                 branch of a left-out micro-batch: bookkeeping for free. One
                 replica only: under a strategy, state written there would
@@ -108,6 +106,7 @@ class WindowAccumulator:
         """
 
         sparse_ok = tf.distribute.get_strategy().num_replicas_in_sync == 1
+        self.mean_reduction = mean_reduction
 
         def add():
             for total, g in zip(self.sums, weighted_grads):
@@ -138,6 +137,20 @@ class WindowAccumulator:
         normaliser may be 0: then the update's gradient is 0, as Keras'
         on the big batch)."""
         return self.included > 0
+
+    def window_gradient(self, grads_template=None):
+        """The window's gradient: `sum_j D_j g_j / sum_j D_j` (the sums
+        themselves for a `"sum"` loss). A normaliser of 0 gives 0, as
+        Keras' `divide_no_nan` reduction does on the big batch.
+
+        Args:
+            grads_template: As for `window_sums`.
+        """
+        sums = self.window_sums(grads_template)
+        if not self.mean_reduction:
+            return sums
+        inverse = tf.math.divide_no_nan(1.0, tf.convert_to_tensor(self.normaliser))
+        return [None if g is None else g * inverse for g in sums]
 
     def window_sums(self, grads_template=None):
         """`sum_j n_j g_j` over the window: in cross-replica context the

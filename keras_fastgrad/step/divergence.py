@@ -25,6 +25,8 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_fastgrad.step.variables import global_variable
+
 
 class DivergenceWatch:
     """The step's failure streak, in a variable saved with the model.
@@ -50,10 +52,7 @@ class DivergenceWatch:
         self.streak = None
 
     def build(self):
-        self.streak = keras.Variable(
-            0.0, dtype="float32", trainable=False, autocast=False,
-            aggregation="only_first_replica", name="nonfinite_streak",
-        )
+        self.streak = global_variable(0.0, "nonfinite_streak")
 
     @property
     def variables(self):

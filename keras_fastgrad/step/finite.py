@@ -13,16 +13,14 @@ on any replica drops the micro-batch everywhere.
 
 import tensorflow as tf
 
-
-def _values(g):
-    return g.values if isinstance(g, tf.IndexedSlices) else g
+from keras_fastgrad.step.gradients import values
 
 
 def gradient_sums(grads):
     """float32 vector: the sum of each gradient's elements (`None`: 0)."""
     return tf.stack(
         [
-            tf.constant(0.0) if g is None else tf.cast(tf.reduce_sum(_values(g)), tf.float32)
+            tf.constant(0.0) if g is None else tf.cast(tf.reduce_sum(values(g)), tf.float32)
             for g in grads
         ]
     )

@@ -33,6 +33,11 @@ def to_float32(g):
     return tf.cast(g, tf.float32)
 
 
+def to_float32_list(grads):
+    """`to_float32` of each gradient in a list."""
+    return [to_float32(g) for g in grads]
+
+
 def summed_rows(g):
     """The values of `g` with duplicate rows added up (sparse: the rows of
     the dense gradient it stands for; what a norm must read)."""

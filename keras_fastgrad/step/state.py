@@ -1,8 +1,10 @@
 """`StepState`: everything `FastGradModel`'s step keeps between calls.
 
 One object per model (`model.fastgrad_step_state`), passed explicitly to
-the step's units (`keras_fastgrad.step.train_step`), as optax passes its
-`MultiStepsState`. What it holds:
+the step's units (`keras_fastgrad.step.train_step`). Unlike optax's
+immutable states, the units assign into its variables instead of returning
+a new state: Keras' train function runs the step for its side effects and
+the variables must exist before the trace. What it holds:
 
 - the units with state (`keras.Variable`s created by `build`, before the
   train function is traced): `telemetry` (`StepTelemetry`), `divergence`
@@ -10,14 +12,13 @@ the step's units (`keras_fastgrad.step.train_step`), as optax passes its
   accumulation); and those without variables of their own: `scaling`
   (`LossScaling`, around the optimizer), `merger` (`TaskMerger`, `None`
   without `multitask`);
-- trace-time facts of the traced step (`tape_variables`, `no_gradient`,
+- trace-time facts of the traced step (`facts`, a `TraceFacts`, and
   `trace_count`): Python values recorded while tracing, on purpose;
 - where `fit` is (`in_fit`, `evaluating`): Keras calls the same hook at the
   end of an epoch and of an `evaluate`.
 
-Under `tf.function` the units assign to their variables rather than return
-new values: Keras' train function runs the step for its side effects. The
-units take the state's parts as arguments; nothing else keeps step state.
+The units take the state's parts as arguments; nothing else keeps step
+state.
 
 The variables are not layer weights (`model.weights` and `get_weights()`
 stay those of a `keras.Model`): the state is an entry of its own in
@@ -27,6 +28,7 @@ exactly, a plain `keras.Model` of the same architecture loads a
 `FastGradModel` loading a plain model's weights starts its state fresh.
 """
 
+import collections
 import warnings
 import weakref
 
@@ -40,8 +42,38 @@ from keras_fastgrad.multitask.merger import TaskMerger
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 
+class TraceFacts(collections.namedtuple("TraceFacts", [
+    "tape_variables", "no_gradient", "grad_is_none",
+])):
+    """What the latest trace of the step found (Python values, recorded at
+    trace time on purpose: they are facts of the graph, not of a step).
+
+    Fields:
+        tape_variables: int, how many variables the tape watched.
+        no_gradient: list of the paths of variables without a gradient.
+        grad_is_none: list of bools, per trainable variable.
+    """
+
+
 class StepState(compat.KerasSaveable):
-    """The step's state (see the module docstring) and its saved entry."""
+    """The step's state (see the module docstring) and its saved entry.
+
+    Attributes:
+        telemetry: `StepTelemetry`, the measured values (variables).
+        divergence: `DivergenceWatch`, the failure streak (variables).
+        accumulator: `WindowAccumulator`, the window (variables); `None`
+            without accumulation.
+        scaling: `LossScaling` around the optimizer, set when the train
+            function is made.
+        merger: `TaskMerger`, `None` without `multitask`.
+        log_keys: set of the telemetry keys the step returns.
+        facts: `TraceFacts` of the latest trace (`None` before one).
+        trace_count: int, how many times the step was traced.
+        in_fit: bool, inside `fit` (the partial window is applied at the
+            epoch's end, not at the end of an `evaluate`).
+        evaluating: int, depth of `evaluate` calls in progress.
+        flush_function: the traced partial-window flush, or `None`.
+    """
 
     def __init__(self, model):
         # A weak reference: Keras' saving walks this entry's attributes, and
@@ -51,11 +83,8 @@ class StepState(compat.KerasSaveable):
         self.log_keys = set()
         self.telemetry = self.divergence = self.accumulator = None
         self.scaling = None  # set when the train function is made
-        self.tape_variables = None
-        self.no_gradient = None
-        self.grad_is_none = None
+        self.facts = None
         self.trace_count = 0
-        self.divide_window = True
         self.in_fit = False
         self.evaluating = 0
         self.flush_function = None
@@ -125,16 +154,28 @@ class StepState(compat.KerasSaveable):
         gradient."""
         if not tf.executing_eagerly():  # eager steps are not traces
             self.trace_count += 1
-        self.tape_variables = len(variables)
-        self.no_gradient = [v.path for v, g in zip(variables, grads) if g is None]
-        self.grad_is_none = [g is None for g in grads]
+        self.facts = TraceFacts(
+            tape_variables=len(variables),
+            no_gradient=[v.path for v, g in zip(variables, grads) if g is None],
+            grad_is_none=[g is None for g in grads],
+        )
+
+    @property
+    def tape_variables(self):
+        """`facts.tape_variables`, `None` before the first trace."""
+        return None if self.facts is None else self.facts.tape_variables
+
+    @property
+    def no_gradient(self):
+        """`facts.no_gradient`, `None` before the first trace."""
+        return None if self.facts is None else self.facts.no_gradient
 
     def no_gradient_template(self):
         """`None` where a variable gets no gradient (the accumulator
         leaves those out of the window's sums), `True` elsewhere."""
-        if self.grad_is_none is None:
+        if self.facts is None:
             return None
-        return [None if none else True for none in self.grad_is_none]
+        return [None if none else True for none in self.facts.grad_is_none]
 
     # --------------------------------------------------------------- saving
     def _obj_type(self):

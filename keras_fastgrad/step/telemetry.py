@@ -42,10 +42,10 @@ for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 `task_cosine/<task_a>/<task_b>` and `task_conflicts`.
 """
 
-import keras
 import tensorflow as tf
 
 from keras_fastgrad.step.gradients import summed_rows
+from keras_fastgrad.step.variables import global_variable
 
 LOG_KEYS = (
     "grad_norm",
@@ -86,14 +86,6 @@ def is_optional_key(key):
     )
 
 
-def _scalar(name, value):
-    # Values are global (the same on every replica): replica 0's write wins.
-    return keras.Variable(
-        value, dtype="float32", trainable=False, autocast=False,
-        aggregation="only_first_replica", name=name,
-    )
-
-
 class StepTelemetry:
     """The step's measurements, kept in float32 scalar variables.
 
@@ -117,22 +109,22 @@ class StepTelemetry:
         """
         self.layer_of_variable = [layer_key(p) for p in variable_paths]
         self.layer_norms = {
-            key: _scalar(key.replace("/", "_"), 0.0)
+            key: global_variable(0.0, key.replace("/", "_"))
             for key in dict.fromkeys(self.layer_of_variable)
             if key in optional_keys
         }
         self.update_ratio = (
-            _scalar(UPDATE_RATIO, 0.0) if UPDATE_RATIO in optional_keys else None
+            global_variable(0.0, UPDATE_RATIO) if UPDATE_RATIO in optional_keys else None
         )
-        self.grad_norm = _scalar("grad_norm", 0.0)
-        self.clipped_updates = _scalar("clipped_updates", 0.0)
-        self.updates = _scalar("updates", 0.0)
-        self.nonfinite_count = _scalar("nonfinite_count", 0.0)
-        self.nonfinite_first_index = _scalar("nonfinite_first_index", -1.0)
-        self.nonfinite_num_variables = _scalar("nonfinite_num_variables", 0.0)
-        self.input_shape_changes = _scalar("input_shape_changes", 0.0)
-        self.last_input_batch = _scalar("last_input_batch", -1.0)
-        self.last_input_size = _scalar("last_input_size", -1.0)
+        self.grad_norm = global_variable(0.0, "grad_norm")
+        self.clipped_updates = global_variable(0.0, "clipped_updates")
+        self.updates = global_variable(0.0, "updates")
+        self.nonfinite_count = global_variable(0.0, "nonfinite_count")
+        self.nonfinite_first_index = global_variable(-1.0, "nonfinite_first_index")
+        self.nonfinite_num_variables = global_variable(0.0, "nonfinite_num_variables")
+        self.input_shape_changes = global_variable(0.0, "input_shape_changes")
+        self.last_input_batch = global_variable(-1.0, "last_input_batch")
+        self.last_input_size = global_variable(-1.0, "last_input_size")
 
     @property
     def variables(self):

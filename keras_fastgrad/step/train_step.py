@@ -1,7 +1,8 @@
 """The units of `FastGradModel.train_step`, in the order the step runs them.
 
-    gradients -> finite_check -> update_or_drop            (one `cond`)
-                              -> accumulate_or_apply -> update
+    gradients -> finite_check -> update_loss_scale
+              -> update_or_drop                              (one `cond`)
+              or accumulate_or_apply -> update
     then metrics and telemetry logs
 
 Each takes the model (its options, its call and compiled loss) and its
@@ -39,25 +40,40 @@ from keras_fastgrad.step.weighting import LossShares
 
 class Batch(collections.namedtuple("Batch", [
     "loss", "y_pred", "grads", "x", "y", "sample_weight", "num_samples",
-    "normaliser", "divide",
+    "normaliser", "mean_reduction",
 ])):
     """What the forward and backward pass of one micro-batch produced.
 
-    `grads` are unscaled (and weighted by the micro-batch's share where
-    micro-batches are combined); `normaliser` is the share's denominator
-    contribution (`weighting.Share.real`); `divide`: whether the update
-    divides the summed gradients by the global normaliser."""
+    Fields:
+        loss, y_pred: The loss (as Keras computes it) and the predictions.
+        grads: The gradients, unscaled; where micro-batches are combined
+            (accumulation, replicas, slices) multiplied by the micro-batch's
+            normaliser `D_j` (`weighting`), so that they add up.
+        x, y, sample_weight: The micro-batch (the metrics read them).
+        num_samples: float32, its rows (the `loss` tracker's weight).
+        normaliser: float32 `D_j` on this replica (1 when not combined).
+        mean_reduction: Python bool, whether the combined gradients are
+            divided by the summed normalisers (`False`: `reduction="sum"`,
+            or nothing combined)."""
 
 
 class Verdict(collections.namedtuple("Verdict", [
-    "checked", "all_finite", "keep", "drops", "counts", "total",
+    "marks", "all_finite", "keep", "drops_nonfinite", "counts_towards_streak",
+    "global_normaliser",
 ])):
-    """The finite check of one micro-batch (global over replicas).
+    """The finite check of one micro-batch, global over replicas.
 
-    `checked`: the `finite.marks` vector; `keep`: whether its gradient
-    goes on (`all_finite`, or always when nothing is dropped: `drops`);
-    `counts`: whether a drop counts towards the divergence streak (`None`:
-    it does); `total`: the normaliser summed over replicas."""
+    Fields:
+        marks: The `finite.marks` vector (where the check failed).
+        all_finite: Boolean scalar: loss and gradients finite everywhere.
+        keep: Boolean scalar: the gradient goes on (`all_finite`, or always
+            when non-finite gradients are applied, as `keras.Model` does).
+        drops_nonfinite: Python bool: a non-finite micro-batch is dropped
+            (`skip_nonfinite`, or loss scaling).
+        counts_towards_streak: Boolean scalar, whether a drop counts towards
+            the divergence streak (loss scaling: only at the lowest scale);
+            `None`: every drop counts.
+        global_normaliser: float32, the normaliser summed over replicas."""
 
 
 # ------------------------------------------------------------ gradients
@@ -69,13 +85,7 @@ def gradients(model, state, x, y, sample_weight):
     variables = model.trainable_variables
     if not variables:
         warnings.warn("The model does not have any trainable weights.")
-    try:
-        first = first_input(x)  # a `ValueError` when `x` holds no tensor
-    except ValueError:
-        # Keras' own error first where it has one (a required input is
-        # `None`: "not optional"), as `keras.Model` raises it.
-        call_for_training(model, x)
-        raise
+    first = _first_input(model, x)
     if "input_shape_changes" in state.log_keys:  # only when read
         state.telemetry.record_input_shape(first)
     num_rows = tf.shape(first)[0]
@@ -93,15 +103,12 @@ def gradients(model, state, x, y, sample_weight):
             model, state, x, y, sample_weight, variables, num_rows if weighted else None
         )
     state.record_trace_facts(variables, grads)
-    # Whether the window's sum is divided by its normaliser (not when the
-    # gradients already are the mean, or a "sum" loss is summed).
-    state.divide_window = share.mean if weighted else True
     return Batch(
         loss=loss, y_pred=y_pred, grads=grads, x=x, y=y,
         sample_weight=sample_weight,
         num_samples=tf.cast(num_rows, tf.float32),
         normaliser=share.real if weighted else tf.constant(1.0),
-        divide=weighted and share.mean,
+        mean_reduction=weighted and share.mean,
     )
 
 
@@ -111,31 +118,42 @@ def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
     share)`: the gradients unscaled and, when `num_rows` is given
     (micro-batches are combined), multiplied by the micro-batch's share
     (`weighting.LossShares`; `share` is `None` otherwise)."""
-    scaling, merger = state.scaling, state.merger
     shares = None if num_rows is None else LossShares(model, num_rows)
-    with watching(variables, persistent=merger is not None) as tape:
+    backward = _loss_gradients if state.merger is None else _merged_task_gradients
+    return backward(model, state, x, y, sample_weight, variables, shares)
+
+
+def _loss_gradients(model, state, x, y, sample_weight, variables, shares):
+    """The model's loss and its gradient (see `_batch_gradients`)."""
+    scaling = state.scaling
+    with watching(variables) as tape:
+        y_pred = call_for_training(model, x)
+        with shares or contextlib.nullcontext():
+            loss = compat.compute_loss(model, x, y, y_pred, sample_weight)
+        share = None if shares is None else shares.share()
+        weight = None if share is None else share.loss_weight(num_replicas())
+        scaled_loss = scaling.scale(loss, weight)
+    grads = tape.gradient(scaled_loss, [v.value for v in variables])
+    return loss, y_pred, scaling.unscale(grads, weight), share
+
+
+def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares):
+    """One loss per task (regularisation is not a task), each task's
+    gradient unscaled once, then merged (see `_batch_gradients`)."""
+    scaling, merger = state.scaling, state.merger
+    with watching(variables, persistent=True) as tape:
         features = feature_space.capture(model, tape)  # no-op unless "features"
         with features:
             y_pred = call_for_training(model, x)
         with shares or contextlib.nullcontext():
-            if merger is None:
-                loss = compat.compute_loss(model, x, y, y_pred, sample_weight)
-            else:  # one loss per task; regularisation is not a task
-                tasks = task_losses(model, y, y_pred, sample_weight)
-                regularization = regularization_loss(model)
-                loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
+            tasks = task_losses(model, y, y_pred, sample_weight)
+            regularization = regularization_loss(model)
+            loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
         share = None if shares is None else shares.share()
         weight = None if share is None else share.loss_weight(num_replicas())
-        if merger is None:
-            scaled_loss = scaling.scale(loss, weight)
-        else:
-            scaled_tasks = [scaling.scale(t, weight) for t in tasks]
-            if regularization is not None:
-                regularization = scaling.scale(regularization, weight)
-    if merger is None:
-        grads = tape.gradient(scaled_loss, [v.value for v in variables])
-        return loss, y_pred, scaling.unscale(grads, weight), share
-    # Each task's gradient is unscaled once, then merged.
+        scaled_tasks = [scaling.scale(t, weight) for t in tasks]
+        if regularization is not None:
+            regularization = scaling.scale(regularization, weight)
     merge = features.merger(merger) if features.active else merger
     grads, _ = merge(
         tape, scaled_tasks, regularization, variables,
@@ -144,6 +162,17 @@ def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
         task_names=task_names(model),
     )
     return loss, y_pred, grads, share
+
+
+def _first_input(model, x):
+    """The batch's first input tensor (its rows are the batch size)."""
+    try:
+        return first_input(x)  # a `ValueError` when `x` holds no tensor
+    except ValueError:
+        # Keras' own error first where it has one (a required input is
+        # `None`: "not optional"), as `keras.Model` raises it.
+        call_for_training(model, x)
+        raise
 
 
 def _check_slices(model, x):
@@ -160,36 +189,41 @@ def _check_slices(model, x):
 # --------------------------------------------------------- finite check
 def finite_check(model, state, batch):
     """Is the micro-batch finite (on every replica: one small all-reduce,
-    so every replica decides alike)? Updates the loss scale. Returns a
-    `Verdict`."""
+    so every replica decides alike)? Returns a `Verdict`."""
     scaling = state.scaling
-    checked = finite.marks(batch.grads, batch.loss)
+    marks = finite.marks(batch.grads, batch.loss)
     total = batch.normaliser
     if num_replicas() > 1:
-        flags, total = replica_sum([finite.to_flags(checked), total])
-        checked = finite.from_flags(flags)
-    all_finite = finite.is_finite(checked)
+        flags, total = replica_sum([finite.to_flags(marks), total])
+        marks = finite.from_flags(flags)
+    all_finite = finite.is_finite(marks)
     drops = model.skip_nonfinite or scaling.active  # keep == finite
-    # Before `scaling.update`: the scale the micro-batch was dropped at.
-    counts = failed(all_finite, scaling) if scaling.active else None
-    scaling.update(all_finite)
     return Verdict(
-        checked=checked, all_finite=all_finite,
+        marks=marks, all_finite=all_finite,
         keep=all_finite if drops else tf.constant(True),
-        drops=drops, counts=counts, total=total,
+        drops_nonfinite=drops,
+        # At the scale the micro-batch was checked at (before the update).
+        counts_towards_streak=failed(all_finite, scaling) if scaling.active else None,
+        global_normaliser=total,
     )
 
 
-def record_drop(model, state, checked, counts=None):
+def update_loss_scale(state, verdict):
+    """Loss scaling's own rule: halve after a non-finite micro-batch,
+    double after `dynamic_growth_steps` finite ones (a no-op without)."""
+    state.scaling.update(verdict.all_finite)
+
+
+def record_drop(model, state, marks, counts=None):
     """Bookkeeping of a non-finite micro-batch (in the branch that runs
     only then): where it went bad, and the divergence streak.
 
     Args:
-        checked: The micro-batch's (global) `finite.marks` vector.
+        marks: The micro-batch's (global) `finite.marks` vector.
         counts: Boolean scalar, whether the drop counts towards the streak
             (`divergence.failed`, under loss scaling); `None`: it does.
     """
-    first_bad, num_bad = finite.summarize(checked)
+    first_bad, num_bad = finite.summarize(marks)
     state.telemetry.record_drop(first_bad, num_bad)
     if model.skip_nonfinite or state.scaling.active:
         state.divergence.record_drop(tf.constant(True) if counts is None else counts)
@@ -213,11 +247,11 @@ def update_or_drop(model, state, batch, verdict):
     per step, which shows on short steps). Returns the metrics' logs."""
 
     def apply():
-        update(model, state, batch.grads, verdict.total if batch.divide else None)
+        update(model, state, batch.grads, _divisor(batch, verdict))
         return _update_metrics(model, batch, compat.unscale_loss_for_distribution(batch.loss))
 
     def drop():
-        record_drop(model, state, verdict.checked, verdict.counts)
+        record_drop(model, state, verdict.marks, verdict.counts_towards_streak)
         return model.get_metrics_result()
 
     return tf.cond(verdict.keep, apply, drop)
@@ -230,12 +264,12 @@ def accumulate_or_apply(model, state, batch, verdict):
     step has anyway, where it can."""
     acc = state.accumulator
     drop = functools.partial(record_drop, model, state)
-    drop_args = (verdict.checked, verdict.counts)
+    drop_args = (verdict.marks, verdict.counts_towards_streak)
     not_finite = tf.logical_not(verdict.all_finite)
     if acc is None:
         apply = functools.partial(update, model, state)
-        update_args = (replica_sum(batch.grads), verdict.total if batch.divide else None)
-        if verdict.drops:
+        update_args = (replica_sum(batch.grads), _divisor(batch, verdict))
+        if verdict.drops_nonfinite:
             apply_if(verdict.keep, apply, args=update_args,
                      otherwise=drop, otherwise_args=drop_args)
         else:  # non-finite gradients are applied, as keras.Model does
@@ -243,25 +277,30 @@ def accumulate_or_apply(model, state, batch, verdict):
             apply_if(verdict.keep, apply, args=update_args)
         return
     otherwise = None
-    if verdict.drops and num_replicas() == 1:
+    if verdict.drops_nonfinite and num_replicas() == 1:
         otherwise = functools.partial(drop, *drop_args)
     else:
         apply_if(not_finite, drop, args=drop_args)
-    window_complete = acc.add(batch.grads, verdict.total, verdict.keep, otherwise=otherwise)
+    window_complete = acc.add(
+        batch.grads, verdict.global_normaliser, verdict.keep,
+        mean_reduction=batch.mean_reduction, otherwise=otherwise,
+    )
     apply_if(
         tf.logical_and(window_complete, acc.has_samples()),
         functools.partial(apply_window, model, state),
     )
 
 
+def _divisor(batch, verdict):
+    """What the update divides the combined gradients by (`None`: they
+    are the batch's gradient already)."""
+    return verdict.global_normaliser if batch.mean_reduction else None
+
+
 def apply_window(model, state):
-    """Applies the accumulated window (sums / normaliser) and empties it."""
+    """Applies the accumulated window's gradient and empties it."""
     acc = state.accumulator
-    update(
-        model, state,
-        acc.window_sums(state.no_gradient_template()),
-        acc.normaliser if state.divide_window else None,
-    )
+    update(model, state, acc.window_gradient(state.no_gradient_template()))
     acc.reset()
 
 
@@ -281,23 +320,38 @@ def update(model, state, grads, normaliser=None):
     """
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
-    telemetry = state.telemetry
-    variables = model.trainable_variables
+    grads, norm, was_clipped = _clipped(model, state, grads)
+    _apply_if_finite(model, state, grads, _finite_update(model, state, grads, norm),
+                     norm, was_clipped)
+
+
+def _clipped(model, state, grads):
+    """The gradient clipped to `clip_norm` (if set) and its norm before
+    (`None` when neither clipping nor `grad_norm` needs it)."""
     norm = was_clipped = None
     if "grad_norm" in state.log_keys or model.clip_norm is not None:
         norm = global_norm(grads)
-    telemetry.record_layer_norms(grads)
+    state.telemetry.record_layer_norms(grads)
     if model.clip_norm is not None:
         grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, norm)
-    # Each micro-batch was finite, but a window's or the replicas' sum of
-    # finite gradients can overflow: checked here, right before the update
-    # (free with clipping: the norm is finite iff they all are).
+    return grads, norm, was_clipped
+
+
+def _finite_update(model, state, grads, norm):
+    """Whether the update is finite (`None`: known to be). Each micro-batch
+    was finite, but a window's or the replicas' sum of finite gradients can
+    overflow: checked right before the update (free with clipping: the norm
+    is finite iff they all are)."""
     if model.clip_norm is not None:
-        finite_update = tf.math.is_finite(norm)
-    elif state.accumulator is not None or num_replicas() > 1:
-        finite_update = finite.all_finite(grads)
-    else:
-        finite_update = None  # the micro-batch check covered these
+        return tf.math.is_finite(norm)
+    if state.accumulator is not None or num_replicas() > 1:
+        return finite.all_finite(grads)
+    return None  # the micro-batch check covered these
+
+
+def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
+    """The optimizer step and its records, or the drop's."""
+    telemetry, variables = state.telemetry, model.trainable_variables
 
     def apply():
         before = telemetry.snapshot(variables)
