@@ -148,7 +148,7 @@ OVERRIDDEN_PRIVATE_METHODS = (
     (KerasSaveable, "_obj_type", ()),
 )
 
-# What `StepStateEntry._obj_type` returns: Keras' saving walks only a few
+# What `StepState._obj_type` returns: Keras' saving walks only a few
 # known kinds of objects; "Loss" is one whose own attributes it does not
 # walk (the entry has none to save besides its own variables).
 SAVEABLE_OBJ_TYPE = "Loss"

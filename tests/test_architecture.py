@@ -120,3 +120,35 @@ def test_tests_benchmarks_and_notebooks_use_no_private_step_names():
         "through the model's public surface (`fastgrad_step_state`, "
         f"`telemetry_counters()`, ...). Received `._fg_` in: {found}"
     )
+
+
+# The layers of the package, bottom up: a module may import its own layer
+# and those below, never one above (the step does not know the models that
+# run it; callbacks read what the step measured).
+LAYERS = [
+    {"keras_fastgrad._compat", "keras_fastgrad._validation"},
+    {"keras_fastgrad.aggregators", "keras_fastgrad.step", "keras_fastgrad.multitask"},
+    {"keras_fastgrad.models"},
+    {"keras_fastgrad.callbacks", "keras_fastgrad.profiling"},
+    {"keras_fastgrad", "keras_fastgrad.demo", "keras_fastgrad.profile"},
+]
+
+
+def _layer(module):
+    for level, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names if n != "keras_fastgrad"):
+            return level
+    return len(LAYERS) - 1
+
+
+def test_lower_layers_do_not_import_higher_ones():
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in _import_graph().items()
+        for target in targets
+        if _layer(target) > _layer(module)
+    ]
+    assert not upward, (
+        f"These imports run up the package's layers {LAYERS}: {upward}. Fix: "
+        "move what the lower module needs down, or pass it in as an argument."
+    )
