@@ -17,6 +17,7 @@ the `fit` of a plain model the measuring step for that `fit` only.
 """
 
 import contextlib
+import difflib
 import inspect
 
 import keras
@@ -74,9 +75,11 @@ def fastgrad(model, **options):
     _check_model(model)
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
+        close = difflib.get_close_matches(unknown[0], OPTION_NAMES, n=1)
+        fix = f" Fix: did you mean `{close[0]}`?" if close else ""
         raise TypeError(
             f"`fastgrad` got unknown option(s) {unknown}. Options are "
-            f"{list(OPTION_NAMES)} (see `FastGradModel`)."
+            f"{list(OPTION_NAMES)} (see `FastGradModel`).{fix}"
         )
     if isinstance(model, FastGradModel):
         # Compared as saved (an aggregator by its config, not its identity).
