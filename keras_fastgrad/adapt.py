@@ -96,6 +96,7 @@ def fastgrad(model, **options):
                 "these options, or call `fastgrad` on the plain model."
             )
         return model
+    detach(model)  # what a `fit` with our callbacks that raised left
     _give_step(model, _checked_options(**options))
     if model.compiled:
         model._fg_after_compile()

@@ -750,3 +750,13 @@ def test_a_train_step_replaced_on_the_instance_is_refused():
     with pytest.raises(ValueError, match=r"`model.train_step` is replaced on the instance"):
         keras_fastgrad.fastgrad(model)
     assert not isinstance(model, keras_fastgrad.FastGradModel)
+
+
+def test_fastgrad_after_a_fit_that_raised_gets_its_own_step():
+    model, (x, y) = _plain("functional")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(RuntimeError):
+        FAILURES["on_epoch_end"](model, x, y)
+    model = keras_fastgrad.fastgrad(model, accumulation_steps=2)
+    model.fit(x, y, batch_size=4, verbose=0)  # 4 batches, 2 per update
+    assert int(model.optimizer.iterations.numpy()) == 2
