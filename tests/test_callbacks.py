@@ -757,6 +757,7 @@ def test_fastgrad_after_a_fit_that_raised_gets_its_own_step():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(RuntimeError):
         FAILURES["on_epoch_end"](model, x, y)
+    before = int(model.optimizer.iterations.numpy())
     model = keras_fastgrad.fastgrad(model, accumulation_steps=2)
     model.fit(x, y, batch_size=4, verbose=0)  # 4 batches, 2 per update
-    assert int(model.optimizer.iterations.numpy()) == 2
+    assert int(model.optimizer.iterations.numpy()) - before == 2
