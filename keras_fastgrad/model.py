@@ -137,18 +137,18 @@ class FastGradModel(keras.Model):
             kwargs, OPTION_NAMES, _keras_keywords(type(self)),
             owner=type(self).__name__,
         )
-        options = _checked_options(
-            accumulation_steps=accumulation_steps,
-            clip_norm=clip_norm,
-            multitask=multitask,
-            skip_nonfinite=skip_nonfinite,
-            telemetry=telemetry,
-            micro_batches=micro_batches,
-            max_consecutive_nonfinite=max_consecutive_nonfinite,
-            multitask_space=multitask_space,
-            multitask_features=multitask_features,
-            **(restored or {}),
-        )
+        given = {
+            "accumulation_steps": accumulation_steps,
+            "clip_norm": clip_norm,
+            "multitask": multitask,
+            "skip_nonfinite": skip_nonfinite,
+            "telemetry": telemetry,
+            "micro_batches": micro_batches,
+            "max_consecutive_nonfinite": max_consecutive_nonfinite,
+            "multitask_space": multitask_space,
+            "multitask_features": multitask_features,
+        }
+        options = _checked_options(**{**given, **(restored or {})})
         if compat.functional_init_arguments(args, kwargs) and not isinstance(
             self, keras.Sequential
         ):

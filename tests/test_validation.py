@@ -183,3 +183,16 @@ def test_keras_own_keywords_stay_accepted():
 def test_an_empty_multitask_features_is_refused_at_construction(make, features):
     with pytest.raises(ValueError, match=rf"`multitask_features` must be None or a layer name \(a non-empty string\)\. Received: multitask_features={features!r}\. Fix:"):
         make(multitask="pcgrad", multitask_space="features", multitask_features=features)
+
+
+@pytest.mark.parametrize("options", [
+    {"accumulation_steps": 3, "clip_norm": 2.0, "skip_nonfinite": False, "telemetry": True,
+     "micro_batches": 2, "max_consecutive_nonfinite": None},
+    {"multitask": "mgda", "multitask_space": "features", "multitask_features": "hidden",
+     "max_consecutive_nonfinite": 4},
+])
+def test_every_option_given_reaches_the_model(options):
+    # `__init__` reads each option by name: none may be dropped on the way.
+    stored = fast(**options)._fg_options()
+    for name, value in options.items():
+        assert (stored[name] if name != "multitask" else stored[name]["class_name"].lower()) == value, name
