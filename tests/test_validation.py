@@ -193,6 +193,6 @@ def test_an_empty_multitask_features_is_refused_at_construction(make, features):
 ])
 def test_every_option_given_reaches_the_model(options):
     # `__init__` reads each option by name: none may be dropped on the way.
-    stored = fast(**options)._fg_options()
+    stored = fast(**options).get_config()
     for name, value in options.items():
         assert (stored[name] if name != "multitask" else stored[name]["class_name"].lower()) == value, name
