@@ -13,7 +13,9 @@ weights stay where they are.
   `.keras` file loads back into a `C` with the step and its options.
 
 The callbacks of `keras_fastgrad.callbacks` use `attach` / `detach` to give
-the `fit` of a plain model the measuring step for that `fit` only.
+the `fit` of a plain model the measuring step for that `fit` only; the model
+is a `FastGradModel` only while that step and the callbacks' hooks run
+(`stepping`), so a `fit` that raises leaves it as it was.
 """
 
 import contextlib
@@ -106,9 +108,10 @@ def fastgrad(model, **options):
 def attach(model):
     """Gives a plain model the step for one `fit` (the callbacks' case):
     default options that train exactly like `keras.Model` (nothing
-    skipped, never stopped). Returns whether it did (not for a model that
-    already has the step, nor when another callback of the same `fit`
-    did); `detach` undoes it.
+    skipped, never stopped). Returns whether the model is attached for
+    this `fit` (also when another callback of the same `fit` attached it
+    first; not for a model that has the step of its own); `detach` undoes
+    it, from whichever of those callbacks ends first.
 
     The model stays an instance of its own class: it becomes a
     `FastGradModel` only while keras_fastgrad's code runs (its train
@@ -123,7 +126,7 @@ def attach(model):
     attachment = _attachment(model)
     if attachment is not None:
         if not attachment.used:  # another callback of this `fit` attached
-            return False
+            return True
         detach(model)  # left by a `fit` that raised: start afresh
     if isinstance(model, FastGradModel):
         return False

@@ -761,3 +761,15 @@ def test_fastgrad_after_a_fit_that_raised_gets_its_own_step():
     model = keras_fastgrad.fastgrad(model, accumulation_steps=2)
     model.fit(x, y, batch_size=4, verbose=0)  # 4 batches, 2 per update
     assert int(model.optimizer.iterations.numpy()) - before == 2
+
+
+def test_an_evaluate_that_raised_does_not_keep_the_step_after_the_next_fit():
+    model, (x, y) = _plain("functional")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(RuntimeError):
+        model.evaluate(x, y, verbose=0, callbacks=[
+            GradientNormLogger(), Raises("on_test_begin", RuntimeError("boom"))])
+    history = model.fit(x, y, verbose=0, callbacks=[GradientNormLogger(), NonFiniteGuard()])
+    assert "grad_norm" in history.history
+    assert vars(model).get("make_train_function") is None  # detached at its end
+    assert "grad_norm" not in model.fit(x, y, verbose=0).history
