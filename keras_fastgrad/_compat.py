@@ -117,6 +117,18 @@ def first_batch(iterator):
     return None
 
 
+def batch_spec(iterator):
+    """The structure, shapes and dtypes of the batches of the
+    `TFEpochIterator` that `fit` passes to `_maybe_symbolic_build`, read
+    without iterating (no batch consumed, no shuffle or epoch hook run): the
+    `element_spec` of its dataset. `None` where it has no `tf.data.Dataset`
+    (a distributed one, under a strategy)."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    if isinstance(dataset, tf.data.Dataset):
+        return dataset.element_spec
+    return None
+
+
 # Before Keras 3.11, `fit` passes the FIRST batch of a train function call
 # (`steps_per_execution` batches) to `on_train_batch_end`; from 3.11 on, the
 # last (`end_step`, not capped at the epoch's end).

@@ -4,6 +4,7 @@ Every message follows the Keras recipe: the argument in backticks, the rule,
 the value received and, where there is one, the fix.
 """
 
+import difflib
 import numbers
 import os
 
@@ -228,6 +229,13 @@ def check_multitask_space(space, features, multitask):
             f"Received: multitask_features={features!r} of type "
             f"{type(features).__name__}."
         )
+    if features is not None and not features.strip():
+        raise ValueError(
+            "`multitask_features` must be None or a layer name (a non-empty "
+            f"string). Received: multitask_features={features!r}. Fix: pass "
+            "the name of the layer whose output is the shared "
+            "representation, or None to find it in a functional model."
+        )
     if space == "features" and multitask is None:
         raise ValueError(
             "`multitask_space=\"features\"` needs a multi-task method. "
@@ -264,6 +272,30 @@ def check_keras_supports_replicas(strategy):
             f"{replicas} replicas. Fix: `pip install \"keras>=3.10\"`, or "
             "train on one device (no strategy)."
         )
+
+
+def check_keyword_names(kwargs, option_names, keras_names, owner="FastGradModel"):
+    """Refuses a keyword that is neither one of `FastGradModel`'s options
+    nor one `keras.Model` accepts (Keras' functional form would silently
+    ignore it), suggesting the closest valid name.
+
+    Raises:
+        TypeError: for an unknown keyword.
+    """
+    unknown = sorted(set(kwargs) - set(option_names) - set(keras_names))
+    if not unknown:
+        return
+    name = unknown[0]
+    close = difflib.get_close_matches(name, [*option_names, *keras_names], n=1)
+    fix = (
+        f"Fix: did you mean `{close[0]}`?" if close
+        else f"Fix: use one of the options {list(option_names)}."
+    )
+    raise TypeError(
+        f"`{name}` is not an argument of `{owner}` (its options are "
+        f"{list(option_names)}; the other keywords go to `keras.Model`: "
+        f"{list(keras_names)}). Received: {name}={kwargs[name]!r}. {fix}"
+    )
 
 
 def check_options(options):

@@ -628,3 +628,148 @@ def test_tensorboard_gets_the_task_keys_of_a_multitask_model(tmp_path):
             [scalars["epoch_" + key][e] for e in (0, 1)], history.history[key],
             rtol=1e-6,
         )
+
+
+# ------------------------------------------- a plain model's fit that raises
+@keras.saving.register_keras_serializable(package="test_callbacks")
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _plain(kind):
+    keras.utils.set_random_seed(3)
+    if kind == "functional":
+        return mlp(cls=keras.Model), data()
+    if kind == "sequential":
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)]), data()
+    if kind == "subclassed":
+        model = Subclassed()
+        model(data()[0][:1])  # built: its weights exist before `fit`
+        return model, data()
+    inputs = keras.Input((5,), dtype="int32")  # embedding
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 3)(inputs))
+    x = np.random.default_rng(0).integers(0, 10, size=(16, 5)).astype("int32")
+    return keras.Model(inputs, keras.layers.Dense(1)(h)), (x, data()[1])
+
+
+class Raises(keras.callbacks.Callback):
+    def __init__(self, hook, error):
+        super().__init__()
+        self.error = error
+        setattr(self, hook, self._raise)
+
+    def _raise(self, *args, **kwargs):
+        raise self.error
+
+
+def _failing_generator(x, y, error):
+    for i in range(0, len(x), 4):
+        if i == 8:
+            raise error
+        yield x[i:i + 4], y[i:i + 4]
+
+
+FAILURES = {
+    "on_epoch_end": lambda model, x, y: model.fit(
+        x, y, batch_size=4, epochs=2, verbose=0,
+        callbacks=[GradientNormLogger(), Raises("on_epoch_end", RuntimeError("boom"))]),
+    "on_train_batch_end": lambda model, x, y: model.fit(
+        x, y, batch_size=4, verbose=0,
+        callbacks=[GradientNormLogger(), Raises("on_train_batch_end", KeyboardInterrupt())]),
+    "in_the_train_function": lambda model, x, y: model.fit(
+        _failing_generator(x, y, KeyboardInterrupt()), steps_per_epoch=4, verbose=0,
+        callbacks=[GradientNormLogger()]),
+}
+
+
+@pytest.mark.parametrize("where", sorted(FAILURES))
+@pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed", "embedding"])
+def test_a_fit_that_raises_leaves_a_plain_model(kind, where, tmp_path):
+    model, (x, y) = _plain(kind)
+    model.compile(optimizer="sgd", loss="mse")
+    original, config = type(model), model.get_config()
+    with pytest.raises(BaseException):
+        FAILURES[where](model, x, y)
+    assert type(model) is original
+    assert not isinstance(model, keras_fastgrad.FastGradModel)
+    assert not hasattr(model, "fastgrad_step_state") and not hasattr(model, "clip_norm")
+    assert model.get_config() == config
+    # Saved as a plain model saves: loads as the same class, and its weights
+    # file loads into a fresh plain model of the same architecture.
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert type(loaded).__name__ == original.__name__
+    assert not isinstance(loaded, keras_fastgrad.FastGradModel)
+    model.save_weights(tmp_path / "m.weights.h5")
+    fresh, _ = _plain(kind)
+    fresh.load_weights(tmp_path / "m.weights.h5")
+    for a, b in zip(fresh.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # A later fit without the callbacks is Keras' own (no step keys); one
+    # with them measures again and leaves the model plain.
+    assert "grad_norm" not in model.fit(x, y, batch_size=4, verbose=0).history
+    assert set(model.train_on_batch(x[:4], y[:4], return_dict=True)) == {"loss"}
+    history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[GradientNormLogger()])
+    assert "grad_norm" in history.history and type(model) is original
+
+
+def test_after_a_fit_that_raised_training_equals_keras_model():
+    # The same failing fit with a plain callback only, then the same fits.
+    results = []
+    for callbacks in ([GradientNormLogger()], []):
+        model, (x, y) = _plain("functional")
+        model.compile(optimizer="sgd", loss="mse")
+        with pytest.raises(RuntimeError):
+            model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+                      callbacks=callbacks + [Raises("on_epoch_end", RuntimeError("boom"))])
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+        results.append((history.history, [w.numpy() for w in model.weights]))
+    assert results[0][0] == results[1][0]
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_train_step_replaced_on_the_instance_is_refused():
+    model = mlp(cls=keras.Model)
+    model.compile(optimizer="sgd", loss="mse")
+
+    def my_step(data):
+        return keras.Model.train_step(model, data)
+
+    model.train_step = my_step
+    x, y = data()
+    with pytest.raises(ValueError, match=r"`model.train_step` is replaced on the instance.*Fix: `del model.train_step`"):
+        model.fit(x, y, verbose=0, callbacks=[GradientNormLogger()])
+    assert type(model) is type(mlp(cls=keras.Model)) and vars(model)["train_step"] is my_step
+    with pytest.raises(ValueError, match=r"`model.train_step` is replaced on the instance"):
+        keras_fastgrad.fastgrad(model)
+    assert not isinstance(model, keras_fastgrad.FastGradModel)
+
+
+def test_fastgrad_after_a_fit_that_raised_gets_its_own_step():
+    model, (x, y) = _plain("functional")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(RuntimeError):
+        FAILURES["on_epoch_end"](model, x, y)
+    before = int(model.optimizer.iterations.numpy())
+    model = keras_fastgrad.fastgrad(model, accumulation_steps=2)
+    model.fit(x, y, batch_size=4, verbose=0)  # 4 batches, 2 per update
+    assert int(model.optimizer.iterations.numpy()) - before == 2
+
+
+def test_an_evaluate_that_raised_does_not_keep_the_step_after_the_next_fit():
+    model, (x, y) = _plain("functional")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(RuntimeError):
+        model.evaluate(x, y, verbose=0, callbacks=[
+            GradientNormLogger(), Raises("on_test_begin", RuntimeError("boom"))])
+    history = model.fit(x, y, verbose=0, callbacks=[GradientNormLogger(), NonFiniteGuard()])
+    assert "grad_norm" in history.history
+    assert vars(model).get("make_train_function") is None  # detached at its end
+    assert "grad_norm" not in model.fit(x, y, verbose=0).history

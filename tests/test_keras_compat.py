@@ -425,3 +425,28 @@ def test_batch_end_index_is_the_calls_last_batch(steps_per_execution):
     model.fit(np.ones((6, 3)), np.ones((6, 1)), batch_size=1, verbose=0,
               callbacks=[Record()])
     assert seen == list(range(steps_per_execution - 1, 6, steps_per_execution))
+
+
+def test_batch_spec_reads_fits_epoch_iterator_without_iterating():
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    class Counting(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.epoch_ends = 0
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return np.ones((4, 2), "float32"), np.ones((4,), "int32")
+
+        def on_epoch_end(self):
+            self.epoch_ends += 1
+
+    dataset = Counting()
+    iterator = TFEpochIterator(x=dataset, distribute_strategy=tf.distribute.get_strategy())
+    x_spec, y_spec = compat.batch_spec(iterator)
+    assert (x_spec.shape.as_list(), x_spec.dtype) == ([None, 2], tf.float32)
+    assert (y_spec.shape.as_list(), y_spec.dtype) == ([None], tf.int32)
+    assert dataset.epoch_ends == 0

@@ -184,3 +184,67 @@ def test_training_only_layer_under_mirrored_strategy():
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ------------------------------------- the build reads no data (issue 18, B)
+class ShuffledBatches(keras.utils.PyDataset):
+    """Batches of 3 whose order `on_epoch_end` reshuffles with its own
+    seeded generator; counts its epoch ends."""
+
+    def __init__(self, x, y, seed=5):
+        super().__init__()
+        self.x, self.y = x, y
+        self.rng = np.random.default_rng(seed)
+        self.order = np.arange(len(x))
+        self.epoch_ends = 0
+
+    def __len__(self):
+        return len(self.x) // 3
+
+    def __getitem__(self, i):
+        rows = self.order[3 * i: 3 * i + 3]
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self):
+        self.epoch_ends += 1
+        self.rng.shuffle(self.order)
+
+
+def _batches(x, y, seen):
+    for i in range(0, len(x), 3):
+        seen.append(i)
+        yield x[i:i + 3], y[i:i + 3]
+
+
+def _fit_twice(base, source):
+    keras.utils.set_random_seed(11)
+    x, y = data(n=12)
+    model = _aux_head_class(base)()
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    seen = []
+    if source == "pydataset":
+        dataset = ShuffledBatches(x, y)
+        kwargs = {"x": dataset, "shuffle": True}
+    elif source == "tf.data":
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(12).batch(3)
+        kwargs = {"x": dataset}
+    elif source == "numpy":
+        dataset = None
+        kwargs = {"x": x, "y": y, "batch_size": 3, "shuffle": True}
+    else:  # a generator: 2 epochs of 2 batches, out of its 4
+        dataset = None
+        kwargs = {"x": _batches(x, y, seen), "steps_per_epoch": 2}
+    history = model.fit(epochs=2, verbose=0, **kwargs)
+    return model, history.history["loss"], dataset, seen
+
+
+@pytest.mark.parametrize("source", ["pydataset", "tf.data", "numpy", "generator"])
+def test_same_seed_same_run_as_keras_model(source):
+    reference, reference_loss, reference_data, reference_seen = _fit_twice(keras.Model, source)
+    model, loss, dataset, seen = _fit_twice(keras_fastgrad.FastGradModel, source)
+    np.testing.assert_allclose(loss, reference_loss, rtol=1e-6)
+    _assert_same_weights(model, reference)
+    if source == "pydataset":  # one shuffle per epoch end, as in Keras
+        assert dataset.epoch_ends == reference_data.epoch_ends
+    if source == "generator":  # no batch lost to the build
+        assert seen == reference_seen

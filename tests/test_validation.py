@@ -4,7 +4,7 @@ value received."""
 import keras
 import numpy as np
 import pytest
-from helpers import fast
+from helpers import fast, mlp
 
 import keras_fastgrad
 from keras_fastgrad._validation import check_bool
@@ -131,3 +131,68 @@ def test_xla_under_multi_worker_on_cpu_is_refused_clearly():
     )
     check_jit_compile_under_strategy(True, gpu)  # allowed: TF has GPU collectives
     check_jit_compile_under_strategy(False, strategy)
+
+
+# ------------------------------------------- construction refuses bad names
+_TYPO = r"`accumulation_step` is not an argument of `{}`.*Received: accumulation_step=2\. Fix: did you mean `accumulation_steps`\?"
+
+
+class _Subclassed(keras_fastgrad.FastGradModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(x)
+
+
+def test_a_misspelt_option_is_refused_with_the_closest_name():
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(1)(inputs)
+    with pytest.raises(TypeError, match=_TYPO.format("FastGradModel")):
+        keras_fastgrad.FastGradModel(inputs, outputs, accumulation_step=2)
+    with pytest.raises(TypeError, match=_TYPO.format("FastGradModel")):
+        keras_fastgrad.FastGradModel(inputs=inputs, outputs=outputs, accumulation_step=2)
+    with pytest.raises(TypeError, match=_TYPO.format("FastGradSequential")):
+        keras_fastgrad.FastGradSequential([inputs, keras.layers.Dense(1)], accumulation_step=2)
+    with pytest.raises(TypeError, match=_TYPO.format("_Subclassed")):
+        _Subclassed(accumulation_step=2)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['accumulation_step'\].*Fix: did you mean `accumulation_steps`\?"):
+        keras_fastgrad.fastgrad(keras.Model(inputs, outputs), accumulation_step=2)
+    with pytest.raises(TypeError, match=r"`nmae` is not an argument.*Fix: did you mean `name`\?"):
+        keras_fastgrad.FastGradModel(inputs, outputs, nmae="m")
+
+
+def test_keras_own_keywords_stay_accepted():
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(1)(inputs)
+    model = keras_fastgrad.FastGradModel(inputs=inputs, outputs=outputs, name="m", trainable=False)
+    assert (model.name, model.trainable) == ("m", False)
+    model = _Subclassed(name="s", dtype="float64", trainable=True, accumulation_steps=2)
+    assert (model.name, model.dtype_policy.name, model.accumulation_steps) == ("s", "float64", 2)
+    assert keras_fastgrad.FastGradSequential([inputs, keras.layers.Dense(1)], name="q").name == "q"
+
+
+@pytest.mark.parametrize("make", [
+    lambda **o: fast(**o),
+    lambda **o: _Subclassed(**o),
+    lambda **o: keras_fastgrad.FastGradSequential([keras.Input((3,)), keras.layers.Dense(1)], **o),
+    lambda **o: keras_fastgrad.fastgrad(mlp(keras.Model), **o),
+], ids=["functional", "subclassed", "sequential", "fastgrad"])
+@pytest.mark.parametrize("features", ["", "  "])
+def test_an_empty_multitask_features_is_refused_at_construction(make, features):
+    with pytest.raises(ValueError, match=rf"`multitask_features` must be None or a layer name \(a non-empty string\)\. Received: multitask_features={features!r}\. Fix:"):
+        make(multitask="pcgrad", multitask_space="features", multitask_features=features)
+
+
+@pytest.mark.parametrize("options", [
+    {"accumulation_steps": 3, "clip_norm": 2.0, "skip_nonfinite": False, "telemetry": True,
+     "micro_batches": 2, "max_consecutive_nonfinite": None},
+    {"multitask": "mgda", "multitask_space": "features", "multitask_features": "hidden",
+     "max_consecutive_nonfinite": 4},
+])
+def test_every_option_given_reaches_the_model(options):
+    # `__init__` reads each option by name: none may be dropped on the way.
+    stored = fast(**options).get_config()
+    for name, value in options.items():
+        assert (stored[name] if name != "multitask" else stored[name]["class_name"].lower()) == value, name

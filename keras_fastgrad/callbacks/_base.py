@@ -2,6 +2,8 @@
 attached to, asks its step for the telemetry keys they read, and holds the
 argument checks they share (Keras-style messages)."""
 
+import functools
+
 import keras
 
 # The argument checks the callbacks share live with the model's.
@@ -28,8 +30,11 @@ class FastGradCallback(keras.callbacks.Callback):
     `keras.Sequential`, a KerasHub task), the callback gives that `fit`
     `FastGradModel`'s step with options that train exactly like
     `keras.Model` (no accumulation, clipping or skipping), so the step can
-    measure; the model is itself again after `fit`. Subclasses that
-    override `on_train_begin` / `on_train_end` call `super()`.
+    measure; the model is itself again after `fit`, also when `fit` raises
+    (it is a `FastGradModel` only while the step and the callbacks' hooks
+    run: `keras_fastgrad.adapt.attach`). Subclasses that override
+    `on_train_begin` / `on_train_end` call `super()`; their `on_*` hooks
+    see the model as a `FastGradModel`.
 
     Raises:
         ValueError: from `set_model` (at the start of `fit`) when the
@@ -55,6 +60,14 @@ class FastGradCallback(keras.callbacks.Callback):
 
     telemetry_keys = ()
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A plain model is a `FastGradModel` only while our code runs: each
+        # hook a subclass defines sees it as one (`adapt.stepping`).
+        for name, hook in list(vars(cls).items()):
+            if name.startswith("on_") and callable(hook):
+                setattr(cls, name, _seeing_the_step(hook))
+
     def required_telemetry(self, model):
         """The telemetry keys this callback reads from `model`'s logs."""
         return self.telemetry_keys
@@ -67,14 +80,21 @@ class FastGradCallback(keras.callbacks.Callback):
         self._fitting = False
         super().set_model(model)
         try:
-            self.check_model(model)
-            model.enable_telemetry(self.required_telemetry(model))
+            with adapt.stepping(model):
+                self.check_model(model)
+                model.enable_telemetry(self.required_telemetry(model))
         except Exception:
-            self._detach()  # refused: the model stays as it was
+            adapt.detach(model)  # refused: the model stays as it was
+            self._attached = False
             raise
 
     def on_train_begin(self, logs=None):
         self._fitting = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        from keras_fastgrad import adapt
+
+        adapt.prepare_call(self.model)  # the step runs for this `fit`
 
     def on_train_end(self, logs=None):
         self._fitting = False
@@ -95,3 +115,21 @@ class FastGradCallback(keras.callbacks.Callback):
 
     def check_model(self, model):
         """Hook: raise if this callback's settings do not fit `model`."""
+
+
+def _seeing_the_step(hook):
+    """`hook`, run with an attached plain model seen as a `FastGradModel`
+    (and, for `on_train_batch_begin`, announcing the train function's next
+    call, as the base class's hook does)."""
+    announces = hook.__name__ == "on_train_batch_begin"
+
+    @functools.wraps(hook)
+    def seeing_the_step(self, *args, **kwargs):
+        from keras_fastgrad import adapt
+
+        if announces:
+            adapt.prepare_call(self.model)
+        with adapt.stepping(self.model):
+            return hook(self, *args, **kwargs)
+
+    return seeing_the_step

@@ -103,6 +103,9 @@ class NonFiniteGuard(_base.FastGradCallback):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._seen = self.model.telemetry_counters()["nonfinite_count"]
+        # Read now: a plain model's step may be detached before this
+        # callback's `on_train_end` writes its last summary.
+        self._skip_nonfinite = self.model.skip_nonfinite
         self._epoch = self._begin = 0
         self._pending, self._latest = 0, None  # warn: count and latest report this epoch
 
@@ -148,7 +151,7 @@ class NonFiniteGuard(_base.FastGradCallback):
         warnings.warn(summary, RuntimeWarning, stacklevel=2)
 
     def _fate(self):
-        if self.model.skip_nonfinite:
+        if self._skip_nonfinite:
             return "dropped"
         return "APPLIED (skip_nonfinite=False)"
 

@@ -120,24 +120,15 @@ def _first_training(model):
 
 
 def build_for_training(model, iterator=None, data_batch=None):
-    """Builds `model` (and the variables of a training call) from one
-    batch, symbolically: no weight, moving statistic or seed moves. When
-    `run_eagerly`, `call` may hold eager-only Python: built by calling it
-    (`_build_eagerly`)."""
+    """Builds `model` (and the variables of a training call) from the
+    batches' structure, shapes and dtypes, symbolically: no weight, moving
+    statistic or seed moves, and no data is read (`_batch_structure`).
+    When `run_eagerly`, `call` may hold eager-only Python: built by calling
+    it (`_build_eagerly`)."""
     first_training = _first_training(model)
     strategy = model.distribute_strategy
     if iterator is not None:
-        # Under a strategy, Keras averages one distributed batch with
-        # `strategy.reduce`, which `MultiWorkerMirroredStrategy` cannot do
-        # eagerly (plain `keras.Model.fit` fails there); the build only
-        # needs the batch's structure, shapes and dtypes: replica 0's part
-        # has them.
-        data_batch = tree.map_structure(
-            lambda v: strategy.experimental_local_results(v)[0]
-            if isinstance(v, tf.distribute.DistributedValues)
-            else v,
-            compat.first_batch(iterator),
-        )
+        data_batch = _batch_structure(model, iterator)
     eager = compat.own_distribute_strategy(model) is None and model.run_eagerly
     with strategy.scope():
         training_built = first_training and _build_training_variables(
@@ -147,6 +138,40 @@ def build_for_training(model, iterator=None, data_batch=None):
             _build_eagerly(model, data_batch)
         elif not eager:
             compat.symbolic_build(model, data_batch)
+
+
+def _batch_structure(model, iterator):
+    """What the build needs of `fit`'s data (structure, shapes, dtypes),
+    read as `keras.Model.fit` would: without a strategy Keras reads no
+    batch before training, so neither do we (the dataset's `element_spec`:
+    reading a batch would start an epoch of the data, run a shuffle and a
+    `PyDataset.on_epoch_end` more than Keras, and lose batches of a
+    generator). Under a strategy Keras reads the first batch (and so moves
+    the data on); we read it the same way."""
+    spec = None
+    if compat.own_distribute_strategy(model) is None:
+        spec = compat.batch_spec(iterator)
+    if spec is not None and all(
+        _is_absent(s) or s.shape.rank is not None for s in tree.flatten(spec)
+    ):
+        return tree.map_structure(lambda s: None if _is_absent(s) else s, spec)
+    # Under a strategy, Keras averages one distributed batch with
+    # `strategy.reduce`, which `MultiWorkerMirroredStrategy` cannot do
+    # eagerly (plain `keras.Model.fit` fails there); the build only needs
+    # the batch's structure, shapes and dtypes: replica 0's part has them.
+    strategy = model.distribute_strategy
+    return tree.map_structure(
+        lambda v: strategy.experimental_local_results(v)[0]
+        if isinstance(v, tf.distribute.DistributedValues)
+        else v,
+        compat.first_batch(iterator),
+    )
+
+
+def _is_absent(spec):
+    """An entry of a generator's batches that is `None` (`tf.data` holds it
+    as an empty `Optional`)."""
+    return isinstance(spec, tf.OptionalSpec)
 
 
 def _build_training_variables(model, data_batch, quiet):
@@ -178,16 +203,28 @@ def _build_training_variables(model, data_batch, quiet):
 
 
 def _build_eagerly(model, data_batch):
-    """Builds an unbuilt `run_eagerly` model by calling it on the batch,
-    with `training=False` (no moving statistic or seed moves), as Keras'
+    """Builds an unbuilt `run_eagerly` model by calling it on the batch (on
+    zeros of its shapes when only those are known), with `training=False` (no moving statistic or seed moves), as Keras'
     symbolic build does but eagerly: its `call` may hold eager-only Python
     (`float(tensor)`, `.numpy()`). Variables that only `training=True`
     creates are then not built before the first step."""
     if all(layer.built for layer in compat.flatten_layers(model)):
         return  # (`model.build(shape)` may have left layers unbuilt)
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data_batch)
+    x = tree.map_structure(_placeholder_value, x)
     kwargs = {"training": False} if compat.call_has_training_arg(model) else {}
     model(x, **kwargs)
+
+
+def _placeholder_value(value):
+    """A batch entry given as a `tf.TensorSpec` (no data read): zeros (or
+    empty strings) of its shape, with 1 for a dimension it leaves open."""
+    if not isinstance(value, tf.TensorSpec):
+        return value
+    shape = [1 if d is None else d for d in value.shape.as_list()]
+    if value.dtype == tf.string:
+        return tf.fill(shape, "")
+    return tf.zeros(shape, value.dtype)
 
 
 # ------------------------------------------------------------------ fit

@@ -13,9 +13,13 @@ weights stay where they are.
   `.keras` file loads back into a `C` with the step and its options.
 
 The callbacks of `keras_fastgrad.callbacks` use `attach` / `detach` to give
-the `fit` of a plain model the measuring step for that `fit` only.
+the `fit` of a plain model the measuring step for that `fit` only; the model
+is a `FastGradModel` only while that step and the callbacks' hooks run
+(`stepping`), so a `fit` that raises leaves it as it was.
 """
 
+import contextlib
+import difflib
 import inspect
 
 import keras
@@ -73,9 +77,11 @@ def fastgrad(model, **options):
     _check_model(model)
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
+        close = difflib.get_close_matches(unknown[0], OPTION_NAMES, n=1)
+        fix = f" Fix: did you mean `{close[0]}`?" if close else ""
         raise TypeError(
             f"`fastgrad` got unknown option(s) {unknown}. Options are "
-            f"{list(OPTION_NAMES)} (see `FastGradModel`)."
+            f"{list(OPTION_NAMES)} (see `FastGradModel`).{fix}"
         )
     if isinstance(model, FastGradModel):
         # Compared as saved (an aggregator by its config, not its identity).
@@ -92,6 +98,7 @@ def fastgrad(model, **options):
                 "these options, or call `fastgrad` on the plain model."
             )
         return model
+    detach(model)  # what a `fit` with our callbacks that raised left
     _give_step(model, _checked_options(**options))
     if model.compiled:
         model._fg_after_compile()
@@ -101,31 +108,155 @@ def fastgrad(model, **options):
 def attach(model):
     """Gives a plain model the step for one `fit` (the callbacks' case):
     default options that train exactly like `keras.Model` (nothing
-    skipped, never stopped). Returns whether it did (not for a model that
-    already has the step); `detach` undoes it."""
+    skipped, never stopped). Returns whether the model is attached for
+    this `fit` (also when another callback of the same `fit` attached it
+    first; not for a model that has the step of its own); `detach` undoes
+    it, from whichever of those callbacks ends first.
+
+    The model stays an instance of its own class: it becomes a
+    `FastGradModel` only while keras_fastgrad's code runs (its train
+    function, built by the `make_train_function` that `attach` puts on
+    the instance, and the hooks of the callbacks; see `stepping`). So an
+    exception anywhere else in `fit` (a callback, an interrupt between
+    batches) leaves a plain model: its type, `save`, `save_weights` and
+    `get_config` are a plain model's. What `fit` cannot undo when it raises
+    (the instance's `make_train_function` and train function) undoes itself
+    at the next training call that no callback of ours prepared
+    (`_Attachment.train_function`)."""
+    attachment = _attachment(model)
+    if attachment is not None:
+        if not attachment.used:  # another callback of this `fit` attached
+            return True
+        detach(model)  # left by a `fit` that raised: start afresh
     if isinstance(model, FastGradModel):
         return False
     _check_model(model)
-    original = type(model)
-    _give_step(
-        model,
-        _checked_options(skip_nonfinite=False, max_consecutive_nonfinite=None),
-    )
-    model._fg_attached_to = original
+    _Attachment(model)
     return True
 
 
 def detach(model):
     """Undoes `attach`: the model's own class and train function again."""
-    original = vars(model).get("_fg_attached_to")
-    if original is None:
-        return
-    for name in list(vars(model)):
-        if name.startswith("_fg_") or name in OPTION_NAMES:
-            object.__delattr__(model, name)
-    del model.fastgrad_step_state
-    model.__class__ = original
-    model.train_function = None
+    attachment = _attachment(model)
+    if attachment is not None:
+        attachment.detach()
+
+
+def stepping(model):
+    """A context in which `model` is the `FastGradModel` that `attach`
+    made of it (its class and the step's state and options); outside,
+    the plain model it is. Does nothing for a model that is not attached.
+    Re-entrant."""
+    attachment = _attachment(model)
+    return contextlib.nullcontext() if attachment is None else attachment
+
+
+def prepare_call(model):
+    """Marks the next call of an attached model's train function as one
+    of a `fit` whose callbacks asked for the step (the callbacks'
+    `on_train_batch_begin`)."""
+    attachment = _attachment(model)
+    if attachment is not None:
+        attachment.prepared = True
+
+
+def _attachment(model):
+    return vars(model).get("_fg_attachment") if model is not None else None
+
+
+class _Attachment:
+    """What `attach` gives a plain model, kept off the model between calls.
+
+    The class of the step and the instance attributes it needs (the
+    step's state and options: `FastGradModel._fg_setup`) are put on the
+    model on `__enter__` and taken off on `__exit__` (a class assignment
+    and a dozen dict entries: microseconds per call). Between calls the
+    model holds only the `make_train_function` of `attach`, its train
+    function and this object, none of which Keras saves.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.original = type(model)
+        self.step_class = _step_class(self.original)
+        self.depth = 0
+        self.used = False  # a train function was made: the `fit` started
+        self.prepared = False
+        self.detached = False
+        before = set(vars(model))
+        model.__class__ = self.step_class
+        try:
+            model._fg_setup(
+                _checked_options(skip_nonfinite=False, max_consecutive_nonfinite=None)
+            )
+        finally:
+            model.__class__ = self.original
+        self.stash = {k: vars(model).pop(k) for k in set(vars(model)) - before}
+        # `object.__setattr__`: not tracked by Keras (nor saved).
+        object.__setattr__(model, "_fg_attachment", self)
+        object.__setattr__(model, "make_train_function", self.make_train_function)
+        model.train_function = None  # traced again, with the step
+
+    def __enter__(self):
+        if self.depth == 0 and not self.detached:
+            vars(self.model).update(self.stash)
+            self.model.__class__ = self.step_class
+        self.depth += 1
+        return self.model
+
+    def __exit__(self, *exc_info):
+        self.depth -= 1
+        if self.depth == 0:
+            model = self.model
+            model.__class__ = self.original
+            attributes = vars(model)
+            for name in self.stash:
+                if name in attributes:
+                    self.stash[name] = attributes.pop(name)
+        return False
+
+    def make_train_function(self, force=False):
+        """The model's `make_train_function` while attached: the step's
+        train function, called through `train_function`."""
+        model = self.model
+        if model.train_function is not None and not force:
+            return model.train_function
+        with self:  # (Keras' version sets `train_function`, returns nothing)
+            self.step_class.make_train_function(model, force=True)
+        traced = model.train_function
+        self.used = True
+
+        def train_function(iterator):
+            return self.train_function(traced, iterator)
+
+        model.train_function = train_function
+        return train_function
+
+    def train_function(self, traced, iterator):
+        if not self.prepared:
+            # No callback of ours announced this call: the `fit` that
+            # attached the step raised, and this is a later training call
+            # (a `fit` without our callbacks, `train_on_batch`).
+            self.detach()
+            self.model.make_train_function()
+            return self.model.train_function(iterator)
+        self.prepared = False
+        with self:  # tracing (first call, new shapes) needs the class
+            return traced(iterator)
+
+    def detach(self):
+        model = self.model
+        self.detached = True
+        for name in ("_fg_attachment", "make_train_function"):
+            if name in vars(model):
+                object.__delattr__(model, name)
+        if self.depth == 0:
+            model.__class__ = self.original
+        else:  # inside `stepping`: `__exit__` restores the class
+            for name in self.stash:
+                vars(model).pop(name, None)
+            self.stash = {}
+        model.train_function = None
 
 
 def _give_step(model, options):
@@ -141,6 +272,17 @@ def _check_model(model):
             f"subclass). Received: model of type {type(model).__name__}"
         )
     cls = type(model)
+    if "train_step" in vars(model):
+        raise ValueError(
+            "`model.train_step` is replaced on the instance (by "
+            f"`{getattr(vars(model)['train_step'], '__qualname__', 'a callable')}`): "
+            "giving it `FastGradModel`'s step would silently keep running "
+            "that step, which measures nothing. Received: a "
+            f"`{cls.__name__}` with its own `train_step` attribute. Fix: "
+            "`del model.train_step` to train with Keras' step (then "
+            "`FastGradModel`'s), or keep the model's own step and leave "
+            "keras_fastgrad out of this `fit`."
+        )
     if not isinstance(model, FastGradModel) and cls.train_step is not keras.Model.train_step:
         owner = next(k for k in cls.__mro__ if "train_step" in vars(k))
         raise ValueError(

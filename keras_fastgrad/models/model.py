@@ -133,10 +133,22 @@ class FastGradModel(keras.Model):
         # `keras.models.clone_model`: the trained model's options win.
         restored = kwargs.pop("fastgrad_options", None)
         restored = vars(self).pop("_fg_cloned_options", None) or restored
-        given = locals()
-        options = _checked_options(
-            **{**{name: given[name] for name in OPTION_NAMES}, **(restored or {})}
+        _validation.check_keyword_names(
+            kwargs, OPTION_NAMES, _keras_keywords(type(self)),
+            owner=type(self).__name__,
         )
+        given = {
+            "accumulation_steps": accumulation_steps,
+            "clip_norm": clip_norm,
+            "multitask": multitask,
+            "skip_nonfinite": skip_nonfinite,
+            "telemetry": telemetry,
+            "micro_batches": micro_batches,
+            "max_consecutive_nonfinite": max_consecutive_nonfinite,
+            "multitask_space": multitask_space,
+            "multitask_features": multitask_features,
+        }
+        options = _checked_options(**{**given, **(restored or {})})
         if compat.functional_init_arguments(args, kwargs) and not isinstance(
             self, keras.Sequential
         ):
@@ -445,6 +457,36 @@ _DEFAULT_OPTIONS = {
     if p.kind is inspect.Parameter.KEYWORD_ONLY
 }
 OPTION_NAMES = tuple(_DEFAULT_OPTIONS)
+
+# The keywords `keras.Model` accepts besides ours: the functional form's
+# (`Functional.__init__`: `inputs`, `outputs`, `name`, `trainable`) and the
+# subclassed form's (`keras.layers.Layer.__init__`'s, with the `input_dim` /
+# `input_shape` it reads from its `**kwargs`).
+KERAS_KEYWORDS = tuple(sorted(
+    {"inputs", "outputs", "input_dim", "input_shape"}
+    | {
+        name
+        for function in (keras.layers.Layer.__init__, compat.Functional.__init__)
+        for name, p in inspect.signature(function).parameters.items()
+        if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+))
+
+
+@functools.lru_cache(maxsize=None)
+def _keras_keywords(cls):
+    """`KERAS_KEYWORDS` and those of the `__init__`s that `FastGradModel`'s
+    `super().__init__` reaches in `cls` (`keras.Sequential`'s `layers`)."""
+    mro = cls.__mro__
+    names = set(KERAS_KEYWORDS)
+    for klass in mro[mro.index(FastGradModel) + 1:]:
+        if "__init__" in vars(klass) and klass is not object:
+            names.update(
+                name
+                for name, p in inspect.signature(vars(klass)["__init__"]).parameters.items()
+                if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            )
+    return tuple(sorted(names))
 
 
 def _checked_options(**options):
