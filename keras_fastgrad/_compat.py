@@ -244,14 +244,6 @@ def with_default_mark(function, default):
     return function
 
 
-def register_serialized_name(cls, registered_as):
-    """Serializes `cls` under the name `registered_as` is registered with,
-    so a `.keras` file names that class and loading it finds it."""
-    _object_registration.GLOBAL_CUSTOM_NAMES[cls] = (
-        keras.saving.get_registered_name(registered_as)
-    )
-
-
 # ------------------------------------------------------------------ cloning
 # `keras.models.clone_model` builds a functional clone in this function as
 # `model.__class__(inputs, outputs, name=model.name)`, with the original in

@@ -192,3 +192,19 @@ def test_the_checker_sees_missing_sections():
     assert docstring_gaps(documented) == set()
     assert docstring_gaps(undocumented) == {"summary", "args", "example"}
     assert docstring_gaps(half) == {"arg:beta", "example"}
+
+
+def test_docstrings_that_list_options_and_aggregators_list_them_all():
+    # Lists in prose go stale when an option or a method is added: these
+    # are checked against the registries they describe.
+    from keras_fastgrad import aggregators
+    from keras_fastgrad.models.model import OPTION_NAMES
+
+    model_doc = keras_fastgrad.FastGradModel.__doc__
+    missing = [n for n in aggregators.NAMES if f'`"{n}"`' not in model_doc]
+    assert not missing, f"FastGradModel's docstring does not name the aggregators {missing}"
+    for owner in (keras_fastgrad.FastGradModel, keras_fastgrad.FastGradSequential,
+                  keras_fastgrad.fastgrad):
+        missing = [n for n in OPTION_NAMES if f"`{n}`" not in owner.__doc__
+                   and f"    {n}:" not in owner.__doc__]
+        assert not missing, f"{owner.__name__}'s docstring does not name the options {missing}"

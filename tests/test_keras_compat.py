@@ -358,7 +358,7 @@ def test_private_methods_that_shadow_keras_are_declared_overrides():
 def test_several_replicas_refused_before_keras_3_10(monkeypatch):
     from types import SimpleNamespace
 
-    from keras_fastgrad import _validation
+    from keras_fastgrad.models import options as _validation
 
     class MirroredStrategy(SimpleNamespace):
         pass

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import keras_fastgrad
 from keras_fastgrad.profiling import _runs
-from keras_fastgrad import profile as profile_cli
+from keras_fastgrad.profiling import __main__ as profile_cli
 from keras_fastgrad.profiling.measure import PhaseTimes, StepProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

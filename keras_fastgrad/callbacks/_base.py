@@ -32,7 +32,7 @@ class FastGradCallback(keras.callbacks.Callback):
     `keras.Model` (no accumulation, clipping or skipping), so the step can
     measure; the model is itself again after `fit`, also when `fit` raises
     (it is a `FastGradModel` only while the step and the callbacks' hooks
-    run: `keras_fastgrad.adapt.attach`). Subclasses that override
+    run: `keras_fastgrad.models.adapt.attach`). Subclasses that override
     `on_train_begin` / `on_train_end` call `super()`; their `on_*` hooks
     see the model as a `FastGradModel`.
 
@@ -92,7 +92,7 @@ class FastGradCallback(keras.callbacks.Callback):
         self._fitting = True
 
     def on_train_batch_begin(self, batch, logs=None):
-        from keras_fastgrad import adapt
+        from keras_fastgrad.models import adapt
 
         adapt.prepare_call(self.model)  # the step runs for this `fit`
 
@@ -125,7 +125,7 @@ def _seeing_the_step(hook):
 
     @functools.wraps(hook)
     def seeing_the_step(self, *args, **kwargs):
-        from keras_fastgrad import adapt
+        from keras_fastgrad.models import adapt
 
         if announces:
             adapt.prepare_call(self.model)

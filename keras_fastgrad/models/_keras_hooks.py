@@ -75,7 +75,9 @@ def functional_variant(cls):
             (cls, compat.Functional),
             {"__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__},
         )
-        compat.register_serialized_name(variant, cls)
+        # Serialized under the class's registered name: a `.keras` file names
+        # the user's class, and loading it comes back here.
+        compat.serialize_as(variant, keras.saving.get_registered_name(cls))
         _FUNCTIONAL_VARIANTS[cls] = variant
     return variant
 

@@ -23,7 +23,8 @@ import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.models import _keras_hooks as integration
-from keras_fastgrad import _validation, aggregators
+from keras_fastgrad import aggregators
+from keras_fastgrad.models import options as _options
 from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.state import StepState
 from keras_fastgrad.step.divergence import TrainingLoss
@@ -52,9 +53,10 @@ class FastGradModel(keras.Model):
             each update (after accumulation) to this global L2 norm.
         multitask: `None` (default): the task losses are summed as in
             `keras.Model`. Or a multi-task method: a name from
-            `keras_fastgrad.aggregators.NAMES` (`"pcgrad"`, `"mgda"`,
-            `"cagrad"`, `"imtl"`, `"aligned"`, `"sum"`, `"mean"`) or an
-            `Aggregator` instance. Each compiled output loss (times its
+            `keras_fastgrad.aggregators.NAMES` (`"sum"`, `"mean"`,
+            `"pcgrad"`, `"mgda"`, `"cagrad"`, `"imtl"`, `"aligned"`,
+            `"upgrad"`, `"dualproj"`, `"config"`, `"nashmtl"`,
+            `"gradvac"`) or an `Aggregator` instance. Each compiled output loss (times its
             loss weight) is a task; the task gradients over the shared
             variables are merged by the method, each task's own variables
             get its plain gradient, and the regularisation gradient is
@@ -133,7 +135,7 @@ class FastGradModel(keras.Model):
         # `keras.models.clone_model`: the trained model's options win.
         restored = kwargs.pop("fastgrad_options", None)
         restored = vars(self).pop("_fg_cloned_options", None) or restored
-        _validation.check_keyword_names(
+        _options.check_keyword_names(
             kwargs, OPTION_NAMES, _keras_keywords(type(self)),
             owner=type(self).__name__,
         )
@@ -194,7 +196,7 @@ class FastGradModel(keras.Model):
         compat.set_loss_tracker(
             self, TrainingLoss(name="loss", streak=self.fastgrad_step_state.streak)
         )
-        _validation.check_optimizer_ownership(
+        _options.check_optimizer_ownership(
             self.optimizer, self.accumulation_steps, self.clip_norm
         )
         if self.multitask is not None:
@@ -203,13 +205,13 @@ class FastGradModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        _validation.check_jit_compile_under_strategy(
+        _options.check_jit_compile_under_strategy(
             self.jit_compile, self.distribute_strategy
         )
-        _validation.check_steps_per_execution_under_strategy(
+        _options.check_steps_per_execution_under_strategy(
             self.steps_per_execution, self.distribute_strategy
         )
-        _validation.check_keras_supports_replicas(self.distribute_strategy)
+        _options.check_keras_supports_replicas(self.distribute_strategy)
         state = self.fastgrad_step_state
         state.build(self)
         if not self.optimizer.built:  # state must exist before tracing
@@ -492,7 +494,7 @@ def _keras_keywords(cls):
 def _checked_options(**options):
     """The constructor's options (defaults for those not given),
     validated (Keras-style errors)."""
-    return _validation.check_options({**_DEFAULT_OPTIONS, **options})
+    return _options.check_options({**_DEFAULT_OPTIONS, **options})
 
 
 def _takes_options(cls):

@@ -1,0 +1,287 @@
+"""`FastGradModel`'s options and the checks of how they meet the rest of
+the training set-up (the optimizer, the strategy, XLA), run once in Python
+before anything is traced.
+
+Every message follows the Keras recipe: the argument in backticks, the rule,
+the value received and, where there is one, the fix. The generic checks
+(booleans, integers, choices) live in `keras_fastgrad._validation`.
+"""
+
+import difflib
+import numbers
+
+import keras
+
+from keras_fastgrad import _compat as compat
+from keras_fastgrad import aggregators
+from keras_fastgrad._validation import check_bool, check_choice, check_int, check_optional_int
+
+
+
+def check_accumulation_steps(value):
+    """Returns `value` if it is an integer >= 1, else raises."""
+    return check_int(
+        "accumulation_steps", value, 1, " (the number of batches per optimizer update)"
+    )
+
+
+def check_clip_norm(value):
+    """Returns `value` as a float if it is None or a finite number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            "`clip_norm` must be a number > 0 (the maximum global L2 norm "
+            "of each update's gradient) or None. Received: "
+            f"clip_norm={value!r} of type {type(value).__name__}."
+        )
+    if not value > 0 or value == float("inf"):
+        raise ValueError(
+            "`clip_norm` must be a finite number > 0 or None (to disable "
+            f"clipping). Received: clip_norm={value!r}"
+        )
+    return float(value)
+
+
+def check_multitask(value):
+    """Returns `None` or the `Aggregator` for a multi-task method.
+
+    Accepts `None`, a name from `aggregators.NAMES`, an
+    `keras_fastgrad.aggregators.Aggregator` instance or its config dict (as
+    `get_config` writes it).
+    """
+    if value is None:
+        return None
+    if isinstance(value, aggregators.Aggregator) or isinstance(value, dict):
+        return aggregators.get(value)
+    if isinstance(value, str) and value.lower() in aggregators.NAMES:
+        return aggregators.get(value)
+    raise ValueError(
+        f"`multitask` must be None or one of {list(aggregators.NAMES)}. "
+        f"Received: multitask={value!r}. A custom method is an instance of "
+        "`keras_fastgrad.aggregators.Aggregator`."
+    )
+
+
+def check_optimizer_ownership(optimizer, accumulation_steps, clip_norm):
+    """Refuses a concern owned twice: by the model and by the optimizer.
+
+    Args:
+        optimizer: The compiled optimizer (possibly a `LossScaleOptimizer`).
+        accumulation_steps: The model's `accumulation_steps`.
+        clip_norm: The model's `clip_norm`.
+
+    Raises:
+        ValueError: if the optimizer accumulates while the model does, or
+            clips while the model does.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    optimizer_steps = getattr(inner, "gradient_accumulation_steps", None)
+    if accumulation_steps > 1 and optimizer_steps:
+        raise ValueError(
+            "Gradient accumulation is set twice: "
+            f"`FastGradModel(accumulation_steps={accumulation_steps})` and "
+            f"the optimizer's `gradient_accumulation_steps={optimizer_steps}`. "
+            "Only one may own it. Fix: remove `gradient_accumulation_steps` "
+            "from the optimizer (the model's accumulation is exact for "
+            "uneven batches and sample weights), or use "
+            "`accumulation_steps=1`."
+        )
+    if clip_norm is not None:
+        for attr in ("clipnorm", "global_clipnorm", "clipvalue"):
+            optimizer_value = getattr(inner, attr, None)
+            if optimizer_value is not None:
+                raise ValueError(
+                    "Gradient clipping is set twice: "
+                    f"`FastGradModel(clip_norm={clip_norm})` and the "
+                    f"optimizer's `{attr}={optimizer_value}`. Only one may "
+                    f"own it. Fix: remove `{attr}` from the optimizer (the "
+                    "model clips the final gradient of each update once, "
+                    "after accumulation), or use `clip_norm=None`."
+                )
+
+
+def check_jit_compile_under_strategy(jit_compile, strategy):
+    """Refuses XLA where TensorFlow cannot compile the distributed step.
+
+    - MirroredStrategy with 2+ devices on this worker: XLA cannot compile one
+      function that reads variables placed on several devices (plain
+      `keras.Model` fails too, deep in TF: "Trying to access resource ...
+      located in device ...").
+    - Any multi-replica strategy on CPU devices: XLA has no collectives on
+      CPU ("Collectives are not yet implemented for CPU devices when
+      compiling with XLA", then a crash of the worker process).
+    GPU workers with one device each (MultiWorkerMirroredStrategy) pass.
+    """
+    if jit_compile is not True or strategy.num_replicas_in_sync == 1:
+        return
+    try:
+        devices = list(strategy.extended.worker_devices)
+    except (AttributeError, RuntimeError):
+        devices = []
+    if len(devices) > 1:
+        reason = (
+            f"with {len(devices)} devices on this worker: XLA cannot compile "
+            "a function that reads variables on several devices "
+            "(https://www.tensorflow.org/xla/known_issues"
+            "#tfvariable_on_a_different_device)"
+        )
+    elif any("CPU" in d.upper() for d in devices):
+        reason = (
+            "on CPU devices: XLA has no collectives on CPU (TensorFlow: "
+            "\"Collectives are not yet implemented for CPU devices when "
+            "compiling with XLA\")"
+        )
+    else:
+        return
+    raise ValueError(
+        "`jit_compile=True` is not supported by TensorFlow under "
+        f"`{type(strategy).__name__}` {reason}. Received: jit_compile=True. "
+        "Fix: compile with `jit_compile=False` (or `\"auto\"`, which Keras "
+        "resolves to False under a strategy)."
+    )
+
+
+def check_steps_per_execution_under_strategy(steps_per_execution, strategy):
+    """Refuses `steps_per_execution > 1` with several replicas.
+
+    Keras' multi-step loop (a `tf.while_loop` around `strategy.run`) does
+    not run under MirroredStrategy in Keras 3.15 / TF 2.21: plain
+    `keras.Model.fit` fails too, with "You must feed a value for
+    placeholder tensor 'while/cond/Placeholder'".
+    """
+    if steps_per_execution > 1 and strategy.num_replicas_in_sync > 1:
+        raise ValueError(
+            "`steps_per_execution` must be 1 under "
+            f"`{type(strategy).__name__}` with "
+            f"{strategy.num_replicas_in_sync} replicas: Keras' multi-step "
+            "loop fails there (plain `keras.Model.fit` too, with \"You must "
+            "feed a value for placeholder tensor\"). Received: "
+            f"steps_per_execution={steps_per_execution}. Fix: compile with "
+            "`steps_per_execution=1` (a larger global batch amortises the "
+            "per-call cost instead)."
+        )
+
+
+def check_multitask_space(space, features, multitask):
+    """`multitask_space` and `multitask_features`, checked together.
+
+    Returns:
+        A dict with both options.
+    """
+    from keras_fastgrad.multitask.feature_space import SPACES
+
+    space = check_choice("multitask_space", space, SPACES)
+    if features is not None and not isinstance(features, str):
+        raise TypeError(
+            "`multitask_features` must be None or a layer name (a string). "
+            f"Received: multitask_features={features!r} of type "
+            f"{type(features).__name__}."
+        )
+    if features is not None and not features.strip():
+        raise ValueError(
+            "`multitask_features` must be None or a layer name (a non-empty "
+            f"string). Received: multitask_features={features!r}. Fix: pass "
+            "the name of the layer whose output is the shared "
+            "representation, or None to find it in a functional model."
+        )
+    if space == "features" and multitask is None:
+        raise ValueError(
+            "`multitask_space=\"features\"` needs a multi-task method. "
+            "Received: multitask=None, multitask_space=\"features\". Fix: "
+            "pass `multitask=\"pcgrad\"` (or another method), or leave "
+            "`multitask_space` at \"parameters\"."
+        )
+    if features is not None and space != "features":
+        raise ValueError(
+            "`multitask_features` names the shared representation of "
+            "`multitask_space=\"features\"`. Received: "
+            f"multitask_features={features!r}, multitask_space={space!r}. "
+            "Fix: pass `multitask_space=\"features\"`, or drop "
+            "`multitask_features`."
+        )
+    return {"multitask_space": space, "multitask_features": features}
+
+
+def check_keras_supports_replicas(strategy):
+    """Refuses several replicas on Keras < 3.10.
+
+    Before 3.10 Keras creates metric variables mirrored on write: every
+    metric update is a `merge_call`, which the step cannot run inside its
+    conditional update (TensorFlow: "`merge_call` called while defining a
+    new graph or a tf.function"). From 3.10 they are sync-on-read.
+    """
+    replicas = strategy.num_replicas_in_sync
+    if replicas > 1 and not compat.MULTI_REPLICA_SUPPORTED:
+        raise ValueError(
+            "Training a FastGradModel on several replicas needs Keras >= "
+            "3.10: older Keras updates metrics with a `merge_call`, which "
+            "the step cannot run inside its conditional update. Received: "
+            f"keras=={keras.__version__}, `{type(strategy).__name__}` with "
+            f"{replicas} replicas. Fix: `pip install \"keras>=3.10\"`, or "
+            "train on one device (no strategy)."
+        )
+
+
+def check_keyword_names(kwargs, option_names, keras_names, owner="FastGradModel"):
+    """Refuses a keyword that is neither one of `FastGradModel`'s options
+    nor one `keras.Model` accepts (Keras' functional form would silently
+    ignore it), suggesting the closest valid name.
+
+    Raises:
+        TypeError: for an unknown keyword.
+    """
+    unknown = sorted(set(kwargs) - set(option_names) - set(keras_names))
+    if not unknown:
+        return
+    name = unknown[0]
+    close = difflib.get_close_matches(name, [*option_names, *keras_names], n=1)
+    fix = (
+        f"Fix: did you mean `{close[0]}`?" if close
+        else f"Fix: use one of the options {list(option_names)}."
+    )
+    raise TypeError(
+        f"`{name}` is not an argument of `{owner}` (its options are "
+        f"{list(option_names)}; the other keywords go to `keras.Model`: "
+        f"{list(keras_names)}). Received: {name}={kwargs[name]!r}. {fix}"
+    )
+
+
+def check_options(options):
+    """`FastGradModel`'s options (a dict with every name), validated:
+    the checked values, or the first Keras-style error."""
+    micro_batches = check_int(
+        "micro_batches", options["micro_batches"], 1,
+        " (slices of each batch, run one after the other)",
+    )
+    multitask = check_multitask(options["multitask"])
+    if micro_batches > 1 and multitask is not None and (
+        options["multitask_space"] == "features"
+    ):
+        raise ValueError(
+            "`micro_batches` and `multitask_space=\"features\"` cannot be "
+            "combined yet: the features-space merge needs each task's "
+            "gradient over the representation of the whole batch. Received: "
+            f"micro_batches={micro_batches}, multitask={multitask!r}, "
+            "multitask_space='features'. Fix: use `accumulation_steps` with "
+            "smaller batches, or `multitask_space=\"parameters\"`."
+        )
+    return {
+        "accumulation_steps": check_accumulation_steps(
+            options["accumulation_steps"]
+        ),
+        "clip_norm": check_clip_norm(options["clip_norm"]),
+        "multitask": multitask,
+        "skip_nonfinite": check_bool(
+            "skip_nonfinite", options["skip_nonfinite"]
+        ),
+        "telemetry": check_bool("telemetry", options["telemetry"]),
+        "micro_batches": micro_batches,
+        "max_consecutive_nonfinite": check_optional_int(
+            "max_consecutive_nonfinite", options["max_consecutive_nonfinite"], 1,
+            " (dropped micro-batches in a row before training stops) or None",
+        ),
+        **check_multitask_space(
+            options["multitask_space"], options["multitask_features"], multitask
+        ),
+    }
