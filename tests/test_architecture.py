@@ -90,18 +90,83 @@ def test_the_package_has_no_import_cycles():
     )
 
 
+# What the package may set on a model, besides the options (plain
+# attributes, part of the config) and Keras' own `train_function`: each with
+# why. Everything else the step keeps lives in `model.fastgrad_step_state`.
+MODEL_ATTRIBUTES = {
+    "fastgrad_step_state": "the step's one state object (its own saved entry)",
+    "__class__": "the functional variant, `fastgrad`, and the callbacks' attachment",
+    "train_function": "Keras' own: reset so the step is traced again",
+    "make_train_function": "the callbacks' attachment on a plain model (never saved)",
+    "_fg_attachment": "the callbacks' attachment on a plain model (never saved)",
+    "_fg_cloned_options": "a clone's options, from `__new__` to `__init__` (popped there)",
+    "_loss_tracker": "Keras' own `loss` metric, replaced by one that reports NaN periods",
+}
+_MODEL_NAMES = ("model", "instance")
+
+
+def _is_model_class(node):
+    names = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+    return any(n.endswith(("Model", "Sequential")) for n in names)
+
+
+def _attributes_set_on_models(tree):
+    """`(line, name)` of every attribute `tree` sets on a model: `model.x =`
+    anywhere, `self.x =` in a model class, `setattr` / `object.__setattr__`
+    / `vars(model)[...]` with a literal name."""
+    model_classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and _is_model_class(n)]
+    in_model_class = {id(n) for c in model_classes for n in ast.walk(c)}
+    for node in ast.walk(tree):
+        target = name = None
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            target, name = node.value, node.attr
+        elif isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+            func = ast.unparse(node.func)
+            if func in ("setattr", "delattr", "object.__setattr__", "object.__delattr__"):
+                target, name = node.args[0], node.args[1].value
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "vars":
+                if isinstance(node.slice, ast.Constant):
+                    target, name = node.value.args[0], node.slice.value
+        if not isinstance(target, ast.Name):
+            continue
+        if target.id in _MODEL_NAMES or (target.id == "self" and id(node) in in_model_class):
+            yield node.lineno, name
+
+
+def test_the_finder_of_model_attributes_finds_planted_ones():
+    planted = ast.parse(
+        "class M(keras.Model):\n"
+        "    def f(self):\n"
+        "        self._fg_window = 1\n"
+        "def g(model, other):\n"
+        "    model.streak = 0\n"
+        "    object.__setattr__(model, '_fg_x', 1)\n"
+        "    vars(model)['_fg_y'] = 2\n"
+        "    other.z = 3\n"
+    )
+    assert sorted(n for _, n in _attributes_set_on_models(planted)) == [
+        "_fg_window", "_fg_x", "_fg_y", "streak"
+    ]
+
+
 def test_the_step_reads_its_state_from_one_object():
-    # The step's units get `StepState` as an argument; the model keeps no
-    # step state in attributes of its own.
-    model_source = (PACKAGE_DIR / "models" / "model.py").read_text()
-    assigned = {
-        node.attr
-        for node in ast.walk(ast.parse(model_source))
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name) and node.value.id == "self"
-        and node.attr.startswith("_fg_")
-    }
-    assert not assigned, f"model.py sets step state on the model: {sorted(assigned)}"
+    # Every module of the package: the models keep no step state in
+    # attributes of their own, only the options and `fastgrad_step_state`.
+    from keras_fastgrad.models.model import OPTION_NAMES
+
+    allowed = set(MODEL_ATTRIBUTES) | set(OPTION_NAMES)
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {name}"
+        for path in sorted(PACKAGE_DIR.rglob("*.py"))
+        for line, name in _attributes_set_on_models(ast.parse(path.read_text()))
+        if name not in allowed
+    ]
+    assert not found, (
+        f"The package sets step state on models: {found}. Fix: keep it in "
+        "`StepState` (`model.fastgrad_step_state`), or add the attribute to "
+        "MODEL_ATTRIBUTES with why."
+    )
 
 
 def test_tests_benchmarks_and_notebooks_use_no_private_step_names():
