@@ -4,7 +4,7 @@ value received."""
 import keras
 import numpy as np
 import pytest
-from helpers import fast, mlp
+from helpers import data, fast, max_weight_diff, mlp
 
 import keras_fastgrad
 from keras_fastgrad._validation import check_bool
@@ -96,10 +96,24 @@ def test_clipping_owned_twice_is_refused_under_loss_scaling():
         model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=2.0), loss="mse")
 
 
-def test_optimizer_options_alone_stay_allowed():
-    # One owner is fine: the optimizer may clip when the model does not.
-    model = fast()
-    model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0), loss="mse")
+@pytest.mark.parametrize("owner", [
+    {"global_clipnorm": 1.0}, {"clipnorm": 0.5}, {"gradient_accumulation_steps": 2},
+])
+def test_optimizer_options_alone_stay_allowed(owner):
+    # One owner is fine: the optimizer clips or accumulates (and the model
+    # does not), and the model then trains exactly as keras.Model with that
+    # optimizer: clipped or accumulated once, by the optimizer.
+    x, y = data(n=8)
+    y = y * 50.0  # gradients far above the clip norms
+    ref, model = mlp(), fast()
+    for m in (ref, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.1, **owner), loss="mse")
+        m.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    plain = mlp()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert max_weight_diff(model, ref) < 1e-6
+    assert max_weight_diff(plain, ref) > 1e-2  # the optimizer's option acted
 
 
 def test_unknown_telemetry_key_is_refused():
