@@ -20,6 +20,8 @@ slices, not the batch; losses added with `add_loss` inside `call` are
 computed per slice.
 """
 
+import collections
+
 import tensorflow as tf
 from keras import tree
 
@@ -81,84 +83,13 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
         no gradient; and the batch's share (`share.real` its normaliser,
         `share.mean` whether the window divides by it).
     """
-    n = tf.shape(first_input(x))[0]
-    size = (n + slices - 1) // slices
-    pad = size * slices - n
-    rows = tf.reshape(
-        tf.concat([tf.ones([n], tf.bool), tf.zeros([pad], tf.bool)], 0), [slices, -1]
-    )
-    # Padding rows are copies of real rows, not zeros: a zero row can be
-    # NaN in the forward pass (a fully masked sequence pools to 0/0), and
-    # NaN times the mask that removes the row from the loss is still NaN.
-    order = tf.math.floormod(tf.range(size * slices), n)
-    split = lambda t: _pad_and_split(t, order, slices)  # noqa: E731
-    xs = tree.map_structure(split, x)
-    ys = None if y is None else tree.map_structure(split, y)
-    ws = None if sample_weight is None else tree.map_structure(split, sample_weight)
-    replicas = num_replicas()
-    out_spec = model.compute_output_spec(tree.map_structure(lambda t: t[0], xs))
+    batch = _split(x, y, sample_weight, slices)
+    out_spec = model.compute_output_spec(tree.map_structure(lambda t: t[0], batch.x))
     facts = {}  # trace-time facts of the body, the same for every slice
-
-    def body(i, sums, loss_sum, actual_sum, real_sum, outputs, masks):
-        xi = tree.map_structure(lambda t: t[i], xs)
-        yi = None if ys is None else tree.map_structure(lambda t: t[i], ys)
-        wi = None if ws is None else tree.map_structure(lambda t: t[i], ws)
-        with watching(variables, persistent=merger is not None) as tape:
-            y_pred = call_for_training(model, xi)
-            with LossShares(model, size, rows=rows[i]) as shares:
-                losses = _slice_losses(model, xi, yi, y_pred, wi, merger)
-            share = shares.share()
-            weight = share.loss_weight(replicas)
-            scaled = [scaling.scale(loss, weight) for loss in losses]
-        sources = [v.value for v in variables]
-        grads = [scaling.unscale(tape.gradient(l, sources), weight) for l in scaled]
-        flat_pred = tree.flatten(y_pred)
-        if not facts:
-            facts["has_grad"] = [[g is not None for g in row] for row in grads]
-            facts["mean"] = share.mean
-            facts["has_mask"] = [get_keras_mask(p) is not None for p in flat_pred]
-        sums = [
-            [
-                total if g is None else total + tf.cast(g, tf.float32)
-                for total, g in zip(row_sums, row)
-            ]
-            for row_sums, row in zip(sums, grads)
-        ]
-        outputs = [ta.write(i, p) for ta, p in zip(outputs, flat_pred)]
-        masks = [
-            ta.write(i, get_keras_mask(p) if has else tf.zeros([0], tf.bool))
-            for ta, p, has in zip(masks, flat_pred, facts["has_mask"])
-        ]
-        loss = tf.add_n([tf.cast(l, tf.float32) for l in losses])
-        return (
-            i + 1,
-            sums,
-            loss_sum + loss * share.actual,
-            actual_sum + share.actual,
-            real_sum + share.real,
-            outputs,
-            masks,
-        )
-
-    flat_spec = tree.flatten(out_spec)
-    num_losses = 1
-    if merger is not None:  # one sum per task, and the regularisation's
-        compile_loss = compat.compile_loss(model)
-        if not compile_loss.built:  # (the task names come with its build)
-            compile_loss.build(tree.map_structure(lambda t: t[0], ys), out_spec)
-        num_losses = len(task_names(model)) + 1
+    body = _loop_body(model, batch, variables, scaling, merger, facts)
     _, sums, loss_sum, actual_sum, real_sum, outputs, masks = tf.while_loop(
-        lambda i, *_: i < slices,
-        body,
-        (
-            tf.constant(0),
-            [[tf.zeros(v.shape, tf.float32) for v in variables] for _ in range(num_losses)],
-            tf.constant(0.0),
-            tf.constant(0.0),
-            tf.constant(0.0),
-            [tf.TensorArray(s.dtype, size=slices, element_shape=None) for s in flat_spec],
-            [tf.TensorArray(tf.bool, size=slices, element_shape=None) for _ in flat_spec],
-        ),
+        lambda i, *_: i < slices, body,
+        _initial_loop_values(model, batch, variables, out_spec, merger),
         maximum_iterations=slices,
     )
     sums = [
@@ -170,29 +101,147 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
     # Regularisation: in the plain loss, or the last of the task losses.
     loss_sum, regularized = _take_back_extra_regularization(
         model, variables, sums[-1], loss_sum, actual_sum - real,
-        replicas if facts["mean"] else 1,
+        num_replicas() if facts["mean"] else 1,
     )
     if merger is None:
         grads = regularized
     else:  # the whole batch's task gradients, merged once
-        num_tasks = len(task_names(model))
-        merger.build(task_names(model))
-        has_regularization = any(g is not None for g in regularized)
-        grads, _ = merger.merge(
-            sums[:num_tasks],
-            regularized if has_regularization else None,
-            share=actual_sum,
-            losses_finite=tf.math.is_finite(loss_sum),
+        grads = _merged_tasks(model, merger, sums, regularized, actual_sum, loss_sum)
+    y_pred = _whole_batch_predictions(outputs, masks, facts["has_mask"], out_spec, batch.n)
+    share = Share(real, real, facts["mean"])
+    return loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share
+
+
+class _Slices(collections.namedtuple("_Slices", [
+    "n", "size", "slices", "rows", "x", "y", "sample_weight",
+])):
+    """One batch as `[slices, size, ...]` tensors: `n` real rows, `rows` the
+    `[slices, size]` validity of each row, `x`, `y`, `sample_weight` the
+    split structures (`None` where the batch has none)."""
+
+    def slice(self, i):
+        """The `i`-th slice's `(x, y, sample_weight)`."""
+        take = lambda t: t[i]  # noqa: E731
+        return (
+            tree.map_structure(take, self.x),
+            None if self.y is None else tree.map_structure(take, self.y),
+            None if self.sample_weight is None else tree.map_structure(take, self.sample_weight),
         )
+
+
+def _split(x, y, sample_weight, slices):
+    """The batch in `slices` slices of `ceil(n / slices)` rows."""
+    n = tf.shape(first_input(x))[0]
+    size = (n + slices - 1) // slices
+    pad = size * slices - n
+    rows = tf.reshape(
+        tf.concat([tf.ones([n], tf.bool), tf.zeros([pad], tf.bool)], 0), [slices, -1]
+    )
+    # Padding rows are copies of real rows, not zeros: a zero row can be
+    # NaN in the forward pass (a fully masked sequence pools to 0/0), and
+    # NaN times the mask that removes the row from the loss is still NaN.
+    order = tf.math.floormod(tf.range(size * slices), n)
+    split = lambda t: _pad_and_split(t, order, slices)  # noqa: E731
+    return _Slices(
+        n=n, size=size, slices=slices, rows=rows,
+        x=tree.map_structure(split, x),
+        y=None if y is None else tree.map_structure(split, y),
+        sample_weight=None if sample_weight is None else tree.map_structure(split, sample_weight),
+    )
+
+
+def _initial_loop_values(model, batch, variables, out_spec, merger):
+    """The loop's start: slice 0, zero sums (one row per loss), zero
+    totals, empty arrays for the predictions and their masks."""
+    num_losses = 1
+    if merger is not None:  # one sum per task, and the regularisation's
+        compile_loss = compat.compile_loss(model)
+        if not compile_loss.built:  # (the task names come with its build)
+            compile_loss.build(tree.map_structure(lambda t: t[0], batch.y), out_spec)
+        num_losses = len(task_names(model)) + 1
+    flat_spec = tree.flatten(out_spec)
+    return (
+        tf.constant(0),
+        [[tf.zeros(v.shape, tf.float32) for v in variables] for _ in range(num_losses)],
+        tf.constant(0.0),
+        tf.constant(0.0),
+        tf.constant(0.0),
+        [tf.TensorArray(s.dtype, size=batch.slices, element_shape=None) for s in flat_spec],
+        [tf.TensorArray(tf.bool, size=batch.slices, element_shape=None) for _ in flat_spec],
+    )
+
+
+def _loop_body(model, batch, variables, scaling, merger, facts):
+    """The `tf.while_loop` body: one slice forward and backward, its
+    gradients added to the sums, its predictions kept. Fills `facts` (a
+    dict) with the body's trace-time facts on its first trace."""
+
+    def body(i, sums, loss_sum, actual_sum, real_sum, outputs, masks):
+        losses, share, grads, y_pred = _slice_gradients(
+            model, batch, i, variables, scaling, merger
+        )
+        flat_pred = tree.flatten(y_pred)
+        if not facts:
+            facts["has_grad"] = [[g is not None for g in row] for row in grads]
+            facts["mean"] = share.mean
+            facts["has_mask"] = [get_keras_mask(p) is not None for p in flat_pred]
+        sums = [
+            [total if g is None else total + tf.cast(g, tf.float32) for total, g in zip(r, row)]
+            for r, row in zip(sums, grads)
+        ]
+        outputs = [ta.write(i, p) for ta, p in zip(outputs, flat_pred)]
+        masks = [
+            ta.write(i, get_keras_mask(p) if has else tf.zeros([0], tf.bool))
+            for ta, p, has in zip(masks, flat_pred, facts["has_mask"])
+        ]
+        loss = tf.add_n([tf.cast(l, tf.float32) for l in losses])
+        return (
+            i + 1, sums, loss_sum + loss * share.actual, actual_sum + share.actual,
+            real_sum + share.real, outputs, masks,
+        )
+
+    return body
+
+
+def _slice_gradients(model, batch, i, variables, scaling, merger):
+    """Slice `i`'s losses, share, gradients (one row per loss, unscaled,
+    times the share) and predictions."""
+    x, y, sample_weight = batch.slice(i)
+    with watching(variables, persistent=merger is not None) as tape:
+        y_pred = call_for_training(model, x)
+        with LossShares(model, batch.size, rows=batch.rows[i]) as shares:
+            losses = _slice_losses(model, x, y, y_pred, sample_weight, merger)
+        share = shares.share()
+        weight = share.loss_weight(num_replicas())
+        scaled = [scaling.scale(loss, weight) for loss in losses]
+    sources = [v.value for v in variables]
+    grads = [scaling.unscale(tape.gradient(l, sources), weight) for l in scaled]
+    return losses, share, grads, y_pred
+
+
+def _merged_tasks(model, merger, sums, regularized, actual_sum, loss_sum):
+    """The whole batch's task gradients (the sums), merged once."""
+    num_tasks = len(task_names(model))
+    merger.build(task_names(model))
+    has_regularization = any(g is not None for g in regularized)
+    grads, _ = merger.merge(
+        sums[:num_tasks],
+        regularized if has_regularization else None,
+        share=actual_sum,
+        losses_finite=tf.math.is_finite(loss_sum),
+    )
+    return grads
+
+
+def _whole_batch_predictions(outputs, masks, has_mask, out_spec, n):
+    """The slices' predictions (and masks) as the whole batch's."""
     merged = []
-    for ta, mask_ta, has in zip(outputs, masks, facts["has_mask"]):
+    for ta, mask_ta, has in zip(outputs, masks, has_mask):
         p = _merge_slices(ta.stack(), n)
         if has:
             set_keras_mask(p, _merge_slices(mask_ta.stack(), n))
         merged.append(p)
-    y_pred = tree.pack_sequence_as(out_spec, merged)
-    share = Share(real, real, facts["mean"])
-    return loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share
+    return tree.pack_sequence_as(out_spec, merged)
 
 
 def _slice_losses(model, x, y, y_pred, sample_weight, merger):

@@ -105,69 +105,87 @@ class _Measuring:
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         fn = self.loss_fn
-        reduction = getattr(fn, "reduction", None)
-        standard = (
-            isinstance(fn, keras.losses.Loss)
-            and type(fn).__call__ is keras.losses.Loss.__call__
-            and (reduction in _MEANS or reduction == "sum")
-        )
-        if not standard:  # unknown normaliser: counted by rows
-            if self.rows is not None:
-                raise ValueError(
-                    "`micro_batches` needs output losses built on "
-                    "`keras.losses.Loss` with a standard reduction (sum, "
-                    "mean, sum_over_batch_size or mean_with_sample_weight). "
-                    f"Received: loss={fn!r} with reduction={reduction!r}. "
-                    "Fix: subclass `keras.losses.Loss` and implement `call`, "
-                    "or use `micro_batches=1`."
-                )
-            value = fn(y_true, y_pred, sample_weight)
-            self.sink.append(_Recorded(None, None, "rows"))
-            return value
+        if not _standard(fn):  # unknown normaliser: counted by rows
+            return self._unknown_normaliser(y_true, y_pred, sample_weight)
         # `Loss.__call__`, step for step, plus the normaliser.
         in_mask = get_keras_mask(y_pred)
         with keras.name_scope(fn.name):
-            y_pred = tf.nest.map_structure(
-                lambda t: keras.ops.convert_to_tensor(t, dtype=fn.dtype), y_pred
+            to_tensor = lambda t: keras.ops.convert_to_tensor(t, dtype=fn.dtype)  # noqa: E731
+            losses = fn.call(
+                tf.nest.map_structure(to_tensor, y_true), tf.nest.map_structure(to_tensor, y_pred)
             )
-            y_true = tf.nest.map_structure(
-                lambda t: keras.ops.convert_to_tensor(t, dtype=fn.dtype), y_true
-            )
-            losses = fn.call(y_true, y_pred)
-            out_mask = get_keras_mask(losses)
-            if in_mask is not None and out_mask is not None:
-                mask = in_mask & out_mask
-            else:
-                mask = in_mask if in_mask is not None else out_mask
-            user_mask = mask
+            user_mask = _combined(in_mask, get_keras_mask(losses))
+            mask = user_mask
             if self.rows is not None:  # padded rows out, whatever the rank
                 rows = tf.reshape(self.rows, [-1] + [1] * (len(losses.shape) - 1))
                 mask = rows if mask is None else tf.logical_and(tf.cast(mask, tf.bool), rows)
             value = reduce_weighted_values(
                 losses, sample_weight=sample_weight, mask=mask,
-                reduction=reduction, dtype=fn.dtype,
+                reduction=fn.reduction, dtype=fn.dtype,
             )
             if tuple(losses.shape) == ():  # Keras does not reduce a scalar
                 self.sink.append(_Recorded(None, None, "rows"))
-                return value
-            actual = normaliser(losses, sample_weight, mask, reduction)
-            real = actual
-            if (
-                self.rows is not None
-                and reduction == "mean_with_sample_weight"
-                and sample_weight is None
-                and user_mask is None
-            ):  # the un-split batch would divide by its number of elements
-                per_row = _size(losses) / tf.cast(tf.shape(losses)[0], tf.float32)
-                real = per_row * tf.reduce_sum(tf.cast(self.rows, tf.float32))
-            # D = rows x a constant (what the several-output case needs)
-            by_rows = user_mask is None and losses.shape[1:].is_fully_defined() and (
-                reduction in ("sum_over_batch_size", "mean")
-                or (sample_weight is None and self.rows is None)
-            )
-            kind = "sum" if reduction == "sum" else ("rows" if by_rows else "data")
-            self.sink.append(_Recorded(actual, real, kind))
+            else:
+                self.sink.append(self._recorded(losses, sample_weight, mask, user_mask))
         return value
+
+    def _unknown_normaliser(self, y_true, y_pred, sample_weight):
+        """A loss whose normaliser is unknown: as Keras computes it,
+        weighted by rows (refused when slicing, which must mask rows)."""
+        fn = self.loss_fn
+        if self.rows is not None:
+            raise ValueError(
+                "`micro_batches` needs output losses built on "
+                "`keras.losses.Loss` with a standard reduction (sum, "
+                "mean, sum_over_batch_size or mean_with_sample_weight). "
+                f"Received: loss={fn!r} with reduction={getattr(fn, 'reduction', None)!r}. "
+                "Fix: subclass `keras.losses.Loss` and implement `call`, "
+                "or use `micro_batches=1`."
+            )
+        value = fn(y_true, y_pred, sample_weight)
+        self.sink.append(_Recorded(None, None, "rows"))
+        return value
+
+    def _recorded(self, losses, sample_weight, mask, user_mask):
+        """This output's `_Recorded`: its normaliser on the slice (`actual`),
+        what it adds to the batch's (`real`), and its kind."""
+        reduction = self.loss_fn.reduction
+        actual = normaliser(losses, sample_weight, mask, reduction)
+        real = actual
+        if (
+            self.rows is not None
+            and reduction == "mean_with_sample_weight"
+            and sample_weight is None
+            and user_mask is None
+        ):  # the un-split batch would divide by its number of elements
+            per_row = _size(losses) / tf.cast(tf.shape(losses)[0], tf.float32)
+            real = per_row * tf.reduce_sum(tf.cast(self.rows, tf.float32))
+        # D = rows x a constant (what the several-output case needs)
+        by_rows = user_mask is None and losses.shape[1:].is_fully_defined() and (
+            reduction in ("sum_over_batch_size", "mean")
+            or (sample_weight is None and self.rows is None)
+        )
+        kind = "sum" if reduction == "sum" else ("rows" if by_rows else "data")
+        return _Recorded(actual, real, kind)
+
+
+def _standard(fn):
+    """A `keras.losses.Loss` with Keras' own `__call__` and a standard
+    reduction: its normaliser is known."""
+    reduction = getattr(fn, "reduction", None)
+    return (
+        isinstance(fn, keras.losses.Loss)
+        and type(fn).__call__ is keras.losses.Loss.__call__
+        and (reduction in _MEANS or reduction == "sum")
+    )
+
+
+def _combined(in_mask, out_mask):
+    """The predictions' mask and the losses' own, as `Loss.__call__`
+    combines them."""
+    if in_mask is not None and out_mask is not None:
+        return in_mask & out_mask
+    return in_mask if in_mask is not None else out_mask
 
 
 class LossShares:
