@@ -95,13 +95,34 @@ def merge(capture, merger, tape, task_losses, regularization, variables,
             f"pass. Received: multitask_features={capture.layer.name!r}, "
             "which did not run. Fix: name the trunk's last layer."
         )
-    num_tasks = len(task_losses)
-    names = task_names or [f"task_{i}" for i in range(num_tasks)]
+    names = task_names or [f"task_{i}" for i in range(len(task_losses))]
     merger.build(names)
     unscale = unscale or (lambda grads: grads)
     sources = [v.value for v in variables]
-    cut, count = capture.cut, len(capture.cut)
+    dz, dz_extra, direct = _head_gradients(capture, tape, names, task_losses,
+                                           regularization, sources)
+    # Gram over Z (flattened: summed over the batch), of the unscaled dZ_t.
+    flat = tf.stack([
+        tf.concat([tf.reshape(g, [-1]) for g in to_float32_list(unscale(d))], 0)
+        for d in dz
+    ])
+    gram = tf.matmul(flat, flat, transpose_b=True)
+    if num_replicas() > 1:  # the global batch's Gram: one small all-reduce
+        gram, share = replica_sum([gram, share])
+    if share is not None:
+        gram = gram / tf.square(tf.cast(share, tf.float32))
+    weights, info, new_state = merger.weigh(gram)
+    trunk = _trunk_gradients(capture, tape, sources, weights, dz, dz_extra)
+    grads = _add(to_float32_list(unscale(direct)), to_float32_list(unscale(trunk)))
+    merger.commit_state(new_state, grads)
+    return grads, {"gram": gram, "weights": weights, **info}
 
+
+def _head_gradients(capture, tape, names, task_losses, regularization, sources):
+    """Each task's gradient with respect to `Z` (`dz`, scaled), the
+    regularisation's (`dz_extra`, e.g. an activity regulariser on `Z`
+    itself), and the gradients of the paths that skip `Z` (`direct`)."""
+    cut, count = capture.cut, len(capture.cut)
     direct, dz = [None] * len(sources), []  # paths that skip Z: plain
     for name, loss in zip(names, task_losses):
         grads = tape.gradient(loss, cut + sources)  # head only
@@ -114,24 +135,16 @@ def merge(capture, merger, tape, task_losses, regularization, variables,
             )
         dz.append(grads[:count])
         direct = _add(direct, grads[count:])
-    dz_extra = [None] * count  # e.g. an activity regulariser on Z itself
+    dz_extra = [None] * count
     if regularization is not None:
         grads = tape.gradient(regularization, cut + sources)
         dz_extra, direct = grads[:count], _add(direct, grads[count:])
+    return dz, dz_extra, direct
 
-    # Gram over Z (flattened: summed over the batch), of the unscaled dZ_t.
-    flat = tf.stack([
-        tf.concat([tf.reshape(g, [-1]) for g in to_float32_list(unscale(d))], 0)
-        for d in dz
-    ])
-    gram = tf.matmul(flat, flat, transpose_b=True)
-    if num_replicas() > 1:  # the global batch's Gram: one small all-reduce
-        gram, share = replica_sum([gram, share])
-    if share is not None:
-        gram = gram / tf.square(tf.cast(share, tf.float32))
-    weights, info, new_state = merger.weigh(gram)
 
-    # ONE trunk backward, in the scaled domain (float16 keeps its range).
+def _trunk_gradients(capture, tape, sources, weights, dz, dz_extra):
+    """ONE trunk backward pass of the weighted `dZ`, in the scaled domain
+    (float16 keeps its range)."""
     cotangents = []
     for k, z in enumerate(capture.features):
         c = tf.add_n([w * tf.cast(d[k], tf.float32)
@@ -139,10 +152,7 @@ def merge(capture, merger, tape, task_losses, regularization, variables,
         if dz_extra[k] is not None:
             c += tf.cast(dz_extra[k], tf.float32)
         cotangents.append(tf.cast(c, z.dtype))
-    trunk = tape.gradient(capture.features, sources, output_gradients=cotangents)
-    grads = _add(to_float32_list(unscale(direct)), to_float32_list(unscale(trunk)))
-    merger.commit_state(new_state, grads)
-    return grads, {"gram": gram, "weights": weights, **info}
+    return tape.gradient(capture.features, sources, output_gradients=cotangents)
 
 
 def _add(a, b):

@@ -328,43 +328,15 @@ class TaskMerger:
         gradients (and `losses_finite`, if given) are finite: a micro-batch
         the step drops as non-finite leaves it unchanged.
         """
-        num_tasks, num_vars = len(per_task), len(per_task[0])
+        num_tasks = len(per_task)
         self.build(self.task_names or [f"task_{i}" for i in range(num_tasks)])
-
-        # Trace-time split: which tasks reach each variable.
-        merged = [None] * num_vars
-        groups = {}  # tuple of reaching tasks -> variable indices
-        for k in range(num_vars):
-            reaching = tuple(t for t in range(num_tasks) if per_task[t][k] is not None)
-            if len(reaching) == 1:
-                merged[k] = per_task[reaching[0]][k]
-            elif len(reaching) > 1:
-                groups.setdefault(reaching, []).append(k)
-
+        merged, groups = _split_by_reaching_tasks(per_task)
         replicas = num_replicas()
         if replicas > 1:  # merge the global task gradients (one all-reduce)
-            shared = [(t, k) for r, ks in groups.items() for k in ks for t in r]
-            summed = replica_sum([per_task[t][k] for t, k in shared] + [share])
-            per_task = [list(row) for row in per_task]
-            for (t, k), g in zip(shared, summed):
-                per_task[t][k] = g
-            share = summed[-1]
-
-        # The Gram matrix over the shared variables, one variable at a time:
-        # the `[S, P_k]` stack is reused by the merge (no flat vector).
-        stacked = {}
-        gram = tf.zeros([num_tasks, num_tasks], tf.float32)
-        for reaching, indices in groups.items():
-            partial = 0.0
-            for k in indices:
-                rows = tf.stack([per_task[t][k] for t in reaching])
-                stacked[k] = tf.reshape(rows, [len(reaching), -1])
-                partial += tf.matmul(stacked[k], stacked[k], transpose_b=True)
-            select = tf.one_hot(reaching, num_tasks, dtype=tf.float32)  # [S, T]
-            gram += tf.matmul(select, tf.matmul(partial, select), transpose_a=True)
+            per_task, share = _global_task_gradients(per_task, groups, share)
+        gram, stacked = _gram(per_task, groups, num_tasks)
         if share is not None:
             gram = gram / tf.square(tf.cast(share, tf.float32))
-
         weights, info, new_state = self.weigh(gram)
         # Each replica's share of the global merged gradient (see __call__).
         shares = weights / replicas if replicas > 1 else weights
@@ -373,13 +345,11 @@ class TaskMerger:
             for k in indices:
                 flat = tf.linalg.matvec(stacked[k], w, transpose_a=True)
                 merged[k] = tf.reshape(flat, tf.shape(per_task[reaching[0]][k]))
-
         if reg_grads is not None:
             merged = [
                 r if m is None else (m if r is None else m + r)
                 for m, r in zip(merged, reg_grads)
             ]
-
         self.commit_state(new_state, merged, losses_finite)
         return merged, {"gram": gram, "weights": weights, **info}
 
@@ -425,4 +395,45 @@ class TaskMerger:
         return logs
 
 
+def _split_by_reaching_tasks(per_task):
+    """Trace-time split of the variables by the tasks that reach them:
+    `(merged, groups)`, `merged[k]` the gradient of a variable one task
+    reaches (else `None`), `groups` `{tuple of tasks: [variable indices]}`
+    for the variables several tasks reach (the shared ones)."""
+    num_tasks, num_vars = len(per_task), len(per_task[0])
+    merged, groups = [None] * num_vars, {}
+    for k in range(num_vars):
+        reaching = tuple(t for t in range(num_tasks) if per_task[t][k] is not None)
+        if len(reaching) == 1:
+            merged[k] = per_task[reaching[0]][k]
+        elif len(reaching) > 1:
+            groups.setdefault(reaching, []).append(k)
+    return merged, groups
 
+
+def _global_task_gradients(per_task, groups, share):
+    """The shared task gradients and `share` summed over the replicas (one
+    all-reduce). Returns `(per_task, share)`."""
+    shared = [(t, k) for r, ks in groups.items() for k in ks for t in r]
+    summed = replica_sum([per_task[t][k] for t, k in shared] + [share])
+    per_task = [list(row) for row in per_task]
+    for (t, k), g in zip(shared, summed):
+        per_task[t][k] = g
+    return per_task, summed[-1]
+
+
+def _gram(per_task, groups, num_tasks):
+    """The Gram matrix over the shared variables, one variable at a time:
+    the `[S, P_k]` stack of each is kept for the merge (no flat vector).
+    Returns `(gram, stacked)`."""
+    stacked = {}
+    gram = tf.zeros([num_tasks, num_tasks], tf.float32)
+    for reaching, indices in groups.items():
+        partial = 0.0
+        for k in indices:
+            rows = tf.stack([per_task[t][k] for t in reaching])
+            stacked[k] = tf.reshape(rows, [len(reaching), -1])
+            partial += tf.matmul(stacked[k], stacked[k], transpose_b=True)
+        select = tf.one_hot(reaching, num_tasks, dtype=tf.float32)  # [S, T]
+        gram += tf.matmul(select, tf.matmul(partial, select), transpose_a=True)
+    return gram, stacked
