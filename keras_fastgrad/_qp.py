@@ -21,7 +21,13 @@ replaced by the identity, so shapes stay static under XLA.
 
 import tensorflow as tf
 
-from keras_fastgrad._solvers import _eps, _tiny
+
+def _eps(dtype):
+    return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps, dtype)
+
+
+def _tiny(dtype):
+    return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).tiny, dtype)
 
 
 def max_steps(num_tasks):
