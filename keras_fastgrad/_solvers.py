@@ -126,6 +126,10 @@ def min_norm_weights(gram, max_iter=1000):
     gradients' norms differ by many orders of magnitude (where the
     Frank-Wolfe gap test stops early). `G` is first divided by
     `max(diag G)`: the weights do not depend on `G`'s scale.
+
+    Decision: a task whose `G_ii` is at most `eps(dtype)^2 max(diag G)`
+    (a zero gradient, at rounding level) gets all the weight: its vertex is
+    the min-norm point (norm 0), where the simplex QP is singular.
     """
     gram = tf.convert_to_tensor(gram)
     gram = gram / _max_diag(gram)
@@ -142,7 +146,12 @@ def min_norm_weights(gram, max_iter=1000):
     )
     lower = tf.zeros([1, gram.shape[0]], gram.dtype)
     w = active_set_qp(gram, lower, simplex=True, start=w[None, :])[0][0]
-    return w / tf.reduce_sum(w)
+    w = w / tf.reduce_sum(w)
+    # A zero gradient is the min-norm point: its vertex, exactly.
+    diag = tf.linalg.diag_part(gram)
+    zero = tf.reduce_min(diag) <= tf.square(_eps(gram.dtype))
+    vertex = tf.one_hot(tf.argmin(diag), gram.shape[0], dtype=gram.dtype)
+    return tf.where(zero, vertex, w)
 
 
 @tf.function(autograph=False)
