@@ -106,7 +106,8 @@ class NashMTL(aggregators.Aggregator):
     gradients). A non-finite `G` gives NaN weights.
 
     Args:
-        reg_eps: float >= 0, the ridge added to the normalised `G`.
+        reg_eps: float >= 0, the ridge added to the normalised `G` (at least
+            `eps(dtype)`, see `nash_weights`).
         max_iter: int >= 1, the cap on the Newton steps.
 
     Example:

@@ -168,8 +168,10 @@ def cagrad_weights(gram, c=0.5, rescale=1, max_iter=1000):
     constants `1e-8 / s` under square roots and `1e-8 / sqrt(s)` added to
     norms): exactly the official weights, but a float32 Gram with entries
     up to `1e36` no longer overflows to NaN. CAGrad is not scale-invariant:
-    far below `G ~ 1e-8` the constants dominate (as in the official code)
-    and the weights tend to `1/T + c w / (1 + c^2)`-like values set by them.
+    where `G` is not large against `1e-8` the constants change the weights,
+    exactly as in the official code (e.g. `lambda = c' / (||w^T J|| +
+    1e-8)` grows without bound as the gradients vanish); where it is, the
+    weights do not depend on the scale.
 
     The line search along `d` is exact: with `y = a gamma + b`,
     `a = d^T G d`, `b = d^T G w`, `q0 = w^T G w + 1e-8`, `K = a q0 - b^2` and
