@@ -339,9 +339,36 @@ def test_options_are_validated():
         aggregators.UPGrad(norm_eps="1")
     with pytest.raises(ValueError, match=r"`reg_eps` must be a number"):
         aggregators.NashMTL(reg_eps=True)
-    clone = aggregators.get(aggregators.serialize(aggregators.UPGrad(reg_eps=0.0, max_iter=7)))
-    assert clone.get_config() == {"norm_eps": 1e-4, "reg_eps": 0.0, "max_iter": 7}
+    clone = aggregators.get(aggregators.serialize(aggregators.UPGrad(reg_eps=0.0)))
+    assert clone.get_config() == {"norm_eps": 1e-4, "reg_eps": 0.0}
 
+
+@pytest.mark.parametrize("name", ["upgrad", "dualproj"])
+def test_max_iter_is_deprecated_and_old_configs_load(name):
+    cls = type(aggregators.get(name))
+    with pytest.warns(DeprecationWarning, match=r"`max_iter` is deprecated and ignored"):
+        agg = cls(max_iter=7)
+    assert agg.get_config() == {"norm_eps": 1e-4, "reg_eps": 1e-4}
+    # A config saved before the exact solver (with `max_iter`) still loads.
+    old = {"module": "keras_fastgrad", "class_name": cls.__name__,
+           "config": {"norm_eps": 1e-4, "reg_eps": 0.0, "max_iter": 200},
+           "registered_name": f"keras_fastgrad>{cls.__name__}"}
+    for loaded in (aggregators.get(old), keras.saving.deserialize_keras_object(old)):
+        assert type(loaded) is cls and loaded.get_config() == {"norm_eps": 1e-4, "reg_eps": 0.0}
+
+
+
+@pytest.mark.parametrize("name", ["upgrad", "dualproj"])
+def test_keras_files_saved_with_max_iter_load_and_train(name):
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "data", f"{name}_max_iter_v0.1.0.keras")
+    model = keras.models.load_model(path)  # saved by v0.1.0: config has `max_iter`
+    assert type(model.multitask) is type(aggregators.get(name))
+    assert "max_iter" not in model.multitask.get_config()
+    x, y = make_data()
+    model.train_on_batch(x, y)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
 
 # --------------------------------------------------------------- in the model
 def _weights_np(name, J):

@@ -145,7 +145,10 @@ class MGDA(Aggregator):
     `w = 1/T` with exact line search (Algorithm 2), using pairwise steps
     (move mass from the worst active task to the best one), which converge
     linearly where plain Frank-Wolfe steps are O(1/k); the loop stops once
-    the duality gap is at rounding level, or after `max_iter` steps.
+    the duality gap is at rounding level, or after `max_iter` steps. An
+    exact active-set solve of the simplex QP, started from that point,
+    then lands on the KKT point (`_solvers.min_norm_weights`), also when
+    the task gradients' norms are orders of magnitude apart.
 
     Args:
         max_iter: int, the cap on the solver steps.
@@ -180,7 +183,10 @@ class CAGrad(Aggregator):
     `g = (g0 + c' / ||w^T J|| w^T J) / (1 + c^2)` (`rescale=1`; `rescale=2`
     divides by `1 + c`, `rescale=0` not at all). The simplex problem is
     solved in-graph (pairwise Frank-Wolfe, exact line search) instead of
-    scipy's SLSQP. `c=0` gives the mean.
+    scipy's SLSQP. `c=0` gives the mean. Computed in units of
+    `max(diag G)` with the official `1e-8` constants rescaled alike: the
+    same weights, without overflow for float32 Grams up to `~1e36`
+    (`_solvers.cagrad_weights`).
 
     Args:
         c: float >= 0, the radius of the conflict-averse ball.

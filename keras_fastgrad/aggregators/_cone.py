@@ -8,15 +8,17 @@ cosines to every task gradient. All three only see the Gram matrix
 The projection of `J^T u` onto the dual cone is `J^T v` with `v` the
 solution of the quadratic program `min_v v^T G v  s.t.  v >= u`
 (Quinton & Rey 2024, Proposition 1). torchjd solves it with quadprog; here
-it is solved in-graph (`dual_cone_weights`): coordinate-descent sweeps,
-each followed by an exact solve on the sweep's active set that is kept
-once it satisfies the KKT conditions.
+it is solved exactly in-graph (`dual_cone_weights`, the active-set
+method of `_qp.py`).
 """
+
+import warnings
 
 import tensorflow as tf
 
 from keras_fastgrad.aggregators import _base as aggregators
 from keras_fastgrad.aggregators._solvers import _eps, _tiny
+from keras_fastgrad._qp import active_set_qp
 
 
 def _check_number(name, value, minimum=0.0, maximum=None, open_min=False):
@@ -39,96 +41,78 @@ def _finite_or_nan(gram, fn):
     return tf.where(finite, fn(safe), tf.constant(float("nan"), gram.dtype))
 
 
-def dual_cone_weights(gram, targets, max_iter=200):
-    """Row `k`: `v = argmin v^T G v  s.t.  v >= targets[k]`.
+def dual_cone_weights(gram, targets):
+    """Row `k`: `v = argmin v^T G v  s.t.  v >= targets[k]`, exactly.
 
     `J^T v` is then the projection of `J^T targets[k]` onto the dual cone
-    of the rows of `J`. With `v = u + s`, `s >= 0`, a coordinate-descent
-    sweep sets in turn `v_i <- max(u_i, v_i - (G v)_i / G_ii)` (all rows
-    at once). After each sweep the active set (`v_i = u_i`) is solved
-    exactly: `(G v)_i = 0` on the free coordinates, `v_i = u_i` on the
-    others. That solution is taken, and the loop stops, once it is
-    feasible (`v >= u`) and dual feasible (`(G v)_i >= 0` where active),
-    up to `64 T eps(dtype)` relative; else at most `max_iter` sweeps.
-    A coordinate with `G_ii = 0` (a zero gradient) stays at `u_i`.
+    of the rows of `J`. Solved to its KKT conditions (`v >= u`,
+    `(G v)_i >= 0` where `v_i = u_i`, `(G v)_i = 0` elsewhere) by the
+    active-set method of `_qp.active_set_qp`; a zero gradient
+    (`G_ii = 0`) keeps `v_i = u_i`.
 
     Args:
-        gram: `[T, T]` positive semi-definite float tensor.
+        gram: `[T, T]` positive semi-definite float tensor, finite.
         targets: `[K, T]` float tensor, one `u` per row.
-        max_iter: int, the cap on the sweeps.
 
     Returns:
         `[K, T]` tensor `V`.
     """
-    num_tasks, dtype = gram.shape[0], gram.dtype
-    diag = tf.linalg.diag_part(gram)
-    scale = tf.reduce_max(tf.abs(diag))
-    has_curvature = diag > _tiny(dtype)
-    inv_diag = tf.where(has_curvature, 1.0 / tf.where(has_curvature, diag, 1.0), 0.0)
-    tol = 64.0 * num_tasks * _eps(dtype)
-    eye = tf.eye(num_tasks, dtype=dtype)
-    jitter = _eps(dtype) * scale * eye  # keeps exactly singular systems solvable
-
-    def sweep(v):
-        for i in range(num_tasks):
-            col = tf.linalg.matvec(v, gram[:, i])  # (G v)_i for every row
-            new = tf.maximum(targets[:, i], v[:, i] - col * inv_diag[i])
-            new = tf.where(has_curvature[i], new, targets[:, i])
-            v += (new - v[:, i])[:, None] * eye[i][None, :]
-        return v
-
-    def polish(v):
-        free = tf.cast(v > targets, dtype)  # [K, T]
-        fixed = 1.0 - free
-        system = free[:, :, None] * gram[None] * free[:, None, :]
-        system += tf.linalg.diag(fixed) + jitter[None]
-        rhs = fixed * targets - free * tf.matmul(fixed * targets, gram)
-        exact = tf.linalg.solve(system, rhs[:, :, None])[:, :, 0]
-        grad = tf.matmul(exact, gram)
-        size = tf.reduce_max(tf.abs(exact), axis=1, keepdims=True)
-        ok = exact >= targets - tol * size  # primal feasible
-        ok &= (free > 0) | (grad >= -tol * size * scale)  # multipliers >= 0
-        ok &= (fixed > 0) | (tf.abs(grad) <= tol * size * scale)  # stationary
-        return tf.maximum(exact, targets), tf.reduce_all(ok, axis=1)
-
-    def body(i, v, done):
-        v = sweep(v)
-        exact, ok = polish(v)
-        v = tf.where(ok[:, None], exact, v)
-        return i + 1, v, tf.reduce_all(ok)
-
-    _, v, _ = tf.while_loop(
-        lambda i, v, done: (i < max_iter) & tf.logical_not(done),
-        body,
-        (tf.constant(0), tf.identity(targets), tf.constant(False)),
-        maximum_iterations=max_iter,
-    )
-    return v
+    return active_set_qp(gram, targets)[0]
 
 
 def normalized_regularized(gram, norm_eps, reg_eps):
     """torchjd's `regularize(normalize(G, norm_eps), reg_eps)`: `G / trace G`
-    (zeros when `trace G < norm_eps`), plus `reg_eps I`."""
-    trace = tf.linalg.trace(gram)
-    small = trace < norm_eps
-    gram = tf.where(small, tf.zeros_like(gram), gram / tf.where(small, tf.ones_like(trace), trace))
+    (zeros when `trace G < norm_eps`), plus `reg_eps I`.
+
+    Decision: a zero trace also gives zeros when `norm_eps = 0` (torchjd
+    divides 0 by 0), and the trace is summed as `m sum(diag(G) / m)`,
+    `m = max(diag G)`, so that a float32 Gram near the top of its range does
+    not overflow to `inf` (and `G` to 0).
+    """
+    top = tf.reduce_max(tf.linalg.diag_part(gram))
+    top = tf.where(top > 0, top, tf.ones_like(top))
+    scaled = gram / top
+    trace = tf.linalg.trace(scaled)
+    small = (trace * top < norm_eps) | (trace <= 0)
+    gram = tf.where(small, tf.zeros_like(gram), scaled / tf.where(small, tf.ones_like(trace), trace))
     return gram + reg_eps * tf.eye(gram.shape[0], dtype=gram.dtype)
 
 
 class _DualCone(aggregators.Aggregator):
-    """Shared options of UPGrad and DualProj."""
+    """Shared options of UPGrad and DualProj.
 
-    def __init__(self, norm_eps=1e-4, reg_eps=1e-4, max_iter=200):
+    Decision: `max_iter` (the cap on the coordinate-descent sweeps of
+    versions up to 0.x, saved in their configs) is deprecated and ignored:
+    the QP is now solved exactly (`dual_cone_weights`). It is still
+    accepted, so `.keras` files saved with it load (silently, through
+    `from_config`); passing it to the constructor warns.
+    """
+
+    def __init__(self, norm_eps=1e-4, reg_eps=1e-4, max_iter=None):
         self.norm_eps = _check_number("norm_eps", norm_eps)
         self.reg_eps = _check_number("reg_eps", reg_eps)
-        self.max_iter = aggregators._check_int("max_iter", max_iter, 1)
+        if max_iter is not None:
+            aggregators._check_int("max_iter", max_iter, 1)
+            warnings.warn(
+                f"`max_iter` is deprecated and ignored by {type(self).__name__}: the "
+                f"quadratic program is solved exactly. Received: max_iter={max_iter}. "
+                "Fix: leave it out.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config.pop("max_iter", None)  # saved by earlier versions; ignored
+        return cls(**config)
 
     def _project(self, gram, targets):
         gram = normalized_regularized(gram, self.norm_eps, self.reg_eps)
-        return dual_cone_weights(gram, targets, self.max_iter)
+        return dual_cone_weights(gram, targets)
 
     def get_config(self):
-        return {"norm_eps": self.norm_eps, "reg_eps": self.reg_eps, "max_iter": self.max_iter}
+        return {"norm_eps": self.norm_eps, "reg_eps": self.reg_eps}
 
 
 @aggregators._register
@@ -143,15 +127,15 @@ class UPGrad(_DualCone):
     `w = sum_i v(e_i / T) = mean_i v(e_i)`. As torchjd, `G` is first
     divided by its trace (`G = 0` when the trace is below `norm_eps`) and
     `reg_eps I` is added, so `v` solves a slightly regularised problem.
-    The QP is solved in-graph (`dual_cone_weights`, at most `max_iter`
-    sweeps). Without conflict (`G_ij >= 0`) and `reg_eps=0` this is the
+    The QP is solved exactly in-graph (`dual_cone_weights`, an active-set
+    method). Without conflict (`G_ij >= 0`) and `reg_eps=0` this is the
     mean; the merged gradient never has a negative inner product with a
     task gradient (up to `reg_eps`). A non-finite `G` gives NaN weights.
 
     Args:
         norm_eps: float >= 0, the trace below which `G` counts as 0.
         reg_eps: float >= 0, the ridge added to the normalised `G`.
-        max_iter: int >= 1, the cap on the solver's sweeps.
+        max_iter: deprecated and ignored (the QP is solved exactly).
 
     Example:
 
@@ -184,7 +168,7 @@ class DualProj(_DualCone):
     Args:
         norm_eps: float >= 0, the trace below which `G` counts as 0.
         reg_eps: float >= 0, the ridge added to the normalised `G`.
-        max_iter: int >= 1, the cap on the solver's sweeps.
+        max_iter: deprecated and ignored (the QP is solved exactly).
 
     Example:
 

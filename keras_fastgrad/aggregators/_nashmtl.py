@@ -28,6 +28,13 @@ def nash_weights(gram, reg_eps=1e-6, max_iter=50):
     normalised `G`) keeps `alpha` bounded when no positive solution exists
     (e.g. two opposite gradients).
 
+    Decision: the ridge is at least `eps(dtype)` (so `reg_eps=0` means
+    `eps`): without a solution the exact `alpha` is unbounded and the
+    Newton system turned singular (an `InvalidArgumentError` on CPU);
+    `alpha` now stays below about `1 / sqrt(eps)`. The Frobenius norm is
+    taken of `G / max|G_ij|`, so a float32 Gram with entries near `1e20`
+    (whose squares overflow) gives the same weights as any other scale.
+
     Newton on `f` from `alpha_i = 1 / sqrt(G_ii)`: the step
     `d = -(G + diag(1/alpha^2))^-1 (G alpha - 1/alpha)` is taken in full
     once the Newton decrement `lambda = sqrt(-grad^T d)` is below 1/4, and
@@ -46,15 +53,17 @@ def nash_weights(gram, reg_eps=1e-6, max_iter=50):
     """
     num_tasks, dtype = gram.shape[0], gram.dtype
     eye = tf.eye(num_tasks, dtype=dtype)
-    frobenius = tf.norm(gram)
-    empty = frobenius <= _tiny(dtype)
-    gram = gram / tf.where(empty, tf.ones_like(frobenius), frobenius)
+    # ||G||_F = m ||G / m||_F, m = max |G_ij|: no overflow of the squares.
+    top = tf.reduce_max(tf.abs(gram))
+    empty = top <= 0
+    gram = gram / tf.where(empty, tf.ones_like(top), top)
+    gram = gram / tf.where(empty, tf.ones_like(top), tf.norm(gram))
     diag = tf.linalg.diag_part(gram)
     active = diag > num_tasks * _eps(dtype) * tf.reduce_max(diag)
     mask = tf.cast(active, dtype)
     # Zero tasks decouple (their own unit diagonal) and are zeroed at the end.
     system = gram * mask[:, None] * mask[None, :] + tf.linalg.diag(1.0 - mask)
-    system += reg_eps * eye
+    system += tf.maximum(tf.cast(reg_eps, dtype), _eps(dtype)) * eye
     tol = 64.0 * num_tasks * _eps(dtype)
 
     def body(i, alpha, done):
@@ -97,7 +106,8 @@ class NashMTL(aggregators.Aggregator):
     gradients). A non-finite `G` gives NaN weights.
 
     Args:
-        reg_eps: float >= 0, the ridge added to the normalised `G`.
+        reg_eps: float >= 0, the ridge added to the normalised `G` (at least
+            `eps(dtype)`, see `nash_weights`).
         max_iter: int >= 1, the cap on the Newton steps.
 
     Example:

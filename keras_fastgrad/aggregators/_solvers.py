@@ -10,19 +10,13 @@ Frank-Wolfe duality gap.
 
 import tensorflow as tf
 
-
-def _eps(dtype):
-    return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps, dtype)
+from keras_fastgrad._qp import _eps, _tiny, active_set_qp  # noqa: F401 (re-exported)
 
 
 # Relative cut-off for "zero" eigenvalues in Aligned-MTL in every dtype:
 # float32's eps, as the official code (`torch.finfo()`), so that a float64
 # Gram of duplicated gradients drops its round-off eigenvalues too.
 _RANK_EPS = 1.1920929e-07
-
-
-def _tiny(dtype):
-    return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).tiny, dtype)
 
 
 def random_orders(num_tasks, uniform):
@@ -114,14 +108,31 @@ def _pairwise_frank_wolfe(gram, gradient, line_search, max_iter):
     return w / tf.reduce_sum(w)
 
 
+def _max_diag(gram):
+    """`max(diag G)`, or 1 when it is not positive (`G = 0`)."""
+    top = tf.reduce_max(tf.linalg.diag_part(gram))
+    return tf.where(top > 0, top, tf.ones_like(top))
+
+
 @tf.function(autograph=False)  # a graph in eager mode too; inlined under XLA
 def min_norm_weights(gram, max_iter=1000):
     """MGDA-UB: `argmin_{w in simplex} w^T G w` (Sener & Koltun, 2018).
 
-    Exact line search along `d`: `gamma = -(d^T G w) / (d^T G d)`, the
-    closed form of the paper's Algorithm 2 / `_min_norm_element_from2`.
+    Pairwise Frank-Wolfe with an exact line search along `d`:
+    `gamma = -(d^T G w) / (d^T G d)`, the closed form of the paper's
+    Algorithm 2 / `_min_norm_element_from2`; then an exact active-set solve
+    of the simplex QP started from the Frank-Wolfe point
+    (`_qp.active_set_qp`), which lands on the KKT point even when the task
+    gradients' norms differ by many orders of magnitude (where the
+    Frank-Wolfe gap test stops early). `G` is first divided by
+    `max(diag G)`: the weights do not depend on `G`'s scale.
+
+    Decision: a task whose `G_ii` is at most `eps(dtype)^2 max(diag G)`
+    (a zero gradient, at rounding level) gets all the weight: its vertex is
+    the min-norm point (norm 0), where the simplex QP is singular.
     """
     gram = tf.convert_to_tensor(gram)
+    gram = gram / _max_diag(gram)
 
     def line_search(w, d):
         gd = tf.linalg.matvec(gram, d)
@@ -130,9 +141,17 @@ def min_norm_weights(gram, max_iter=1000):
         a_safe = tf.where(flat, tf.ones_like(a), a)
         return tf.where(flat, tf.cast(b < 0, gram.dtype), -b / a_safe)
 
-    return _pairwise_frank_wolfe(
+    w = _pairwise_frank_wolfe(
         gram, lambda w: tf.linalg.matvec(gram, w), line_search, max_iter
     )
+    lower = tf.zeros([1, gram.shape[0]], gram.dtype)
+    w = active_set_qp(gram, lower, simplex=True, start=w[None, :])[0][0]
+    w = w / tf.reduce_sum(w)
+    # A zero gradient is the min-norm point: its vertex, exactly.
+    diag = tf.linalg.diag_part(gram)
+    zero = tf.reduce_min(diag) <= tf.square(_eps(gram.dtype))
+    vertex = tf.one_hot(tf.argmin(diag), gram.shape[0], dtype=gram.dtype)
+    return tf.where(zero, vertex, w)
 
 
 @tf.function(autograph=False)
@@ -145,6 +164,15 @@ def cagrad_weights(gram, c=0.5, rescale=1, max_iter=1000):
     `1 + c^2` (`rescale=1`), `1 + c` (`rescale=2`) or 1 (`rescale=0`).
     Returns `(1/T + lambda w) / rescale_factor`.
 
+    Decision: computed in units of `s = max(diag G)` (`G / s`, the
+    constants `1e-8 / s` under square roots and `1e-8 / sqrt(s)` added to
+    norms): exactly the official weights, but a float32 Gram with entries
+    up to `1e36` no longer overflows to NaN. CAGrad is not scale-invariant:
+    where `G` is not large against `1e-8` the constants change the weights,
+    exactly as in the official code (e.g. `lambda = c' / (||w^T J|| +
+    1e-8)` grows without bound as the gradients vanish); where it is, the
+    weights do not depend on the scale.
+
     The line search along `d` is exact: with `y = a gamma + b`,
     `a = d^T G d`, `b = d^T G w`, `q0 = w^T G w + 1e-8`, `K = a q0 - b^2` and
     `r = -(d^T G 1/T) / c'`, the objective is stationary at
@@ -152,10 +180,16 @@ def cagrad_weights(gram, c=0.5, rescale=1, max_iter=1000):
     """
     gram = tf.convert_to_tensor(gram)
     num_tasks, dtype = gram.shape[0], gram.dtype
-    delta = tf.constant(1e-8, dtype)
+    # In units of s = max(diag G): G_n = G / s, and the official constants
+    # become delta / s (under the square roots) and delta / sqrt(s) (added
+    # to norms). Same weights, without overflow at either end of the range.
+    scale = _max_diag(gram)
+    gram = gram / scale
+    delta = tf.constant(1e-8, dtype) / scale
+    delta_norm = tf.constant(1e-8, dtype) / tf.sqrt(scale)
     tiny = _tiny(dtype)
     g0_norm = tf.sqrt(tf.reduce_mean(gram) + delta)
-    cc = c * g0_norm + delta
+    cc = c * g0_norm + delta_norm
     g_mean = tf.reduce_mean(gram, axis=1)  # G 1/T
 
     def gradient(w):
@@ -178,7 +212,7 @@ def cagrad_weights(gram, c=0.5, rescale=1, max_iter=1000):
 
     w = _pairwise_frank_wolfe(gram, gradient, line_search, max_iter)
     gw_norm = tf.sqrt(tf.maximum(tf.reduce_sum(w * tf.linalg.matvec(gram, w)), 0.0))
-    lmbda = cc / (gw_norm + delta)
+    lmbda = cc / (gw_norm + delta_norm)
     scale = {0: 1.0, 1: 1.0 + c**2, 2: 1.0 + c}[rescale]
     return (1.0 / num_tasks + lmbda * w) / scale
 
@@ -200,12 +234,21 @@ def imtl_weights(gram):
     the largest are cut, as `numpy.linalg.pinv(rtol=None)`. When
     `sum(G^+ d)` is zero at rounding level (e.g. `G = 0`) the weights are 0,
     as torchjd. A non-finite `G` gives non-finite weights.
+
+    Decision: `G` is divided by `max(diag G)` first. The weights do not
+    depend on `G`'s scale, but XLA's SVD (behind `pinv`) has absolute
+    tolerances: without this a Gram scaled by `1e-6` was 0.3 off under
+    `jit_compile=True`, and float32 entries near `1e30` gave NaN.
     """
     gram = tf.convert_to_tensor(gram)
     num_tasks, dtype = gram.shape[0], gram.dtype
+    gram = gram / _max_diag(gram)  # scale-free weights; XLA's SVD is not
     norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
     pinv = tf.linalg.pinv(gram, rcond=num_tasks * _eps(dtype))
     v = tf.linalg.matvec(pinv, norms)
+    # Refinement steps: XLA's SVD stops near 1e-7 relative, even in float64.
+    for _ in range(2):
+        v += tf.linalg.matvec(pinv, norms - tf.linalg.matvec(gram, v))
     total = tf.reduce_sum(v)
     degenerate = tf.abs(total) <= num_tasks * _eps(dtype) * tf.reduce_sum(tf.abs(v))
     safe_total = tf.where(degenerate, tf.ones_like(total), total)
