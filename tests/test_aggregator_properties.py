@@ -38,7 +38,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastgrad import _cone_aggregators, _qp, aggregators
+from keras_fastgrad import _qp, aggregators
+from keras_fastgrad.aggregators import _cone as _cone_aggregators
 
 REFERENCES = json.load(
     open(os.path.join(os.path.dirname(__file__), "data", "aggregator_references.json"))
