@@ -5,9 +5,9 @@ usual `compile` / `fit`.
 """
 
 from keras_fastgrad import callbacks
+from keras_fastgrad.models.adapt import fastgrad
 from keras_fastgrad.models.model import FastGradModel
 from keras_fastgrad.models.sequential import FastGradSequential
-from keras_fastgrad.models.adapt import fastgrad
 from keras_fastgrad.profiling.measure import StepProfile, profile_step
 from keras_fastgrad.step.telemetry import LOG_KEYS
 

@@ -21,20 +21,22 @@ import sys
 
 import keras
 import tensorflow as tf
-from keras.src.backend import compute_output_spec
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-from keras.src.losses.loss import (
+
+# Re-exported as they are (the rest of the package imports them from here).
+from keras.src.backend import compute_output_spec  # noqa: F401
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # noqa: F401
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope  # noqa: F401
+from keras.src.losses.loss import (  # noqa: F401
     apply_mask,
     reduce_weighted_values,
     unscale_loss_for_distribution,
 )
 from keras.src.models import cloning as _cloning
 from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
+from keras.src.models.model import functional_init_arguments  # noqa: F401
 from keras.src.saving import object_registration as _object_registration
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.trainers.trainer import Trainer
-from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.utils import python_utils as _python_utils
 
 KERAS_VERSION = tuple(int(p) for p in keras.__version__.split(".")[:2])

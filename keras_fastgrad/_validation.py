@@ -61,3 +61,15 @@ def check_optional_path(name, value):
         f"`{name}` must be a directory path (str or path-like) or None. "
         f"Received: {name}={value!r} of type {type(value).__name__}."
     )
+
+
+def check_number(name, value, minimum=0.0, maximum=None, open_min=False):
+    """`value` as a float in `[minimum, maximum]` (`(minimum, ...` if open)."""
+    low = f"> {minimum}" if open_min else f">= {minimum}"
+    rule = low if maximum is None else f"{low} and <= {maximum}"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > minimum if open_min else value >= minimum)
+    ok = ok and (maximum is None or value <= maximum)
+    if not ok:
+        raise ValueError(f"`{name}` must be a number {rule}. Received: {name}={value!r}")
+    return float(value)

@@ -38,8 +38,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastgrad import _qp, aggregators
-from keras_fastgrad.aggregators import _cone as _cone_aggregators
+from keras_fastgrad import aggregators
+from keras_fastgrad.aggregators._utils import qp as _qp
+from keras_fastgrad.aggregators._utils import dual_cone as _cone_aggregators
 
 REFERENCES = json.load(
     open(os.path.join(os.path.dirname(__file__), "data", "aggregator_references.json"))

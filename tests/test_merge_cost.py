@@ -21,7 +21,7 @@ class RowSums(aggregators.Aggregator):
 
     name = "row_sums"
 
-    def _weights(self, gram, seed_tensor):
+    def _weights(self, gram):
         return 1.0 + tf.reduce_sum(gram, axis=1) / tf.linalg.trace(gram)
 
 

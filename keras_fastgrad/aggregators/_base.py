@@ -10,7 +10,7 @@ _PACKAGE = "keras_fastgrad"
 class Aggregator:
     """Base: maps the Gram matrix of task gradients to task weights.
 
-    Subclasses implement `_weights(gram, seed_tensor)`; `weights` checks the
+    Subclasses implement `_weights(gram)`; `weights` checks the
     input and computes half precision in float32. Pass an instance as
     `FastGradModel(multitask=...)`; register it with
     `keras.saving.register_keras_serializable` so `.keras` files load.
@@ -19,7 +19,7 @@ class Aggregator:
 
     >>> class FirstTaskOnly(Aggregator):
     ...     name = "first_task_only"
-    ...     def _weights(self, gram, seed_tensor):
+    ...     def _weights(self, gram):
     ...         return tf.one_hot(0, gram.shape[0], dtype=gram.dtype)
     >>> FirstTaskOnly().weights(tf.eye(3)).numpy().tolist()
     [1.0, 0.0, 0.0]
@@ -27,16 +27,17 @@ class Aggregator:
 
     name = None
 
-    def weights(self, gram, seed_tensor=None):
+    def weights(self, gram):
         """Task weights `w` (`[T]`) such that the merged gradient is `w^T J`.
 
         Args:
             gram: `[T, T]` Gram matrix `J J^T` of the task gradients, with a
                 static `T`.
-            seed_tensor: optional int `[2]` seed for a stateless draw (only
-                the random aggregators use it).
+
+        Returns:
+            `[T]` weights, in the dtype of `gram`.
         """
-        return self._run(gram, lambda g: self._weights(g, seed_tensor))
+        return self._run(gram, self._weights)
 
     def _run(self, gram, fn):
         gram = _check_gram(gram)
@@ -45,7 +46,7 @@ class Aggregator:
             gram = tf.cast(gram, tf.float32)
         return tf.cast(fn(gram), dtype)
 
-    def _weights(self, gram, seed_tensor):
+    def _weights(self, gram):
         raise NotImplementedError
 
     # Optional state (e.g. GradVac's EMA targets). `TaskMerger` calls
@@ -60,9 +61,9 @@ class Aggregator:
         """The state variables (a list, empty for stateless aggregators)."""
         return []
 
-    def weights_and_state(self, gram, seed_tensor=None):
+    def weights_and_state(self, gram):
         """`(weights, new_state)`: `new_state` aligns with `state_variables`."""
-        return self.weights(gram, seed_tensor), []
+        return self.weights(gram), []
 
     def get_config(self):
         return {}
@@ -91,11 +92,3 @@ def _check_gram(gram):
             f"number of tasks T >= 1. Received: gram.shape={shape}"
         )
     return gram
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
-        )
-    return value

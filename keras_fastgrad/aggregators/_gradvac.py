@@ -14,9 +14,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._validation import check_number
 from keras_fastgrad.aggregators import _base as aggregators
-from keras_fastgrad.aggregators._cone import _check_number
-from keras_fastgrad.aggregators._solvers import _eps, _tiny
+from keras_fastgrad.aggregators._utils.numerics import _eps, _tiny
 
 
 def gradvac_weights(gram, targets, beta):
@@ -112,7 +112,7 @@ class GradVac(aggregators.Aggregator, compat.KerasSaveable):
     __reduce__ = object.__reduce__
 
     def __init__(self, beta=0.01):
-        self.beta = _check_number("beta", beta, 0.0, 1.0)
+        self.beta = check_number("beta", beta, 0.0, 1.0)
         self._targets = None
         self._pending = None  # targets loaded before `build`
 
@@ -144,10 +144,10 @@ class GradVac(aggregators.Aggregator, compat.KerasSaveable):
             return tf.zeros([num_tasks] * 2, gram.dtype)
         return tf.cast(self._targets.value, gram.dtype)
 
-    def _weights(self, gram, seed_tensor):
+    def _weights(self, gram):
         return gradvac_weights(gram, self._current(gram), self.beta)[0]
 
-    def weights_and_state(self, gram, seed_tensor=None):
+    def weights_and_state(self, gram):
         gram = aggregators._check_gram(gram)
         dtype = gram.dtype
         if dtype in (tf.float16, tf.bfloat16):

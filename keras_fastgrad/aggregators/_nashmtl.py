@@ -11,9 +11,9 @@ official code runs a sequence of convex programs with cvxpy/ECOS.
 
 import tensorflow as tf
 
+from keras_fastgrad._validation import check_int, check_number
 from keras_fastgrad.aggregators import _base as aggregators
-from keras_fastgrad.aggregators._cone import _check_number, _finite_or_nan
-from keras_fastgrad.aggregators._solvers import _eps, _tiny
+from keras_fastgrad.aggregators._utils.numerics import _eps, _finite_or_nan, _tiny
 
 
 def nash_weights(gram, reg_eps=1e-6, max_iter=50):
@@ -124,10 +124,10 @@ class NashMTL(aggregators.Aggregator):
     name = "nashmtl"
 
     def __init__(self, reg_eps=1e-6, max_iter=50):
-        self.reg_eps = _check_number("reg_eps", reg_eps)
-        self.max_iter = aggregators._check_int("max_iter", max_iter, 1)
+        self.reg_eps = check_number("reg_eps", reg_eps)
+        self.max_iter = check_int("max_iter", max_iter, 1)
 
-    def _weights(self, gram, seed_tensor):
+    def _weights(self, gram):
         return _finite_or_nan(
             gram, lambda g: nash_weights(g, self.reg_eps, self.max_iter)
         )

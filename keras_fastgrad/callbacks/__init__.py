@@ -17,8 +17,7 @@ list these before `CSVLogger` or `keras.callbacks.TensorBoard`.
 
 from keras_fastgrad.callbacks._base import FastGradCallback
 from keras_fastgrad.callbacks.gradient_norm_logger import GradientNormLogger
-from keras_fastgrad.callbacks.non_finite_guard import NonFiniteError
-from keras_fastgrad.callbacks.non_finite_guard import NonFiniteGuard
+from keras_fastgrad.callbacks.non_finite_guard import NonFiniteError, NonFiniteGuard
 from keras_fastgrad.callbacks.retrace_watch import RetraceWatch
 from keras_fastgrad.callbacks.tape_variable_counter import TapeVariableCounter
 

@@ -73,7 +73,9 @@ class FastGradCallback(keras.callbacks.Callback):
         return self.telemetry_keys
 
     def set_model(self, model):
-        from keras_fastgrad.models import adapt  # A plain Keras model gets the step for this `fit` (`adapt.attach`:
+        from keras_fastgrad.models import (
+            adapt,  # A plain Keras model gets the step for this `fit` (`adapt.attach`:
+        )
         # default options, exactly `keras.Model`'s updates), until
         # `on_train_end`.
         self._attached = adapt.attach(model)

@@ -26,9 +26,9 @@ import keras
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
+from keras_fastgrad.models._keras_hooks import functional_variant
 from keras_fastgrad.models.model import OPTION_NAMES, FastGradModel, _checked_options
 from keras_fastgrad.models.sequential import FastGradSequential
-from keras_fastgrad.models._keras_hooks import functional_variant
 
 _ADAPTER_NAME = "keras_fastgrad>FastGradAdapter"
 

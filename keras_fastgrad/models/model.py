@@ -22,14 +22,14 @@ import keras
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad import aggregators
+from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import options as _options
+from keras_fastgrad.multitask.merger import check_task_count
 from keras_fastgrad.step import train_step as _step
-from keras_fastgrad.step.state import StepState
 from keras_fastgrad.step.divergence import TrainingLoss
 from keras_fastgrad.step.loss_scaling import LossScaling
-from keras_fastgrad.multitask.merger import check_task_count
+from keras_fastgrad.step.state import StepState
 from keras_fastgrad.step.telemetry import LOG_KEYS, is_optional_key, layer_key
 
 

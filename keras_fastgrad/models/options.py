@@ -17,7 +17,6 @@ from keras_fastgrad import aggregators
 from keras_fastgrad._validation import check_bool, check_choice, check_int, check_optional_int
 
 
-
 def check_accumulation_steps(value):
     """Returns `value` if it is an integer >= 1, else raises."""
     return check_int(

@@ -56,9 +56,9 @@ import contextlib
 
 import tensorflow as tf
 
+from keras_fastgrad.multitask.representation import Capture, find_features  # noqa: F401
 from keras_fastgrad.step.gradients import to_float32_list
 from keras_fastgrad.step.replicas import num_replicas, replica_sum
-from keras_fastgrad.multitask.representation import Capture, find_features  # noqa: F401
 
 SPACES = ("parameters", "features")
 

@@ -63,6 +63,7 @@ from keras_fastgrad.step.replicas import num_replicas, replica_sum
 from keras_fastgrad.step.telemetry import CONFLICTS, COSINE_PREFIX, NORM_PREFIX
 from keras_fastgrad.step.variables import global_variable
 
+
 # ----------------------------------------------------------------- losses
 class _Recording:
     """Wraps one of `CompileLoss`'s losses and keeps what it returns."""

@@ -11,6 +11,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_fastgrad import _compat as compat
+
 _LOCK = threading.Lock()
 _THREAD = threading.local()  # MirroredStrategy traces replicas in threads
 _INSTALLED = {}  # id(layer) -> [users, previous instance `call` or _MISSING]

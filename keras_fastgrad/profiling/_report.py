@@ -1,11 +1,11 @@
 """The reading side of `profile_step`: argument checks, the table, the
 recommendations that follow from the numbers, and the bar chart."""
 
-import numbers
 
 import keras
 import tensorflow as tf
 
+from keras_fastgrad._validation import check_int
 from keras_fastgrad.profiling._runs import MODES
 
 LABELS = {
@@ -68,15 +68,7 @@ def check_arguments(model, modes, repeats, warmup, batch_size, verbose, data):
 
 
 def _check_int(name, value, minimum, meaning):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"`{name}` must be an integer >= {minimum} ({meaning}). Received: "
-            f"{name}={value!r} of type {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer >= {minimum} ({meaning}). Received: "
-            f"{name}={value}")
-    return int(value)
+    return check_int(name, value, minimum, f" ({meaning})")
 
 
 class ReportMixin:

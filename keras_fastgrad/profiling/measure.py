@@ -15,11 +15,10 @@ import dataclasses
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.models.model import FastGradModel
 from keras_fastgrad.profiling import _report
 from keras_fastgrad.profiling import _runs as runs
 from keras_fastgrad.profiling._runs import MODES, PHASES
-from keras_fastgrad.models.model import FastGradModel
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,8 @@ swaps the loss objects for wrappers while the model computes its loss.
 import contextlib
 
 from keras_fastgrad import _compat as compat
+
+
 @contextlib.contextmanager
 def wrapped_output_losses(model, wrap):
     """Within the block, each output loss `entry.loss` is `wrap(entry)`.

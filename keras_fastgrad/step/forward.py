@@ -7,6 +7,8 @@ import contextlib
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+
+
 @contextlib.contextmanager
 def watching(variables, persistent=False):
     """A `tf.GradientTape` that watches `variables` and nothing else.

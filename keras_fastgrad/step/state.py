@@ -36,9 +36,9 @@ import keras
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.multitask.merger import TaskMerger
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.divergence import DivergenceWatch
-from keras_fastgrad.multitask.merger import TaskMerger
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 

@@ -21,7 +21,11 @@ import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask import feature_space
+from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step import finite
+from keras_fastgrad.step.applying import apply_if
+from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
+from keras_fastgrad.step.divergence import failed
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.gradients import scale
 from keras_fastgrad.step.replicas import (
@@ -30,10 +34,6 @@ from keras_fastgrad.step.replicas import (
     num_replicas,
     replica_sum,
 )
-from keras_fastgrad.step.applying import apply_if
-from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
-from keras_fastgrad.step.divergence import failed
-from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step.slicing import first_input, sliced_gradients
 from keras_fastgrad.step.weighting import LossShares
 

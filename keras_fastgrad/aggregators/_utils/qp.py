@@ -21,13 +21,7 @@ replaced by the identity, so shapes stay static under XLA.
 
 import tensorflow as tf
 
-
-def _eps(dtype):
-    return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps, dtype)
-
-
-def _tiny(dtype):
-    return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).tiny, dtype)
+from keras_fastgrad.aggregators._utils.numerics import _eps, _tiny
 
 
 def max_steps(num_tasks):

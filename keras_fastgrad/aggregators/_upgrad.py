@@ -1,0 +1,50 @@
+"""UPGrad (Quinton & Rey, 2024): the mean of the task gradients, each
+projected onto the dual cone of all of them."""
+
+import tensorflow as tf
+
+from keras_fastgrad.aggregators import _base as aggregators
+from keras_fastgrad.aggregators._utils.dual_cone import _DualCone
+from keras_fastgrad.aggregators._utils.numerics import (
+    _finite_or_nan,
+)
+
+
+@aggregators._register
+class UPGrad(_DualCone):
+    """UPGrad (Quinton & Rey, 2024), torchjd's `UPGrad` with its defaults.
+
+    "Jacobian Descent for Multi-Objective Optimization": each task
+    gradient `g_i` is projected onto the dual cone of `{g_1, ..., g_T}`
+    and the projections are averaged. The projection of `J^T u` is
+    `J^T v(u)`, `v(u) = argmin v^T G v s.t. v >= u`; with torchjd's default
+    preference vector (`1/T` each) the weights are
+    `w = sum_i v(e_i / T) = mean_i v(e_i)`. As torchjd, `G` is first
+    divided by its trace (`G = 0` when the trace is below `norm_eps`) and
+    `reg_eps I` is added, so `v` solves a slightly regularised problem.
+    The QP is solved exactly in-graph (`dual_cone_weights`, an active-set
+    method). Without conflict (`G_ij >= 0`) and `reg_eps=0` this is the
+    mean; the merged gradient never has a negative inner product with a
+    task gradient (up to `reg_eps`). A non-finite `G` gives NaN weights.
+
+    Args:
+        norm_eps: float >= 0, the trace below which `G` counts as 0.
+        reg_eps: float >= 0, the ridge added to the normalised `G`.
+        max_iter: deprecated and ignored (the QP is solved exactly).
+
+    Example:
+
+    >>> J = tf.constant([[1.0, 0.0], [-1.0, 1.0]], tf.float64)
+    >>> gram = tf.matmul(J, J, transpose_b=True)
+    >>> w = UPGrad(reg_eps=0.0).weights(gram)
+    >>> w.numpy().round(4).tolist()
+    [1.0, 0.75]
+    >>> tf.linalg.matvec(gram, w).numpy().round(4).tolist()  # <g_i, w^T J> >= 0
+    [0.25, 0.5]
+    """
+
+    name = "upgrad"
+
+    def _weights(self, gram):
+        eye = tf.eye(gram.shape[0], dtype=gram.dtype) / gram.shape[0]
+        return _finite_or_nan(gram, lambda g: tf.reduce_sum(self._project(g, eye), 0))

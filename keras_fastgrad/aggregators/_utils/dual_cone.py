@@ -1,0 +1,85 @@
+"""The projection onto the dual cone of the task gradients, shared by
+UPGrad and DualProj: `min_v v^T G v  s.t.  v >= u` (Quinton & Rey 2024,
+Proposition 1), solved exactly by the active-set QP (`qp.py`)."""
+
+import warnings
+
+import tensorflow as tf
+
+from keras_fastgrad._validation import check_int, check_number
+from keras_fastgrad.aggregators import _base as aggregators
+from keras_fastgrad.aggregators._utils.qp import active_set_qp
+
+
+def dual_cone_weights(gram, targets):
+    """Row `k`: `v = argmin v^T G v  s.t.  v >= targets[k]`, exactly.
+
+    `J^T v` is then the projection of `J^T targets[k]` onto the dual cone
+    of the rows of `J`. Solved to its KKT conditions (`v >= u`,
+    `(G v)_i >= 0` where `v_i = u_i`, `(G v)_i = 0` elsewhere) by the
+    active-set method of `_qp.active_set_qp`; a zero gradient
+    (`G_ii = 0`) keeps `v_i = u_i`.
+
+    Args:
+        gram: `[T, T]` positive semi-definite float tensor, finite.
+        targets: `[K, T]` float tensor, one `u` per row.
+
+    Returns:
+        `[K, T]` tensor `V`.
+    """
+    return active_set_qp(gram, targets)[0]
+
+
+def normalized_regularized(gram, norm_eps, reg_eps):
+    """torchjd's `regularize(normalize(G, norm_eps), reg_eps)`: `G / trace G`
+    (zeros when `trace G < norm_eps`), plus `reg_eps I`.
+
+    Decision: a zero trace also gives zeros when `norm_eps = 0` (torchjd
+    divides 0 by 0), and the trace is summed as `m sum(diag(G) / m)`,
+    `m = max(diag G)`, so that a float32 Gram near the top of its range does
+    not overflow to `inf` (and `G` to 0).
+    """
+    top = tf.reduce_max(tf.linalg.diag_part(gram))
+    top = tf.where(top > 0, top, tf.ones_like(top))
+    scaled = gram / top
+    trace = tf.linalg.trace(scaled)
+    small = (trace * top < norm_eps) | (trace <= 0)
+    gram = tf.where(small, tf.zeros_like(gram), scaled / tf.where(small, tf.ones_like(trace), trace))
+    return gram + reg_eps * tf.eye(gram.shape[0], dtype=gram.dtype)
+
+
+class _DualCone(aggregators.Aggregator):
+    """Shared options of UPGrad and DualProj.
+
+    Decision: `max_iter` (the cap on the coordinate-descent sweeps of
+    versions up to 0.x, saved in their configs) is deprecated and ignored:
+    the QP is now solved exactly (`dual_cone_weights`). It is still
+    accepted, so `.keras` files saved with it load (silently, through
+    `from_config`); passing it to the constructor warns.
+    """
+
+    def __init__(self, norm_eps=1e-4, reg_eps=1e-4, max_iter=None):
+        self.norm_eps = check_number("norm_eps", norm_eps)
+        self.reg_eps = check_number("reg_eps", reg_eps)
+        if max_iter is not None:
+            check_int("max_iter", max_iter, 1)
+            warnings.warn(
+                f"`max_iter` is deprecated and ignored by {type(self).__name__}: the "
+                f"quadratic program is solved exactly. Received: max_iter={max_iter}. "
+                "Fix: leave it out.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config.pop("max_iter", None)  # saved by earlier versions; ignored
+        return cls(**config)
+
+    def _project(self, gram, targets):
+        gram = normalized_regularized(gram, self.norm_eps, self.reg_eps)
+        return dual_cone_weights(gram, targets)
+
+    def get_config(self):
+        return {"norm_eps": self.norm_eps, "reg_eps": self.reg_eps}
