@@ -7,7 +7,6 @@ import pytest
 from helpers import data, fast, max_weight_diff, mlp
 
 import keras_fastgrad
-from keras_fastgrad._validation import check_bool
 
 
 @pytest.mark.parametrize(
@@ -56,22 +55,6 @@ def test_bool_options_accept_numpy_bools_as_python_bools(name, value, expected):
     model = fast(**{name: value})
     stored = getattr(model, name)
     assert type(stored) is bool and stored is expected
-
-
-@pytest.mark.parametrize(
-    "value, shown",
-    [(1, "1 of type int"), (0, "0 of type int"), (np.int64(1), r"np.int64\(1\) of type int64"),
-     ("True", "'True' of type str"), (None, "None of type NoneType"),
-     (np.array([True]), r"array\(\[ True\]\) of type ndarray")],
-)
-def test_check_bool_refuses_non_booleans(value, shown):
-    with pytest.raises(TypeError, match=rf"`flag` must be a boolean \(True or False\)\. Received: flag={shown}\."):
-        check_bool("flag", value)
-
-
-def test_check_bool_returns_python_bools():
-    assert check_bool("flag", True) is True and check_bool("flag", False) is False
-    assert check_bool("flag", np.True_) is True and check_bool("flag", np.False_) is False
 
 
 def test_accumulation_owned_twice_is_refused():
