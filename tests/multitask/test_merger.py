@@ -468,12 +468,13 @@ def mirrored_probe(model, x, y):
     return {"first_batch_conflicts": bool(J[0] @ J[1] < 0)}
 
 
+@pytest.mark.slow  # a fresh process
 @needs_multi_replica_keras
 def test_mirrored_strategy_merges_the_global_task_gradients(tmp_path):
     # Two logical CPUs need a fresh process. A per-replica merge (each
     # replica merging its own half-batch gradients) would differ from the
     # single-device run whenever the tasks conflict.
-    for case in run_mirrored_multitask(tmp_path, "test_multitask", "pcgrad").values():
+    for case in run_mirrored_multitask(tmp_path, "test_merger", "pcgrad").values():
         assert case["first_batch_conflicts"]
         assert case["max_weight_diff"] < 1e-5
         np.testing.assert_allclose(case["norm_a"][0], case["norm_a"][1], rtol=1e-5)
