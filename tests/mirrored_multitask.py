@@ -5,9 +5,10 @@ logical devices must be set before TensorFlow starts) by
 
     python tests/mirrored_multitask.py OUT.json MODULE METHOD
 
-`MODULE` (a test module's name, found in any folder of tests/) provides `build`, `compiled`, `make_data`,
-`weights_of` and optionally `mirrored_probe(model, x, y) -> dict` (facts
-about the untrained model, added to the result).
+`MODULE` (a test module's name, found in any folder of tests/) provides
+`build`, `compiled`, `make_data`, `weights_of` and optionally
+`mirrored_probe(model, x, y) -> dict` (facts about the untrained model,
+added to the result).
 """
 
 import contextlib
