@@ -7,7 +7,7 @@ and the public API (`keras.tree`, `keras.saving`, ...). Where Keras releases
 differ (supported: Keras >= 3.8 with TensorFlow >= 2.18) the version branch
 is here too.
 
-`tests/test_keras_compat.py` is the canary: it checks that every name in
+`tests/test_compat.py` is the canary: it checks that every name in
 `PRIVATE_NAMES` (and every private method the package overrides,
 `OVERRIDDEN_PRIVATE_METHODS`) still exists in the installed Keras and
 TensorFlow, with the arguments we pass, and that no other module of the
@@ -369,7 +369,7 @@ def nodes_by_depth(model):
 
 # ------------------------------------------------------------------ canary
 # Every private name above, as (owner, attribute): checked by
-# `tests/test_keras_compat.py`. Instance attributes set by `compile`
+# `tests/test_compat.py`. Instance attributes set by `compile`
 # (`_loss_tracker`, `_compile_loss`) and by `CompileLoss.__init__`
 # (`_flat_losses`, `_user_loss`) are checked on a compiled model there.
 PRIVATE_NAMES = (

@@ -1,4 +1,4 @@
-"""MirroredStrategy cases, run in a subprocess by test_distributed.py.
+"""MirroredStrategy cases, run in a subprocess by end_to_end/test_distributed.py.
 
 Two logical CPU devices must be configured before TensorFlow initialises,
 so this runs as its own process: `python distributed_cases.py OUT.json`.
@@ -24,6 +24,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# end_to_end/test_exactness.py provides the masked-sequence model
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "end_to_end"))
 from helpers import data, fast, max_weight_diff, mlp  # noqa: E402
 
 import keras_fastgrad  # noqa: E402

@@ -4,12 +4,13 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_fastgrad
 from keras_fastgrad import _compat
 
 # FastGradModel refuses several replicas on Keras < 3.10 (a clear error,
-# tested in test_keras_compat.py); these tests need them.
+# tested in test_compat.py); these tests need them.
 needs_multi_replica_keras = pytest.mark.skipif(
     not _compat.MULTI_REPLICA_SUPPORTED,
     reason=f"several replicas need Keras >= 3.10 (installed: {keras.__version__})",
@@ -44,6 +45,27 @@ def max_weight_diff(a, b):
 
 def same_start(a, b):
     assert max_weight_diff(a, b) == 0.0
+
+
+def sparse(values, indices, rows):
+    """An `IndexedSlices` of a `[rows, width]` table, and its dense numpy form."""
+    values = np.asarray(values, np.float32)
+    indices = np.asarray(indices, np.int64)
+    dense = np.zeros((rows, values.shape[1]), np.float64)
+    np.add.at(dense, indices, values.astype(np.float64))
+    slices = tf.IndexedSlices(
+        tf.constant(values), tf.constant(indices), tf.constant([rows, values.shape[1]], tf.int64)
+    )
+    return slices, dense
+
+
+def as_numpy(g):
+    """Dense numpy value of a gradient (IndexedSlices densified by numpy)."""
+    if isinstance(g, tf.IndexedSlices):
+        dense = np.zeros(g.dense_shape.numpy(), np.float64)
+        np.add.at(dense, g.indices.numpy(), g.values.numpy().astype(np.float64))
+        return dense
+    return g.numpy()
 
 
 def pcgrad_np(J, orders):

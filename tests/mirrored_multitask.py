@@ -5,12 +5,14 @@ logical devices must be set before TensorFlow starts) by
 
     python tests/mirrored_multitask.py OUT.json MODULE METHOD
 
-`MODULE` (a test module) provides `build`, `compiled`, `make_data`,
-`weights_of` and optionally `mirrored_probe(model, x, y) -> dict` (facts
-about the untrained model, added to the result).
+`MODULE` (a test module's name, found in any folder of tests/) provides
+`build`, `compiled`, `make_data`, `weights_of` and optionally
+`mirrored_probe(model, x, y) -> dict` (facts about the untrained model,
+added to the result).
 """
 
 import contextlib
+import glob
 import importlib
 import json
 import os
@@ -23,7 +25,11 @@ import tensorflow as tf
 def main(out, module_name, method):
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, tests)
+    # the test module, in its folder of tests/ (test file names are unique)
+    (path,) = glob.glob(os.path.join(tests, "**", f"{module_name}.py"), recursive=True)
+    sys.path.insert(0, os.path.dirname(path))
     module = importlib.import_module(module_name)
     probe = getattr(module, "mirrored_probe", None)
 

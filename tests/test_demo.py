@@ -1,6 +1,10 @@
 """The quick-start demo runs on bundled data and its exactness claim holds."""
 
+import pytest
+
 from keras_fastgrad import demo
+
+pytestmark = pytest.mark.slow  # the whole demo program
 
 
 def test_demo_runs_and_accumulation_is_exact_on_digits(capsys):

@@ -48,6 +48,7 @@ def test_the_four_notebooks_are_there():
     assert notebook_names() == list(EXPECTED)
 
 
+@pytest.mark.slow  # a fresh process per notebook
 @pytest.mark.parametrize("name", EXPECTED)
 def test_notebook_runs_end_to_end(name):
     result = run_notebook(os.path.join(NOTEBOOKS, name))
@@ -87,6 +88,7 @@ def write_notebook(path, *sources):
                    "nbformat_minor": 5}, f)
 
 
+@pytest.mark.slow  # a fresh process
 def test_runner_shares_the_namespace_and_shows_the_last_value(tmp_path):
     path = str(tmp_path / "ok.ipynb")
     write_notebook(path, "value = 20", "value + 22")
@@ -95,6 +97,7 @@ def test_runner_shares_the_namespace_and_shows_the_last_value(tmp_path):
     assert "42" in result.stdout
 
 
+@pytest.mark.slow  # a fresh process
 def test_runner_names_the_failing_cell_and_its_source(tmp_path):
     path = str(tmp_path / "bad.ipynb")
     write_notebook(path, "x = 1", textwrap.dedent("""\
@@ -107,6 +110,7 @@ def test_runner_names_the_failing_cell_and_its_source(tmp_path):
     assert "RuntimeError: boom in the second cell" in result.stderr
 
 
+@pytest.mark.slow  # a fresh process
 def test_runner_refuses_ipython_magics(tmp_path):
     path = str(tmp_path / "magic.ipynb")
     write_notebook(path, "%matplotlib inline\nx = 1")

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs scripts in subprocesses
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

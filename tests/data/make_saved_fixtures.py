@@ -6,8 +6,8 @@ Run with the release whose files they are (its commit names the files):
 
 For each case it writes `<case>_<commit>.keras`, `<case>_<commit>.weights.h5`
 and `<case>_<commit>.npz` (the weights and the step state's values as that
-release saw them, read back by `tests/test_saved_fixtures.py`). Every model
-is trained on `fixture_data()` for 3 batches of 2 rows: with
+release saw them, read back by `tests/end_to_end/test_saved_fixtures.py`).
+Every model is trained on `fixture_data()` for 3 batches of 2 rows: with
 `accumulation_steps=2` its window is half full when saved.
 """
 

@@ -154,7 +154,7 @@ def two_task_model(regularized, **options):
 @pytest.mark.parametrize("regularized", [False, True])
 def test_micro_batches_with_multitask_equal_the_unsplit_merge(method, regularized):
     # Reference: the un-split multi-task step (itself checked against
-    # numpy in test_multitask.py) on the same batches of 7 (3 slices:
+    # numpy in test_merger.py) on the same batches of 7 (3 slices:
     # 3, 3, 1 + 2 padded rows). The merge is nonlinear: merging per slice
     # would differ; the task gradients must be summed first.
     x, _ = data(n=14)

@@ -426,6 +426,7 @@ def test_save_load_keeps_the_options(tmp_path):
 
 
 # ------------------------------------------------------------ tf.distribute
+@pytest.mark.slow  # a fresh process
 def test_mirrored_strategy_uses_the_global_gram(tmp_path):
     # Two logical CPUs need a fresh process. Per-replica Gram matrices (each
     # replica weighting its own half batch) would differ from one device.

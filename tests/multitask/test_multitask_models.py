@@ -2,7 +2,7 @@
 
 - `micro_batches` + `multitask` on a masked sequence model (Embedding with
   `mask_zero`, GRU, a per-timestep loss per task) equals the un-split
-  multi-task step (itself checked against numpy in test_multitask.py).
+  multi-task step (itself checked against numpy in test_merger.py).
 - `multitask_space="features"` on a Conv2D trunk with per-pixel losses and
   on the masked GRU: the update equals `sum_t w_t dL_t/dtheta` on the trunk
   (the heads' plain gradients), with `w` the exact MGDA weights (numpy) of

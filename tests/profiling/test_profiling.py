@@ -14,7 +14,7 @@ from keras_fastgrad.profiling import _runs
 from keras_fastgrad.profiling import __main__ as profile_cli
 from keras_fastgrad.profiling.measure import PhaseTimes, StepProfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -300,6 +300,7 @@ def test_cli_profiles_a_saved_model(tmp_path, capsys):
     assert "Recommendations:" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a fresh process
 def test_cli_runs_quick_and_writes_the_png(tmp_path):
     png = tmp_path / "profile.png"
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -317,6 +318,7 @@ def test_cli_runs_quick_and_writes_the_png(tmp_path):
         assert f.read(8) == PNG_MAGIC
 
 
+@pytest.mark.slow  # a fresh process
 @pytest.mark.parametrize("argv, message", [
     (["--model", "missing.keras"],
      "`--model` must be the path of an existing `.keras` file. "

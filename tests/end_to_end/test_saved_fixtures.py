@@ -17,7 +17,7 @@ import pytest
 
 import keras_fastgrad
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 sys.path.insert(0, DATA)
 import make_saved_fixtures as fixtures  # noqa: E402  (registers `Regressor`)
 

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from helpers import needs_multi_replica_keras
 
-pytestmark = needs_multi_replica_keras
+pytestmark = [needs_multi_replica_keras, pytest.mark.slow]  # fresh processes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# tests/: the scripts below run from there (distributed_cases.py, multiworker_worker.py)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(HERE)
 
 

@@ -151,7 +151,7 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 import keras
 import keras_fastgrad
 from helpers import data, max_weight_diff
-from test_lazy_build import _aux_head_class
+from test_keras_hooks import _aux_head_class
 
 x, y = data(n=12)
 for options in ({}, {"accumulation_steps": 2}):
@@ -172,12 +172,16 @@ for options in ({}, {"accumulation_steps": 2}):
 """
 
 
+@pytest.mark.slow  # a fresh process
 @needs_multi_replica_keras
 def test_training_only_layer_under_mirrored_strategy():
     # Two logical CPUs must be configured before TensorFlow initialises:
     # the case runs in a fresh process.
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])
+    here = os.path.dirname(os.path.abspath(__file__))  # tests/models
+    tests = os.path.dirname(here)
+    path = os.pathsep.join(
+        [os.path.dirname(tests), tests, here, os.environ.get("PYTHONPATH", "")]
+    )
     done = subprocess.run(
         [sys.executable, "-c", _MIRRORED_SCRIPT],
         env=dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3"),

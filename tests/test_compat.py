@@ -395,6 +395,7 @@ except ValueError as e:
 """
 
 
+@pytest.mark.slow  # a fresh process
 @pytest.mark.skipif(
     compat.MULTI_REPLICA_SUPPORTED, reason="only Keras < 3.10 refuses replicas"
 )

@@ -1,0 +1,188 @@
+"""Unit tests of `keras_fastgrad.step.clipping`, called directly (the other units of the step:
+the other files of `tests/step/`).
+
+References: every expected value is either worked out by hand (written in
+the test, with the arithmetic beside it) or computed by numpy in float64 on
+the dense form of the gradients (`np.linalg.norm` of the concatenation,
+`np.add.at` for the dense gradient an `tf.IndexedSlices` stands for). No
+expected value is taken from the units' own output.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import as_numpy, sparse
+
+from keras_fastgrad.step import finite
+from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
+
+NAN, INF = float("nan"), float("inf")
+
+
+def np_global_norm(*arrays):
+    return np.linalg.norm(np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in arrays]))
+
+
+# ---------------------------------------------------------------- global_norm
+
+
+class TestGlobalNorm:
+    def test_equals_numpy_norm_of_the_concatenation(self):
+        rng = np.random.default_rng(0)
+        a = rng.normal(size=(3, 4)).astype(np.float32)
+        b = rng.normal(size=(5,)).astype(np.float32)
+        norm = global_norm([tf.constant(a), tf.constant(b)])
+        assert norm.dtype == tf.float32
+        np.testing.assert_allclose(float(norm), np_global_norm(a, b), rtol=1e-6)
+
+    def test_by_hand_three_four_twelve(self):
+        # sqrt(3^2 + 4^2 + 12^2) = sqrt(169) = 13
+        norm = global_norm([tf.constant([3.0, 4.0]), tf.constant([[12.0]])])
+        assert float(norm) == 13.0
+
+    def test_none_entries_are_skipped(self):
+        norm = global_norm([None, tf.constant([3.0]), None, tf.constant([4.0])])
+        assert float(norm) == 5.0
+
+    def test_all_none_or_empty_list_is_zero(self):
+        assert float(global_norm([None, None])) == 0.0
+        assert float(global_norm([])) == 0.0
+
+    def test_all_zero_gradients_give_zero(self):
+        assert float(global_norm([tf.zeros([3]), tf.zeros([2, 2])])) == 0.0
+
+    def test_squares_that_overflow_float32_give_the_finite_true_norm(self):
+        # (1e30)^2 = 1e60 overflows float32 (max ~3.4e38); the norm does not.
+        a = np.array([1e30, -2e30], np.float32)
+        b = np.array([[2e30], [1.0]], np.float32)
+        norm = float(global_norm([tf.constant(a), tf.constant(b)]))
+        assert np.isfinite(norm)
+        # By hand: sqrt(1 + 4 + 4) * 1e30 = 3e30 (the 1.0 is negligible).
+        np.testing.assert_allclose(norm, 3e30, rtol=1e-6)
+        np.testing.assert_allclose(norm, np_global_norm(a, b), rtol=1e-6)
+
+    def test_overflowing_squares_with_sparse_duplicates(self):
+        # Rows 1 and 1 add up to 4e20 before squaring: dense row 1 = [4e20, 3e20]
+        slices, dense = sparse([[1e20, 1e20], [3e20, 2e20]], [1, 1], rows=3)
+        norm = float(global_norm([slices]))
+        np.testing.assert_allclose(norm, 5e20, rtol=1e-6)  # 3-4-5 by hand
+        np.testing.assert_allclose(norm, np.linalg.norm(dense), rtol=1e-6)
+
+    def test_norm_beyond_float32_range_is_infinite(self):
+        # sqrt(2) * 3e38 = 4.2e38 does not fit in float32: documented limit.
+        norm = float(global_norm([tf.constant([3e38, 3e38])]))
+        assert norm == INF
+
+    def test_infinite_entry_gives_an_infinite_norm(self):
+        norm = float(global_norm([tf.constant([1.0, INF]), tf.constant([2.0])]))
+        assert norm == INF  # np.linalg.norm([1, inf, 2]) == inf
+
+    def test_negative_infinite_entry_gives_an_infinite_norm(self):
+        assert float(global_norm([tf.constant([-INF, 3.0])])) == INF
+
+    def test_nan_entry_gives_a_nan_norm(self):
+        norm = float(global_norm([tf.constant([1.0, NAN]), tf.constant([1e30])]))
+        assert np.isnan(norm)  # np.linalg.norm([1, nan, 1e30]) is nan
+
+    def test_indexed_slices_are_measured_as_their_dense_gradient(self):
+        # Duplicate index 0: rows [1, 2] + [2, 2] = [3, 4] -> norm 5 by hand;
+        # summing squares of the stored rows instead would give sqrt(13).
+        slices, dense = sparse([[1.0, 2.0], [2.0, 2.0]], [0, 0], rows=4)
+        assert float(global_norm([slices])) == 5.0
+        mixed = global_norm([slices, None, tf.constant([12.0])])
+        np.testing.assert_allclose(float(mixed), np_global_norm(dense, [12.0]), rtol=1e-6)
+        assert float(mixed) == 13.0
+
+    def test_float16_gradients_are_measured_in_float32(self):
+        # 300^2 * 2 = 180000 overflows float16 (max 65504), not float32.
+        norm = global_norm([tf.constant([300.0, 300.0], tf.float16)])
+        assert norm.dtype == tf.float32
+        np.testing.assert_allclose(float(norm), 300.0 * np.sqrt(2.0), rtol=1e-6)
+
+    def test_under_xla_overflow_and_sparse(self):
+        slices, dense = sparse([[1e30, 0.0], [1e30, 0.0]], [2, 2], rows=3)
+        a = np.array([3e30, 1.0], np.float32)
+
+        @tf.function(jit_compile=True)
+        def norm(values, indices, a):
+            return global_norm(
+                [tf.IndexedSlices(values, indices, tf.constant([3, 2], tf.int64)), a]
+            )
+
+        result = float(norm(slices.values, slices.indices, tf.constant(a)))
+        np.testing.assert_allclose(result, np_global_norm(dense, a), rtol=1e-6)
+        np.testing.assert_allclose(result, np.hypot(2e30, 3e30), rtol=1e-6)
+
+
+# -------------------------------------------------------- clip_by_global_norm
+
+
+class TestClipByGlobalNorm:
+    def test_scales_by_clip_over_norm_when_norm_exceeds_clip(self):
+        grads = [tf.constant([3.0, 0.0]), tf.constant([[4.0]])]
+        clipped, was_clipped = clip_by_global_norm(grads, 2.0, tf.constant(5.0))
+        assert bool(was_clipped)
+        # factor 2/5 = 0.4 by hand
+        np.testing.assert_allclose(clipped[0].numpy(), [1.2, 0.0], rtol=1e-6)
+        np.testing.assert_allclose(clipped[1].numpy(), [[1.6]], rtol=1e-6)
+        np.testing.assert_allclose(float(global_norm(clipped)), 2.0, rtol=1e-6)
+
+    def test_leaves_gradients_unchanged_at_or_below_clip(self):
+        grads = [tf.constant([3.0, 4.0])]
+        for norm in (5.0, 4.0, 0.0):  # equal to clip_norm, below, zero
+            clipped, was_clipped = clip_by_global_norm(grads, 5.0, tf.constant(norm))
+            assert not bool(was_clipped)
+            np.testing.assert_array_equal(clipped[0].numpy(), [3.0, 4.0])
+
+    def test_none_stays_none_and_sparse_stays_sparse(self):
+        slices, dense = sparse([[3.0, 0.0], [0.0, 4.0]], [0, 2], rows=3)
+        clipped, _ = clip_by_global_norm([None, slices], 1.0, tf.constant(5.0))
+        assert clipped[0] is None
+        assert isinstance(clipped[1], tf.IndexedSlices)
+        np.testing.assert_array_equal(clipped[1].indices.numpy(), [0, 2])
+        np.testing.assert_allclose(as_numpy(clipped[1]), dense / 5.0, rtol=1e-6)
+
+    def test_huge_norm_gives_exactly_clip_norm(self):
+        grads = [tf.constant([6e19, 0.0]), tf.constant([8e19])]  # norm 1e20
+        norm = global_norm(grads)
+        np.testing.assert_allclose(float(norm), 1e20, rtol=1e-6)
+        clipped, was_clipped = clip_by_global_norm(grads, 1.0, norm)
+        assert bool(was_clipped)
+        np.testing.assert_allclose(clipped[0].numpy(), [0.6, 0.0], rtol=1e-6)
+        np.testing.assert_allclose(clipped[1].numpy(), [0.8], rtol=1e-6)
+        np.testing.assert_allclose(float(global_norm(clipped)), 1.0, rtol=1e-6)
+
+    def test_overflowing_norm_clips_to_clip_norm(self):
+        grads = [tf.constant([3e30, 4e30])]
+        clipped, was_clipped = clip_by_global_norm(grads, 10.0, global_norm(grads))
+        assert bool(was_clipped)
+        np.testing.assert_allclose(clipped[0].numpy(), [6.0, 8.0], rtol=1e-6)
+
+    @pytest.mark.parametrize("bad_norm", [INF, NAN])
+    def test_non_finite_norm_makes_every_gradient_nan(self, bad_norm):
+        # The docstring: "An infinite or NaN `norm` gives non-finite gradients".
+        slices, _ = sparse([[1.0, 2.0]], [1], rows=2)
+        grads = [tf.constant([1.0, 2.0]), None, slices]
+        clipped, _ = clip_by_global_norm(grads, 1.0, tf.constant(bad_norm))
+        assert np.all(np.isnan(clipped[0].numpy()))
+        assert clipped[1] is None
+        assert isinstance(clipped[2], tf.IndexedSlices)
+        assert np.all(np.isnan(clipped[2].values.numpy()))
+        # so the step's finite check drops the update
+        assert not bool(finite.all_finite(clipped))
+
+    def test_infinite_norm_with_zero_gradient_is_still_dropped(self):
+        # Zero * inf would be NaN anyway, but a *finite* zero gradient with an
+        # infinite norm must not pass as finite: the NaN scale guarantees it.
+        clipped, _ = clip_by_global_norm([tf.zeros([2])], 1.0, tf.constant(INF))
+        assert not bool(finite.all_finite(clipped))
+
+    def test_under_xla(self):
+        @tf.function(jit_compile=True)
+        def clip(g):
+            norm = global_norm([g])
+            return clip_by_global_norm([g], 1.0, norm)
+
+        clipped, was_clipped = clip(tf.constant([3e20, 4e20]))
+        assert bool(was_clipped)
+        np.testing.assert_allclose(clipped[0].numpy(), [0.6, 0.8], rtol=1e-6)
