@@ -29,6 +29,4 @@ def doctest_namespace_setup(doctest_namespace):
 
     import keras_fastgrad
 
-    doctest_namespace.update(
-        {"np": np, "keras": keras, "tf": tf, "keras_fastgrad": keras_fastgrad}
-    )
+    doctest_namespace.update({"np": np, "keras": keras, "tf": tf, "keras_fastgrad": keras_fastgrad})

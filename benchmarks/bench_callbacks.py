@@ -64,8 +64,9 @@ def compiled(model):
 def fit_fn(model, x, y, batch, callbacks=()):
     def run():
         start = time.perf_counter()
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=list(callbacks))
+        model.fit(
+            x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=list(callbacks)
+        )
         run.times.append(time.perf_counter() - start)
 
     run.times = []
@@ -78,8 +79,7 @@ def raises_on_nan(model, x, y, batch, callbacks=(), error=Exception):
     bad = x[:batch].copy()
     bad[0].flat[0] = np.nan
     try:
-        model.fit(bad, y[:batch], batch_size=batch, verbose=0,
-                  callbacks=list(callbacks))
+        model.fit(bad, y[:batch], batch_size=batch, verbose=0, callbacks=list(callbacks))
     except error:
         return True
     return False
@@ -87,8 +87,9 @@ def raises_on_nan(model, x, y, batch, callbacks=(), error=Exception):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer rounds and steps (about 2 minutes on 2 cores)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer rounds and steps (about 2 minutes on 2 cores)"
+    )
     args = parser.parse_args()
     rounds, steps = (5, 8) if args.quick else (12, 20)
     fast = keras_fastgrad.FastGradModel
@@ -112,19 +113,20 @@ def main():
         callbacks_row = f"{name}: all callbacks / none (FastGradModel)"
         pairs += [
             (callbacks_row, with_callbacks, without),
-            (f"{name}: FastGradModel+NonFiniteGuard / keras.Model+check_numerics",
-             guarded, checked),
+            (
+                f"{name}: FastGradModel+NonFiniteGuard / keras.Model+check_numerics",
+                guarded,
+                checked,
+            ),
             (f"{name}: keras.Model+check_numerics / keras.Model", checked, plain),
         ]
         targets[callbacks_row] = "<= 1.05"
     results = interleaved_ratios(pairs, rounds)
     # After the timing: a NaN batch can leave NaN in check_numerics' weights.
     for name, checked_model, guarded_model, guard, x, y, batch in checks:
-        if not raises_on_nan(checked_model, x, y, batch,
-                             error=tf.errors.InvalidArgumentError):
+        if not raises_on_nan(checked_model, x, y, batch, error=tf.errors.InvalidArgumentError):
             raise RuntimeError(f"{name}: check_numerics instrumentation was lost")
-        if not raises_on_nan(guarded_model, x, y, batch, guard,
-                             error=fg_callbacks.NonFiniteError):
+        if not raises_on_nan(guarded_model, x, y, batch, guard, error=fg_callbacks.NonFiniteError):
             raise RuntimeError(f"{name}: NonFiniteGuard missed the NaN batch")
     # On a shared machine bursts of other work hit single rounds; the ratio
     # of each side's best epoch is the least disturbed estimate.
@@ -133,7 +135,9 @@ def main():
     report(
         f"keras_fastgrad callbacks: {rounds} rounds of one {steps}-step epoch "
         "per side (ratios of epoch times)",
-        results, targets, "callbacks",
+        results,
+        targets,
+        "callbacks",
     )
     print(f"\n{'ratio of best epoch times':58s} {'best':>7s}")
     for name, r in results.items():

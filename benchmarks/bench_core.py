@@ -101,7 +101,9 @@ def main():
         results.update(interleaved_ratios(pairs, rounds))
     targets = {}
     for name in results:
-        targets[name] = "<= 1.03" if "default" in name else ("<= 1.00" if "grad_acc" in name else "<= 1.05")
+        targets[name] = (
+            "<= 1.03" if "default" in name else ("<= 1.00" if "grad_acc" in name else "<= 1.05")
+        )
     report(
         f"FastGradModel core step-time ratios ({rounds} rounds x {steps} steps)",
         results,

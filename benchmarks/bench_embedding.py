@@ -66,9 +66,7 @@ def main():
 
     def pair(fg_options, keras_options):
         fast = fit_fn(compiled(recommender(fg, **fg_options), sgd(0.01)), x, y, BATCH)
-        base = fit_fn(
-            compiled(recommender(keras.Model), sgd(0.01, **keras_options)), x, y, BATCH
-        )
+        base = fit_fn(compiled(recommender(keras.Model), sgd(0.01, **keras_options)), x, y, BATCH)
         return fast, base
 
     default, plain = pair({}, {})
@@ -76,10 +74,12 @@ def main():
     fg_acc, keras_acc = pair({"accumulation_steps": 4}, {"gradient_accumulation_steps": 4})
     pairs = [
         ("embedding: FastGradModel default / keras.Model", default, plain),
-        ("embedding: FastGradModel(clip_norm=1) / SGD(global_clipnorm=1)",
-         fg_clip, keras_clip),
-        ("embedding: FastGradModel(accumulation_steps=4) / "
-         "SGD(gradient_accumulation_steps=4)", fg_acc, keras_acc),
+        ("embedding: FastGradModel(clip_norm=1) / SGD(global_clipnorm=1)", fg_clip, keras_clip),
+        (
+            "embedding: FastGradModel(accumulation_steps=4) / SGD(gradient_accumulation_steps=4)",
+            fg_acc,
+            keras_acc,
+        ),
     ]
     results = interleaved_ratios(pairs, rounds)
     targets = {}

@@ -45,24 +45,29 @@ def mlp(cls, heads=1, **options):
         h = keras.layers.Dense(256, activation="relu")(h)
     if heads == 1:
         return cls(inputs, keras.layers.Dense(10)(h), **options)
-    return cls(inputs, {f"t{i}": keras.layers.Dense(10, name=f"t{i}")(h) for i in range(heads)},
-               **options)
+    return cls(
+        inputs, {f"t{i}": keras.layers.Dense(10, name=f"t{i}")(h) for i in range(heads)}, **options
+    )
 
 
 def traced_ops(model, heads=1, **compile_kwargs):
     """`(ops, placeholders)` of `train_step` traced on one batch, after one
     `fit` step built the model, the optimizer and the step's state."""
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=keras.optimizers.Adam(**compile_kwargs),
-                  loss=loss if heads == 1 else {f"t{i}": loss for i in range(heads)})
+    model.compile(
+        optimizer=keras.optimizers.Adam(**compile_kwargs),
+        loss=loss if heads == 1 else {f"t{i}": loss for i in range(heads)},
+    )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, 64)).astype("float32")
     label = rng.integers(0, 10, size=(BATCH,))
     y = label if heads == 1 else {f"t{i}": label for i in range(heads)}
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     y_spec = tf.TensorSpec([BATCH], tf.int64)
-    spec = (tf.TensorSpec([BATCH, 64], tf.float32),
-            y_spec if heads == 1 else {f"t{i}": y_spec for i in range(heads)})
+    spec = (
+        tf.TensorSpec([BATCH, 64], tf.float32),
+        y_spec if heads == 1 else {f"t{i}": y_spec for i in range(heads)},
+    )
     graph = tf.function(model.train_step).get_concrete_function(spec).graph
     counts = collections.Counter()
     seen = set()
@@ -109,8 +114,13 @@ def main():
     results = {}
     for label, a, b in rows:
         ratio = sides[a][0] / sides[b][0]
-        results[f"ops: {label}"] = {"median": ratio, "min": ratio, "max": ratio, "rounds": 1,
-                                    "counts": [sides[a][0], sides[b][0]]}
+        results[f"ops: {label}"] = {
+            "median": ratio,
+            "min": ratio,
+            "max": ratio,
+            "rounds": 1,
+            "counts": [sides[a][0], sides[b][0]],
+        }
     report("Ops in the traced train step (exact; not a time)", results, {}, "graph")
 
 

@@ -63,7 +63,9 @@ def child(name):
 def measure(name):
     out = subprocess.run(
         [sys.executable, __file__, "--child", name],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     ).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mb"]
@@ -89,7 +91,12 @@ def main():
 
     def ratio(a, b):
         values = [p / q for p, q in zip(peaks[a], peaks[b])]
-        return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
+        return {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "rounds": len(values),
+        }
 
     results = {
         "memory: micro_batches=8 @4096 / keras.Model @512": ratio("micro8_4096", "plain_512"),
@@ -101,7 +108,9 @@ def main():
         {"memory: micro_batches=8 @4096 / keras.Model @512": "<= 1.25"},
         "memory",
     )
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "memory_peaks.json"), "w") as f:
+    with open(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "memory_peaks.json"), "w"
+    ) as f:
         json.dump(peaks, f, indent=1)
 
 

@@ -185,8 +185,12 @@ def merge_fns(num_tasks, x, y, steps):
     calls of `TaskMerger("pcgrad").merge` / a per-variable `tf.add_n` on
     the same fixed task gradients (the floor model's, on one batch)."""
     model = mlp(Floor, num_tasks)
-    model.compile(loss={name: keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-                        for name in model.output_names})
+    model.compile(
+        loss={
+            name: keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            for name in model.output_names
+        }
+    )
     xb, yb = x[:BATCH], {k: v[:BATCH] for k, v in y.items()}
     variables = model.trainable_variables
     with tf.GradientTape(persistent=True) as tape:
@@ -220,8 +224,10 @@ def merge_fns(num_tasks, x, y, steps):
 def fit_fn(model, x, y):
     model.compile(
         optimizer=keras.optimizers.Adam(1e-4),
-        loss={name: keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-              for name in model.output_names},
+        loss={
+            name: keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            for name in model.output_names
+        },
     )
 
     def run():
@@ -241,18 +247,17 @@ def spaces(rounds, steps, task_counts=(2, 4, 8)):
     for num_tasks in task_counts:
         rng = np.random.default_rng(0)
         x = rng.normal(size=(BATCH * steps, 784)).astype("float32")
-        y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32")
-             for t in range(num_tasks)}
+        y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32") for t in range(num_tasks)}
         fast = keras_fastgrad.FastGradModel
         run = {
             "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
             "parameters": fit_fn(mlp(fast, num_tasks, multitask="pcgrad"), x, y),
-            "features": fit_fn(mlp(fast, num_tasks, multitask="pcgrad",
-                                   multitask_space="features"), x, y),
+            "features": fit_fn(
+                mlp(fast, num_tasks, multitask="pcgrad", multitask_space="features"), x, y
+            ),
         }
         pairs = [
-            ("features PCGrad / keras.Model summed loss", "features", "keras",
-             "<= 1.20 at T=4"),
+            ("features PCGrad / keras.Model summed loss", "features", "keras", "<= 1.20 at T=4"),
             ("parameters PCGrad / keras.Model summed loss", "parameters", "keras", ""),
             ("features PCGrad / parameters PCGrad", "features", "parameters", "< 1"),
         ]
@@ -269,10 +274,12 @@ def spaces(rounds, steps, task_counts=(2, 4, 8)):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--space", action="store_true",
-                        help="only the features- vs parameter-space rows")
-    parser.add_argument("--target", action="store_true",
-                        help="only the PCGrad / floor target's rows, at T=4")
+    parser.add_argument(
+        "--space", action="store_true", help="only the features- vs parameter-space rows"
+    )
+    parser.add_argument(
+        "--target", action="store_true", help="only the PCGrad / floor target's rows, at T=4"
+    )
     parser.add_argument("--rounds", type=int, help="override the round count")
     parser.add_argument("--steps", type=int, help="override the steps per epoch")
     args = parser.parse_args()
@@ -288,8 +295,7 @@ def main():
     for num_tasks in task_counts:
         rng = np.random.default_rng(0)
         x = rng.normal(size=(BATCH * steps, 784)).astype("float32")
-        y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32")
-             for t in range(num_tasks)}
+        y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32") for t in range(num_tasks)}
         run = {
             "floor": fit_fn(mlp(Floor, num_tasks), x, y),
             "pcgrad": fit_fn(
@@ -297,12 +303,14 @@ def main():
             ),
         }
         if not args.target:
-            run.update({
-                "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
-                "naive": fit_fn(mlp(NaivePCGrad, num_tasks), x, y),
-                "jacobian": fit_fn(mlp(JacobianFloor, num_tasks), x, y),
-                "batched": fit_fn(mlp(BatchedCotangentFloor, num_tasks), x, y),
-            })
+            run.update(
+                {
+                    "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
+                    "naive": fit_fn(mlp(NaivePCGrad, num_tasks), x, y),
+                    "jacobian": fit_fn(mlp(JacobianFloor, num_tasks), x, y),
+                    "batched": fit_fn(mlp(BatchedCotangentFloor, num_tasks), x, y),
+                }
+            )
         run["merge"], run["sum"] = merge_fns(num_tasks, x, y, steps)
         pairs = [
             ("floor / keras.Model summed loss", "floor", "keras", "about 2 at T=4 (issue)"),
@@ -325,8 +333,8 @@ def main():
         best_ms[num_tasks] = {k: 1000 * min(f.times) / steps for k, f in run.items()}
         median = {k: statistics.median(f.times) for k, f in run.items()}
         extra[f"T={num_tasks}: merge's extra time / floor step"] = (
-            (median["merge"] - median["sum"]) / median["floor"]
-        )
+            median["merge"] - median["sum"]
+        ) / median["floor"]
     _report(rounds, steps, results, targets, best_ms, extra=extra)
 
 
@@ -341,12 +349,17 @@ def _report(rounds, steps, results, targets, best_ms, out_name="multitask", extr
     for name, r in results.items():
         print(f"{name:58s} {r['best_epoch_ratio']:7.3f}")
     for name, value in (extra or {}).items():
-        print(f"{name:58s} {value:7.3f}  (medians; PCGrad / floor - 1 - this "
-              "= FastGradModel's step around the backward passes)")
-    print("\nbest ms per step: " + "; ".join(
-        f"T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
-        for t, ms in best_ms.items()
-    ))
+        print(
+            f"{name:58s} {value:7.3f}  (medians; PCGrad / floor - 1 - this "
+            "= FastGradModel's step around the backward passes)"
+        )
+    print(
+        "\nbest ms per step: "
+        + "; ".join(
+            f"T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
+            for t, ms in best_ms.items()
+        )
+    )
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"{out_name}.json")
     with open(path) as f:
         saved = json.load(f)

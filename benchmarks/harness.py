@@ -83,7 +83,8 @@ def report(title, results, targets, out_name):
     with open(os.path.join(out_dir, f"{out_name}.json"), "w") as f:
         json.dump(
             {"machine": machine(), "load_average": load, "results": results, "targets": targets},
-            f, indent=2,
+            f,
+            indent=2,
         )
 
 
@@ -93,8 +94,9 @@ def fit_fn(model, x, y, batch, callbacks=()):
     timed rounds."""
 
     def run():
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=list(callbacks))
+        model.fit(
+            x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=list(callbacks)
+        )
 
     run()
     return run

@@ -52,7 +52,7 @@ def discover(only=None):
 
 
 def name_of(script):
-    return os.path.basename(script)[len("bench_"):-len(".py")]
+    return os.path.basename(script)[len("bench_") : -len(".py")]
 
 
 def describe(script):
@@ -70,23 +70,31 @@ def json_stamps():
 def run_script(script, quick, timeout):
     """Runs one benchmark; returns its record (status, wall time, outputs)."""
     title, has_quick = describe(script)
-    record = {"script": os.path.basename(script), "name": name_of(script),
-              "title": title, "outputs": {}, "wall_s": 0.0}
+    record = {
+        "script": os.path.basename(script),
+        "name": name_of(script),
+        "title": title,
+        "outputs": {},
+        "wall_s": 0.0,
+    }
     if quick and not has_quick:
         record["status"] = "not run: the script has no `--quick` option"
         return record
     command = [sys.executable, script] + (["--quick"] if quick else [])
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
-           "PYTHONPATH": os.pathsep.join(
-               p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }
     os.makedirs(OUT, exist_ok=True)
     before = json_stamps()
     log_path = os.path.join(OUT, f"{record['name']}.log")
     start = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            done = subprocess.run(command, cwd=ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=timeout)
+            done = subprocess.run(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            )
             code = done.returncode
         except subprocess.TimeoutExpired:
             code = None
@@ -103,8 +111,7 @@ def run_script(script, quick, timeout):
         record["status"] = "ran, but wrote no JSON to benchmarks/out/"
     else:
         record["status"] = "ok"
-    print(f"{record['script']}: {record['status']} ({record['wall_s']:.0f} s)",
-          flush=True)
+    print(f"{record['script']}: {record['status']} ({record['wall_s']:.0f} s)", flush=True)
     return record
 
 
@@ -125,8 +132,9 @@ def check(name, median, target):
     qualifier = QUALIFIER.search(rest)
     if qualifier and qualifier.group(1).replace(" ", "") not in name.replace(" ", ""):
         return ""  # the bound is for another row (e.g. "at T=4" on a T=2 row)
-    ok = {"<=": median <= bound, "<": median < bound,
-          ">=": median >= bound, ">": median > bound}[op]
+    ok = {"<=": median <= bound, "<": median < bound, ">=": median >= bound, ">": median > bound}[
+        op
+    ]
     return "pass" if ok else "fail"
 
 
@@ -147,13 +155,19 @@ def rows_of(output):
 def markdown(records, command, total_s, quick, machine, load):
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        "# Benchmark results", "",
+        "# Benchmark results",
+        "",
         f"Written by `{command}` on {date}. All benchmarks took "
         f"**{total_s:.0f} s** of wall time"
-        + (f" in quick mode (budget: under {QUICK_BUDGET_S} s on 2 cores: "
-           f"{'met' if total_s < QUICK_BUDGET_S else 'NOT met'})." if quick else "."),
+        + (
+            f" in quick mode (budget: under {QUICK_BUDGET_S} s on 2 cores: "
+            f"{'met' if total_s < QUICK_BUDGET_S else 'NOT met'})."
+            if quick
+            else "."
+        ),
         "",
-        f"Machine: {machine}. Code: {git_state()}.", "",
+        f"Machine: {machine}. Code: {git_state()}.",
+        "",
         "**These figures are from a shared 2-core CPU machine** (no GPU; other "
         f"jobs ran at the same time: load average {load[0]:.1f} at the start, "
         f"{load[1]:.1f} at the end), so single rounds are noisy. Each ratio "
@@ -163,7 +177,9 @@ def markdown(records, command, total_s, quick, machine, load):
         "both sides; min and max show the spread. A result passes when its "
         "median meets the target; rows without a bound are for information."
         + (" Quick mode runs fewer rounds and steps than a full run." if quick else ""),
-        "", "![medians with min-max whiskers and targets](results.png)", "",
+        "",
+        "![medians with min-max whiskers and targets](results.png)",
+        "",
         "| benchmark | script | ratios | pass | fail | wall time | status |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
@@ -172,7 +188,8 @@ def markdown(records, command, total_s, quick, machine, load):
         verdicts = [row[3] for row in rows]
         lines.append(
             f"| {r['name']} | `{r['script']}` | {len(rows)} | {verdicts.count('pass')} "
-            f"| {verdicts.count('fail')} | {r['wall_s']:.0f} s | {r['status']} |")
+            f"| {verdicts.count('fail')} | {r['wall_s']:.0f} s | {r['status']} |"
+        )
     for r in records:
         lines += ["", f"## {r['name']}: {r['title']}", ""]
         if r["status"] != "ok":
@@ -180,10 +197,15 @@ def markdown(records, command, total_s, quick, machine, load):
         for file_name, out in r["outputs"].items():
             lines += table(file_name, out)
     if not any(any(w in r["name"] for w in MEMORY_WORDS) for r in records):
-        lines += ["", "## Micro-batching memory (issue 6, part 1)", "",
-                  "No benchmark script for it yet (`benchmarks/bench_micro*.py` or "
-                  "`bench_memory*.py`); its table of peak memory per configuration "
-                  "will appear here once it exists.", ""]
+        lines += [
+            "",
+            "## Micro-batching memory (issue 6, part 1)",
+            "",
+            "No benchmark script for it yet (`benchmarks/bench_micro*.py` or "
+            "`bench_memory*.py`); its table of peak memory per configuration "
+            "will appear here once it exists.",
+            "",
+        ]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -198,12 +220,16 @@ def table(file_name, out):
     extra = []
     for _, stats, _, _ in rows:
         if isinstance(stats, dict):
-            extra += [k for k in stats if k not in ("median", "min", "max", "rounds")
-                      and k not in extra]
+            extra += [
+                k for k in stats if k not in ("median", "min", "max", "rounds") and k not in extra
+            ]
     header = ["ratio", "median", "min", "max", "rounds"] + extra + ["target", "result"]
-    lines = [f"From `benchmarks/out/{file_name}`:", "",
-             "| " + " | ".join(header) + " |",
-             "|---|" + "---:|" * (len(header) - 3) + "---|---|"]
+    lines = [
+        f"From `benchmarks/out/{file_name}`:",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---|" + "---:|" * (len(header) - 3) + "---|---|",
+    ]
     for name, stats, target, verdict in rows:
         stats = stats if isinstance(stats, dict) else {"median": stats}
         cells = [name] + [fmt(stats.get(k)) for k in header[1:-2]]
@@ -211,8 +237,14 @@ def table(file_name, out):
         lines.append("| " + " | ".join(cells) + " |")
     others = {k: v for k, v in out.items() if k not in ("machine", "results", "targets")}
     if others:
-        lines += ["", "Also in the JSON:", "", "```json",
-                  json.dumps(others, indent=1, default=str)[:3000], "```"]
+        lines += [
+            "",
+            "Also in the JSON:",
+            "",
+            "```json",
+            json.dumps(others, indent=1, default=str)[:3000],
+            "```",
+        ]
     if out.get("machine"):
         lines += ["", f"Measured on: {out['machine']}."]
     return lines + [""]
@@ -234,8 +266,12 @@ def plot(records, path):
 
     panels = []
     for r in records:
-        rows = [row for out in r["outputs"].values() for row in rows_of(out)
-                if isinstance(row[1], dict) and {"median", "min", "max"} <= set(row[1])]
+        rows = [
+            row
+            for out in r["outputs"].values()
+            for row in rows_of(out)
+            if isinstance(row[1], dict) and {"median", "min", "max"} <= set(row[1])
+        ]
         if rows:
             panels.append((f"{r['name']} ({r['script']})", rows))
     if not panels:
@@ -243,16 +279,23 @@ def plot(records, path):
     heights = [len(rows) + 1.2 for _, rows in panels]
     fig = Figure(figsize=(11, 0.32 * sum(heights) + 0.6))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(panels), 1, squeeze=False,
-                        gridspec_kw={"height_ratios": heights})[:, 0]
+    axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
     colors = {"pass": "tab:green", "fail": "tab:red", "": "tab:gray"}
     for ax, (title, rows) in zip(axes, panels):
         y = list(range(len(rows)))
         medians = [s["median"] for _, s, _, _ in rows]
-        errors = [[m - s["min"] for m, (_, s, _, _) in zip(medians, rows)],
-                  [s["max"] - m for m, (_, s, _, _) in zip(medians, rows)]]
-        ax.barh(y, medians, xerr=errors, color=[colors[v] for *_, v in rows],
-                alpha=0.8, error_kw={"elinewidth": 1, "capsize": 2})
+        errors = [
+            [m - s["min"] for m, (_, s, _, _) in zip(medians, rows)],
+            [s["max"] - m for m, (_, s, _, _) in zip(medians, rows)],
+        ]
+        ax.barh(
+            y,
+            medians,
+            xerr=errors,
+            color=[colors[v] for *_, v in rows],
+            alpha=0.8,
+            error_kw={"elinewidth": 1, "capsize": 2},
+        )
         for i, (name, _, target, verdict) in enumerate(rows):
             match = TARGET.match(target or "")
             if match and verdict:
@@ -263,8 +306,11 @@ def plot(records, path):
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=7)
-    axes[-1].set_xlabel("ratio (median, whiskers min-max; black mark = target; "
-                        "green pass, red fail, gray no bound)", fontsize=8)
+    axes[-1].set_xlabel(
+        "ratio (median, whiskers min-max; black mark = target; "
+        "green pass, red fail, gray no bound)",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
@@ -276,8 +322,9 @@ def machine_line(records):
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), "")
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
+            )
     except OSError:
         pass
     return f"{base}; {cpu}; Python {platform.python_version()}" if cpu else base
@@ -285,8 +332,9 @@ def machine_line(records):
 
 def git_state():
     def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--untracked-files=no")
@@ -295,12 +343,18 @@ def git_state():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help=f"each script's quick mode (all in under {QUICK_BUDGET_S} s)")
-    parser.add_argument("--only", default="",
-                        help="comma-separated names (bench_<name>.py) to run")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds per script (default 300 quick, 1800 full)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"each script's quick mode (all in under {QUICK_BUDGET_S} s)",
+    )
+    parser.add_argument("--only", default="", help="comma-separated names (bench_<name>.py) to run")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per script (default 300 quick, 1800 full)",
+    )
     args = parser.parse_args(argv)
     only = {n.strip() for n in args.only.split(",") if n.strip()}
     timeout = args.timeout or (300 if args.quick else 1800)
@@ -309,14 +363,15 @@ def main(argv=None):
     records = [run_script(s, args.quick, timeout) for s in discover(only)]
     total = time.perf_counter() - start
     command = "python benchmarks/run_all.py" + " ".join(
-        [""] + (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if only else []))
-    text = markdown(records, command, total, args.quick, machine_line(records),
-                    (load_start, os.getloadavg()[0]))
+        [""] + (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if only else [])
+    )
+    text = markdown(
+        records, command, total, args.quick, machine_line(records), (load_start, os.getloadavg()[0])
+    )
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write(text)
     png = plot(records, os.path.join(HERE, "results.png"))
-    print(f"Wrote benchmarks/RESULTS.md{' and ' + png if png else ''} "
-          f"after {total:.0f} s.")
+    print(f"Wrote benchmarks/RESULTS.md{' and ' + png if png else ''} after {total:.0f} s.")
     return 0 if all(r["status"] == "ok" for r in records) else 1
 
 

@@ -14,6 +14,12 @@ from keras_fastgrad.step.telemetry import LOG_KEYS
 __version__ = "0.1.0"
 
 __all__ = [
-    "FastGradModel", "FastGradSequential", "fastgrad", "callbacks", "LOG_KEYS", "StepProfile", "profile_step",
+    "FastGradModel",
+    "FastGradSequential",
+    "fastgrad",
+    "callbacks",
+    "LOG_KEYS",
+    "StepProfile",
+    "profile_step",
     "__version__",
 ]

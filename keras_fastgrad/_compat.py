@@ -65,9 +65,7 @@ def compute_loss(model, x, y, y_pred, sample_weight):
     """The training loss as Keras' own `train_step` computes it (the
     wrapper around `compute_loss` that passes `training=True` only to an
     override that accepts it)."""
-    return model._compute_loss(
-        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-    )
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
 
 
 def compute_loss_function(model):

@@ -28,9 +28,7 @@ def check_int(name, value, minimum, what=""):
     """An integer >= `minimum` (bools refused); `what` explains the value."""
     rule = f"`{name}` must be an integer >= {minimum}{what}."
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{rule} Received: {name}={value!r} of type {type(value).__name__}."
-        )
+        raise TypeError(f"{rule} Received: {name}={value!r} of type {type(value).__name__}.")
     if value < minimum:
         raise ValueError(f"{rule} Received: {name}={value!r}")
     return int(value)
@@ -45,9 +43,7 @@ def check_choice(name, value, choices):
     """A string among `choices`."""
     rule = f"`{name}` must be one of {list(choices)}."
     if not isinstance(value, str):
-        raise TypeError(
-            f"{rule} Received: {name}={value!r} of type {type(value).__name__}."
-        )
+        raise TypeError(f"{rule} Received: {name}={value!r} of type {type(value).__name__}.")
     if value not in choices:
         raise ValueError(f"{rule} Received: {name}={value!r}")
     return value

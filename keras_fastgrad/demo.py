@@ -89,14 +89,21 @@ def main(argv=None):
     logger = keras_fastgrad.callbacks.GradientNormLogger()
     model.enable_telemetry(["updates", "clipped_updates", "nonfinite_count"])
     history = model.fit(
-        x, y, batch_size=32, epochs=args.epochs, shuffle=True, verbose=0,
+        x,
+        y,
+        batch_size=32,
+        epochs=args.epochs,
+        shuffle=True,
+        verbose=0,
         callbacks=[logger],
     )
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
 
     print("keras_fastgrad demo: digits (scikit-learn), 1437 train / 360 test")
     print("FastGradModel(accumulation_steps=4, clip_norm=1.0), micro-batches of 32")
-    print(f"{'epoch':>5} {'loss':>8} {'accuracy':>9} {'grad_norm':>10} {'updates':>8} {'clipped':>8}")
+    print(
+        f"{'epoch':>5} {'loss':>8} {'accuracy':>9} {'grad_norm':>10} {'updates':>8} {'clipped':>8}"
+    )
     for e in range(args.epochs):
         h = {k: v[e] for k, v in history.history.items()}
         print(
@@ -104,16 +111,22 @@ def main(argv=None):
             f"{int(h['updates']):8d} {int(h['clipped_updates']):8d}"
         )
     print(f"test accuracy: {accuracy:.4f}")
-    print(f"optimizer updates: {int(model.optimizer.iterations.numpy())} "
-          f"(ceil(45 batches / 4) = 12 per epoch, the last window partial)")
+    print(
+        f"optimizer updates: {int(model.optimizer.iterations.numpy())} "
+        f"(ceil(45 batches / 4) = 12 per epoch, the last window partial)"
+    )
     print(f"dropped non-finite micro-batches: {int(history.history['nonfinite_count'][-1])}")
-    print(f"variables watched by the tape: {model.tape_variable_count} "
-          f"of {len(model.trainable_variables)} trainable")
+    print(
+        f"variables watched by the tape: {model.tape_variable_count} "
+        f"of {len(model.trainable_variables)} trainable"
+    )
     ours, theirs = exactness_check(x, y)
     print("exactness, one epoch vs keras.Model with batch 128 (max |weight diff|):")
     print(f"  FastGradModel(accumulation_steps=4):          {ours:.2e}")
-    print(f"  keras SGD(gradient_accumulation_steps=4):     {theirs:.2e}"
-          "  (short last window weighted like a full one)")
+    print(
+        f"  keras SGD(gradient_accumulation_steps=4):     {theirs:.2e}"
+        "  (short last window weighted like a full one)"
+    )
     return {"accuracy": accuracy, "exact_diff": ours, "keras_diff": theirs}
 
 

@@ -16,9 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -183,12 +181,8 @@ def case_zero_normaliser():
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     compile_kwargs = lambda: {"optimizer": keras.optimizers.Adam(0.05), "loss": loss}  # noqa: E731
     build = lambda: fast(micro_batches=2, accumulation_steps=2)  # noqa: E731
-    reference = train(
-        mlp, compile_kwargs, x, y, {"batch_size": 16, "sample_weight": w}, False
-    )
-    result = compare(
-        build, compile_kwargs, x, y, {"batch_size": 8, "sample_weight": w}, reference
-    )
+    reference = train(mlp, compile_kwargs, x, y, {"batch_size": 16, "sample_weight": w}, False)
+    result = compare(build, compile_kwargs, x, y, {"batch_size": 8, "sample_weight": w}, reference)
     result["iterations"] = int(reference[0].optimizer.iterations.numpy())
     return result
 
@@ -206,7 +200,7 @@ def case_replica_sum_overflow():
 
 
 CASES = {
-    name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
+    name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
 }
 
 

@@ -38,9 +38,7 @@ def fast(**options):
 
 
 def max_weight_diff(a, b):
-    return max(
-        float(np.max(np.abs(x - y))) for x, y in zip(a.get_weights(), b.get_weights())
-    )
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a.get_weights(), b.get_weights()))
 
 
 def same_start(a, b):
@@ -98,11 +96,17 @@ def run_mirrored_multitask(tmp_path, module, method):
     tests = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(tests)
     out = tmp_path / "result.json"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    )
     done = subprocess.run(
         [sys.executable, os.path.join(tests, "mirrored_multitask.py"), str(out), module, method],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())

@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from helpers import mgda_np
+
 from keras_fastgrad import aggregators
 
 REFERENCES = json.load(

@@ -39,8 +39,8 @@ import pytest
 import tensorflow as tf
 
 from keras_fastgrad import aggregators
-from keras_fastgrad.aggregators._utils import qp as _qp
 from keras_fastgrad.aggregators._utils import dual_cone as _cone_aggregators
+from keras_fastgrad.aggregators._utils import qp as _qp
 
 REFERENCES = json.load(
     open(os.path.join(os.path.dirname(__file__), "data", "aggregator_references.json"))
@@ -59,6 +59,8 @@ def _tol(name, dtype, kind="random"):
     if dtype == tf.float32 and name in CUTOFF_METHODS and kind in SINGULAR:
         return 5e-3
     return TOL[dtype]
+
+
 # Aligned-MTL's `eigh` under XLA (Jacobi sweeps) stops near 1e-8 relative in
 # float64 and 1e-3 in float32 (not fixed here: the balance matrix has no
 # refinement step yet).
@@ -108,6 +110,7 @@ def _fn(agg, jit=None):
     """`weights` as a tf.function (PCGrad with fixed visiting orders:
     stateless draws are not the same numbers under XLA)."""
     if isinstance(agg, aggregators.PCGrad):
+
         def call(g):
             num_tasks = g.shape[0]
             orders = [[(i + k) % num_tasks for k in range(1, num_tasks)] for i in range(num_tasks)]
@@ -167,9 +170,12 @@ def test_xla_equals_eager(name):
 
 @pytest.mark.parametrize("name", SCALE_INVARIANT)
 def test_scale_invariance(name):
-    fn = tf.function(_fn(_make(name, invariant=True))) if name in ("upgrad", "dualproj") else _graph(name)
-    for dtype, scales in ((tf.float64, [1e-40, 1e-8, 1e20, 1e40]),
-                          (tf.float32, [1e-20, 1e20])):
+    fn = (
+        tf.function(_fn(_make(name, invariant=True)))
+        if name in ("upgrad", "dualproj")
+        else _graph(name)
+    )
+    for dtype, scales in ((tf.float64, [1e-40, 1e-8, 1e20, 1e40]), (tf.float32, [1e-20, 1e20])):
         for kind, G in _grams(5, seed=5).items():
             if kind == "zero":
                 continue
@@ -269,7 +275,9 @@ def test_dual_cone_solutions_satisfy_kkt_and_match_quadprog(name, dtype):
             v, steps = solve(gram, targets)
             targets = targets.numpy().astype(np.float64)
             assert int(steps) < _qp.max_steps(len(G))  # the cap never ends a solve
-            np.testing.assert_allclose(v.numpy().sum(0), w, rtol=1e-6 if dtype == tf.float32 else 1e-12)
+            np.testing.assert_allclose(
+                v.numpy().sum(0), w, rtol=1e-6 if dtype == tf.float32 else 1e-12
+            )
             Gn = gram.numpy().astype(np.float64)
             kkt_tol = 1e-12 if dtype == tf.float64 else 1e-5
             for u, row in zip(targets, v.numpy().astype(np.float64)):

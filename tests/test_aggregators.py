@@ -15,9 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from scipy.optimize import minimize  # noqa: E402
-
 from helpers import pcgrad_np  # noqa: E402
+from scipy.optimize import minimize  # noqa: E402
 
 from keras_fastgrad import aggregators  # noqa: E402
 
@@ -71,7 +70,10 @@ def cagrad_np(J, c=0.5, rescale=1):
         return x @ GG @ x_start + cc * np.sqrt(x @ GG @ x + 1e-8)
 
     res = minimize(
-        objfn, x_start, bounds=[(0, 1)] * T, method="SLSQP",
+        objfn,
+        x_start,
+        bounds=[(0, 1)] * T,
+        method="SLSQP",
         constraints={"type": "eq", "fun": lambda x: 1 - x.sum()},
         options={"ftol": 1e-13, "maxiter": 1000},
     )
@@ -364,7 +366,9 @@ def test_aligned_fit_drops_a_nan_sample_and_keeps_weights_finite():
     history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert model.telemetry_counters()["nonfinite_count"] >= 1
     assert all(np.isfinite(w).all() for w in model.get_weights())
-    assert np.isfinite(model.evaluate(np.delete(x, 5, 0), [t[np.arange(16) != 5] for t in y], verbose=0)).all()
+    assert np.isfinite(
+        model.evaluate(np.delete(x, 5, 0), [t[np.arange(16) != 5] for t in y], verbose=0)
+    ).all()
     assert len(history.history["loss"]) == 1
 
 

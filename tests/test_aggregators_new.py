@@ -14,14 +14,21 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from scipy.optimize import least_squares, minimize
+from test_multitask import (
+    assert_step,
+    build,
+    compiled,
+    expected_gradient,
+    flat,
+    make_data,
+    reference_model,
+    shared_mask,
+    task_gradients,
+    weights_of,
+)
 
-import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask.merger import TaskMerger
-from test_multitask import (
-    assert_step, build, compiled, expected_gradient, flat, make_data,
-    reference_model, shared_mask, task_gradients, weights_of,
-)
 
 NEW = ("upgrad", "dualproj", "config", "gradvac", "nashmtl")
 P = 12
@@ -52,9 +59,11 @@ def dual_cone_qp_np(G, u):
                 rhs = -G[np.ix_(free, list(active))] @ v[list(active)]
                 v[free] = np.linalg.lstsq(G[np.ix_(free, free)], rhs, rcond=None)[0]
             grad = G @ v
-            if (v >= u - tol).all() and (grad[list(active)] >= -tol).all() and (
-                np.abs(grad[free]) <= tol * max(1.0, np.abs(v).max())
-            ).all():
+            if (
+                (v >= u - tol).all()
+                and (grad[list(active)] >= -tol).all()
+                and (np.abs(grad[free]) <= tol * max(1.0, np.abs(v).max())).all()
+            ):
                 if best is None or v @ G @ v < best @ G @ best - tol:
                     best = v
     return best
@@ -80,7 +89,10 @@ def dualproj_np(G, **eps):
 def project_dual_cone_vector_np(J, g):
     """The definition: argmin ||x - g||^2 s.t. J x >= 0 (SLSQP, vectors)."""
     res = minimize(
-        lambda x: np.sum((x - g) ** 2), g, jac=lambda x: 2 * (x - g), method="SLSQP",
+        lambda x: np.sum((x - g) ** 2),
+        g,
+        jac=lambda x: 2 * (x - g),
+        method="SLSQP",
         constraints={"type": "ineq", "fun": lambda x: J @ x, "jac": lambda x: J},
         options={"ftol": 1e-15, "maxiter": 500},
     )
@@ -118,8 +130,12 @@ def nash_np(G):
     """Solves G_n a = 1/a (G_n = G / ||G||_F), a > 0, with scipy."""
     Gn = G / np.linalg.norm(G)
     res = least_squares(
-        lambda a: Gn @ a - 1 / a, np.ones(len(G)), bounds=(1e-12, np.inf),
-        xtol=1e-15, ftol=1e-15, gtol=1e-15,
+        lambda a: Gn @ a - 1 / a,
+        np.ones(len(G)),
+        bounds=(1e-12, np.inf),
+        xtol=1e-15,
+        ftol=1e-15,
+        gtol=1e-15,
     )
     return res.x
 
@@ -350,12 +366,14 @@ def test_max_iter_is_deprecated_and_old_configs_load(name):
         agg = cls(max_iter=7)
     assert agg.get_config() == {"norm_eps": 1e-4, "reg_eps": 1e-4}
     # A config saved before the exact solver (with `max_iter`) still loads.
-    old = {"module": "keras_fastgrad", "class_name": cls.__name__,
-           "config": {"norm_eps": 1e-4, "reg_eps": 0.0, "max_iter": 200},
-           "registered_name": f"keras_fastgrad>{cls.__name__}"}
+    old = {
+        "module": "keras_fastgrad",
+        "class_name": cls.__name__,
+        "config": {"norm_eps": 1e-4, "reg_eps": 0.0, "max_iter": 200},
+        "registered_name": f"keras_fastgrad>{cls.__name__}",
+    }
     for loaded in (aggregators.get(old), keras.saving.deserialize_keras_object(old)):
         assert type(loaded) is cls and loaded.get_config() == {"norm_eps": 1e-4, "reg_eps": 0.0}
-
 
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
@@ -369,6 +387,7 @@ def test_keras_files_saved_with_max_iter_load_and_train(name):
     x, y = make_data()
     model.train_on_batch(x, y)
     assert all(np.isfinite(w).all() for w in model.get_weights())
+
 
 # --------------------------------------------------------------- in the model
 def _weights_np(name, J):
@@ -440,7 +459,9 @@ def test_gradvac_state_restored_by_weights_file_and_plain_model_loads_it(tmp_pat
     model.train_on_batch(x, y)
     np.testing.assert_allclose(
         fresh.multitask.state_variables[0].numpy(),
-        model.multitask.state_variables[0].numpy(), rtol=1e-6, atol=1e-7,
+        model.multitask.state_variables[0].numpy(),
+        rtol=1e-6,
+        atol=1e-7,
     )
     assert not np.allclose(
         again.multitask.state_variables[0].numpy(), model.multitask.state_variables[0].numpy()

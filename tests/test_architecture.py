@@ -36,8 +36,11 @@ def _import_graph():
         # A package's `__init__` re-exports its modules: importing the
         # package is not a dependency on every module it names.
         graph[name] = {
-            t for t in targets
-            if t in modules and t != name and not path.name == "__init__.py"
+            t
+            for t in targets
+            if t in modules
+            and t != name
+            and not path.name == "__init__.py"
             and t not in ("keras_fastgrad", "keras_fastgrad.callbacks")
         }
     return graph
@@ -114,13 +117,19 @@ def _attributes_set_on_models(tree):
     """`(line, name)` of every attribute `tree` sets on a model: `model.x =`
     anywhere, `self.x =` in a model class, `setattr` / `object.__setattr__`
     / `vars(model)[...]` with a literal name."""
-    model_classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and _is_model_class(n)]
+    model_classes = [
+        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and _is_model_class(n)
+    ]
     in_model_class = {id(n) for c in model_classes for n in ast.walk(c)}
     for node in ast.walk(tree):
         target = name = None
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
             target, name = node.value, node.attr
-        elif isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+        elif (
+            isinstance(node, ast.Call)
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
             func = ast.unparse(node.func)
             if func in ("setattr", "delattr", "object.__setattr__", "object.__delattr__"):
                 target, name = node.args[0], node.args[1].value
@@ -146,7 +155,10 @@ def test_the_finder_of_model_attributes_finds_planted_ones():
         "    other.z = 3\n"
     )
     assert sorted(n for _, n in _attributes_set_on_models(planted)) == [
-        "_fg_window", "_fg_x", "_fg_y", "streak"
+        "_fg_window",
+        "_fg_x",
+        "_fg_y",
+        "streak",
     ]
 
 
@@ -172,7 +184,8 @@ def test_the_step_reads_its_state_from_one_object():
 def test_tests_benchmarks_and_notebooks_use_no_private_step_names():
     found = []
     paths = [
-        p for folder in ("tests", "benchmarks", "notebooks", "tools")
+        p
+        for folder in ("tests", "benchmarks", "notebooks", "tools")
         for p in (REPO / folder).rglob("*")
         if p.suffix in (".py", ".ipynb") and p.name != "test_architecture.py"
     ]

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import keras_fastgrad
 from keras_fastgrad import _compat as compat
+
 PACKAGE_DIR = pathlib.Path(keras_fastgrad.__file__).parent
 COMPAT_FILE = PACKAGE_DIR / "_compat.py"
 
@@ -80,13 +81,9 @@ def test_private_functions_take_the_arguments_we_pass():
     from keras.src.models import cloning
 
     model = _compiled_model()
-    assert {"x", "y", "y_pred", "sample_weight", "training"} <= _parameters(
-        model._compute_loss
-    )
+    assert {"x", "y", "y_pred", "sample_weight", "training"} <= _parameters(model._compute_loss)
     assert "data_batch" in _parameters(model._symbolic_build)
-    assert {"sample_weight", "mask", "dtype", "reduction"} <= _parameters(
-        loss_module.apply_mask
-    )
+    assert {"sample_weight", "mask", "dtype", "reduction"} <= _parameters(loss_module.apply_mask)
     assert {"values", "sample_weight", "mask", "reduction", "dtype"} <= _parameters(
         loss_module.reduce_weighted_values
     )
@@ -100,9 +97,7 @@ def test_compile_loss_entries_have_the_fields_we_use():
     assert [e.name for e in entries] == ["a", "b"]
     for entry in entries:
         assert {"path", "loss", "loss_weights", "name"} <= set(entry._fields)
-    assert compat.user_loss(compat.compile_loss(_compiled_model())) == {
-        "a": "mse", "b": "mae"
-    }
+    assert compat.user_loss(compat.compile_loss(_compiled_model())) == {"a": "mse", "b": "mae"}
 
 
 def test_compile_loss_builds_itself_on_its_first_call():
@@ -160,9 +155,7 @@ def test_first_batch_reads_fits_epoch_iterator():
     from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
     x = np.arange(12, dtype="float32").reshape(6, 2)
-    iterator = TFEpochIterator(
-        x=x, batch_size=4, distribute_strategy=tf.distribute.get_strategy()
-    )
+    iterator = TFEpochIterator(x=x, batch_size=4, distribute_strategy=tf.distribute.get_strategy())
     batch = compat.first_batch(iterator)
     np.testing.assert_array_equal(np.asarray(keras.tree.flatten(batch)[0]), x[:4])
 
@@ -171,8 +164,12 @@ def test_variable_on_read_is_sync_on_read_under_a_strategy():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     with strategy.scope():
         v = compat.variable(
-            tf.zeros([2]), synchronization="on_read", aggregation="sum",
-            trainable=False, autocast=False, name="on_read",
+            tf.zeros([2]),
+            synchronization="on_read",
+            aggregation="sum",
+            trainable=False,
+            autocast=False,
+            name="on_read",
         )
     assert v.value.synchronization == tf.VariableSynchronization.ON_READ
     assert isinstance(v, keras.Variable)
@@ -268,9 +265,11 @@ def foreign_private_uses(tree, own):
         if isinstance(node, ast.Attribute):
             name = node.attr
         elif (
-            isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
-            and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
             and isinstance(node.args[1].value, str)
         ):
             name = node.args[1].value
@@ -288,7 +287,8 @@ def test_the_private_use_finder_finds_planted_uses():
     )
     own = _own_private_names([planted])
     assert sorted(name for _, name in foreign_private_uses(planted, own)) == [
-        "_inbound_nodes", "_nodes_by_depth"
+        "_inbound_nodes",
+        "_nodes_by_depth",
     ]
 
 
@@ -296,14 +296,15 @@ def test_only_the_compat_module_reads_private_keras_attributes():
     # Scans the source itself, not a list of names known to be private: a
     # new private read anywhere but `_compat.py` fails here.
     sources = {path: ast.parse(path.read_text()) for path in PACKAGE_DIR.rglob("*.py")}
-    own = _own_private_names(
-        tree for path, tree in sources.items() if path != COMPAT_FILE
-    ) | {name for _, name, _ in compat.OVERRIDDEN_PRIVATE_METHODS}
+    own = _own_private_names(tree for path, tree in sources.items() if path != COMPAT_FILE) | {
+        name for _, name, _ in compat.OVERRIDDEN_PRIVATE_METHODS
+    }
     # (Names `_compat.py` alone defines are its private helpers, not ours
     # to read elsewhere either: they count as foreign outside it.)
     found = [
         f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {name}"
-        for path, tree in sources.items() if path != COMPAT_FILE
+        for path, tree in sources.items()
+        if path != COMPAT_FILE
         for line, name in foreign_private_uses(tree, own)
     ]
     assert not found, (
@@ -322,9 +323,11 @@ def _keras_derived_classes():
 
     seen, found = set(), []
     for path in PACKAGE_DIR.rglob("*.py"):
-        module_name = ".".join(
-            ("keras_fastgrad",) + path.relative_to(PACKAGE_DIR).with_suffix("").parts
-        ).removesuffix(".__init__").removesuffix(".__main__")
+        module_name = (
+            ".".join(("keras_fastgrad",) + path.relative_to(PACKAGE_DIR).with_suffix("").parts)
+            .removesuffix(".__init__")
+            .removesuffix(".__main__")
+        )
         if module_name.endswith("__main__"):
             continue
         module = importlib.import_module(module_name)
@@ -344,8 +347,11 @@ def test_private_methods_that_shadow_keras_are_declared_overrides():
     for cls in _keras_derived_classes():
         bases = [b for b in cls.__mro__ if _is_framework(b)]
         for name in vars(cls):
-            if _is_private(name) and name not in declared and not name.startswith("_abc") and any(
-                name in vars(b) for b in bases
+            if (
+                _is_private(name)
+                and name not in declared
+                and not name.startswith("_abc")
+                and any(name in vars(b) for b in bases)
             ):
                 found.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
     assert not found, (
@@ -396,9 +402,7 @@ except ValueError as e:
 
 
 @pytest.mark.slow  # a fresh process
-@pytest.mark.skipif(
-    compat.MULTI_REPLICA_SUPPORTED, reason="only Keras < 3.10 refuses replicas"
-)
+@pytest.mark.skipif(compat.MULTI_REPLICA_SUPPORTED, reason="only Keras < 3.10 refuses replicas")
 def test_fit_on_two_replicas_raises_the_clear_error_on_old_keras():
     # Two logical CPUs must be configured before TensorFlow initialises.
     root = str(PACKAGE_DIR.parent)
@@ -406,7 +410,9 @@ def test_fit_on_two_replicas_raises_the_clear_error_on_old_keras():
     done = subprocess.run(
         [sys.executable, "-c", _TWO_REPLICAS_SCRIPT],
         env=dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3"),
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "needs Keras >= 3.10" in done.stdout, done.stdout[-3000:]
@@ -423,8 +429,7 @@ def test_batch_end_index_is_the_calls_last_batch(steps_per_execution):
     inputs = keras.Input((3,))
     model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
-    model.fit(np.ones((6, 3)), np.ones((6, 1)), batch_size=1, verbose=0,
-              callbacks=[Record()])
+    model.fit(np.ones((6, 3)), np.ones((6, 1)), batch_size=1, verbose=0, callbacks=[Record()])
     assert seen == list(range(steps_per_execution - 1, 6, steps_per_execution))
 
 

@@ -29,9 +29,11 @@ from keras_fastgrad import aggregators, callbacks
 # "example", "arg:<name>"). Fix the docstring, then delete the entry.
 KNOWN_GAPS = {}
 
-SECTION = re.compile(r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples|"
-                     r"References|Note|Notes|Call arguments|Input shape|Output shape)"
-                     r"\s*:?\s*$")
+SECTION = re.compile(
+    r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples|"
+    r"References|Note|Notes|Call arguments|Input shape|Output shape)"
+    r"\s*:?\s*$"
+)
 
 
 def public_objects():
@@ -43,7 +45,8 @@ def public_objects():
         if not name.startswith("_"):
             found[f"{aggregators.__name__}.{name}"] = value
     return {
-        name: obj for name, obj in sorted(found.items())
+        name: obj
+        for name, obj in sorted(found.items())
         if (inspect.isclass(obj) or inspect.isfunction(obj))
         and obj.__module__.startswith("keras_fastgrad")
     }
@@ -64,9 +67,9 @@ def argument_names(obj):
     except (TypeError, ValueError):  # a builtin's slot wrapper
         return []
     return [
-        p.name for p in parameters
-        if p.name not in ("self", "cls")
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        p.name
+        for p in parameters
+        if p.name not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
 
 
@@ -76,7 +79,7 @@ def section(doc, headers):
     for i, line in enumerate(lines):
         if line.strip().rstrip(":") in headers and line.strip().endswith(":"):
             body = []
-            for following in lines[i + 1:]:
+            for following in lines[i + 1 :]:
                 if SECTION.match(following.strip()) and not following.startswith(" "):
                     break
                 body.append(following)
@@ -203,8 +206,14 @@ def test_docstrings_that_list_options_and_aggregators_list_them_all():
     model_doc = keras_fastgrad.FastGradModel.__doc__
     missing = [n for n in aggregators.NAMES if f'`"{n}"`' not in model_doc]
     assert not missing, f"FastGradModel's docstring does not name the aggregators {missing}"
-    for owner in (keras_fastgrad.FastGradModel, keras_fastgrad.FastGradSequential,
-                  keras_fastgrad.fastgrad):
-        missing = [n for n in OPTION_NAMES if f"`{n}`" not in owner.__doc__
-                   and f"    {n}:" not in owner.__doc__]
+    for owner in (
+        keras_fastgrad.FastGradModel,
+        keras_fastgrad.FastGradSequential,
+        keras_fastgrad.fastgrad,
+    ):
+        missing = [
+            n
+            for n in OPTION_NAMES
+            if f"`{n}`" not in owner.__doc__ and f"    {n}:" not in owner.__doc__
+        ]
         assert not missing, f"{owner.__name__}'s docstring does not name the options {missing}"

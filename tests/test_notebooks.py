@@ -33,14 +33,16 @@ def notebook_names():
 
 def run_notebook(path, timeout=TIMEOUT_S):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (ROOT, env.get("PYTHONPATH")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env["MPLBACKEND"] = "Agg"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     return subprocess.run(
         [sys.executable, RUNNER, path],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
     )
 
 
@@ -79,13 +81,18 @@ def test_notebook_is_stored_stripped_with_a_title(name):
 
 def write_notebook(path, *sources):
     cells = [
-        {"cell_type": "code", "id": str(i), "metadata": {}, "source": s,
-         "execution_count": None, "outputs": []}
+        {
+            "cell_type": "code",
+            "id": str(i),
+            "metadata": {},
+            "source": s,
+            "execution_count": None,
+            "outputs": [],
+        }
         for i, s in enumerate(sources)
     ]
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"cells": cells, "metadata": {}, "nbformat": 4,
-                   "nbformat_minor": 5}, f)
+        json.dump({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, f)
 
 
 @pytest.mark.slow  # a fresh process
@@ -100,9 +107,13 @@ def test_runner_shares_the_namespace_and_shows_the_last_value(tmp_path):
 @pytest.mark.slow  # a fresh process
 def test_runner_names_the_failing_cell_and_its_source(tmp_path):
     path = str(tmp_path / "bad.ipynb")
-    write_notebook(path, "x = 1", textwrap.dedent("""\
+    write_notebook(
+        path,
+        "x = 1",
+        textwrap.dedent("""\
         y = x + 1
-        raise RuntimeError('boom in the second cell')"""))
+        raise RuntimeError('boom in the second cell')"""),
+    )
     result = run_notebook(path, timeout=60)
     assert result.returncode == 1
     assert "bad.ipynb: cell 1 failed" in result.stderr

@@ -18,7 +18,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture
 def run_all(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location(
-        "run_all_under_test", os.path.join(ROOT, "benchmarks", "run_all.py"))
+        "run_all_under_test", os.path.join(ROOT, "benchmarks", "run_all.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "HERE", str(tmp_path))
@@ -57,12 +58,10 @@ def write(tmp_path, name, text):
 def test_runs_scripts_in_quick_mode_and_collects_their_json(tmp_path, run_all):
     write(tmp_path, "bench_good.py", GOOD)
     write(tmp_path, "bench_noquick.py", '"""No quick mode."""\nraise SystemExit(3)\n')
-    write(tmp_path, "bench_broken.py",
-          '"""Fails. --quick"""\nraise RuntimeError("boom")\n')
+    write(tmp_path, "bench_broken.py", '"""Fails. --quick"""\nraise RuntimeError("boom")\n')
     write(tmp_path, "bench_silent.py", '"""Writes nothing. --quick"""\n')
     write(tmp_path, "helper.py", "raise SystemExit('not a benchmark')\n")
-    records = {r["name"]: r for r in (run_all.run_script(s, True, 60)
-                                      for s in run_all.discover())}
+    records = {r["name"]: r for r in (run_all.run_script(s, True, 60) for s in run_all.discover())}
     assert sorted(records) == ["broken", "good", "noquick", "silent"]
     good = records["good"]
     assert good["status"] == "ok" and good["title"] == "Stand-in: two ratios."
@@ -72,8 +71,14 @@ def test_runs_scripts_in_quick_mode_and_collects_their_json(tmp_path, run_all):
     assert "RuntimeError: boom" in records["broken"]["status"]
     assert records["silent"]["status"] == "ran, but wrote no JSON to benchmarks/out/"
 
-    text = run_all.markdown(list(records.values()), "python benchmarks/run_all.py --quick",
-                            12.0, True, "test machine", (1.0, 2.0))
+    text = run_all.markdown(
+        list(records.values()),
+        "python benchmarks/run_all.py --quick",
+        12.0,
+        True,
+        "test machine",
+        (1.0, 2.0),
+    )
     assert "shared 2-core CPU machine" in text
     assert "took **12 s** of wall time in quick mode" in text and "met)" in text
     assert "| a / b | 0.900 | 0.800 | 1.100 | 5 |  | <= 1.00 | pass |" in text

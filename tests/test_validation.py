@@ -10,12 +10,19 @@ from keras_fastgrad._validation import check_bool
 
 @pytest.mark.parametrize(
     "value, shown",
-    [(1, "1 of type int"), (0, "0 of type int"), (np.int64(1), r"np.int64\(1\) of type int64"),
-     ("True", "'True' of type str"), (None, "None of type NoneType"),
-     (np.array([True]), r"array\(\[ True\]\) of type ndarray")],
+    [
+        (1, "1 of type int"),
+        (0, "0 of type int"),
+        (np.int64(1), r"np.int64\(1\) of type int64"),
+        ("True", "'True' of type str"),
+        (None, "None of type NoneType"),
+        (np.array([True]), r"array\(\[ True\]\) of type ndarray"),
+    ],
 )
 def test_check_bool_refuses_non_booleans(value, shown):
-    with pytest.raises(TypeError, match=rf"`flag` must be a boolean \(True or False\)\. Received: flag={shown}\."):
+    with pytest.raises(
+        TypeError, match=rf"`flag` must be a boolean \(True or False\)\. Received: flag={shown}\."
+    ):
         check_bool("flag", value)
 
 

@@ -64,21 +64,29 @@ def run(files, swap, sequential, out_dir):
     with open(ini, "w") as f:
         f.write("[pytest]\n")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     if sequential:
         env["KERAS_SWAP_SEQUENTIAL"] = "1"
     cmd = [
-        sys.executable, "-m", "pytest", "-q", "-c", ini, "--rootdir", keras_src(),
-        "-p", "no:cacheprovider", f"--junitxml={junit}", "-W", "ignore",
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-c",
+        ini,
+        "--rootdir",
+        keras_src(),
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "-W",
+        "ignore",
     ]
     if swap:
         cmd += ["-p", "keras_swap_plugin"]
     cmd += [os.path.join(keras_src(), f) for f in files]
     start = time.time()
-    subprocess.run(cmd, env=env, cwd=out_dir, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, env=env, cwd=out_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seconds = time.time() - start
     return outcomes(junit), seconds
 
@@ -105,10 +113,14 @@ def short(test_id):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="*", default=list(DEFAULT_FILES),
-                        help="test files relative to keras/src")
-    parser.add_argument("--sequential", action="store_true",
-                        help="also swap keras.Sequential for FastGradSequential")
+    parser.add_argument(
+        "files", nargs="*", default=list(DEFAULT_FILES), help="test files relative to keras/src"
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="also swap keras.Sequential for FastGradSequential",
+    )
     args = parser.parse_args(argv)
     missing = [f for f in args.files if not os.path.exists(os.path.join(keras_src(), f))]
     if missing:
@@ -122,8 +134,7 @@ def main(argv=None):
     unexpected = [t for t in regressions if short(t) not in KNOWN_DIFFERENCES]
     print(f"Keras {keras.__version__}: {len(args.files)} files, {len(plain)} tests")
     print(f"  passing with keras.Model:         {len(passed)} ({t_plain:.0f} s)")
-    print(f"  of those, passing with the swap:  {len(passed) - len(regressions)} "
-          f"({t_swap:.0f} s)")
+    print(f"  of those, passing with the swap:  {len(passed) - len(regressions)} ({t_swap:.0f} s)")
     print(f"  documented differences:           {len(documented)}")
     for t in documented:
         print(f"    {short(t)}: {KNOWN_DIFFERENCES[short(t)]}")

@@ -39,22 +39,57 @@ from keras_fastgrad.aggregators._sum import Sum
 from keras_fastgrad.aggregators._upgrad import UPGrad
 
 __all__ = [
-    "Aggregator", "AlignedMTL", "CAGrad", "ConFIG", "DualProj", "GradVac", "IMTL", "MGDA",
-    "Mean", "NAMES", "NashMTL", "PCGrad", "Sum", "UPGrad", "get", "gram_telemetry",
-    "pcgrad_weights", "serialize",
+    "Aggregator",
+    "AlignedMTL",
+    "CAGrad",
+    "ConFIG",
+    "DualProj",
+    "GradVac",
+    "IMTL",
+    "MGDA",
+    "Mean",
+    "NAMES",
+    "NashMTL",
+    "PCGrad",
+    "Sum",
+    "UPGrad",
+    "get",
+    "gram_telemetry",
+    "pcgrad_weights",
+    "serialize",
 ]
 
 NAMES = (
-    "aligned", "cagrad", "config", "dualproj", "gradvac", "imtl", "mean", "mgda",
-    "nashmtl", "pcgrad", "sum", "upgrad",
+    "aligned",
+    "cagrad",
+    "config",
+    "dualproj",
+    "gradvac",
+    "imtl",
+    "mean",
+    "mgda",
+    "nashmtl",
+    "pcgrad",
+    "sum",
+    "upgrad",
 )
 
 
 _CLASSES = {
     c.name: c
     for c in (
-        Sum, Mean, PCGrad, MGDA, CAGrad, IMTL, AlignedMTL,
-        UPGrad, DualProj, ConFIG, GradVac, NashMTL,
+        Sum,
+        Mean,
+        PCGrad,
+        MGDA,
+        CAGrad,
+        IMTL,
+        AlignedMTL,
+        UPGrad,
+        DualProj,
+        ConFIG,
+        GradVac,
+        NashMTL,
     )
 }
 

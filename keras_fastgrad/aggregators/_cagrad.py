@@ -48,9 +48,7 @@ class CAGrad(Aggregator):
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 0:
             raise ValueError(f"`c` must be a number >= 0. Received: c={c!r}")
         if rescale not in (0, 1, 2) or isinstance(rescale, bool):
-            raise ValueError(
-                f"`rescale` must be 0, 1 or 2. Received: rescale={rescale!r}"
-            )
+            raise ValueError(f"`rescale` must be 0, 1 or 2. Received: rescale={rescale!r}")
         self.c, self.rescale = float(c), rescale
         self.max_iter = check_int("max_iter", max_iter, 1)
 

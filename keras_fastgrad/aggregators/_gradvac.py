@@ -130,8 +130,12 @@ class GradVac(aggregators.Aggregator, compat.KerasSaveable):
         self._pending = None
         with tf.init_scope():  # may be called while tracing the step
             self._targets = keras.Variable(
-                value, dtype="float32", trainable=False, autocast=False,
-                aggregation="only_first_replica", name="gradvac_targets",
+                value,
+                dtype="float32",
+                trainable=False,
+                autocast=False,
+                aggregation="only_first_replica",
+                name="gradvac_targets",
             )
 
     @property

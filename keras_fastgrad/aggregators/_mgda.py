@@ -78,9 +78,7 @@ def min_norm_weights(gram, max_iter=1000):
         a_safe = tf.where(flat, tf.ones_like(a), a)
         return tf.where(flat, tf.cast(b < 0, gram.dtype), -b / a_safe)
 
-    w = _pairwise_frank_wolfe(
-        gram, lambda w: tf.linalg.matvec(gram, w), line_search, max_iter
-    )
+    w = _pairwise_frank_wolfe(gram, lambda w: tf.linalg.matvec(gram, w), line_search, max_iter)
     lower = tf.zeros([1, gram.shape[0]], gram.dtype)
     w = active_set_qp(gram, lower, simplex=True, start=w[None, :])[0][0]
     w = w / tf.reduce_sum(w)

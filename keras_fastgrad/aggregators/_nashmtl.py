@@ -128,9 +128,7 @@ class NashMTL(aggregators.Aggregator):
         self.max_iter = check_int("max_iter", max_iter, 1)
 
     def _weights(self, gram):
-        return _finite_or_nan(
-            gram, lambda g: nash_weights(g, self.reg_eps, self.max_iter)
-        )
+        return _finite_or_nan(gram, lambda g: nash_weights(g, self.reg_eps, self.max_iter))
 
     def get_config(self):
         return {"reg_eps": self.reg_eps, "max_iter": self.max_iter}

@@ -76,6 +76,7 @@ class FastGradCallback(keras.callbacks.Callback):
         from keras_fastgrad.models import (
             adapt,  # A plain Keras model gets the step for this `fit` (`adapt.attach`:
         )
+
         # default options, exactly `keras.Model`'s updates), until
         # `on_train_end`.
         self._attached = adapt.attach(model)
@@ -111,6 +112,7 @@ class FastGradCallback(keras.callbacks.Callback):
 
     def _detach(self):
         from keras_fastgrad.models import adapt
+
         if getattr(self, "_attached", False):
             self._attached = False
             adapt.detach(self.model)

@@ -84,11 +84,11 @@ class GradientNormLogger(_base.FastGradCallback):
         self.per_layer = _base.check_bool("per_layer", per_layer)
         self.clip_fraction = _base.check_bool("clip_fraction", clip_fraction)
         self.update_ratio = _base.check_bool("update_ratio", update_ratio)
-        self.tensorboard_dir = _base.check_optional_path(
-            "tensorboard_dir", tensorboard_dir
-        )
+        self.tensorboard_dir = _base.check_optional_path("tensorboard_dir", tensorboard_dir)
         self.histogram_freq = _base.check_int(
-            "histogram_freq", histogram_freq, 0,
+            "histogram_freq",
+            histogram_freq,
+            0,
             " (epochs between weight histograms; 0 for none)",
         )
         if self.histogram_freq and self.tensorboard_dir is None:
@@ -99,13 +99,9 @@ class GradientNormLogger(_base.FastGradCallback):
                 "pass `tensorboard_dir=...` or `histogram_freq=0`."
             )
         if isinstance(update_freq, str):
-            update_freq = _base.check_choice(
-                "update_freq", update_freq, ("epoch", "batch")
-            )
+            update_freq = _base.check_choice("update_freq", update_freq, ("epoch", "batch"))
         else:
-            update_freq = _base.check_int(
-                "update_freq", update_freq, 1, ' or "epoch" or "batch"'
-            )
+            update_freq = _base.check_int("update_freq", update_freq, 1, ' or "epoch" or "batch"')
         self.update_freq = 1 if update_freq == "batch" else update_freq
         self._writer = None
 

@@ -159,10 +159,7 @@ class NonFiniteGuard(_base.FastGradCallback):
         steps = self.params.get("steps") if self.params else None
         if steps:  # a `steps_per_execution` group may be cut short
             batch = min(batch, steps - 1)
-        where = (
-            f"batch {batch}" if batch == self._begin
-            else f"batches {self._begin}-{batch}"
-        )
+        where = f"batch {batch}" if batch == self._begin else f"batches {self._begin}-{batch}"
         index = int(logs.get("nonfinite_first_index", -1))
         if index < 0:
             kind, what = "loss", "the loss was NaN/Inf, every gradient finite."

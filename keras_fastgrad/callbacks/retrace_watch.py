@@ -66,7 +66,9 @@ class RetraceWatch(_base.FastGradCallback):
     def __init__(self, max_traces=1):
         super().__init__()
         self.max_traces = _base.check_int(
-            "max_traces", max_traces, 1,
+            "max_traces",
+            max_traces,
+            1,
             " (traces of the train step allowed per `fit`)",
         )
 

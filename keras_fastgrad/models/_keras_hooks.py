@@ -31,9 +31,7 @@ from keras_fastgrad.step.divergence import DivergenceStop
 def is_functional_call(cls, args, kwargs):
     """Whether `cls(*args, **kwargs)` builds a functional model (as Keras
     decides it; a `Sequential` never is one)."""
-    return compat.functional_init_arguments(args, kwargs) and not issubclass(
-        cls, keras.Sequential
-    )
+    return compat.functional_init_arguments(args, kwargs) and not issubclass(cls, keras.Sequential)
 
 
 def cloned_options(frame, base):
@@ -73,7 +71,11 @@ def functional_variant(cls):
         variant = type(
             cls.__name__,
             (cls, compat.Functional),
-            {"__module__": cls.__module__, "__doc__": cls.__doc__, "__qualname__": cls.__qualname__},
+            {
+                "__module__": cls.__module__,
+                "__doc__": cls.__doc__,
+                "__qualname__": cls.__qualname__,
+            },
         )
         # Serialized under the class's registered name: a `.keras` file names
         # the user's class, and loading it comes back here.
@@ -163,9 +165,11 @@ def _batch_structure(model, iterator):
     # the batch's structure, shapes and dtypes: replica 0's part has them.
     strategy = model.distribute_strategy
     return tree.map_structure(
-        lambda v: strategy.experimental_local_results(v)[0]
-        if isinstance(v, tf.distribute.DistributedValues)
-        else v,
+        lambda v: (
+            strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues)
+            else v
+        ),
         compat.first_batch(iterator),
     )
 
@@ -182,8 +186,11 @@ def _build_training_variables(model, data_batch, quiet):
     eager-only `call`), returns `False` instead of raising."""
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data_batch)
     x = tree.map_structure(
-        lambda v: None if v is None
-        else keras.KerasTensor(v.shape, keras.backend.standardize_dtype(v.dtype)),
+        lambda v: (
+            None
+            if v is None
+            else keras.KerasTensor(v.shape, keras.backend.standardize_dtype(v.dtype))
+        ),
         x,
     )
     kwargs = {"training": True} if compat.call_has_training_arg(model) else {}

@@ -187,9 +187,7 @@ class _Attachment:
         before = set(vars(model))
         model.__class__ = self.step_class
         try:
-            model._fg_setup(
-                _checked_options(skip_nonfinite=False, max_consecutive_nonfinite=None)
-            )
+            model._fg_setup(_checked_options(skip_nonfinite=False, max_consecutive_nonfinite=None))
         finally:
             model.__class__ = self.original
         self.stash = {k: vars(model).pop(k) for k in set(vars(model)) - before}
@@ -316,9 +314,9 @@ def _adapted_class(cls):
 
     def __init__(self, *args, **kwargs):
         # Reached by Keras (a clone); `fastgrad` converts instances instead.
-        options = kwargs.pop("fastgrad_options", None) or vars(self).pop(
-            "_fg_cloned_options", None
-        ) or {}
+        options = (
+            kwargs.pop("fastgrad_options", None) or vars(self).pop("_fg_cloned_options", None) or {}
+        )
         own_init(self, *args, **kwargs)
         self._fg_setup(_checked_options(**options))
 
@@ -338,9 +336,7 @@ def _adapted_class(cls):
 
     # Keras' automatic config (of `cls`'s constructor arguments) applies
     # exactly when it applies to `cls`.
-    get_config = compat.with_default_mark(
-        get_config, compat.is_keras_default(cls.get_config)
-    )
+    get_config = compat.with_default_mark(get_config, compat.is_keras_default(cls.get_config))
     namespace = {
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
@@ -365,9 +361,7 @@ def _adapter_from_config(cls, config, custom_objects=None):
     if original is not None:  # the adapted class itself, in-process
         model = original.from_config(inner["config"])
     else:  # loading a file: the model's own class, by its registered name
-        model = keras.saving.deserialize_keras_object(
-            inner, custom_objects=custom_objects
-        )
+        model = keras.saving.deserialize_keras_object(inner, custom_objects=custom_objects)
     return fastgrad(model, **config.get("fastgrad_options", {}))
 
 

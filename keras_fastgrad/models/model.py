@@ -136,7 +136,9 @@ class FastGradModel(keras.Model):
         restored = kwargs.pop("fastgrad_options", None)
         restored = vars(self).pop("_fg_cloned_options", None) or restored
         _options.check_keyword_names(
-            kwargs, OPTION_NAMES, _keras_keywords(type(self)),
+            kwargs,
+            OPTION_NAMES,
+            _keras_keywords(type(self)),
             owner=type(self).__name__,
         )
         given = {
@@ -169,7 +171,6 @@ class FastGradModel(keras.Model):
             super().__init__(*args, **kwargs)
         self._fg_setup(options)
 
-
     def _fg_setup(self, options):
         """The step's options and (empty) state on a Keras-initialised
         model: from `__init__`, or on an existing model (`fastgrad`)."""
@@ -196,18 +197,14 @@ class FastGradModel(keras.Model):
         compat.set_loss_tracker(
             self, TrainingLoss(name="loss", streak=self.fastgrad_step_state.streak)
         )
-        _options.check_optimizer_ownership(
-            self.optimizer, self.accumulation_steps, self.clip_norm
-        )
+        _options.check_optimizer_ownership(self.optimizer, self.accumulation_steps, self.clip_norm)
         if self.multitask is not None:
             check_task_count(self)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        _options.check_jit_compile_under_strategy(
-            self.jit_compile, self.distribute_strategy
-        )
+        _options.check_jit_compile_under_strategy(self.jit_compile, self.distribute_strategy)
         _options.check_steps_per_execution_under_strategy(
             self.steps_per_execution, self.distribute_strategy
         )
@@ -439,9 +436,7 @@ class FastGradModel(keras.Model):
             "accumulation_steps": self.accumulation_steps,
             "clip_norm": self.clip_norm,
             "multitask": (
-                None
-                if self.multitask is None
-                else aggregators.serialize(self.multitask)
+                None if self.multitask is None else aggregators.serialize(self.multitask)
             ),
             "skip_nonfinite": self.skip_nonfinite,
             "telemetry": self.telemetry,
@@ -464,15 +459,17 @@ OPTION_NAMES = tuple(_DEFAULT_OPTIONS)
 # (`Functional.__init__`: `inputs`, `outputs`, `name`, `trainable`) and the
 # subclassed form's (`keras.layers.Layer.__init__`'s, with the `input_dim` /
 # `input_shape` it reads from its `**kwargs`).
-KERAS_KEYWORDS = tuple(sorted(
-    {"inputs", "outputs", "input_dim", "input_shape"}
-    | {
-        name
-        for function in (keras.layers.Layer.__init__, compat.Functional.__init__)
-        for name, p in inspect.signature(function).parameters.items()
-        if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
-    }
-))
+KERAS_KEYWORDS = tuple(
+    sorted(
+        {"inputs", "outputs", "input_dim", "input_shape"}
+        | {
+            name
+            for function in (keras.layers.Layer.__init__, compat.Functional.__init__)
+            for name, p in inspect.signature(function).parameters.items()
+            if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+        }
+    )
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -481,7 +478,7 @@ def _keras_keywords(cls):
     `super().__init__` reaches in `cls` (`keras.Sequential`'s `layers`)."""
     mro = cls.__mro__
     names = set(KERAS_KEYWORDS)
-    for klass in mro[mro.index(FastGradModel) + 1:]:
+    for klass in mro[mro.index(FastGradModel) + 1 :]:
         if "__init__" in vars(klass) and klass is not object:
             names.update(
                 name
@@ -501,8 +498,7 @@ def _takes_options(cls):
     """Whether `cls(**config)` reaches `FastGradModel.__init__` with the
     options as keywords (no `__init__` of the subclass's own)."""
     return all(
-        "__init__" not in vars(klass)
-        for klass in cls.__mro__[: cls.__mro__.index(FastGradModel)]
+        "__init__" not in vars(klass) for klass in cls.__mro__[: cls.__mro__.index(FastGradModel)]
     )
 
 

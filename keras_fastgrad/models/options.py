@@ -128,15 +128,15 @@ def check_jit_compile_under_strategy(jit_compile, strategy):
     elif any("CPU" in d.upper() for d in devices):
         reason = (
             "on CPU devices: XLA has no collectives on CPU (TensorFlow: "
-            "\"Collectives are not yet implemented for CPU devices when "
-            "compiling with XLA\")"
+            '"Collectives are not yet implemented for CPU devices when '
+            'compiling with XLA")'
         )
     else:
         return
     raise ValueError(
         "`jit_compile=True` is not supported by TensorFlow under "
         f"`{type(strategy).__name__}` {reason}. Received: jit_compile=True. "
-        "Fix: compile with `jit_compile=False` (or `\"auto\"`, which Keras "
+        'Fix: compile with `jit_compile=False` (or `"auto"`, which Keras '
         "resolves to False under a strategy)."
     )
 
@@ -154,8 +154,8 @@ def check_steps_per_execution_under_strategy(steps_per_execution, strategy):
             "`steps_per_execution` must be 1 under "
             f"`{type(strategy).__name__}` with "
             f"{strategy.num_replicas_in_sync} replicas: Keras' multi-step "
-            "loop fails there (plain `keras.Model.fit` too, with \"You must "
-            "feed a value for placeholder tensor\"). Received: "
+            'loop fails there (plain `keras.Model.fit` too, with "You must '
+            'feed a value for placeholder tensor"). Received: '
             f"steps_per_execution={steps_per_execution}. Fix: compile with "
             "`steps_per_execution=1` (a larger global batch amortises the "
             "per-call cost instead)."
@@ -186,17 +186,17 @@ def check_multitask_space(space, features, multitask):
         )
     if space == "features" and multitask is None:
         raise ValueError(
-            "`multitask_space=\"features\"` needs a multi-task method. "
-            "Received: multitask=None, multitask_space=\"features\". Fix: "
-            "pass `multitask=\"pcgrad\"` (or another method), or leave "
-            "`multitask_space` at \"parameters\"."
+            '`multitask_space="features"` needs a multi-task method. '
+            'Received: multitask=None, multitask_space="features". Fix: '
+            'pass `multitask="pcgrad"` (or another method), or leave '
+            '`multitask_space` at "parameters".'
         )
     if features is not None and space != "features":
         raise ValueError(
             "`multitask_features` names the shared representation of "
-            "`multitask_space=\"features\"`. Received: "
+            '`multitask_space="features"`. Received: '
             f"multitask_features={features!r}, multitask_space={space!r}. "
-            "Fix: pass `multitask_space=\"features\"`, or drop "
+            'Fix: pass `multitask_space="features"`, or drop '
             "`multitask_features`."
         )
     return {"multitask_space": space, "multitask_features": features}
@@ -217,7 +217,7 @@ def check_keras_supports_replicas(strategy):
             "3.10: older Keras updates metrics with a `merge_call`, which "
             "the step cannot run inside its conditional update. Received: "
             f"keras=={keras.__version__}, `{type(strategy).__name__}` with "
-            f"{replicas} replicas. Fix: `pip install \"keras>=3.10\"`, or "
+            f'{replicas} replicas. Fix: `pip install "keras>=3.10"`, or '
             "train on one device (no strategy)."
         )
 
@@ -236,7 +236,8 @@ def check_keyword_names(kwargs, option_names, keras_names, owner="FastGradModel"
     name = unknown[0]
     close = difflib.get_close_matches(name, [*option_names, *keras_names], n=1)
     fix = (
-        f"Fix: did you mean `{close[0]}`?" if close
+        f"Fix: did you mean `{close[0]}`?"
+        if close
         else f"Fix: use one of the options {list(option_names)}."
     )
     raise TypeError(
@@ -250,34 +251,32 @@ def check_options(options):
     """`FastGradModel`'s options (a dict with every name), validated:
     the checked values, or the first Keras-style error."""
     micro_batches = check_int(
-        "micro_batches", options["micro_batches"], 1,
+        "micro_batches",
+        options["micro_batches"],
+        1,
         " (slices of each batch, run one after the other)",
     )
     multitask = check_multitask(options["multitask"])
-    if micro_batches > 1 and multitask is not None and (
-        options["multitask_space"] == "features"
-    ):
+    if micro_batches > 1 and multitask is not None and (options["multitask_space"] == "features"):
         raise ValueError(
-            "`micro_batches` and `multitask_space=\"features\"` cannot be "
+            '`micro_batches` and `multitask_space="features"` cannot be '
             "combined yet: the features-space merge needs each task's "
             "gradient over the representation of the whole batch. Received: "
             f"micro_batches={micro_batches}, multitask={multitask!r}, "
             "multitask_space='features'. Fix: use `accumulation_steps` with "
-            "smaller batches, or `multitask_space=\"parameters\"`."
+            'smaller batches, or `multitask_space="parameters"`.'
         )
     return {
-        "accumulation_steps": check_accumulation_steps(
-            options["accumulation_steps"]
-        ),
+        "accumulation_steps": check_accumulation_steps(options["accumulation_steps"]),
         "clip_norm": check_clip_norm(options["clip_norm"]),
         "multitask": multitask,
-        "skip_nonfinite": check_bool(
-            "skip_nonfinite", options["skip_nonfinite"]
-        ),
+        "skip_nonfinite": check_bool("skip_nonfinite", options["skip_nonfinite"]),
         "telemetry": check_bool("telemetry", options["telemetry"]),
         "micro_batches": micro_batches,
         "max_consecutive_nonfinite": check_optional_int(
-            "max_consecutive_nonfinite", options["max_consecutive_nonfinite"], 1,
+            "max_consecutive_nonfinite",
+            options["max_consecutive_nonfinite"],
+            1,
             " (dropped micro-batches in a row before training stops) or None",
         ),
         **check_multitask_space(

@@ -81,8 +81,17 @@ class _Step(Capture):
 
 
 # ------------------------------------------------------------------ merge
-def merge(capture, merger, tape, task_losses, regularization, variables,
-          unscale=None, share=None, task_names=None):
+def merge(
+    capture,
+    merger,
+    tape,
+    task_losses,
+    regularization,
+    variables,
+    unscale=None,
+    share=None,
+    task_names=None,
+):
     """Merged float32 gradients, as `TaskMerger.__call__` but in `Z` space.
 
     Args and returns as `keras_fastgrad.multitask.merger.TaskMerger.__call__`;
@@ -99,13 +108,13 @@ def merge(capture, merger, tape, task_losses, regularization, variables,
     merger.build(names)
     unscale = unscale or (lambda grads: grads)
     sources = [v.value for v in variables]
-    dz, dz_extra, direct = _head_gradients(capture, tape, names, task_losses,
-                                           regularization, sources)
+    dz, dz_extra, direct = _head_gradients(
+        capture, tape, names, task_losses, regularization, sources
+    )
     # Gram over Z (flattened: summed over the batch), of the unscaled dZ_t.
-    flat = tf.stack([
-        tf.concat([tf.reshape(g, [-1]) for g in to_float32_list(unscale(d))], 0)
-        for d in dz
-    ])
+    flat = tf.stack(
+        [tf.concat([tf.reshape(g, [-1]) for g in to_float32_list(unscale(d))], 0) for d in dz]
+    )
     gram = tf.matmul(flat, flat, transpose_b=True)
     if num_replicas() > 1:  # the global batch's Gram: one small all-reduce
         gram, share = replica_sum([gram, share])
@@ -147,8 +156,7 @@ def _trunk_gradients(capture, tape, sources, weights, dz, dz_extra):
     (float16 keeps its range)."""
     cotangents = []
     for k, z in enumerate(capture.features):
-        c = tf.add_n([w * tf.cast(d[k], tf.float32)
-                      for w, d in zip(tf.unstack(weights), dz)])
+        c = tf.add_n([w * tf.cast(d[k], tf.float32) for w, d in zip(tf.unstack(weights), dz)])
         if dz_extra[k] is not None:
             c += tf.cast(dz_extra[k], tf.float32)
         cotangents.append(tf.cast(c, z.dtype))
@@ -156,15 +164,12 @@ def _trunk_gradients(capture, tape, sources, weights, dz, dz_extra):
 
 
 def _add(a, b):
-    return [x if y is None else (y if x is None else _sum(x, y))
-            for x, y in zip(a, b)]
+    return [x if y is None else (y if x is None else _sum(x, y)) for x, y in zip(a, b)]
 
 
 def _sum(x, y):
     if isinstance(x, tf.IndexedSlices) and isinstance(y, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.concat([x.values, y.values], 0),
-                                tf.concat([x.indices, y.indices], 0), x.dense_shape)
+        return tf.IndexedSlices(
+            tf.concat([x.values, y.values], 0), tf.concat([x.indices, y.indices], 0), x.dense_shape
+        )
     return tf.convert_to_tensor(x) + tf.convert_to_tensor(y)
-
-
-

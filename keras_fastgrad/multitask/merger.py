@@ -121,9 +121,7 @@ def task_losses(model, y, y_pred, sample_weight=None):
     if compile_loss is None:
         _raise_too_few(model, 0)
     recorded = []
-    with wrapped_output_losses(
-        model, lambda entry: _Recording(entry.loss, recorded)
-    ) as unwrapped:
+    with wrapped_output_losses(model, lambda entry: _Recording(entry.loss, recorded)) as unwrapped:
         compile_loss(y, y_pred, sample_weight)
     if not tree.is_nested(y) and not tree.is_nested(y_pred):
         recorded = recorded[:1]  # Keras' single-output path uses one loss
@@ -303,16 +301,11 @@ class TaskMerger:
         """
         num_tasks = len(task_losses)
         if num_tasks < 2:
-            raise ValueError(
-                "`task_losses` must hold at least two losses. Received: "
-                f"{num_tasks}."
-            )
+            raise ValueError(f"`task_losses` must hold at least two losses. Received: {num_tasks}.")
         self.build(task_names or [f"task_{i}" for i in range(num_tasks)])
         sources = [v.value for v in variables]
         unscale = unscale or (lambda grads: grads)
-        per_task = [
-            to_float32_list(unscale(tape.gradient(loss, sources))) for loss in task_losses
-        ]
+        per_task = [to_float32_list(unscale(tape.gradient(loss, sources))) for loss in task_losses]
         reg_grads = None
         if regularization is not None:
             reg_grads = to_float32_list(unscale(tape.gradient(regularization, sources)))
@@ -348,8 +341,7 @@ class TaskMerger:
                 merged[k] = tf.reshape(flat, tf.shape(per_task[reaching[0]][k]))
         if reg_grads is not None:
             merged = [
-                r if m is None else (m if r is None else m + r)
-                for m, r in zip(merged, reg_grads)
+                r if m is None else (m if r is None else m + r) for m, r in zip(merged, reg_grads)
             ]
         self.commit_state(new_state, merged, losses_finite)
         return merged, {"gram": gram, "weights": weights, **info}
@@ -386,9 +378,7 @@ class TaskMerger:
         if self.task_names is None:
             return {}
         names = self.task_names
-        logs = {
-            f"{NORM_PREFIX}{name}": self._norms[i] for i, name in enumerate(names)
-        }
+        logs = {f"{NORM_PREFIX}{name}": self._norms[i] for i, name in enumerate(names)}
         for i in range(len(names)):
             for j in range(i + 1, len(names)):
                 logs[f"{COSINE_PREFIX}{names[i]}/{names[j]}"] = self._cosine[i, j]

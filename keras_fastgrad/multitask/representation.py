@@ -60,26 +60,30 @@ def find_features(model):
     common = [tensors[i] for i in (common or set()) - inputs]
     if not common:
         _refuse(
-            model, "the outputs share no layer (only the inputs)", "compute "
-            "the tasks from a shared trunk, or use "
-            "`multitask_space=\"parameters\"`"
+            model,
+            "the outputs share no layer (only the inputs)",
+            'compute the tasks from a shared trunk, or use `multitask_space="parameters"`',
         )
     deepest = max(depth[id(t)] for t in common)
     candidates = [t for t in common if depth[id(t)] == deepest]
     if len(candidates) > 1:
         names = sorted(compat.keras_history(t)[0].name for t in candidates)
-        _refuse(model, f"several shared tensors are equally deep (outputs of "
-                f"{names})", "name the layer to use, e.g. "
-                f"`multitask_features={names[0]!r}`")
+        _refuse(
+            model,
+            f"several shared tensors are equally deep (outputs of {names})",
+            f"name the layer to use, e.g. `multitask_features={names[0]!r}`",
+        )
     layer, _, index = compat.keras_history(candidates[0])
     calls = sum(
-        node.operation is layer
-        for nodes in compat.nodes_by_depth(model).values() for node in nodes
+        node.operation is layer for nodes in compat.nodes_by_depth(model).values() for node in nodes
     )
     if calls > 1:
-        _refuse(model, f"the shared tensor comes from layer `{layer.name}`, "
-                f"which runs {calls} times per forward pass", "name a layer "
-                "that runs once with `multitask_features=\"<layer name>\"`")
+        _refuse(
+            model,
+            f"the shared tensor comes from layer `{layer.name}`, "
+            f"which runs {calls} times per forward pass",
+            'name a layer that runs once with `multitask_features="<layer name>"`',
+        )
     return layer.name, index
 
 
@@ -105,15 +109,13 @@ def _ancestors(tensor, depth):
 def _graph_depth(tensor, depth):
     if id(tensor) not in depth:
         parents = compat.parent_tensors(tensor)
-        depth[id(tensor)] = 1 + max(
-            (_graph_depth(p, depth) for p in parents), default=-1
-        )
+        depth[id(tensor)] = 1 + max((_graph_depth(p, depth) for p in parents), default=-1)
     return depth[id(tensor)]
 
 
 def _refuse(model, reason, fix):
     raise ValueError(
-        "`multitask_space=\"features\"` merges the tasks' gradients with "
+        '`multitask_space="features"` merges the tasks\' gradients with '
         "respect to the representation all tasks share (`Z`): the deepest "
         f"tensor every output depends on. For model `{model.name}`, {reason}. "
         f"Received: multitask_features=None. Fix: {fix}."
@@ -189,8 +191,7 @@ class Capture:
         flat = list(tree.flatten(outputs))
         indices = self.indices
         if indices is None:
-            indices = [i for i, t in enumerate(flat) if tf.is_tensor(t)
-                       and t.dtype.is_floating]
+            indices = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_floating]
         for i in indices:
             cut = tf.stop_gradient(flat[i])
             self.tape.watch(cut)

@@ -38,10 +38,10 @@ def builtin_model():
     h = inputs
     for i in range(3):
         h = keras.layers.Dense(256, activation="relu", name=f"dense_{i}")(h)
-    model = FastGradModel(inputs, keras.layers.Dense(10, name="logits")(h),
-                          name="builtin_mlp")
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = FastGradModel(inputs, keras.layers.Dense(10, name="logits")(h), name="builtin_mlp")
+    model.compile(
+        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return model
 
 
@@ -70,21 +70,23 @@ def synthetic_batch(model, batch_size, seed=0):
             "`--model` must be a functional or sequential model (with known "
             "inputs) to build a synthetic batch. Received a model without "
             "`inputs`. Fix: profile it from Python with "
-            "`keras_fastgrad.profile_step(model, (x, y))` on real data.")
+            "`keras_fastgrad.profile_step(model, (x, y))` on real data."
+        )
     for t in inputs:
         if any(d is None for d in t.shape[1:]):
             raise ValueError(
                 "The model's input dimensions besides the batch must be known "
                 f"to build a synthetic batch. Received input shape {t.shape}. "
-                "Fix: profile it from Python with real data.")
-    xs = [rng.normal(size=(batch_size, *t.shape[1:])).astype(t.dtype or "float32")
-          for t in inputs]
+                "Fix: profile it from Python with real data."
+            )
+    xs = [rng.normal(size=(batch_size, *t.shape[1:])).astype(t.dtype or "float32") for t in inputs]
     x = xs[0] if len(xs) == 1 else xs
     y_pred = model(x, training=False)
     candidates = (
         lambda p: rng.uniform(size=tuple(p.shape)).astype("float32"),
-        lambda p: rng.integers(0, max(int(p.shape[-1]), 1),
-                               size=tuple(p.shape[:-1])).astype("int32"),
+        lambda p: rng.integers(0, max(int(p.shape[-1]), 1), size=tuple(p.shape[:-1])).astype(
+            "int32"
+        ),
     )
     errors = []
     for make in candidates:
@@ -97,24 +99,33 @@ def synthetic_batch(model, batch_size, seed=0):
     raise ValueError(
         "No synthetic target fits the model's loss (tried floats shaped like "
         f"the outputs and integer labels): {errors}. Fix: profile it from "
-        "Python with `keras_fastgrad.profile_step(model, (x, y))`.")
+        "Python with `keras_fastgrad.profile_step(model, (x, y))`."
+    )
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m keras_fastgrad.profile",
         description="Time forward, backward and the full train step of a "
-                    "Keras model eager, under tf.function, XLA and mixed "
-                    "precision.")
+        "Keras model eager, under tf.function, XLA and mixed "
+        "precision.",
+    )
     parser.add_argument("--model", help="a compiled .keras model (default: built-in MLP)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help=f"batch size (default {BUILTIN_BATCH})")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated subset of {','.join(MODES)}")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed rounds (default 20, 5 with --quick)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed calls per function (default 3, 1 with --quick)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help=f"batch size (default {BUILTIN_BATCH})"
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed rounds (default 20, 5 with --quick)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed calls per function (default 3, 1 with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="few rounds: a fast look")
     parser.add_argument("--png", help="also save a bar chart to this PNG file")
     args = parser.parse_args(argv)

@@ -29,8 +29,7 @@ def phase_functions(model, facts):
     def loss_of(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = call_for_training(model, x)
-        loss = compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                            training=True)
+        loss = compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
         return model.optimizer.scale_loss(loss)
 
     def forward(data):
@@ -77,7 +76,8 @@ def mixed_precision_clone(model, policy):
     keras.mixed_precision.set_global_policy(policy)
     try:
         clone = keras.saving.deserialize_keras_object(
-            config, custom_objects={type(model).__name__: type(model)})
+            config, custom_objects={type(model).__name__: type(model)}
+        )
     finally:
         keras.mixed_precision.set_global_policy(previous)
     if not clone.compiled:
@@ -90,8 +90,10 @@ def _to_policy(config, policy):
     """The config with every float32 layer dtype policy replaced by `policy`
     (a functional model's layers carry their policy in their config)."""
     if isinstance(config, dict):
-        if (config.get("class_name") == "DTypePolicy"
-                and config.get("config", {}).get("name") == "float32"):
+        if (
+            config.get("class_name") == "DTypePolicy"
+            and config.get("config", {}).get("name") == "float32"
+        ):
             return {**config, "config": {**config["config"], "name": policy}}
         return {k: _to_policy(v, policy) for k, v in config.items()}
     if isinstance(config, list):
@@ -134,7 +136,7 @@ def interleaved_medians(calls, repeats):
     modes = list(dict.fromkeys(mode for mode, _ in calls))
     times, sync = {key: [] for key in calls}, _synchronizer()
     for r in range(repeats if modes else 0):
-        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
             shift = r % len(PHASES)
             for phase in PHASES[shift:] + PHASES[:shift]:
                 fn, batch = calls[(mode, phase)]
@@ -153,7 +155,8 @@ def time_dataset(dataset, repeats, warmup):
     except StopIteration:
         raise ValueError(
             "`data` is an empty `tf.data.Dataset`: there is no batch to "
-            "profile. Received: data with 0 elements.") from None
+            "profile. Received: data with 0 elements."
+        ) from None
     for _ in range(warmup - 1):
         next(iterator)
     times, shapes = [], set()
@@ -170,8 +173,9 @@ class Snapshot:
     """Values of every variable a step can change, to put back later."""
 
     def __init__(self, model):
-        variables = (list(model.variables) + list(model.optimizer.variables)
-                     + list(model.metrics_variables))
+        variables = (
+            list(model.variables) + list(model.optimizer.variables) + list(model.metrics_variables)
+        )
         if isinstance(model, FastGradModel):
             variables += model.fastgrad_step_state.variables
         unique = {id(v): v for v in variables}

@@ -103,8 +103,7 @@ class StepProfile(_report.ReportMixin):
         return self.phases[baseline].step_ms / self.phases[mode].step_ms
 
 
-def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None,
-                 verbose=1):
+def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None, verbose=1):
     """Profiles one train step of a compiled model.
 
     Times forward, forward + backward and the full train step (the model's
@@ -170,7 +169,8 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     Step profile of Functional 'functional...' (batch 8; ...
     """
     modes, repeats, warmup, batch_size, verbose = _report.check_arguments(
-        model, modes, repeats, warmup, batch_size, verbose, data)
+        model, modes, repeats, warmup, batch_size, verbose, data
+    )
     data_ms = data_shapes = None
     if isinstance(data, tf.data.Dataset):
         batch, data_ms, data_shapes = runs.time_dataset(data, repeats, warmup)
@@ -193,24 +193,36 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
         skipped.update(more_skipped)
         state.restore()
         medians = runs.interleaved_medians(calls, repeats)
-        traces = facts["step_function"].experimental_get_tracing_count() \
-            if "step_function" in facts and "function" not in skipped else None
+        traces = (
+            facts["step_function"].experimental_get_tracing_count()
+            if "step_function" in facts and "function" not in skipped
+            else None
+        )
     finally:
         state.restore()
         model.train_function = saved_train_function
     phases = {
         mode: PhaseTimes(*(medians[(mode, phase)] for phase in PHASES))
-        for mode in modes if mode not in skipped
+        for mode in modes
+        if mode not in skipped
     }
-    tape_variables = (model.tape_variable_count if isinstance(model, FastGradModel)
-                      else facts.get("watched"))
+    tape_variables = (
+        model.tape_variable_count if isinstance(model, FastGradModel) else facts.get("watched")
+    )
     profile = StepProfile(
-        model_name=model.name, model_class=type(model).__name__,
-        batch_size=runs.batch_size_of(batch), repeats=repeats, warmup=warmup,
-        phases=phases, skipped=skipped, traces=traces,
+        model_name=model.name,
+        model_class=type(model).__name__,
+        batch_size=runs.batch_size_of(batch),
+        repeats=repeats,
+        warmup=warmup,
+        phases=phases,
+        skipped=skipped,
+        traces=traces,
         tape_variables=tape_variables,
         trainable_variables=len(model.trainable_variables),
-        data_ms=data_ms, data_shapes=data_shapes, model_mode=runs.model_mode(model),
+        data_ms=data_ms,
+        data_shapes=data_shapes,
+        model_mode=runs.model_mode(model),
     )
     if verbose:
         print(profile)

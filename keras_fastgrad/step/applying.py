@@ -71,10 +71,6 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
 
     replica_context = tf.distribute.get_replica_context()
     if replica_context is None:  # already in cross-replica context
-        decide_and_apply(
-            tf.distribute.get_strategy(), should_apply, *args, *otherwise_args
-        )
+        decide_and_apply(tf.distribute.get_strategy(), should_apply, *args, *otherwise_args)
     else:
-        replica_context.merge_call(
-            decide_and_apply, args=(should_apply, *args, *otherwise_args)
-        )
+        replica_context.merge_call(decide_and_apply, args=(should_apply, *args, *otherwise_args))

@@ -46,8 +46,10 @@ def marks(grads, loss):
     (`None`: 0), then the loss; an entry is non-finite exactly when its
     gradient (or the loss) holds NaN/Inf. One reduction per gradient and
     one stack: the whole per-step cost of the check."""
-    return tf.concat([gradient_sums(grads), [tf.cast(loss, tf.float32)]], 0) if grads else (
-        tf.reshape(tf.cast(loss, tf.float32), [1])
+    return (
+        tf.concat([gradient_sums(grads), [tf.cast(loss, tf.float32)]], 0)
+        if grads
+        else (tf.reshape(tf.cast(loss, tf.float32), [1]))
     )
 
 

@@ -18,9 +18,7 @@ def scale(g, factor):
     if g is None:
         return None
     if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.cast(g.values, tf.float32) * factor, g.indices, g.dense_shape
-        )
+        return tf.IndexedSlices(tf.cast(g.values, tf.float32) * factor, g.indices, g.dense_shape)
     return tf.cast(g, tf.float32) * factor
 
 

@@ -125,9 +125,7 @@ class LossScaling:
             finite,
             tf.equal(counter, self.scaler.dynamic_growth_steps - 1),
         )
-        scale.assign(
-            tf.where(finite, tf.where(grow, scale * 2.0, scale), scale * 0.5)
-        )
+        scale.assign(tf.where(finite, tf.where(grow, scale * 2.0, scale), scale * 0.5))
         zero = tf.zeros([], counter.dtype)
         counter.assign(tf.where(finite, tf.where(grow, zero, counter + 1), zero))
 

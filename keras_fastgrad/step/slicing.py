@@ -88,7 +88,8 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
     facts = {}  # trace-time facts of the body, the same for every slice
     body = _loop_body(model, batch, variables, scaling, merger, facts)
     _, sums, loss_sum, actual_sum, real_sum, outputs, masks = tf.while_loop(
-        lambda i, *_: i < slices, body,
+        lambda i, *_: i < slices,
+        body,
         _initial_loop_values(model, batch, variables, out_spec, merger),
         maximum_iterations=slices,
     )
@@ -100,7 +101,11 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
     real = real_sum if facts["mean"] else tf.constant(1.0)
     # Regularisation: in the plain loss, or the last of the task losses.
     loss_sum, regularized = _take_back_extra_regularization(
-        model, variables, sums[-1], loss_sum, actual_sum - real,
+        model,
+        variables,
+        sums[-1],
+        loss_sum,
+        actual_sum - real,
         num_replicas() if facts["mean"] else 1,
     )
     if merger is None:
@@ -112,9 +117,20 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
     return loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share
 
 
-class _Slices(collections.namedtuple("_Slices", [
-    "n", "size", "slices", "rows", "x", "y", "sample_weight",
-])):
+class _Slices(
+    collections.namedtuple(
+        "_Slices",
+        [
+            "n",
+            "size",
+            "slices",
+            "rows",
+            "x",
+            "y",
+            "sample_weight",
+        ],
+    )
+):
     """One batch as `[slices, size, ...]` tensors: `n` real rows, `rows` the
     `[slices, size]` validity of each row, `x`, `y`, `sample_weight` the
     split structures (`None` where the batch has none)."""
@@ -134,16 +150,17 @@ def _split(x, y, sample_weight, slices):
     n = tf.shape(first_input(x))[0]
     size = (n + slices - 1) // slices
     pad = size * slices - n
-    rows = tf.reshape(
-        tf.concat([tf.ones([n], tf.bool), tf.zeros([pad], tf.bool)], 0), [slices, -1]
-    )
+    rows = tf.reshape(tf.concat([tf.ones([n], tf.bool), tf.zeros([pad], tf.bool)], 0), [slices, -1])
     # Padding rows are copies of real rows, not zeros: a zero row can be
     # NaN in the forward pass (a fully masked sequence pools to 0/0), and
     # NaN times the mask that removes the row from the loss is still NaN.
     order = tf.math.floormod(tf.range(size * slices), n)
     split = lambda t: _pad_and_split(t, order, slices)  # noqa: E731
     return _Slices(
-        n=n, size=size, slices=slices, rows=rows,
+        n=n,
+        size=size,
+        slices=slices,
+        rows=rows,
         x=tree.map_structure(split, x),
         y=None if y is None else tree.map_structure(split, y),
         sample_weight=None if sample_weight is None else tree.map_structure(split, sample_weight),
@@ -177,9 +194,7 @@ def _loop_body(model, batch, variables, scaling, merger, facts):
     dict) with the body's trace-time facts on its first trace."""
 
     def body(i, sums, loss_sum, actual_sum, real_sum, outputs, masks):
-        losses, share, grads, y_pred = _slice_gradients(
-            model, batch, i, variables, scaling, merger
-        )
+        losses, share, grads, y_pred = _slice_gradients(model, batch, i, variables, scaling, merger)
         flat_pred = tree.flatten(y_pred)
         if not facts:
             facts["has_grad"] = [[g is not None for g in row] for row in grads]
@@ -196,8 +211,13 @@ def _loop_body(model, batch, variables, scaling, merger, facts):
         ]
         loss = tf.add_n([tf.cast(l, tf.float32) for l in losses])
         return (
-            i + 1, sums, loss_sum + loss * share.actual, actual_sum + share.actual,
-            real_sum + share.real, outputs, masks,
+            i + 1,
+            sums,
+            loss_sum + loss * share.actual,
+            actual_sum + share.actual,
+            real_sum + share.real,
+            outputs,
+            masks,
         )
 
     return body
@@ -271,7 +291,9 @@ def _take_back_extra_regularization(model, variables, grads, loss_sum, extra, fa
         return loss_sum, grads
     with watching(regularized) as tape:
         penalty = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
-    reg_grads = dict(zip((id(v) for v in regularized), tape.gradient(penalty, [v.value for v in regularized])))
+    reg_grads = dict(
+        zip((id(v) for v in regularized), tape.gradient(penalty, [v.value for v in regularized]))
+    )
     surplus = extra * factor
     grads = [
         g if id(v) not in reg_grads or g is None else g - surplus * reg_grads[id(v)]

@@ -42,9 +42,16 @@ from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 
-class TraceFacts(collections.namedtuple("TraceFacts", [
-    "tape_variables", "no_gradient", "grad_is_none",
-])):
+class TraceFacts(
+    collections.namedtuple(
+        "TraceFacts",
+        [
+            "tape_variables",
+            "no_gradient",
+            "grad_is_none",
+        ],
+    )
+):
     """What the latest trace of the step found (Python values, recorded at
     trace time on purpose: they are facts of the graph, not of a step).
 

@@ -170,7 +170,10 @@ class StepTelemetry:
         if self.update_ratio is None:
             return
         delta = tf.add_n(
-            [tf.reduce_sum(tf.square(tf.cast(v.value, tf.float32) - b)) for v, b in zip(variables, before)]
+            [
+                tf.reduce_sum(tf.square(tf.cast(v.value, tf.float32) - b))
+                for v, b in zip(variables, before)
+            ]
         )
         size = tf.add_n([tf.reduce_sum(tf.square(b)) for b in before])
         self.update_ratio.assign(tf.sqrt(delta) / tf.maximum(tf.sqrt(size), 1e-12))

@@ -38,10 +38,22 @@ from keras_fastgrad.step.slicing import first_input, sliced_gradients
 from keras_fastgrad.step.weighting import LossShares
 
 
-class Batch(collections.namedtuple("Batch", [
-    "loss", "y_pred", "grads", "x", "y", "sample_weight", "num_samples",
-    "normaliser", "mean_reduction",
-])):
+class Batch(
+    collections.namedtuple(
+        "Batch",
+        [
+            "loss",
+            "y_pred",
+            "grads",
+            "x",
+            "y",
+            "sample_weight",
+            "num_samples",
+            "normaliser",
+            "mean_reduction",
+        ],
+    )
+):
     """What the forward and backward pass of one micro-batch produced.
 
     Fields:
@@ -57,10 +69,19 @@ class Batch(collections.namedtuple("Batch", [
             or nothing combined)."""
 
 
-class Verdict(collections.namedtuple("Verdict", [
-    "marks", "all_finite", "keep", "drops_nonfinite", "counts_towards_streak",
-    "global_normaliser",
-])):
+class Verdict(
+    collections.namedtuple(
+        "Verdict",
+        [
+            "marks",
+            "all_finite",
+            "keep",
+            "drops_nonfinite",
+            "counts_towards_streak",
+            "global_normaliser",
+        ],
+    )
+):
     """The finite check of one micro-batch, global over replicas.
 
     Fields:
@@ -89,14 +110,18 @@ def gradients(model, state, x, y, sample_weight):
     if "input_shape_changes" in state.log_keys:  # only when read
         state.telemetry.record_input_shape(first)
     num_rows = tf.shape(first)[0]
-    weighted = (
-        state.accumulator is not None or num_replicas() > 1 or model.micro_batches > 1
-    )
+    weighted = state.accumulator is not None or num_replicas() > 1 or model.micro_batches > 1
     if model.micro_batches > 1:
         _check_slices(model, x)
         loss, y_pred, grads, share = sliced_gradients(
-            model, x, y, sample_weight, variables, state.scaling,
-            model.micro_batches, merger=state.merger,
+            model,
+            x,
+            y,
+            sample_weight,
+            variables,
+            state.scaling,
+            model.micro_batches,
+            merger=state.merger,
         )
     else:
         loss, y_pred, grads, share = _batch_gradients(
@@ -104,7 +129,11 @@ def gradients(model, state, x, y, sample_weight):
         )
     state.record_trace_facts(variables, grads)
     return Batch(
-        loss=loss, y_pred=y_pred, grads=grads, x=x, y=y,
+        loss=loss,
+        y_pred=y_pred,
+        grads=grads,
+        x=x,
+        y=y,
         sample_weight=sample_weight,
         num_samples=tf.cast(num_rows, tf.float32),
         normaliser=share.real if weighted else tf.constant(1.0),
@@ -156,7 +185,10 @@ def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares)
             regularization = scaling.scale(regularization, weight)
     merge = features.merger(merger) if features.active else merger
     grads, _ = merge(
-        tape, scaled_tasks, regularization, variables,
+        tape,
+        scaled_tasks,
+        regularization,
+        variables,
         unscale=lambda g: scaling.unscale(g, weight),
         share=None if share is None else share.actual,
         task_names=task_names(model),
@@ -199,7 +231,8 @@ def finite_check(model, state, batch):
     all_finite = finite.is_finite(marks)
     drops = model.skip_nonfinite or scaling.active  # keep == finite
     return Verdict(
-        marks=marks, all_finite=all_finite,
+        marks=marks,
+        all_finite=all_finite,
         keep=all_finite if drops else tf.constant(True),
         drops_nonfinite=drops,
         # At the scale the micro-batch was checked at (before the update).
@@ -270,8 +303,9 @@ def accumulate_or_apply(model, state, batch, verdict):
         apply = functools.partial(update, model, state)
         update_args = (replica_sum(batch.grads), _divisor(batch, verdict))
         if verdict.drops_nonfinite:
-            apply_if(verdict.keep, apply, args=update_args,
-                     otherwise=drop, otherwise_args=drop_args)
+            apply_if(
+                verdict.keep, apply, args=update_args, otherwise=drop, otherwise_args=drop_args
+            )
         else:  # non-finite gradients are applied, as keras.Model does
             apply_if(not_finite, drop, args=drop_args)
             apply_if(verdict.keep, apply, args=update_args)
@@ -282,8 +316,11 @@ def accumulate_or_apply(model, state, batch, verdict):
     else:
         apply_if(not_finite, drop, args=drop_args)
     window_complete = acc.add(
-        batch.grads, verdict.global_normaliser, verdict.keep,
-        mean_reduction=batch.mean_reduction, otherwise=otherwise,
+        batch.grads,
+        verdict.global_normaliser,
+        verdict.keep,
+        mean_reduction=batch.mean_reduction,
+        otherwise=otherwise,
     )
     apply_if(
         tf.logical_and(window_complete, acc.has_samples()),
@@ -321,8 +358,9 @@ def update(model, state, grads, normaliser=None):
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     grads, norm, was_clipped = _clipped(model, state, grads)
-    _apply_if_finite(model, state, grads, _finite_update(model, state, grads, norm),
-                     norm, was_clipped)
+    _apply_if_finite(
+        model, state, grads, _finite_update(model, state, grads, norm), norm, was_clipped
+    )
 
 
 def _clipped(model, state, grads):
@@ -384,9 +422,7 @@ def metrics_logs(model, keep, batch):
             model, batch, tf.where(keep, loss, 0.0), tf.where(keep, batch.num_samples, 0.0)
         )
     else:
-        logs = tf.cond(
-            keep, lambda: _update_metrics(model, batch, loss), model.get_metrics_result
-        )
+        logs = tf.cond(keep, lambda: _update_metrics(model, batch, loss), model.get_metrics_result)
     return global_metric_results(model.metrics, logs)
 
 
@@ -396,9 +432,7 @@ def _update_metrics(model, batch, loss, num_samples=None):
     compat.loss_tracker(model).update_state(
         loss, sample_weight=batch.num_samples if num_samples is None else num_samples
     )
-    return model.compute_metrics(
-        batch.x, batch.y, batch.y_pred, sample_weight=batch.sample_weight
-    )
+    return model.compute_metrics(batch.x, batch.y, batch.y_pred, sample_weight=batch.sample_weight)
 
 
 def with_telemetry(state, logs):

@@ -28,6 +28,10 @@ def global_variable(value, name, dtype="float32"):
     ('int64', False)
     """
     return keras.Variable(
-        value, dtype=dtype, trainable=False, autocast=False,
-        aggregation="only_first_replica", name=name,
+        value,
+        dtype=dtype,
+        trainable=False,
+        autocast=False,
+        aggregation="only_first_replica",
+        name=name,
     )

@@ -120,8 +120,11 @@ class _Measuring:
                 rows = tf.reshape(self.rows, [-1] + [1] * (len(losses.shape) - 1))
                 mask = rows if mask is None else tf.logical_and(tf.cast(mask, tf.bool), rows)
             value = reduce_weighted_values(
-                losses, sample_weight=sample_weight, mask=mask,
-                reduction=fn.reduction, dtype=fn.dtype,
+                losses,
+                sample_weight=sample_weight,
+                mask=mask,
+                reduction=fn.reduction,
+                dtype=fn.dtype,
             )
             if tuple(losses.shape) == ():  # Keras does not reduce a scalar
                 self.sink.append(_Recorded(None, None, "rows"))
@@ -161,9 +164,13 @@ class _Measuring:
             per_row = _size(losses) / tf.cast(tf.shape(losses)[0], tf.float32)
             real = per_row * tf.reduce_sum(tf.cast(self.rows, tf.float32))
         # D = rows x a constant (what the several-output case needs)
-        by_rows = user_mask is None and losses.shape[1:].is_fully_defined() and (
-            reduction in ("sum_over_batch_size", "mean")
-            or (sample_weight is None and self.rows is None)
+        by_rows = (
+            user_mask is None
+            and losses.shape[1:].is_fully_defined()
+            and (
+                reduction in ("sum_over_batch_size", "mean")
+                or (sample_weight is None and self.rows is None)
+            )
         )
         kind = "sum" if reduction == "sum" else ("rows" if by_rows else "data")
         return _Recorded(actual, real, kind)
@@ -249,7 +256,7 @@ class LossShares:
         if kinds - {"rows"}:
             warnings.warn(
                 "FastGradModel: the model's output losses have different "
-                "normalisers (masks, `reduction=\"sum\"` or "
+                'normalisers (masks, `reduction="sum"` or '
                 "`mean_with_sample_weight` on some outputs), so no single "
                 "weight per micro-batch makes accumulation, micro-batching "
                 "or several replicas exact for all of them; micro-batches "

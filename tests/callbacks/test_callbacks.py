@@ -127,7 +127,12 @@ def test_clipped_fraction_is_per_epoch_and_running_within_the_epoch():
     y = np.repeat([[0.0], [10.0], [10.0], [10.0]], 2, axis=0)  # batches A B B B
     recorder = Recorder()
     history = model.fit(
-        x, y, batch_size=2, epochs=2, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=2,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         callbacks=[GradientNormLogger(clip_fraction=True), recorder],
     )
     assert history.history["clipped_fraction"] == [0.75, 0.75]
@@ -136,7 +141,10 @@ def test_clipped_fraction_is_per_epoch_and_running_within_the_epoch():
     np.testing.assert_allclose(running, [0.0, 1 / 2, 2 / 3, 3 / 4])
     # A later fit with only unclipped batches: per epoch 0 (cumulative: 6/12).
     history = model.fit(
-        x, np.zeros((8, 1)), batch_size=2, verbose=0,
+        x,
+        np.zeros((8, 1)),
+        batch_size=2,
+        verbose=0,
         callbacks=[GradientNormLogger(clip_fraction=True)],
     )
     assert history.history["clipped_fraction"] == [0.0]
@@ -163,16 +171,19 @@ def test_tensorboard_event_files_hold_scalars_and_histograms(tmp_path):
     model.compile(optimizer="sgd", loss="mse")
     x, y = data(n=16)
     logger = GradientNormLogger(
-        per_layer=True, clip_fraction=True, tensorboard_dir=str(tmp_path),
-        histogram_freq=2, update_freq="batch",
+        per_layer=True,
+        clip_fraction=True,
+        tensorboard_dir=str(tmp_path),
+        histogram_freq=2,
+        update_freq="batch",
     )
     recorder = Recorder()
-    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
-                        callbacks=[logger, recorder])
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[logger, recorder])
     scalars, histograms = read_events(tmp_path / "train")
     for key in ("grad_norm", "grad_norm/hidden", "grad_norm/out", "clipped_fraction"):
         np.testing.assert_allclose(
-            [scalars["epoch_" + key][e] for e in (0, 1)], history.history[key],
+            [scalars["epoch_" + key][e] for e in (0, 1)],
+            history.history[key],
             rtol=1e-6,
         )
     batch_norms = [logs["grad_norm"] for _, logs in recorder.batches]
@@ -181,9 +192,7 @@ def test_tensorboard_event_files_hold_scalars_and_histograms(tmp_path):
         [scalars["batch_grad_norm"][s] for s in range(1, 9)], batch_norms, rtol=1e-6
     )
     # histogram_freq=2: weights only after the second epoch (index 1).
-    assert histograms == {
-        (v.path, 1) for v in model.trainable_variables
-    }
+    assert histograms == {(v.path, 1) for v in model.trainable_variables}
 
 
 def test_tensorboard_update_freq_in_batches(tmp_path):
@@ -205,7 +214,11 @@ def test_csv_logger_gets_the_columns(tmp_path):
     x, y = data()
     path = str(tmp_path / "log.csv")
     model.fit(
-        x, y, batch_size=4, epochs=2, verbose=0,
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
         callbacks=[
             GradientNormLogger(per_layer=True, clip_fraction=True, update_ratio=True),
             keras.callbacks.CSVLogger(path),
@@ -214,8 +227,14 @@ def test_csv_logger_gets_the_columns(tmp_path):
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2
-    for column in ("grad_norm", "grad_norm/hidden", "grad_norm/out",
-                   "clipped_fraction", "update_ratio", "loss"):
+    for column in (
+        "grad_norm",
+        "grad_norm/hidden",
+        "grad_norm/out",
+        "clipped_fraction",
+        "update_ratio",
+        "loss",
+    ):
         assert column in rows[0]
         assert np.isfinite(float(rows[1][column]))
 
@@ -245,8 +264,9 @@ def test_stop_ends_fit_after_the_first_epoch():
     model = model_with_bad_layer()
     x, y = data()
     with pytest.warns(RuntimeWarning, match="bad_layer"):
-        history = model.fit(x, y, batch_size=4, epochs=3, verbose=0,
-                            callbacks=[NonFiniteGuard("stop")])
+        history = model.fit(
+            x, y, batch_size=4, epochs=3, verbose=0, callbacks=[NonFiniteGuard("stop")]
+        )
     assert len(history.history["loss"]) == 1
 
 
@@ -256,8 +276,15 @@ def test_warn_continues_and_weights_stay_finite():
     x, y = data()
     x[5, 0] = np.nan  # batch 1 of 4
     with pytest.warns(RuntimeWarning, match="epoch 1, batch 1") as caught:
-        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False,
-                            verbose=0, callbacks=[NonFiniteGuard("warn")])
+        history = model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[NonFiniteGuard("warn")],
+        )
     assert len([w for w in caught if "Non-finite" in str(w.message)]) == 2
     assert len(history.history["loss"]) == 2
     assert all(np.isfinite(w).all() for w in model.get_weights())
@@ -272,10 +299,20 @@ def test_warn_summarises_each_epoch_in_one_warning():
     bad_batches = sorted({row // 4 for row in nan_rows})  # by hand: [0, 1, 4, 6]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False,
-                            verbose=0, callbacks=[NonFiniteGuard("warn")])
-    messages = [str(w.message) for w in caught
-                if issubclass(w.category, RuntimeWarning) and "non-finite" in str(w.message).lower()]
+        history = model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[NonFiniteGuard("warn")],
+        )
+    messages = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, RuntimeWarning) and "non-finite" in str(w.message).lower()
+    ]
     assert len(messages) == 2, messages  # one per epoch, not one per bad batch
     for epoch, message in enumerate(messages):
         assert message.startswith(
@@ -298,8 +335,9 @@ def test_warn_is_silent_for_a_clean_epoch():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
-        model.fit(np.nan_to_num(x), y, batch_size=4, epochs=2, shuffle=False,
-                  verbose=0, callbacks=[guard])
+        model.fit(
+            np.nan_to_num(x), y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+        )
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and messages[0].startswith("Epoch 0: 1 non-finite"), messages
 
@@ -312,8 +350,7 @@ def test_nan_in_second_batch_of_a_steps_per_execution_group():
     # NaN input makes every gradient NaN: the first is the first variable.
     expected = re.escape("batches 0-3 (0-based): 1 micro-batch(es) dropped")
     with pytest.raises(NonFiniteError, match=expected) as info:
-        model.fit(x, y, batch_size=4, shuffle=False, verbose=0,
-                  callbacks=[NonFiniteGuard()])
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[NonFiniteGuard()])
     assert f"`{model.trainable_variables[0].path}` (4 of 4" in str(info.value)
 
 
@@ -389,7 +426,9 @@ def test_warns_once_by_name_about_variables_without_gradient():
     model.compile(optimizer="sgd", loss="mse")
     x, y = data()
     counter = TapeVariableCounter()
-    with pytest.warns(UserWarning, match=re.escape("no gradient and are never updated: ['odd/spare']")):
+    with pytest.warns(
+        UserWarning, match=re.escape("no gradient and are never updated: ['odd/spare']")
+    ):
         history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[counter])
     assert history.history["tape_variables"] == [2.0, 2.0]
     with warnings.catch_warnings():
@@ -404,8 +443,7 @@ def test_retrace_watch_counts_traces_per_fit():
     x, y = data(n=14)  # short last batch: no retrace under Keras 3 `fit`
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
-                            callbacks=[RetraceWatch()])
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[RetraceWatch()])
         assert history.history["train_traces"] == [1.0, 1.0]
         history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[RetraceWatch()])
         assert history.history["train_traces"] == [0.0]  # step reused
@@ -426,15 +464,20 @@ def test_retrace_watch_warns_once_when_the_step_is_rebuilt_during_fit():
     x, y = data()
     watch = RetraceWatch(max_traces=1)
     with pytest.warns(UserWarning, match=r"traced the train step 2 times.*replaced") as caught:
-        history = model.fit(x, y, batch_size=4, epochs=3, verbose=0,
-                            callbacks=[Rebuild(), watch])
+        history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[Rebuild(), watch])
     assert len([w for w in caught if "RetraceWatch" in str(w.message)]) == 1
     assert history.history["train_traces"] == [1.0, 2.0, 2.0]
     model.compile(optimizer="sgd", loss="mse")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0,
-                  callbacks=[Rebuild(), RetraceWatch(max_traces=2)])
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            verbose=0,
+            callbacks=[Rebuild(), RetraceWatch(max_traces=2)],
+        )
 
 
 class ScriptedTraces(keras_fastgrad.FastGradModel):
@@ -459,8 +502,10 @@ class AddTrace(keras.callbacks.Callback):
 
 @pytest.mark.parametrize(
     "at, cause",
-    [((0, 3), "short last batch.*drop_remainder=True"),
-     ((0, 1), "batch 1 of epoch 0 .*mid-epoch.*fixed shapes")],
+    [
+        ((0, 3), "short last batch.*drop_remainder=True"),
+        ((0, 1), "batch 1 of epoch 0 .*mid-epoch.*fixed shapes"),
+    ],
 )
 def test_retrace_watch_tells_the_likely_cause(at, cause):
     inputs = keras.Input((3,))
@@ -469,8 +514,7 @@ def test_retrace_watch_tells_the_likely_cause(at, cause):
     model.compile(optimizer="sgd", loss="mse")
     x, y = data()
     with pytest.warns(UserWarning, match=cause) as caught:
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0,
-                  callbacks=[AddTrace(), RetraceWatch()])
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[AddTrace(), RetraceWatch()])
     assert len([w for w in caught if "RetraceWatch" in str(w.message)]) == 1
 
 
@@ -481,9 +525,14 @@ def test_all_callbacks_under_xla_steps_per_execution_accumulation_clipping(tmp_p
     x, y = data(n=32)
     y = 10 * y  # large gradients: every update is clipped
     callbacks = [
-        GradientNormLogger(per_layer=True, clip_fraction=True, update_ratio=True,
-                           tensorboard_dir=str(tmp_path), histogram_freq=1,
-                           update_freq="batch"),
+        GradientNormLogger(
+            per_layer=True,
+            clip_fraction=True,
+            update_ratio=True,
+            tensorboard_dir=str(tmp_path),
+            histogram_freq=1,
+            update_freq="batch",
+        ),
         NonFiniteGuard("raise"),
         TapeVariableCounter(),
         RetraceWatch(),
@@ -491,8 +540,9 @@ def test_all_callbacks_under_xla_steps_per_execution_accumulation_clipping(tmp_p
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False,
-                            verbose=0, callbacks=callbacks)
+        history = model.fit(
+            x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+        )
     logs = history.history
     assert logs["updates"] == [4.0, 8.0]  # 8 batches, 2 per update
     assert logs["clipped_fraction"] == [1.0, 1.0]
@@ -514,35 +564,69 @@ def test_all_callbacks_under_xla_steps_per_execution_accumulation_clipping(tmp_p
 @pytest.mark.parametrize(
     "make, error, message",
     [
-        (lambda: NonFiniteGuard(action="x"), ValueError,
-         "`action` must be one of ['raise', 'stop', 'warn']. Received: action='x'"),
-        (lambda: NonFiniteGuard(action=None), TypeError,
-         "`action` must be one of ['raise', 'stop', 'warn']. Received: action=None"),
-        (lambda: GradientNormLogger(per_layer=1), TypeError,
-         "`per_layer` must be a boolean (True or False). Received: per_layer=1"),
-        (lambda: GradientNormLogger(clip_fraction="yes"), TypeError,
-         "`clip_fraction` must be a boolean"),
-        (lambda: GradientNormLogger(update_ratio=None), TypeError,
-         "`update_ratio` must be a boolean"),
-        (lambda: GradientNormLogger(tensorboard_dir=5), TypeError,
-         "`tensorboard_dir` must be a directory path (str or path-like) or None. "
-         "Received: tensorboard_dir=5"),
-        (lambda: GradientNormLogger(histogram_freq=-1, tensorboard_dir="x"),
-         ValueError, "`histogram_freq` must be an integer >= 0"),
-        (lambda: GradientNormLogger(histogram_freq=1.5, tensorboard_dir="x"),
-         TypeError, "Received: histogram_freq=1.5 of type float"),
-        (lambda: GradientNormLogger(histogram_freq=2), ValueError,
-         "`histogram_freq` needs `tensorboard_dir`"),
-        (lambda: GradientNormLogger(update_freq="step"), ValueError,
-         "`update_freq` must be one of ['epoch', 'batch']. Received: update_freq='step'"),
-        (lambda: GradientNormLogger(update_freq=0), ValueError,
-         "`update_freq` must be an integer >= 1"),
-        (lambda: RetraceWatch(max_traces=0), ValueError,
-         "`max_traces` must be an integer >= 1"),
-        (lambda: RetraceWatch(max_traces=True), TypeError,
-         "Received: max_traces=True of type bool"),
-        (lambda: RetraceWatch(max_traces="2"), TypeError,
-         "Received: max_traces='2' of type str"),
+        (
+            lambda: NonFiniteGuard(action="x"),
+            ValueError,
+            "`action` must be one of ['raise', 'stop', 'warn']. Received: action='x'",
+        ),
+        (
+            lambda: NonFiniteGuard(action=None),
+            TypeError,
+            "`action` must be one of ['raise', 'stop', 'warn']. Received: action=None",
+        ),
+        (
+            lambda: GradientNormLogger(per_layer=1),
+            TypeError,
+            "`per_layer` must be a boolean (True or False). Received: per_layer=1",
+        ),
+        (
+            lambda: GradientNormLogger(clip_fraction="yes"),
+            TypeError,
+            "`clip_fraction` must be a boolean",
+        ),
+        (
+            lambda: GradientNormLogger(update_ratio=None),
+            TypeError,
+            "`update_ratio` must be a boolean",
+        ),
+        (
+            lambda: GradientNormLogger(tensorboard_dir=5),
+            TypeError,
+            "`tensorboard_dir` must be a directory path (str or path-like) or None. "
+            "Received: tensorboard_dir=5",
+        ),
+        (
+            lambda: GradientNormLogger(histogram_freq=-1, tensorboard_dir="x"),
+            ValueError,
+            "`histogram_freq` must be an integer >= 0",
+        ),
+        (
+            lambda: GradientNormLogger(histogram_freq=1.5, tensorboard_dir="x"),
+            TypeError,
+            "Received: histogram_freq=1.5 of type float",
+        ),
+        (
+            lambda: GradientNormLogger(histogram_freq=2),
+            ValueError,
+            "`histogram_freq` needs `tensorboard_dir`",
+        ),
+        (
+            lambda: GradientNormLogger(update_freq="step"),
+            ValueError,
+            "`update_freq` must be one of ['epoch', 'batch']. Received: update_freq='step'",
+        ),
+        (
+            lambda: GradientNormLogger(update_freq=0),
+            ValueError,
+            "`update_freq` must be an integer >= 1",
+        ),
+        (lambda: RetraceWatch(max_traces=0), ValueError, "`max_traces` must be an integer >= 1"),
+        (
+            lambda: RetraceWatch(max_traces=True),
+            TypeError,
+            "Received: max_traces=True of type bool",
+        ),
+        (lambda: RetraceWatch(max_traces="2"), TypeError, "Received: max_traces='2' of type str"),
     ],
 )
 def test_invalid_arguments_are_refused_at_construction(make, error, message):
@@ -573,10 +657,13 @@ def test_clip_fraction_needs_a_clipping_model():
     model = mlp()
     model.compile(optimizer="sgd", loss="mse")
     x, y = data()
-    with pytest.raises(ValueError, match=re.escape(
-        "`clip_fraction=True` needs a model that clips, but the model has "
-        "clip_norm=None. Fix: build it with `FastGradModel(..., clip_norm=...)`"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`clip_fraction=True` needs a model that clips, but the model has "
+            "clip_norm=None. Fix: build it with `FastGradModel(..., clip_norm=...)`"
+        ),
+    ):
         model.fit(x, y, verbose=0, callbacks=[GradientNormLogger(clip_fraction=True)])
     plain = mlp(cls=keras.Model)
     plain.compile(optimizer="sgd", loss="mse")
@@ -588,11 +675,16 @@ def test_clip_fraction_needs_a_clipping_model():
 def test_retrace_watch_warns_about_xla_recompiles_on_a_short_last_batch():
     # 10 samples in batches of 4: the last batch has 2 rows. Keras 3 does
     # not retrace, but XLA compiles the step for the new shape.
-    x, y = np.random.default_rng(0).normal(size=(10, 3)).astype("float32"), np.zeros((10, 1), "float32")
+    x, y = (
+        np.random.default_rng(0).normal(size=(10, 3)).astype("float32"),
+        np.zeros((10, 1), "float32"),
+    )
     inputs = keras.Input((3,))
     model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    with pytest.warns(UserWarning, match=r"input shape changed at batch 2 of epoch 0.*drop_remainder=True"):
+    with pytest.warns(
+        UserWarning, match=r"input shape changed at batch 2 of epoch 0.*drop_remainder=True"
+    ):
         history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[RetraceWatch()])
     assert history.history["input_shape_changes"] == [1.0]
 
@@ -618,14 +710,26 @@ def test_tensorboard_gets_the_task_keys_of_a_multitask_model(tmp_path):
     model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
     x, _ = data(n=8)
     y = {"a": np.ones((8, 1), "float32"), "b": -3 * np.ones((8, 1), "float32")}
-    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
-                        callbacks=[GradientNormLogger(tensorboard_dir=str(tmp_path))])
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[GradientNormLogger(tensorboard_dir=str(tmp_path))],
+    )
     scalars, _ = read_events(tmp_path / "train")
-    for key in ("task_grad_norm/a", "task_grad_norm/b", "task_cosine/a/b",
-                "task_conflicts", "grad_norm"):
+    for key in (
+        "task_grad_norm/a",
+        "task_grad_norm/b",
+        "task_cosine/a/b",
+        "task_conflicts",
+        "grad_norm",
+    ):
         assert key in history.history, key
         np.testing.assert_allclose(
-            [scalars["epoch_" + key][e] for e in (0, 1)], history.history[key],
+            [scalars["epoch_" + key][e] for e in (0, 1)],
+            history.history[key],
             rtol=1e-6,
         )
 
@@ -647,7 +751,9 @@ def _plain(kind):
     if kind == "functional":
         return mlp(cls=keras.Model), data()
     if kind == "sequential":
-        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)]), data()
+        return keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)]
+        ), data()
     if kind == "subclassed":
         model = Subclassed()
         model(data()[0][:1])  # built: its weights exist before `fit`
@@ -672,19 +778,31 @@ def _failing_generator(x, y, error):
     for i in range(0, len(x), 4):
         if i == 8:
             raise error
-        yield x[i:i + 4], y[i:i + 4]
+        yield x[i : i + 4], y[i : i + 4]
 
 
 FAILURES = {
     "on_epoch_end": lambda model, x, y: model.fit(
-        x, y, batch_size=4, epochs=2, verbose=0,
-        callbacks=[GradientNormLogger(), Raises("on_epoch_end", RuntimeError("boom"))]),
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[GradientNormLogger(), Raises("on_epoch_end", RuntimeError("boom"))],
+    ),
     "on_train_batch_end": lambda model, x, y: model.fit(
-        x, y, batch_size=4, verbose=0,
-        callbacks=[GradientNormLogger(), Raises("on_train_batch_end", KeyboardInterrupt())]),
+        x,
+        y,
+        batch_size=4,
+        verbose=0,
+        callbacks=[GradientNormLogger(), Raises("on_train_batch_end", KeyboardInterrupt())],
+    ),
     "in_the_train_function": lambda model, x, y: model.fit(
-        _failing_generator(x, y, KeyboardInterrupt()), steps_per_epoch=4, verbose=0,
-        callbacks=[GradientNormLogger()]),
+        _failing_generator(x, y, KeyboardInterrupt()),
+        steps_per_epoch=4,
+        verbose=0,
+        callbacks=[GradientNormLogger()],
+    ),
 }
 
 
@@ -726,8 +844,15 @@ def test_after_a_fit_that_raised_training_equals_keras_model():
         model, (x, y) = _plain("functional")
         model.compile(optimizer="sgd", loss="mse")
         with pytest.raises(RuntimeError):
-            model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
-                      callbacks=callbacks + [Raises("on_epoch_end", RuntimeError("boom"))])
+            model.fit(
+                x,
+                y,
+                batch_size=4,
+                epochs=2,
+                verbose=0,
+                shuffle=False,
+                callbacks=callbacks + [Raises("on_epoch_end", RuntimeError("boom"))],
+            )
         history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
         results.append((history.history, [w.numpy() for w in model.weights]))
     assert results[0][0] == results[1][0]
@@ -744,7 +869,10 @@ def test_a_train_step_replaced_on_the_instance_is_refused():
 
     model.train_step = my_step
     x, y = data()
-    with pytest.raises(ValueError, match=r"`model.train_step` is replaced on the instance.*Fix: `del model.train_step`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`model.train_step` is replaced on the instance.*Fix: `del model.train_step`",
+    ):
         model.fit(x, y, verbose=0, callbacks=[GradientNormLogger()])
     assert type(model) is type(mlp(cls=keras.Model)) and vars(model)["train_step"] is my_step
     with pytest.raises(ValueError, match=r"`model.train_step` is replaced on the instance"):
@@ -767,8 +895,12 @@ def test_an_evaluate_that_raised_does_not_keep_the_step_after_the_next_fit():
     model, (x, y) = _plain("functional")
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(RuntimeError):
-        model.evaluate(x, y, verbose=0, callbacks=[
-            GradientNormLogger(), Raises("on_test_begin", RuntimeError("boom"))])
+        model.evaluate(
+            x,
+            y,
+            verbose=0,
+            callbacks=[GradientNormLogger(), Raises("on_test_begin", RuntimeError("boom"))],
+        )
     history = model.fit(x, y, verbose=0, callbacks=[GradientNormLogger(), NonFiniteGuard()])
     assert "grad_norm" in history.history
     assert vars(model).get("make_train_function") is None  # detached at its end

@@ -19,8 +19,8 @@ Stored per case: the Gram `G` (float64) and
 """
 
 import json
-from importlib import metadata
 import os
+from importlib import metadata
 
 import numpy as np
 import quadprog

@@ -3,13 +3,20 @@
 #   PYTHONPATH=oldpkg python tests/data/save_max_iter_models.py tests/data
 # Run with PYTHONPATH=<export of commit 3b3f576>: saves UPGrad/DualProj models
 # whose configs carry `max_iter` (the format before the exact QP solver).
-import os, sys
-import keras, numpy as np
+import os
+import sys
+
+import keras
+
 import keras_fastgrad
 from keras_fastgrad import aggregators
+
 assert "oldpkg" in keras_fastgrad.__file__, keras_fastgrad.__file__
 out = sys.argv[1]
-for name, agg in (("upgrad", aggregators.UPGrad(max_iter=150)), ("dualproj", aggregators.DualProj(reg_eps=0.0, max_iter=200))):
+for name, agg in (
+    ("upgrad", aggregators.UPGrad(max_iter=150)),
+    ("dualproj", aggregators.DualProj(reg_eps=0.0, max_iter=200)),
+):
     keras.utils.set_random_seed(7)
     inputs = keras.Input((3,))
     hidden = keras.layers.Dense(4, activation="tanh", name="trunk")(inputs)

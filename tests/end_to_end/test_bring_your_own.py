@@ -8,7 +8,6 @@ References: plain `keras.Model` / `keras.Sequential` trained on the
 concatenated batches (the window) or the same batches, and gradient norms
 computed with a tape."""
 
-import os
 import warnings
 
 import keras
@@ -17,7 +16,6 @@ import pytest
 import tensorflow as tf
 from helpers import data, max_weight_diff, mlp
 
-import keras_fastgrad
 from keras_fastgrad import FastGradModel, FastGradSequential, fastgrad
 from keras_fastgrad.callbacks import (
     GradientNormLogger,
@@ -181,8 +179,7 @@ def test_fastgrad_refuses_a_class_with_its_own_train_step():
     with pytest.raises(ValueError, match="overrides `train_step`"):
         model = OwnStep()
         model.compile(optimizer="sgd", loss="mse")
-        model.fit(np.ones((2, 1)), np.ones((2, 1)), verbose=0,
-                  callbacks=[GradientNormLogger()])
+        model.fit(np.ones((2, 1)), np.ones((2, 1)), verbose=0, callbacks=[GradientNormLogger()])
 
 
 def test_fastgrad_checks_its_arguments():
@@ -208,7 +205,10 @@ def test_fastgrad_mobilenet_v3_small_trains_like_keras_model(tmp_path):
     def build():
         keras.utils.set_random_seed(11)
         return keras.applications.MobileNetV3Small(
-            input_shape=(32, 32, 3), weights=None, classes=4, dropout_rate=0.0,
+            input_shape=(32, 32, 3),
+            weights=None,
+            classes=4,
+            dropout_rate=0.0,
             include_preprocessing=False,
         )
 
@@ -232,8 +232,13 @@ def tiny_bert_classifier(seed=2):
     keras_hub = pytest.importorskip("keras_hub")
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8,
-        intermediate_dim=16, max_sequence_length=8, dropout=0.0,
+        vocabulary_size=50,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=8,
+        dropout=0.0,
     )
     return keras_hub.models.BertTextClassifier(
         backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0
@@ -257,8 +262,10 @@ def test_fastgrad_kerashub_classifier_accumulates_exactly_and_saves(tmp_path):
     assert isinstance(model, type(ref)) and isinstance(model, FastGradModel)
     assert model.backbone is not None  # the task's own attributes
     for m in (ref, model):
-        m.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     assert max_weight_diff(ref, model) < 1e-5
@@ -268,8 +275,9 @@ def test_fastgrad_kerashub_classifier_accumulates_exactly_and_saves(tmp_path):
     assert isinstance(loaded, type(ref)) and isinstance(loaded, FastGradModel)
     assert loaded.accumulation_steps == 2
     assert weights_equal(model, loaded)
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_callbacks_on_a_plain_kerashub_fit_leave_its_training_bit_identical():
@@ -277,11 +285,20 @@ def test_callbacks_on_a_plain_kerashub_fit_leave_its_training_bit_identical():
     ref, model = tiny_bert_classifier(), tiny_bert_classifier()
     cls = type(model)
     for m in (ref, model):
-        m.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     ref.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-    h = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[GradientNormLogger(), TapeVariableCounter()])
+    h = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[GradientNormLogger(), TapeVariableCounter()],
+    )
     assert weights_equal(ref, model)
     assert h.history["tape_variables"][0] == len(model.trainable_variables)
     assert np.isfinite(h.history["grad_norm"][0]) and h.history["grad_norm"][0] > 0
@@ -300,12 +317,16 @@ def test_callbacks_on_a_plain_sequential_leave_its_training_bit_identical():
     for m in (ref, model):
         m.compile(optimizer="adam", loss="mse")
     h_ref = ref.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
-    h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
-                  callbacks=all_callbacks())
+    h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=all_callbacks())
     assert weights_equal(ref, model)
     assert h.history["loss"] == h_ref.history["loss"]
-    for key in ("grad_norm", "tape_variables", "trainable_variables",
-                "train_traces", "nonfinite_count"):
+    for key in (
+        "grad_norm",
+        "tape_variables",
+        "trainable_variables",
+        "train_traces",
+        "nonfinite_count",
+    ):
         assert key in h.history, key
     # After `fit` the model is a plain `keras.Sequential` again.
     assert type(model) is keras.Sequential
@@ -320,8 +341,7 @@ def test_callbacks_on_a_plain_sequential_log_the_tape_gradient_norm():
         loss = tf.reduce_mean(tf.square(model(x) - y))
     grads = tape.gradient(loss, model.trainable_variables)
     expected = float(tf.linalg.global_norm(grads))
-    h = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                  callbacks=[GradientNormLogger()])
+    h = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[GradientNormLogger()])
     np.testing.assert_allclose(h.history["grad_norm"][0], expected, rtol=1e-5)
     assert type(model) is keras.Sequential  # itself again after `fit`
 
@@ -337,8 +357,9 @@ def test_callbacks_on_a_plain_model_apply_nonfinite_gradients_like_keras():
     ref.fit(x, y, batch_size=8, epochs=1, verbose=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        h = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                      callbacks=[NonFiniteGuard(action="warn")])
+        h = model.fit(
+            x, y, batch_size=8, epochs=1, verbose=0, callbacks=[NonFiniteGuard(action="warn")]
+        )
     assert np.isnan(model.get_weights()[0]).all() == np.isnan(ref.get_weights()[0]).all()
     assert h.history["nonfinite_count"][0] == 1.0
 
@@ -432,5 +453,7 @@ def test_pickled_models_keep_their_class_and_options():
             del keras.saving.get_custom_objects()["Classifier"]
         assert type(copy).__name__ == type(model).__name__
         assert (copy.accumulation_steps, copy.clip_norm) == (
-            model.accumulation_steps, model.clip_norm)
+            model.accumulation_steps,
+            model.clip_norm,
+        )
         assert weights_equal(copy, model)

@@ -34,7 +34,10 @@ def mirrored(tmp_path_factory):
     out = tmp_path_factory.mktemp("mirrored") / "cases.json"
     done = subprocess.run(
         [sys.executable, os.path.join(HERE, "distributed_cases.py"), str(out)],
-        env=_env(), capture_output=True, text=True, timeout=600,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -129,7 +132,10 @@ def test_keras_global_clipnorm_clips_per_replica_ours_globally(mirrored):
 def test_jit_compile_under_mirrored_strategy_gives_a_clear_error(mirrored):
     result = mirrored["jit_compile"]
     assert not result["ok"]
-    assert "`jit_compile=True` is not supported by TensorFlow under `MirroredStrategy`" in result["error"]
+    assert (
+        "`jit_compile=True` is not supported by TensorFlow under `MirroredStrategy`"
+        in result["error"]
+    )
     assert "Fix: compile with `jit_compile=False`" in result["error"]
 
 
@@ -153,7 +159,9 @@ def test_multi_worker_mirrored_two_processes_match_single_device(tmp_path):
             subprocess.Popen(
                 [sys.executable, os.path.join(HERE, "multiworker_worker.py"), str(out)],
                 env=_env(TF_CONFIG=tf_config),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
         )
     logs = [p.communicate(timeout=600)[0] for p in procs]

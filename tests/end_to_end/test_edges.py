@@ -62,12 +62,15 @@ MSE_W = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
 
 
 # ------------------------------------------- defect 1: a batch with D = 0
-@pytest.mark.parametrize("options", [
-    {"micro_batches": 2},
-    {"micro_batches": 3},  # 8 rows: 3 + 3 + 2, one padded row
-    {"micro_batches": 2, "clip_norm": 1.0},  # was dropped: no update
-    {"micro_batches": 2, "skip_nonfinite": False},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"micro_batches": 2},
+        {"micro_batches": 3},  # 8 rows: 3 + 3 + 2, one padded row
+        {"micro_batches": 2, "clip_norm": 1.0},  # was dropped: no update
+        {"micro_batches": 2, "skip_nonfinite": False},
+    ],
+)
 def test_batch_with_all_zero_sample_weights_matches_keras(options):
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 3)), rng.normal(size=(16, 2))
@@ -80,10 +83,14 @@ def test_batch_with_all_zero_sample_weights_matches_keras(options):
     np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("options", [
-    {"micro_batches": 2}, {"micro_batches": 3},
-    {"micro_batches": 2, "accumulation_steps": 2},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"micro_batches": 2},
+        {"micro_batches": 3},
+        {"micro_batches": 2, "accumulation_steps": 2},
+    ],
+)
 def test_all_padding_batch_of_a_masked_rnn_matches_keras(options):
     rng = np.random.default_rng(1)
     x = rng.integers(1, 12, (16, 6)).astype("int32")
@@ -96,11 +103,14 @@ def test_all_padding_batch_of_a_masked_rnn_matches_keras(options):
 
 
 # --------------------------------------- defect 5: a window with N = 0
-@pytest.mark.parametrize("options, batch", [
-    ({"accumulation_steps": 2}, 2),
-    ({"accumulation_steps": 2, "micro_batches": 2}, 2),
-    ({"accumulation_steps": 4}, 1),
-])
+@pytest.mark.parametrize(
+    "options, batch",
+    [
+        ({"accumulation_steps": 2}, 2),
+        ({"accumulation_steps": 2, "micro_batches": 2}, 2),
+        ({"accumulation_steps": 4}, 1),
+    ],
+)
 def test_window_with_all_zero_sample_weights_makes_keras_zero_step(options, batch):
     # 16 rows, windows of 4: the second window weighs nothing. Keras on the
     # big batch of 4 still steps (Adam's moments decay, `iterations` moves).

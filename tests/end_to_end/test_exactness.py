@@ -22,9 +22,7 @@ def relative_error(ref, model, start):
     """max |w_model - w_ref| / max |w_ref - w_start|: 0 when exact, about 1
     when the update is as wrong as it is large."""
     moved = max(float(np.abs(a - s).max()) for a, s in zip(ref.get_weights(), start))
-    diff = max(
-        float(np.abs(a - b).max()) for a, b in zip(ref.get_weights(), model.get_weights())
-    )
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ref.get_weights(), model.get_weights()))
     return diff / moved
 
 
@@ -52,8 +50,17 @@ def masked_data():
 REDUCTIONS = ["sum_over_batch_size", "mean_with_sample_weight", "sum"]
 
 
-def train_pair(build, x, y, options, batch_size, reduction="sum_over_batch_size",
-               sample_weight=None, metrics=None, **compile_kwargs):
+def train_pair(
+    build,
+    x,
+    y,
+    options,
+    batch_size,
+    reduction="sum_over_batch_size",
+    sample_weight=None,
+    metrics=None,
+    **compile_kwargs,
+):
     ref = build(keras.Model)
     start = ref.get_weights()
     model = build(FG, **options)
@@ -64,19 +71,19 @@ def train_pair(build, x, y, options, batch_size, reduction="sum_over_batch_size"
             metrics=metrics,
             **(compile_kwargs if m is model else {}),
         )
-    h_ref = ref.fit(x, y, sample_weight=sample_weight, batch_size=len(x), epochs=1,
-                    shuffle=False, verbose=0)
-    h = model.fit(x, y, sample_weight=sample_weight, batch_size=batch_size, epochs=1,
-                  shuffle=False, verbose=0)
+    h_ref = ref.fit(
+        x, y, sample_weight=sample_weight, batch_size=len(x), epochs=1, shuffle=False, verbose=0
+    )
+    h = model.fit(
+        x, y, sample_weight=sample_weight, batch_size=batch_size, epochs=1, shuffle=False, verbose=0
+    )
     return ref, model, start, h_ref, h
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_masked_rnn_accumulation_equals_the_big_batch(reduction):
     x, y = masked_data()
-    ref, model, start, _, _ = train_pair(
-        masked_rnn, x, y, {"accumulation_steps": 2}, 4, reduction
-    )
+    ref, model, start, _, _ = train_pair(masked_rnn, x, y, {"accumulation_steps": 2}, 4, reduction)
     assert relative_error(ref, model, start) < 1e-5
 
 
@@ -114,8 +121,9 @@ def test_masked_rnn_under_xla_and_steps_per_execution():
     ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     ref.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     model = masked_rnn(FG, accumulation_steps=2, micro_batches=2)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                  jit_compile=True, steps_per_execution=2)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True, steps_per_execution=2
+    )
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 2
     assert relative_error(ref, model, start) < 1e-5
@@ -129,10 +137,14 @@ def sequence_model(cls, **options):
     return cls(inputs, keras.layers.Dense(1)(h), **options)
 
 
-@pytest.mark.parametrize("options, batch", [
-    ({"micro_batches": 2}, 7), ({"micro_batches": 3}, 7),
-    ({"accumulation_steps": 2, "micro_batches": 2}, 4),
-])
+@pytest.mark.parametrize(
+    "options, batch",
+    [
+        ({"micro_batches": 2}, 7),
+        ({"micro_batches": 3}, 7),
+        ({"accumulation_steps": 2, "micro_batches": 2}, 4),
+    ],
+)
 def test_sequence_outputs_micro_batches(options, batch):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(7 if batch == 7 else 8, 5, 3)).astype("float32")
@@ -246,9 +258,14 @@ def embedding_model(cls, one_hot=False, **options):
     return cls(inputs, keras.layers.Dense(1)(h), **options)
 
 
-@pytest.mark.parametrize("options", [
-    {"clip_norm": 0.05}, {"accumulation_steps": 2}, {"accumulation_steps": 2, "clip_norm": 0.05},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"clip_norm": 0.05},
+        {"accumulation_steps": 2},
+        {"accumulation_steps": 2, "clip_norm": 0.05},
+    ],
+)
 def test_embedding_sparse_path_equals_the_dense_gradient(options):
     # Ids repeat within and across rows: a norm of the IndexedSlices'
     # values (duplicates not summed) would be wrong.

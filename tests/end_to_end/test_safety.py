@@ -56,8 +56,7 @@ def test_validation_data_still_sees_the_flushed_window():
     x, y = data(n=10)
     model = fast(accumulation_steps=2)
     model.compile(optimizer=sgd(), loss="mse")
-    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0,
-              validation_data=(x, y))
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y))
     assert int(model.optimizer.iterations.numpy()) == 3
 
 
@@ -78,11 +77,14 @@ def spiked_run(cls, tmp_path, name, epochs=5, **options):
     checkpoint = keras.callbacks.ModelCheckpoint(
         path, monitor="loss", save_best_only=True, save_weights_only=True
     )
-    stopper = keras.callbacks.EarlyStopping(
-        monitor="loss", patience=10, restore_best_weights=True
-    )
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=10, restore_best_weights=True)
     history = model.fit(
-        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=8,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
         callbacks=[spike_schedule(1), checkpoint, stopper],
     )
     saved = mlp(cls, **options)
@@ -270,7 +272,7 @@ def test_weights_trained_with_fastgrad_load_into_a_plain_keras_model(tmp_path):
 def train_batches(model, x, y, batches):
     """`train_on_batch` on the first `batches` pairs of rows."""
     for i in range(batches):
-        model.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+        model.train_on_batch(x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2])
 
 
 def test_mid_window_checkpoint_still_resumes_exactly(tmp_path):

@@ -23,8 +23,10 @@ import make_saved_fixtures as fixtures  # noqa: E402  (registers `Regressor`)
 
 RELEASE = "3b3f576"
 EXPECTED_CLASS = {
-    "plain": "FastGradModel", "mid_window": "FastGradModel",
-    "multitask_gradvac": "FastGradModel", "sequential": "FastGradSequential",
+    "plain": "FastGradModel",
+    "mid_window": "FastGradModel",
+    "multitask_gradvac": "FastGradModel",
+    "sequential": "FastGradSequential",
     "fastgrad_subclass": "Regressor",
 }
 
@@ -77,7 +79,7 @@ def test_half_full_window_resumes_exactly(case):
     whole = fixtures.CASES[case]()
     whole.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
     for i in range(4):
-        whole.train_on_batch(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+        whole.train_on_batch(x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2])
     resumed = keras.saving.load_model(os.path.join(DATA, f"{case}_{RELEASE}.keras"))
     assert resumed.accumulation_steps == 2
     resumed.train_on_batch(x[6:8], y[6:8])

@@ -75,9 +75,7 @@ def _train(model, batch_size, build=False, run_eagerly=False, epochs=2):
     x, y = data(n=12)
     if build:
         model.build((None, 3))
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.05), loss="mse", run_eagerly=run_eagerly
-    )
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", run_eagerly=run_eagerly)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return model
 
@@ -92,11 +90,11 @@ def _assert_same_weights(model, reference):
 @pytest.mark.parametrize("build", [False, True], ids=["unbuilt", "build_shape"])
 @pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
 def test_training_only_layer_trains_like_keras_model(build, run_eagerly):
-    reference = _train(
-        _aux_head_class(keras.Model)(), 3, build=build, run_eagerly=run_eagerly
-    )
+    reference = _train(_aux_head_class(keras.Model)(), 3, build=build, run_eagerly=run_eagerly)
     model = _train(
-        _aux_head_class(keras_fastgrad.FastGradModel)(), 3, build=build,
+        _aux_head_class(keras_fastgrad.FastGradModel)(),
+        3,
+        build=build,
         run_eagerly=run_eagerly,
     )
     assert len(model.trainable_variables) == 6  # the head's too
@@ -110,7 +108,8 @@ def test_training_only_layer_is_accumulated(build):
     reference = _train(_aux_head_class(keras.Model)(), 6, build=build)
     model = _train(
         _aux_head_class(keras_fastgrad.FastGradModel)(accumulation_steps=2),
-        3, build=build,
+        3,
+        build=build,
     )
     assert len(model.fastgrad_step_state.accumulator.variables) > len(model.trainable_variables)
     assert int(model.optimizer.iterations.numpy()) == 4
@@ -118,15 +117,17 @@ def test_training_only_layer_is_accumulated(build):
 
 
 @pytest.mark.parametrize("build", [False, True], ids=["unbuilt", "build_shape"])
-@pytest.mark.parametrize("options", [{}, {"accumulation_steps": 2}], ids=["default", "accumulation"])
+@pytest.mark.parametrize(
+    "options", [{}, {"accumulation_steps": 2}], ids=["default", "accumulation"]
+)
 def test_run_eagerly_with_eager_only_call_trains_like_keras_model(options, build):
     batch_size = 3 * options.get("accumulation_steps", 1)
-    reference = _train(
-        _eager_only_class(keras.Model)(), batch_size, build=build, run_eagerly=True
-    )
+    reference = _train(_eager_only_class(keras.Model)(), batch_size, build=build, run_eagerly=True)
     model = _train(
-        _eager_only_class(keras_fastgrad.FastGradModel)(**options), 3,
-        build=build, run_eagerly=True,
+        _eager_only_class(keras_fastgrad.FastGradModel)(**options),
+        3,
+        build=build,
+        run_eagerly=True,
     )
     _assert_same_weights(model, reference)
 
@@ -179,13 +180,13 @@ def test_training_only_layer_under_mirrored_strategy():
     # the case runs in a fresh process.
     here = os.path.dirname(os.path.abspath(__file__))  # tests/models
     tests = os.path.dirname(here)
-    path = os.pathsep.join(
-        [os.path.dirname(tests), tests, here, os.environ.get("PYTHONPATH", "")]
-    )
+    path = os.pathsep.join([os.path.dirname(tests), tests, here, os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", _MIRRORED_SCRIPT],
         env=dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3"),
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -206,7 +207,7 @@ class ShuffledBatches(keras.utils.PyDataset):
         return len(self.x) // 3
 
     def __getitem__(self, i):
-        rows = self.order[3 * i: 3 * i + 3]
+        rows = self.order[3 * i : 3 * i + 3]
         return self.x[rows], self.y[rows]
 
     def on_epoch_end(self):
@@ -217,7 +218,7 @@ class ShuffledBatches(keras.utils.PyDataset):
 def _batches(x, y, seen):
     for i in range(0, len(x), 3):
         seen.append(i)
-        yield x[i:i + 3], y[i:i + 3]
+        yield x[i : i + 3], y[i : i + 3]
 
 
 def _fit_twice(base, source):

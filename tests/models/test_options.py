@@ -12,10 +12,26 @@ import keras_fastgrad
 @pytest.mark.parametrize(
     "value, error, match",
     [
-        (0, ValueError, r"`accumulation_steps` must be an integer >= 1.*Received: accumulation_steps=0"),
-        (-2, ValueError, r"`accumulation_steps` must be an integer >= 1.*Received: accumulation_steps=-2"),
-        (1.5, TypeError, r"`accumulation_steps` must be an integer >= 1.*accumulation_steps=1.5 of type float"),
-        ("2", TypeError, r"`accumulation_steps` must be an integer.*accumulation_steps='2' of type str"),
+        (
+            0,
+            ValueError,
+            r"`accumulation_steps` must be an integer >= 1.*Received: accumulation_steps=0",
+        ),
+        (
+            -2,
+            ValueError,
+            r"`accumulation_steps` must be an integer >= 1.*Received: accumulation_steps=-2",
+        ),
+        (
+            1.5,
+            TypeError,
+            r"`accumulation_steps` must be an integer >= 1.*accumulation_steps=1.5 of type float",
+        ),
+        (
+            "2",
+            TypeError,
+            r"`accumulation_steps` must be an integer.*accumulation_steps='2' of type str",
+        ),
         (True, TypeError, r"`accumulation_steps` must be an integer.*accumulation_steps=True"),
     ],
 )
@@ -39,7 +55,10 @@ def test_bad_clip_norm(value, error, match):
 
 
 def test_unknown_multitask_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"`multitask` must be None or one of \[.*'pcgrad'.*\]\. Received: multitask='pcgard'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`multitask` must be None or one of \[.*'pcgrad'.*\]\. Received: multitask='pcgard'",
+    ):
         fast(multitask="pcgard")
 
 
@@ -50,7 +69,9 @@ def test_bool_options_reject_non_bools(name):
 
 
 @pytest.mark.parametrize("name", ["skip_nonfinite", "telemetry"])
-@pytest.mark.parametrize("value, expected", [(np.True_, True), (np.False_, False), (np.bool_(1), True)])
+@pytest.mark.parametrize(
+    "value, expected", [(np.True_, True), (np.False_, False), (np.bool_(1), True)]
+)
 def test_bool_options_accept_numpy_bools_as_python_bools(name, value, expected):
     model = fast(**{name: value})
     stored = getattr(model, name)
@@ -60,7 +81,10 @@ def test_bool_options_accept_numpy_bools_as_python_bools(name, value, expected):
 def test_accumulation_owned_twice_is_refused():
     model = fast(accumulation_steps=4)
     optimizer = keras.optimizers.Adam(gradient_accumulation_steps=4)
-    with pytest.raises(ValueError, match=r"accumulation_steps=4.*gradient_accumulation_steps=4.*Fix: remove `gradient_accumulation_steps`"):
+    with pytest.raises(
+        ValueError,
+        match=r"accumulation_steps=4.*gradient_accumulation_steps=4.*Fix: remove `gradient_accumulation_steps`",
+    ):
         model.compile(optimizer=optimizer, loss="mse")
 
 
@@ -79,9 +103,14 @@ def test_clipping_owned_twice_is_refused_under_loss_scaling():
         model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=2.0), loss="mse")
 
 
-@pytest.mark.parametrize("owner", [
-    {"global_clipnorm": 1.0}, {"clipnorm": 0.5}, {"gradient_accumulation_steps": 2},
-])
+@pytest.mark.parametrize(
+    "owner",
+    [
+        {"global_clipnorm": 1.0},
+        {"clipnorm": 0.5},
+        {"gradient_accumulation_steps": 2},
+    ],
+)
 def test_optimizer_options_alone_stay_allowed(owner):
     # One owner is fine: the optimizer clips or accumulates (and the model
     # does not), and the model then trains exactly as keras.Model with that
@@ -100,7 +129,9 @@ def test_optimizer_options_alone_stay_allowed(owner):
 
 
 def test_unknown_telemetry_key_is_refused():
-    with pytest.raises(ValueError, match=r"`keys` must be names from .*Received unknown names: \['grad_nrom'\]"):
+    with pytest.raises(
+        ValueError, match=r"`keys` must be names from .*Received unknown names: \['grad_nrom'\]"
+    ):
         fast().enable_telemetry(["grad_nrom"])
 
 
@@ -120,7 +151,10 @@ def test_xla_under_multi_worker_on_cpu_is_refused_clearly():
         num_replicas_in_sync=2,
         extended=SimpleNamespace(worker_devices=("/job:worker/replica:0/task:0/device:CPU:0",)),
     )
-    with pytest.raises(ValueError, match=r"`jit_compile=True` is not supported by TensorFlow under `MultiWorkerMirroredStrategy` on CPU devices.*Fix: compile with `jit_compile=False`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`jit_compile=True` is not supported by TensorFlow under `MultiWorkerMirroredStrategy` on CPU devices.*Fix: compile with `jit_compile=False`",
+    ):
         check_jit_compile_under_strategy(True, strategy)
     gpu = MultiWorkerMirroredStrategy(
         num_replicas_in_sync=2,
@@ -154,7 +188,10 @@ def test_a_misspelt_option_is_refused_with_the_closest_name():
         keras_fastgrad.FastGradSequential([inputs, keras.layers.Dense(1)], accumulation_step=2)
     with pytest.raises(TypeError, match=_TYPO.format("_Subclassed")):
         _Subclassed(accumulation_step=2)
-    with pytest.raises(TypeError, match=r"unknown option\(s\) \['accumulation_step'\].*Fix: did you mean `accumulation_steps`\?"):
+    with pytest.raises(
+        TypeError,
+        match=r"unknown option\(s\) \['accumulation_step'\].*Fix: did you mean `accumulation_steps`\?",
+    ):
         keras_fastgrad.fastgrad(keras.Model(inputs, outputs), accumulation_step=2)
     with pytest.raises(TypeError, match=r"`nmae` is not an argument.*Fix: did you mean `name`\?"):
         keras_fastgrad.FastGradModel(inputs, outputs, nmae="m")
@@ -170,26 +207,50 @@ def test_keras_own_keywords_stay_accepted():
     assert keras_fastgrad.FastGradSequential([inputs, keras.layers.Dense(1)], name="q").name == "q"
 
 
-@pytest.mark.parametrize("make", [
-    lambda **o: fast(**o),
-    lambda **o: _Subclassed(**o),
-    lambda **o: keras_fastgrad.FastGradSequential([keras.Input((3,)), keras.layers.Dense(1)], **o),
-    lambda **o: keras_fastgrad.fastgrad(mlp(keras.Model), **o),
-], ids=["functional", "subclassed", "sequential", "fastgrad"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **o: fast(**o),
+        lambda **o: _Subclassed(**o),
+        lambda **o: keras_fastgrad.FastGradSequential(
+            [keras.Input((3,)), keras.layers.Dense(1)], **o
+        ),
+        lambda **o: keras_fastgrad.fastgrad(mlp(keras.Model), **o),
+    ],
+    ids=["functional", "subclassed", "sequential", "fastgrad"],
+)
 @pytest.mark.parametrize("features", ["", "  "])
 def test_an_empty_multitask_features_is_refused_at_construction(make, features):
-    with pytest.raises(ValueError, match=rf"`multitask_features` must be None or a layer name \(a non-empty string\)\. Received: multitask_features={features!r}\. Fix:"):
+    with pytest.raises(
+        ValueError,
+        match=rf"`multitask_features` must be None or a layer name \(a non-empty string\)\. Received: multitask_features={features!r}\. Fix:",
+    ):
         make(multitask="pcgrad", multitask_space="features", multitask_features=features)
 
 
-@pytest.mark.parametrize("options", [
-    {"accumulation_steps": 3, "clip_norm": 2.0, "skip_nonfinite": False, "telemetry": True,
-     "micro_batches": 2, "max_consecutive_nonfinite": None},
-    {"multitask": "mgda", "multitask_space": "features", "multitask_features": "hidden",
-     "max_consecutive_nonfinite": 4},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {
+            "accumulation_steps": 3,
+            "clip_norm": 2.0,
+            "skip_nonfinite": False,
+            "telemetry": True,
+            "micro_batches": 2,
+            "max_consecutive_nonfinite": None,
+        },
+        {
+            "multitask": "mgda",
+            "multitask_space": "features",
+            "multitask_features": "hidden",
+            "max_consecutive_nonfinite": 4,
+        },
+    ],
+)
 def test_every_option_given_reaches_the_model(options):
     # `__init__` reads each option by name: none may be dropped on the way.
     stored = fast(**options).get_config()
     for name, value in options.items():
-        assert (stored[name] if name != "multitask" else stored[name]["class_name"].lower()) == value, name
+        assert (
+            stored[name] if name != "multitask" else stored[name]["class_name"].lower()
+        ) == value, name

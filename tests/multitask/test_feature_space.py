@@ -17,11 +17,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import mgda_np, pcgrad_np, run_mirrored_multitask
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask.feature_space import find_features
-from helpers import mgda_np, pcgrad_np, run_mirrored_multitask
 
 LR = 0.1
 TASKS = ("a", "b", "c")
@@ -32,8 +32,9 @@ def build(cls=keras_fastgrad.FastGradModel, num_tasks=2, regularizer=None, **opt
     """Input (3,) -> Dense(4, tanh) "trunk" -> one Dense(1) head per task."""
     keras.utils.set_random_seed(7)
     inputs = keras.Input((3,))
-    z = keras.layers.Dense(4, activation="tanh", name="trunk",
-                           kernel_regularizer=regularizer)(inputs)
+    z = keras.layers.Dense(4, activation="tanh", name="trunk", kernel_regularizer=regularizer)(
+        inputs
+    )
     outputs = {t: keras.layers.Dense(1, name=t)(z) for t in TASKS[:num_tasks]}
     if cls is not keras.Model:
         options.setdefault("multitask_space", "features")
@@ -42,9 +43,12 @@ def build(cls=keras_fastgrad.FastGradModel, num_tasks=2, regularizer=None, **opt
 
 def compiled(model, loss_weights=None, **kwargs):
     names = getattr(model, "output_names", None) or ["a", "b"]
-    model.compile(optimizer=keras.optimizers.SGD(LR),
-                  loss={t: "mse" for t in names},
-                  loss_weights=loss_weights, **kwargs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss={t: "mse" for t in names},
+        loss_weights=loss_weights,
+        **kwargs,
+    )
     return model
 
 
@@ -52,14 +56,18 @@ def make_data(n=8, num_tasks=2, signs=(1.0, -3.0, 2.0), seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 3)).astype("float32")
     base = x @ np.array([[1.0], [-2.0], [0.5]], "float32") + 1.0
-    return x, {t: (s * base + 0.3 * rng.normal(size=base.shape)).astype("float32")
-               for t, s in zip(TASKS[:num_tasks], signs)}
+    return x, {
+        t: (s * base + 0.3 * rng.normal(size=base.shape)).astype("float32")
+        for t, s in zip(TASKS[:num_tasks], signs)
+    }
 
 
 def weights_of(model):
     """{"layer/variable": value}: a subclass's paths lose the model's name."""
-    return {"/".join(v.path.split("/")[-2:]): v.numpy().astype("float64")
-            for v in model.trainable_variables}
+    return {
+        "/".join(v.path.split("/")[-2:]): v.numpy().astype("float64")
+        for v in model.trainable_variables
+    }
 
 
 # -------------------------------------------------------------- reference
@@ -77,8 +85,10 @@ def by_hand(model, x, y, loss_weights=None):
             loss = scale * tf.reduce_mean(tf.square(pred - y[t]))
         dz.append(tape.gradient(loss, z).numpy().astype("float64").ravel())
         g = tape.gradient(loss, w)
-        grads[t] = {p: (np.zeros(w[p].shape) if gi is None else gi.numpy().astype("float64"))
-                    for p, gi in g.items()}
+        grads[t] = {
+            p: (np.zeros(w[p].shape) if gi is None else gi.numpy().astype("float64"))
+            for p, gi in g.items()
+        }
     return np.stack(dz), grads
 
 
@@ -102,8 +112,7 @@ def expected_update(grads, w):
 
 def assert_step(before, after, gradient, rtol=1e-5, atol=1e-6):
     for p, g in gradient.items():
-        np.testing.assert_allclose(after[p], before[p] - LR * g, rtol=rtol, atol=atol,
-                                   err_msg=p)
+        np.testing.assert_allclose(after[p], before[p] - LR * g, rtol=rtol, atol=atol, err_msg=p)
 
 
 # ------------------------------------------------------------- the update
@@ -111,8 +120,7 @@ def assert_step(before, after, gradient, rtol=1e-5, atol=1e-6):
 @pytest.mark.parametrize("method", ["pcgrad", "mgda"])
 def test_two_tasks_update_is_weighted_sum_with_weights_from_z_gram(method, jit_compile):
     loss_weights = {"a": 1.0, "b": 0.4}
-    model = compiled(build(multitask=method, telemetry=True), loss_weights,
-                     jit_compile=jit_compile)
+    model = compiled(build(multitask=method, telemetry=True), loss_weights, jit_compile=jit_compile)
     x, y = make_data()
     dz, grads = by_hand(model, x, y, loss_weights)
     gram = dz @ dz.T
@@ -124,8 +132,9 @@ def test_two_tasks_update_is_weighted_sum_with_weights_from_z_gram(method, jit_c
     assert_step(before, weights_of(model), expected_update(grads, w))
     # The telemetry is the representation-space Gram matrix's.
     np.testing.assert_allclose(logs["task_grad_norm/a"], np.sqrt(gram[0, 0]), rtol=1e-5)
-    np.testing.assert_allclose(logs["task_cosine/a/b"],
-                               gram[0, 1] / np.sqrt(gram[0, 0] * gram[1, 1]), rtol=1e-4)
+    np.testing.assert_allclose(
+        logs["task_cosine/a/b"], gram[0, 1] / np.sqrt(gram[0, 0] * gram[1, 1]), rtol=1e-4
+    )
     assert logs["task_conflicts"] == 1.0
 
 
@@ -153,8 +162,10 @@ def test_three_tasks_pcgrad_is_algorithm1_for_some_order():
         matched = False
         for orders in candidates:
             expected = expected_update(grads, pcgrad_weights_np(dz, orders))
-            matched |= all(np.allclose(after[p], before[p] - LR * g, rtol=1e-5, atol=1e-6)
-                           for p, g in expected.items())
+            matched |= all(
+                np.allclose(after[p], before[p] - LR * g, rtol=1e-5, atol=1e-6)
+                for p, g in expected.items()
+            )
         assert matched, "the step matches no visiting order of Algorithm 1"
 
 
@@ -189,10 +200,10 @@ def test_a_variable_both_upstream_of_z_and_read_by_a_head():
     tied = keras.layers.Dense(3, use_bias=False, name="tied")
     z = keras.layers.Dense(4, activation="tanh", name="trunk")(tied(inputs))
     b_in = keras.layers.Concatenate()([z, tied(inputs)])
-    outputs = {"a": keras.layers.Dense(1, name="a")(z),
-               "b": keras.layers.Dense(1, name="b")(b_in)}
-    model = compiled(keras_fastgrad.FastGradModel(
-        inputs, outputs, multitask="mgda", multitask_space="features"))
+    outputs = {"a": keras.layers.Dense(1, name="a")(z), "b": keras.layers.Dense(1, name="b")(b_in)}
+    model = compiled(
+        keras_fastgrad.FastGradModel(inputs, outputs, multitask="mgda", multitask_space="features")
+    )
     assert find_features(model) == ("trunk", 0)
     x, y = make_data()
     w = {v.path: tf.constant(v.numpy()) for v in model.trainable_variables}
@@ -206,16 +217,22 @@ def test_a_variable_both_upstream_of_z_and_read_by_a_head():
             feed = z if t == "a" else tf.concat([z, x @ direct], 1)
             loss = tf.reduce_mean(tf.square(feed @ w[f"{t}/kernel"] + w[f"{t}/bias"] - y[t]))
         dz.append(tape.gradient(loss, z).numpy().astype("float64").ravel())
-        grads[t] = {p: (0.0 if g is None else g.numpy().astype("float64"))
-                    for p, g in tape.gradient(loss, w).items()}
+        grads[t] = {
+            p: (0.0 if g is None else g.numpy().astype("float64"))
+            for p, g in tape.gradient(loss, w).items()
+        }
         grads[t]["tied_direct"] = tape.gradient(loss, direct)
     dz = np.stack(dz)
     weights = mgda_np(dz @ dz.T)
     assert abs(weights[0] - weights[1]) > 0.05
-    expected = {p: sum(wt * grads[t][p] for wt, t in zip(weights, "ab"))
-                for p in ("tied/kernel", "trunk/kernel", "trunk/bias")}
+    expected = {
+        p: sum(wt * grads[t][p] for wt, t in zip(weights, "ab"))
+        for p in ("tied/kernel", "trunk/kernel", "trunk/bias")
+    }
     expected["tied/kernel"] = expected["tied/kernel"] + grads["b"]["tied_direct"].numpy()
-    expected.update({p: grads[p.split("/")[0]][p] for p in ("a/kernel", "a/bias", "b/kernel", "b/bias")})
+    expected.update(
+        {p: grads[p.split("/")[0]][p] for p in ("a/kernel", "a/bias", "b/kernel", "b/bias")}
+    )
     before = weights_of(model)
     model.train_on_batch(x, y)
     assert_step(before, weights_of(model), expected)
@@ -227,29 +244,41 @@ def test_z_is_the_deepest_tensor_every_output_depends_on():
     h = keras.layers.Dense(5, name="t1")(inputs)
     z = keras.layers.Dense(4, name="t2")(h)
     skip = keras.layers.Concatenate(name="skip")([z, h])  # head a also reads t1
-    outputs = [keras.layers.Dense(1, name="a")(keras.layers.Dense(2, name="a_hidden")(skip)),
-               keras.layers.Dense(1, name="b")(z)]
-    model = keras_fastgrad.FastGradModel(inputs, outputs, multitask="sum",
-                                         multitask_space="features")
+    outputs = [
+        keras.layers.Dense(1, name="a")(keras.layers.Dense(2, name="a_hidden")(skip)),
+        keras.layers.Dense(1, name="b")(z),
+    ]
+    model = keras_fastgrad.FastGradModel(
+        inputs, outputs, multitask="sum", multitask_space="features"
+    )
     assert find_features(model) == ("t2", 0)
 
 
 def test_outputs_sharing_no_layer_are_refused():
     inputs = keras.Input((3,))
     outputs = {t: keras.layers.Dense(1, name=t)(inputs) for t in "ab"}
-    model = compiled(keras_fastgrad.FastGradModel(
-        inputs, outputs, multitask="pcgrad", multitask_space="features"))
+    model = compiled(
+        keras_fastgrad.FastGradModel(
+            inputs, outputs, multitask="pcgrad", multitask_space="features"
+        )
+    )
     x, y = make_data()
-    with pytest.raises(ValueError, match=r"`multitask_space=\"features\"`.*share no layer"
-                       r".*Received: multitask_features=None\. Fix: "):
+    with pytest.raises(
+        ValueError,
+        match=r"`multitask_space=\"features\"`.*share no layer"
+        r".*Received: multitask_features=None\. Fix: ",
+    ):
         model.train_on_batch(x, y)
 
 
 def test_an_unknown_layer_name_is_refused():
     model = compiled(build(multitask="pcgrad", multitask_features="nope"))
     x, y = make_data()
-    with pytest.raises(ValueError, match=r"`multitask_features` must name a layer of the "
-                       r"model.*Received: multitask_features='nope'.*'trunk'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`multitask_features` must name a layer of the "
+        r"model.*Received: multitask_features='nope'.*'trunk'",
+    ):
         model.train_on_batch(x, y)
 
 
@@ -260,15 +289,25 @@ def test_a_layer_off_some_task_path_is_refused():
         model.train_on_batch(x, y)
 
 
-@pytest.mark.parametrize("options, error, match", [
-    (dict(multitask_space="feature"), ValueError, r"`multitask_space` must be one of"),
-    (dict(multitask_space=None), TypeError, r"`multitask_space` must be one of"),
-    (dict(multitask=None), ValueError, r"needs a multi-task method.*multitask=None"),
-    (dict(multitask_features=3), TypeError, r"`multitask_features` must be None or a layer"),
-    (dict(multitask_space="parameters", multitask_features="trunk"), ValueError,
-     r"Fix: pass `multitask_space=\"features\"`"),
-    (dict(micro_batches=2), ValueError, r"`micro_batches` and `multitask_space=.features.` cannot"),
-])
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        (dict(multitask_space="feature"), ValueError, r"`multitask_space` must be one of"),
+        (dict(multitask_space=None), TypeError, r"`multitask_space` must be one of"),
+        (dict(multitask=None), ValueError, r"needs a multi-task method.*multitask=None"),
+        (dict(multitask_features=3), TypeError, r"`multitask_features` must be None or a layer"),
+        (
+            dict(multitask_space="parameters", multitask_features="trunk"),
+            ValueError,
+            r"Fix: pass `multitask_space=\"features\"`",
+        ),
+        (
+            dict(micro_batches=2),
+            ValueError,
+            r"`micro_batches` and `multitask_space=.features.` cannot",
+        ),
+    ],
+)
 def test_options_are_validated(options, error, match):
     options = {"multitask": "pcgrad", **options}
     with pytest.raises(error, match=match):
@@ -289,8 +328,7 @@ class TwoHeads(keras_fastgrad.FastGradModel):
 
 def test_subclassed_model_with_a_named_layer():
     functional = build(multitask="pcgrad")
-    model = TwoHeads(multitask="pcgrad", multitask_space="features",
-                     multitask_features="trunk")
+    model = TwoHeads(multitask="pcgrad", multitask_space="features", multitask_features="trunk")
     model(np.zeros((1, 3), "float32"))
     for layer in ("trunk", "a", "b"):
         getattr(model, layer).set_weights(functional.get_layer(layer).get_weights())
@@ -327,8 +365,9 @@ def test_unbuilt_subclass_with_a_custom_trunk_layer():
             z = self.trunk(x)
             return {"a": self.a(z), "b": self.b(z)}
 
-    model = compiled(Model(multitask="mgda", multitask_space="features",
-                           multitask_features="trunk"))
+    model = compiled(
+        Model(multitask="mgda", multitask_space="features", multitask_features="trunk")
+    )
     x, y = make_data()
     model.train_on_batch(x, y)
     assert all(np.isfinite(w).all() for w in weights_of(model).values())
@@ -337,8 +376,9 @@ def test_unbuilt_subclass_with_a_custom_trunk_layer():
 def test_fastgrad_gives_a_plain_model_the_features_space_step():
     x, y = make_data()
     model = compiled(build(multitask="mgda"))
-    plain = keras_fastgrad.fastgrad(compiled(build(keras.Model)), multitask="mgda",
-                                    multitask_space="features")
+    plain = keras_fastgrad.fastgrad(
+        compiled(build(keras.Model)), multitask="mgda", multitask_space="features"
+    )
     assert plain.get_config()["multitask_space"] == "features"
     for m in (model, plain):
         m.train_on_batch(x, y)
@@ -379,8 +419,10 @@ def test_mixed_float16_unscales_once():
     expected = expected_update(grads, mgda_np(dz @ dz.T))
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = build(multitask="mgda", telemetry=True)
-    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(LR), initial_scale=64.0), loss={"a": "mse", "b": "mse"})
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=64.0),
+        loss={"a": "mse", "b": "mse"},
+    )
     before = weights_of(model)
     logs = model.train_on_batch(x, y, return_dict=True)
     assert logs["nonfinite_count"] == 0.0 and logs["loss_scale"] == 64.0

@@ -38,8 +38,7 @@ REACHING = [(0, 1, 2), (0, 1), (2,), (1, 2), ()]
 def _gradients(seed=0):
     rng = np.random.default_rng(seed)
     values = [
-        [rng.normal(size=s) if t in r else None for s, r in zip(SHAPES, REACHING)]
-        for t in range(3)
+        [rng.normal(size=s) if t in r else None for s, r in zip(SHAPES, REACHING)] for t in range(3)
     ]
     per_task = []
     for t in range(3):
@@ -48,10 +47,13 @@ def _gradients(seed=0):
             if v is None:
                 row.append(None)
             elif k == 3:  # rows 1, 4 and 6 of a 7-vector, as an embedding lookup
-                row.append(tf.IndexedSlices(
-                    tf.constant(v[[1, 4, 6]], tf.float32), tf.constant([1, 4, 6]),
-                    tf.constant([7]),
-                ))
+                row.append(
+                    tf.IndexedSlices(
+                        tf.constant(v[[1, 4, 6]], tf.float32),
+                        tf.constant([1, 4, 6]),
+                        tf.constant([7]),
+                    )
+                )
                 values[t][k] = np.where(np.isin(np.arange(7), [1, 4, 6]), v, 0.0)
             else:
                 row.append(tf.constant(v, tf.float32))
@@ -94,8 +96,9 @@ def test_merge_matches_numpy_for_partly_shared_and_sparse_gradients():
         if want is None:
             assert got is None
         else:
-            np.testing.assert_allclose(tf.convert_to_tensor(got).numpy(), want,
-                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                tf.convert_to_tensor(got).numpy(), want, rtol=1e-5, atol=1e-5
+            )
 
 
 def test_merge_with_grad_scale_divides_the_gram_only():
@@ -113,8 +116,7 @@ def test_merge_with_grad_scale_divides_the_gram_only():
 
 
 # ---------------------------------------------------------------- the graph
-VIEWS = {"Reshape", "Identity", "Placeholder", "Squeeze", "ExpandDims",
-         "ReadVariableOp", "Const"}
+VIEWS = {"Reshape", "Identity", "Placeholder", "Squeeze", "ExpandDims", "ReadVariableOp", "Const"}
 
 
 def _merge_graph(num_tasks=4, shapes=((300, 200), (200,), (200, 100), (100,))):
@@ -141,8 +143,10 @@ def test_merge_writes_at_most_one_copy_of_the_task_gradients():
     smallest = min(int(np.prod(s)) for s in shapes)
     written = sum(
         _size(out)
-        for op in graph.get_operations() if op.type not in VIEWS
-        for out in op.outputs if out.dtype.is_floating and _size(out) >= smallest
+        for op in graph.get_operations()
+        if op.type not in VIEWS
+        for out in op.outputs
+        if out.dtype.is_floating and _size(out) >= smallest
     )
     # The `[T, P_k]` stack of each shared variable and the merged gradient.
     assert written <= (num_tasks + 1) * total, written

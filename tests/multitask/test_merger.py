@@ -14,11 +14,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import needs_multi_replica_keras, pcgrad_np, run_mirrored_multitask
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses
-from helpers import needs_multi_replica_keras, pcgrad_np, run_mirrored_multitask
 
 LR = 0.1
 TASKS = ("a", "b", "c")
@@ -29,9 +29,9 @@ def build(cls=keras_fastgrad.FastGradModel, num_tasks=2, regularizer=None, **opt
     """Input (3,) -> shared Dense(4, tanh) "trunk" -> one Dense(1) head per task."""
     keras.utils.set_random_seed(7)
     inputs = keras.Input((3,))
-    hidden = keras.layers.Dense(
-        4, activation="tanh", name="trunk", kernel_regularizer=regularizer
-    )(inputs)
+    hidden = keras.layers.Dense(4, activation="tanh", name="trunk", kernel_regularizer=regularizer)(
+        inputs
+    )
     outputs = {t: keras.layers.Dense(1, name=t)(hidden) for t in TASKS[:num_tasks]}
     return cls(inputs, outputs, **options)
 
@@ -161,9 +161,7 @@ def test_pcgrad_two_conflicting_tasks_match_algorithm1(jit_compile):
     norms = np.linalg.norm(J, axis=1)
     np.testing.assert_allclose(logs["task_grad_norm/a"], norms[0], rtol=1e-5)
     np.testing.assert_allclose(logs["task_grad_norm/b"], norms[1], rtol=1e-5)
-    np.testing.assert_allclose(
-        logs["task_cosine/a/b"], J[0] @ J[1] / norms.prod(), rtol=1e-4
-    )
+    np.testing.assert_allclose(logs["task_cosine/a/b"], J[0] @ J[1] / norms.prod(), rtol=1e-4)
     assert logs["task_conflicts"] == 1.0
 
 
@@ -189,9 +187,7 @@ def test_three_tasks_each_step_is_algorithm1_for_some_order_and_orders_vary():
     x, y = make_data(num_tasks=3)
     mask = shared_mask(model)
     others = [[j for j in range(3) if j != i] for i in range(3)]
-    candidates = list(
-        itertools.product(*[list(itertools.permutations(o)) for o in others])
-    )
+    candidates = list(itertools.product(*[list(itertools.permutations(o)) for o in others]))
     matched_per_step = []
     for _ in range(8):
         grads = task_gradients(reference_model(model), x, y)
@@ -200,18 +196,14 @@ def test_three_tasks_each_step_is_algorithm1_for_some_order_and_orders_vary():
         before = weights_of(model)
         model.train_on_batch(x, y)
         step = (flat(before, mask) - flat(weights_of(model), mask)) / LR
-        matched = {
-            k for k, r in enumerate(results) if np.allclose(step, r, rtol=1e-4, atol=1e-6)
-        }
+        matched = {k for k, r in enumerate(results) if np.allclose(step, r, rtol=1e-4, atol=1e-6)}
         assert matched, "the step matches no visiting order of Algorithm 1"
         distinct = {tuple(np.round(r, 5)) for r in results}
         if len(distinct) > 1:  # orders matter at this step
             matched_per_step.append(matched)
     assert len(matched_per_step) >= 4
     # The orders vary: two steps whose results fit disjoint sets of orders.
-    assert any(
-        not (a & b) for a, b in itertools.combinations(matched_per_step, 2)
-    )
+    assert any(not (a & b) for a, b in itertools.combinations(matched_per_step, 2))
 
 
 def test_tug_of_war_pcgrad_lowers_both_losses_where_the_sum_raises_one():
@@ -222,16 +214,23 @@ def test_tug_of_war_pcgrad_lowers_both_losses_where_the_sum_raises_one():
 
     def tug(multitask):
         inputs = keras.Input((1,))
-        theta = keras.layers.Dense(2, use_bias=False, kernel_initializer="zeros",
-                                   name="theta")(inputs)
+        theta = keras.layers.Dense(2, use_bias=False, kernel_initializer="zeros", name="theta")(
+            inputs
+        )
         heads = {}
         for name, kernel in (("t1", [[-10.0], [0.0]]), ("t2", [[1.0], [-1.0]])):
-            head = keras.layers.Dense(1, use_bias=False, trainable=False, name=name,
-                                      kernel_initializer=keras.initializers.Constant(kernel))
+            head = keras.layers.Dense(
+                1,
+                use_bias=False,
+                trainable=False,
+                name=name,
+                kernel_initializer=keras.initializers.Constant(kernel),
+            )
             heads[name] = head(theta)
         model = keras_fastgrad.FastGradModel(inputs, heads, multitask=multitask)
-        model.compile(optimizer=keras.optimizers.SGD(LR),
-                      loss={"t1": loss_is_output, "t2": loss_is_output})
+        model.compile(
+            optimizer=keras.optimizers.SGD(LR), loss={"t1": loss_is_output, "t2": loss_is_output}
+        )
         return model
 
     x = np.ones((4, 1), "float32")
@@ -351,18 +350,14 @@ def test_mixed_float16_unscales_once_before_merging():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = build(multitask="pcgrad", telemetry=True)
     model.compile(
-        optimizer=keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.SGD(LR), initial_scale=64.0
-        ),
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=64.0),
         loss={"a": "mse", "b": "mse"},
     )
     before = weights_of(model)
     logs = model.train_on_batch(x, y, return_dict=True)
     assert logs["nonfinite_count"] == 0.0 and logs["loss_scale"] == 64.0
     assert_step(before, weights_of(model), expected, rtol=2e-2, atol=2e-3)
-    np.testing.assert_allclose(
-        logs["task_grad_norm/a"], np.linalg.norm(J[0]), rtol=2e-2
-    )
+    np.testing.assert_allclose(logs["task_grad_norm/a"], np.linalg.norm(J[0]), rtol=2e-2)
     history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
     for w in weights_of(model):
         assert np.all(np.isfinite(w))
@@ -427,7 +422,9 @@ def test_subclassed_single_output_is_refused_at_the_first_step():
     model = One(multitask="pcgrad")
     model(np.ones((2, 3), "float32"))
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"needs at least two task losses.*This model has 1 task loss"):
+    with pytest.raises(
+        ValueError, match=r"needs at least two task losses.*This model has 1 task loss"
+    ):
         model.train_on_batch(np.ones((2, 3), "float32"), np.ones((2, 1), "float32"))
 
 

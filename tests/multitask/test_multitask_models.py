@@ -14,9 +14,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import mgda_np
 
 import keras_fastgrad
-from helpers import mgda_np
 
 LR = 0.05
 
@@ -42,8 +42,10 @@ def sequence_data(n, seed=0, sign=-1.0):
     for i, length in enumerate(lengths):
         x[i, length:] = 0  # padding
     base = np.cumsum(x, axis=1)[..., None].astype("float32") / 20.0
-    y = {"a": base + 0.1 * rng.normal(size=base.shape).astype("float32"),
-         "b": sign * 2.0 * base + 0.1 * rng.normal(size=base.shape).astype("float32")}
+    y = {
+        "a": base + 0.1 * rng.normal(size=base.shape).astype("float32"),
+        "b": sign * 2.0 * base + 0.1 * rng.normal(size=base.shape).astype("float32"),
+    }
     return x, y
 
 
@@ -56,8 +58,11 @@ def conv_net(**options):
     z = keras.layers.Conv2D(4, 3, padding="same", activation="tanh", name="conv2")(h)
     heads = {t: keras.layers.Conv2D(1, 1, name=t)(z) for t in ("a", "b")}
     model = keras_fastgrad.FastGradModel(images, heads, **options)
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss={"a": "mse", "b": "mse"},
-                  loss_weights={"a": 1.0, "b": 0.7})
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss={"a": "mse", "b": "mse"},
+        loss_weights={"a": 1.0, "b": 0.7},
+    )
     return model
 
 
@@ -70,8 +75,10 @@ def image_data(model, n=6, seed=1):
     base = x.sum(axis=-1, keepdims=True)
     k_a, k_b = (model.get_layer(t).kernel.numpy().ravel() for t in ("a", "b"))
     sign = -np.sign(k_a @ k_b)
-    return x, {"a": base + 0.2 * rng.normal(size=base.shape).astype("float32"),
-               "b": sign * 1.5 * base + 0.2 * rng.normal(size=base.shape).astype("float32")}
+    return x, {
+        "a": base + 0.2 * rng.normal(size=base.shape).astype("float32"),
+        "b": sign * 1.5 * base + 0.2 * rng.normal(size=base.shape).astype("float32"),
+    }
 
 
 def weights(model):
@@ -121,8 +128,12 @@ def _features_reference(trunk, trunk_vars, heads, x, y, loss_fns):
             tape.watch(z)
             loss = loss_fns[t](y[t], head(z))
         dz.append(tape.gradient(loss, z).numpy().astype("float64").ravel())
-        per_task.append([tf.convert_to_tensor(g).numpy().astype("float64")
-                         for g in tape.gradient(loss, trunk_vars)])
+        per_task.append(
+            [
+                tf.convert_to_tensor(g).numpy().astype("float64")
+                for g in tape.gradient(loss, trunk_vars)
+            ]
+        )
         for v, g in zip(head.trainable_variables, tape.gradient(loss, head.trainable_variables)):
             head_grads[v.path] = g.numpy().astype("float64")
     dz = np.stack(dz)
@@ -141,8 +152,9 @@ def _check_features_step(model, trunk, trunk_vars, heads, x, y, loss_fns):
         expected = before[v.path] - LR * sum(wt * g[k] for wt, g in zip(w, per_task))
         np.testing.assert_allclose(after[v.path], expected, rtol=1e-4, atol=1e-6, err_msg=v.path)
     for path, g in head_grads.items():
-        np.testing.assert_allclose(after[path], before[path] - LR * g, rtol=1e-4, atol=1e-6,
-                                   err_msg=path)
+        np.testing.assert_allclose(
+            after[path], before[path] - LR * g, rtol=1e-4, atol=1e-6, err_msg=path
+        )
 
 
 def test_features_space_on_a_conv_trunk_with_per_pixel_losses():
@@ -153,11 +165,16 @@ def test_features_space_on_a_conv_trunk_with_per_pixel_losses():
     scale = {"a": 1.0, "b": 0.7}
     # "mse" per pixel (mean over the channel axis), then the mean over
     # batch, height and width; times the loss weight.
-    loss_fns = {t: (lambda yt, p, t=t: scale[t] * tf.reduce_mean(tf.square(p - yt)))
-                for t in heads}
-    _check_features_step(model, lambda images: conv2(conv1(images)),
-                         conv1.trainable_variables + conv2.trainable_variables,
-                         heads, tf.constant(x), y, loss_fns)
+    loss_fns = {t: (lambda yt, p, t=t: scale[t] * tf.reduce_mean(tf.square(p - yt))) for t in heads}
+    _check_features_step(
+        model,
+        lambda images: conv2(conv1(images)),
+        conv1.trainable_variables + conv2.trainable_variables,
+        heads,
+        tf.constant(x),
+        y,
+        loss_fns,
+    )
 
 
 def test_features_space_on_a_masked_gru():
@@ -178,5 +195,8 @@ def test_features_space_on_a_masked_gru():
         model,
         lambda tokens: gru(embed(tokens), mask=tf.not_equal(tokens, 0)),  # the padding mask
         embed.trainable_variables + gru.trainable_variables,
-        heads, tf.constant(x), y, {t: masked_mse for t in heads},
+        heads,
+        tf.constant(x),
+        y,
+        {t: masked_mse for t in heads},
     )

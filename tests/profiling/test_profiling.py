@@ -10,8 +10,8 @@ import pytest
 import tensorflow as tf
 
 import keras_fastgrad
-from keras_fastgrad.profiling import _runs
 from keras_fastgrad.profiling import __main__ as profile_cli
+from keras_fastgrad.profiling import _runs
 from keras_fastgrad.profiling.measure import PhaseTimes, StepProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,8 +25,9 @@ def mlp(cls=keras_fastgrad.FastGradModel, features=4, width=8, depth=1, **option
     for _ in range(depth):
         h = keras.layers.Dense(width, activation="relu")(h)
     model = cls(inputs, keras.layers.Dense(3)(h), **options)
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return model
 
 
@@ -52,14 +53,15 @@ SubclassedKeras = subclassed(keras.Model)
 
 def batch(n=16, features=4, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(n, features)).astype("float32"),
-            rng.integers(0, 3, size=(n,)).astype("int32"))
+    return (
+        rng.normal(size=(n, features)).astype("float32"),
+        rng.integers(0, 3, size=(n,)).astype("int32"),
+    )
 
 
 def state_of(model):
     """Every value a train step can change."""
-    variables = (model.variables + model.optimizer.variables
-                 + model.metrics_variables)
+    variables = model.variables + model.optimizer.variables + model.metrics_variables
     if isinstance(model, keras_fastgrad.FastGradModel):
         variables += model.fastgrad_step_state.variables
     return [np.array(v.numpy()) for v in variables]
@@ -69,7 +71,8 @@ def state_of(model):
 def test_phases_are_ordered_on_a_model_big_enough(cls):
     model = mlp(cls, features=256, width=512, depth=3)
     result = keras_fastgrad.profile_step(
-        model, batch(128, 256), modes=("function",), repeats=9, warmup=2, verbose=0)
+        model, batch(128, 256), modes=("function",), repeats=9, warmup=2, verbose=0
+    )
     t = result.phases["function"]
     # Medians of interleaved rounds; 5% slack for a shared machine.
     assert t.forward_ms < t.forward_backward_ms * 1.05, t
@@ -79,21 +82,30 @@ def test_phases_are_ordered_on_a_model_big_enough(cls):
     assert result.traces == 1
 
 
-@pytest.mark.parametrize("model_fn", [
-    lambda: mlp(),
-    lambda: mlp(keras.Model),
-    lambda: SubclassedFast(),
-    lambda: SubclassedKeras(),
-], ids=["functional-fastgrad", "functional-keras", "subclassed-fastgrad",
-        "subclassed-keras"])
+@pytest.mark.parametrize(
+    "model_fn",
+    [
+        lambda: mlp(),
+        lambda: mlp(keras.Model),
+        lambda: SubclassedFast(),
+        lambda: SubclassedKeras(),
+    ],
+    ids=["functional-fastgrad", "functional-keras", "subclassed-fastgrad", "subclassed-keras"],
+)
 def test_runs_on_functional_and_subclassed_models(model_fn):
     model = model_fn()
     if not model.compiled:
-        model.compile(optimizer="adam",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     result = keras_fastgrad.profile_step(
-        model, batch(), modes=("eager", "function", "mixed_bfloat16"), repeats=2,
-        warmup=1, verbose=0)
+        model,
+        batch(),
+        modes=("eager", "function", "mixed_bfloat16"),
+        repeats=2,
+        warmup=1,
+        verbose=0,
+    )
     assert list(result.phases) == ["eager", "function", "mixed_bfloat16"], result.skipped
     assert result.tape_variables == result.trainable_variables == 4
     assert result.traces == 1
@@ -110,14 +122,16 @@ def test_weights_and_optimizer_state_are_unchanged(cls):
     h = keras.layers.Dropout(0.5)(h)
     options = {"accumulation_steps": 2} if cls is keras_fastgrad.FastGradModel else {}
     model = cls(inputs, keras.layers.Dense(3)(h), **options)
-    model.compile(optimizer="adam", metrics=["accuracy"],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer="adam",
+        metrics=["accuracy"],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     x, y = batch()
     model.fit(x, y, batch_size=8, verbose=0)  # optimizer state is not zero
     before = state_of(model)
     modes = ("eager", "function")  # XLA: same restore; it runs in the CLI test
-    result = keras_fastgrad.profile_step(
-        model, (x, y), modes=modes, repeats=2, warmup=1, verbose=0)
+    result = keras_fastgrad.profile_step(model, (x, y), modes=modes, repeats=2, warmup=1, verbose=0)
     assert set(result.phases) == set(modes), result.skipped
     after = state_of(model)
     assert len(after) == len(before)
@@ -130,8 +144,8 @@ def test_global_dtype_policy_is_restored(monkeypatch):
     model = mlp()
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     result = keras_fastgrad.profile_step(
-        model, batch(), modes=("function", "mixed_float16"), repeats=1, warmup=1,
-        verbose=0)
+        model, batch(), modes=("function", "mixed_float16"), repeats=1, warmup=1, verbose=0
+    )
     assert "mixed_float16" in result.phases, result.skipped
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
 
@@ -140,8 +154,8 @@ def test_global_dtype_policy_is_restored(monkeypatch):
 
     monkeypatch.setattr(keras.saving, "deserialize_keras_object", broken)
     result = keras_fastgrad.profile_step(
-        model, batch(), modes=("function", "mixed_float16"), repeats=1, warmup=1,
-        verbose=0)
+        model, batch(), modes=("function", "mixed_float16"), repeats=1, warmup=1, verbose=0
+    )
     assert "cannot rebuild" in result.skipped["mixed_float16"]
     assert list(result.phases) == ["function"]
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
@@ -165,7 +179,8 @@ def test_dataset_input_is_timed_and_short_batches_are_noticed():
     x, y = batch(10)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # 4, 4, 2
     result = keras_fastgrad.profile_step(
-        mlp(), dataset, modes=("function",), repeats=6, warmup=1, verbose=0)
+        mlp(), dataset, modes=("function",), repeats=6, warmup=1, verbose=0
+    )
     assert result.batch_size == 4
     assert result.data_ms > 0
     assert result.data_shapes == 2
@@ -177,10 +192,12 @@ def test_keras_tape_watches_frozen_variables_fastgrad_does_not():
     for cls, watched in ((keras.Model, 4), (keras_fastgrad.FastGradModel, 2)):
         model = mlp(cls)
         model.layers[1].trainable = False
-        model.compile(optimizer="adam",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         result = keras_fastgrad.profile_step(
-            model, batch(), modes=("function",), repeats=1, warmup=1, verbose=0)
+            model, batch(), modes=("function",), repeats=1, warmup=1, verbose=0
+        )
         assert (result.tape_variables, result.trainable_variables) == (watched, 2)
         advice = " ".join(result.recommendations())
         assert ("tape watches 4 variables" in advice) == (cls is keras.Model)
@@ -188,10 +205,17 @@ def test_keras_tape_watches_frozen_variables_fastgrad_does_not():
 
 def synthetic_profile(**changes):
     fields = dict(
-        model_name="m", model_class="Functional", batch_size=32, repeats=5,
-        warmup=1, skipped={}, traces=1, tape_variables=4, trainable_variables=4,
-        phases={"eager": PhaseTimes(10.0, 30.0, 40.0),
-                "function": PhaseTimes(1.0, 3.0, 4.0)})
+        model_name="m",
+        model_class="Functional",
+        batch_size=32,
+        repeats=5,
+        warmup=1,
+        skipped={},
+        traces=1,
+        tape_variables=4,
+        trainable_variables=4,
+        phases={"eager": PhaseTimes(10.0, 30.0, 40.0), "function": PhaseTimes(1.0, 3.0, 4.0)},
+    )
     fields.update(changes)
     return StepProfile(**fields)
 
@@ -200,21 +224,43 @@ RECOMMENDATION_CASES = [
     ({}, "No bottleneck found"),
     ({"phases": {"function": PhaseTimes(1.0, 5.0, 6.0)}}, "Backward takes 4.0x"),
     ({"phases": {"function": PhaseTimes(1.0, 0.8, 2.0)}}, "Timings are noisy"),
-    ({"phases": {"function": PhaseTimes(1.0, 2.0, 5.0)}}, "update (step - forward - backward) takes 60%"),
+    (
+        {"phases": {"function": PhaseTimes(1.0, 2.0, 5.0)}},
+        "update (step - forward - backward) takes 60%",
+    ),
     ({"traces": 3}, "traced 3 times"),
     ({"data_ms": 9.0, "data_shapes": 1}, "input pipeline is slower than the step"),
     ({"tape_variables": 6}, "tape watches 6 variables"),
     ({"model_mode": "eager"}, "`run_eagerly=False`"),
-    ({"phases": {"function": PhaseTimes(1.0, 3.0, 4.0),
-                 "xla": PhaseTimes(1.0, 2.0, 2.0)}}, "XLA makes the step 2.00x faster"),
-    ({"model_mode": "xla", "phases": {"function": PhaseTimes(1.0, 3.0, 4.0),
-                                      "xla": PhaseTimes(1.0, 3.0, 8.0)}}, "`jit_compile=False`"),
-    ({"phases": {"function": PhaseTimes(1.0, 3.0, 4.0),
-                 "mixed_float16": PhaseTimes(90.0, 95.0, 100.0)}},
-     "mixed_float16 is slower on this device (0.04x"),
-    ({"phases": {"function": PhaseTimes(1.0, 3.0, 4.0),
-                 "mixed_bfloat16": PhaseTimes(0.5, 1.5, 2.0)}},
-     "set_global_policy('mixed_bfloat16')"),
+    (
+        {"phases": {"function": PhaseTimes(1.0, 3.0, 4.0), "xla": PhaseTimes(1.0, 2.0, 2.0)}},
+        "XLA makes the step 2.00x faster",
+    ),
+    (
+        {
+            "model_mode": "xla",
+            "phases": {"function": PhaseTimes(1.0, 3.0, 4.0), "xla": PhaseTimes(1.0, 3.0, 8.0)},
+        },
+        "`jit_compile=False`",
+    ),
+    (
+        {
+            "phases": {
+                "function": PhaseTimes(1.0, 3.0, 4.0),
+                "mixed_float16": PhaseTimes(90.0, 95.0, 100.0),
+            }
+        },
+        "mixed_float16 is slower on this device (0.04x",
+    ),
+    (
+        {
+            "phases": {
+                "function": PhaseTimes(1.0, 3.0, 4.0),
+                "mixed_bfloat16": PhaseTimes(0.5, 1.5, 2.0),
+            }
+        },
+        "set_global_policy('mixed_bfloat16')",
+    ),
 ]
 
 
@@ -273,7 +319,8 @@ def test_every_mode_skipped_still_reports(monkeypatch):
     model = mlp()
     monkeypatch.setattr(_runs, "mixed_precision_clone", broken)
     result = keras_fastgrad.profile_step(
-        model, batch(), modes=("mixed_bfloat16",), repeats=2, warmup=1, verbose=0)
+        model, batch(), modes=("mixed_bfloat16",), repeats=2, warmup=1, verbose=0
+    )
     assert result.phases == {} and result.traces is None
     assert "skipped" in result.table()
     assert result.recommendations() == ["No bottleneck found by these checks."]
@@ -281,21 +328,31 @@ def test_every_mode_skipped_still_reports(monkeypatch):
 
 def test_array_batch_size_takes_the_first_samples():
     result = keras_fastgrad.profile_step(
-        mlp(), batch(64), batch_size=8, modes=("function",), repeats=1, warmup=1,
-        verbose=0)
+        mlp(), batch(64), batch_size=8, modes=("function",), repeats=1, warmup=1, verbose=0
+    )
     assert result.batch_size == 8
 
 
 def test_cli_profiles_a_saved_model(tmp_path, capsys):
-    for loss, name in (("mse", "dense.keras"),
-                       (keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                        "sparse.keras")):
+    for loss, name in (
+        ("mse", "dense.keras"),
+        (keras.losses.SparseCategoricalCrossentropy(from_logits=True), "sparse.keras"),
+    ):
         inputs = keras.Input((5,))
         model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
         model.compile(optimizer="sgd", loss=loss)
         model.save(str(tmp_path / name))
-        result = profile_cli.main(["--model", str(tmp_path / name), "--modes",
-                                   "function", "--batch-size", "16", "--quick"])
+        result = profile_cli.main(
+            [
+                "--model",
+                str(tmp_path / name),
+                "--modes",
+                "function",
+                "--batch-size",
+                "16",
+                "--quick",
+            ]
+        )
         assert result.batch_size == 16 and "function" in result.phases
     assert "Recommendations:" in capsys.readouterr().out
 
@@ -306,12 +363,31 @@ def test_cli_runs_quick_and_writes_the_png(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run(
         # Two rounds: mixed_float16 takes ~0.4 s a call on a CPU.
-        [sys.executable, "-m", "keras_fastgrad.profile", "--quick", "--repeats", "2",
-         "--png", str(png)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "keras_fastgrad.profile",
+            "--quick",
+            "--repeats",
+            "2",
+            "--png",
+            str(png),
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    for text in ("builtin_mlp", "tf.function + XLA", "mixed_float16", "input pipeline",
-                 "traces of the compiled step: 1", "Recommendations:"):
+    for text in (
+        "builtin_mlp",
+        "tf.function + XLA",
+        "mixed_float16",
+        "input pipeline",
+        "traces of the compiled step: 1",
+        "Recommendations:",
+    ):
         assert text in done.stdout, done.stdout
     assert "skipped" not in done.stdout, done.stdout  # every mode ran, XLA included
     with open(png, "rb") as f:
@@ -319,18 +395,30 @@ def test_cli_runs_quick_and_writes_the_png(tmp_path):
 
 
 @pytest.mark.slow  # a fresh process
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "missing.keras"],
-     "`--model` must be the path of an existing `.keras` file. "
-     "Received: --model='missing.keras' (no such file)"),
-    (["--repeats", "0"],
-     "`--repeats` must be an integer >= 1 (timed rounds). Received: --repeats=0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model", "missing.keras"],
+            "`--model` must be the path of an existing `.keras` file. "
+            "Received: --model='missing.keras' (no such file)",
+        ),
+        (
+            ["--repeats", "0"],
+            "`--repeats` must be an integer >= 1 (timed rounds). Received: --repeats=0",
+        ),
+    ],
+)
 def test_cli_bad_argument_is_one_clean_error_with_status_2(tmp_path, argv, message):
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run(
         [sys.executable, "-m", "keras_fastgrad.profile", *argv],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr
     error_lines = [line for line in done.stderr.splitlines() if ": error: " in line]
@@ -339,12 +427,27 @@ def test_cli_bad_argument_is_one_clean_error_with_status_2(tmp_path, argv, messa
     assert done.stdout == ""
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--warmup", "0"], "`--warmup` must be an integer >= 1 (untimed calls per function). Received: --warmup=0"),
-    (["--batch-size", "-3"], "`--batch-size` must be an integer >= 1 (samples per profiled batch). Received: --batch-size=-3"),
-    (["--modes", "xla,fast"], "`--modes` must be a comma-separated list of names from eager,function,xla,mixed_float16,mixed_bfloat16. Received: --modes='xla,fast' (unknown: fast)"),
-    (["--model", "."], "`--model` must be the path of an existing `.keras` file. Received: --model='.' (a directory)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--warmup", "0"],
+            "`--warmup` must be an integer >= 1 (untimed calls per function). Received: --warmup=0",
+        ),
+        (
+            ["--batch-size", "-3"],
+            "`--batch-size` must be an integer >= 1 (samples per profiled batch). Received: --batch-size=-3",
+        ),
+        (
+            ["--modes", "xla,fast"],
+            "`--modes` must be a comma-separated list of names from eager,function,xla,mixed_float16,mixed_bfloat16. Received: --modes='xla,fast' (unknown: fast)",
+        ),
+        (
+            ["--model", "."],
+            "`--model` must be the path of an existing `.keras` file. Received: --model='.' (a directory)",
+        ),
+    ],
+)
 def test_cli_other_bad_arguments_exit_2_before_loading_anything(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         profile_cli.parse_args(argv)

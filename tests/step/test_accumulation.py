@@ -33,7 +33,8 @@ def three_variables():
 def sparse_rows(values, indices, rows=4):
     values = np.asarray(values, np.float32)
     slices = tf.IndexedSlices(
-        tf.constant(values), tf.constant(indices, tf.int64),
+        tf.constant(values),
+        tf.constant(indices, tf.int64),
         tf.constant([rows, values.shape[1]], tf.int64),
     )
     dense = np.zeros((rows, values.shape[1]), np.float64)
@@ -79,8 +80,11 @@ class TestWindowAccumulator:
         done = []
         for (kernel, bias), table, table_dense, d in micro_batches():
             # the step passes gradients already multiplied by D_j
-            weighted = [tf.constant(kernel * d), tf.constant(bias * d),
-                        tf.IndexedSlices(table.values * d, table.indices, table.dense_shape)]
+            weighted = [
+                tf.constant(kernel * d),
+                tf.constant(bias * d),
+                tf.IndexedSlices(table.values * d, table.indices, table.dense_shape),
+            ]
             done.append(bool(acc.add(weighted, tf.constant(d), tf.constant(True))))
             sums = [s + w for s, w in zip(sums, [kernel * d, bias * d, table_dense * d])]
             normaliser += d
@@ -142,8 +146,11 @@ class TestWindowAccumulator:
         acc.build(variables)
         ran = []
         good = [tf.ones([2, 3]), tf.ones([3]), sparse_rows([[1.0, 1.0]], [1])[0]]
-        bad = [tf.fill([2, 3], NAN), tf.constant([INF, 0.0, 0.0]),
-               sparse_rows([[NAN, 1.0]], [2])[0]]
+        bad = [
+            tf.fill([2, 3], NAN),
+            tf.constant([INF, 0.0, 0.0]),
+            sparse_rows([[NAN, 1.0]], [2])[0],
+        ]
         assert not bool(acc.add(good, 5.0, tf.constant(True), otherwise=lambda: ran.append(1)))
         assert ran == []
         assert not bool(acc.add(bad, 7.0, tf.constant(False), otherwise=lambda: ran.append(2)))
@@ -214,8 +221,9 @@ class TestWindowAccumulator:
         @tf.function
         def add(kernel, bias, values, indices, d, include):
             table = tf.IndexedSlices(values, indices, tf.constant([4, 2], tf.int64))
-            return acc.add([kernel, bias, table], d, include,
-                           otherwise=lambda: skipped.assign_add(1))
+            return acc.add(
+                [kernel, bias, table], d, include, otherwise=lambda: skipped.assign_add(1)
+            )
 
         sums = [np.zeros((2, 3)), np.zeros((3,)), np.zeros((4, 2))]
         normaliser = 0.0
@@ -225,8 +233,14 @@ class TestWindowAccumulator:
         ):
             if not include:
                 kernel = np.full_like(kernel, NAN)
-            done = add(kernel * d, bias * d, table.values * d, table.indices,
-                       tf.constant(d), tf.constant(include))
+            done = add(
+                kernel * d,
+                bias * d,
+                table.values * d,
+                table.indices,
+                tf.constant(d),
+                tf.constant(include),
+            )
             if include:
                 sums = [s + w for s, w in zip(sums, [kernel * d, bias * d, table_dense * d])]
                 normaliser += d

@@ -26,8 +26,7 @@ class TestApplyIf:
     @pytest.mark.parametrize("condition", [True, False])
     def test_eager_python_condition(self, condition):
         applied, skipped = branch_variables()
-        apply_if(condition, lambda: applied.assign(1.0),
-                 otherwise=lambda: skipped.assign(1.0))
+        apply_if(condition, lambda: applied.assign(1.0), otherwise=lambda: skipped.assign(1.0))
         assert (float(applied.numpy()), float(skipped.numpy())) == (
             (1.0, 0.0) if condition else (0.0, 1.0)
         )
@@ -57,8 +56,12 @@ class TestApplyIf:
 
         @tf.function
         def step(condition, g):
-            apply_if(condition, lambda g: applied.assign_add(g), args=(g,),
-                     otherwise=lambda: skipped.assign_add(1.0))
+            apply_if(
+                condition,
+                lambda g: applied.assign_add(g),
+                args=(g,),
+                otherwise=lambda: skipped.assign_add(1.0),
+            )
 
         step(tf.constant(True), tf.constant(5.0))
         step(tf.constant(False), tf.constant(100.0))
@@ -71,8 +74,7 @@ class TestApplyIf:
 
         @tf.function
         def step():
-            apply_if(False, lambda: applied.assign(1.0),
-                     otherwise=lambda: skipped.assign(1.0))
+            apply_if(False, lambda: applied.assign(1.0), otherwise=lambda: skipped.assign(1.0))
 
         step()
         assert (float(applied.numpy()), float(skipped.numpy())) == (0.0, 1.0)
@@ -109,6 +111,10 @@ class TestApplyIf:
         with strategy.scope():
             applied, skipped = branch_variables()
             assert tf.distribute.get_replica_context() is None
-            apply_if(tf.constant(True), lambda x: applied.assign(x), args=(tf.constant(3.0),),
-                     otherwise=lambda: skipped.assign(1.0))
+            apply_if(
+                tf.constant(True),
+                lambda x: applied.assign(x),
+                args=(tf.constant(3.0),),
+                otherwise=lambda: skipped.assign(1.0),
+            )
         assert (float(applied.numpy()), float(skipped.numpy())) == (3.0, 0.0)

@@ -91,8 +91,9 @@ class TestLossScalingDynamic:
     def test_unscale_keeps_sparse_gradients_sparse(self):
         opt, _ = built_lso(initial_scale=4.0)
         scaling = LossScaling(opt)
-        g = tf.IndexedSlices(tf.constant([[8.0, 4.0]], tf.float16), tf.constant([1]),
-                             tf.constant([3, 2]))
+        g = tf.IndexedSlices(
+            tf.constant([[8.0, 4.0]], tf.float16), tf.constant([1]), tf.constant([3, 2])
+        )
         (out,) = scaling.unscale([g])
         assert isinstance(out, tf.IndexedSlices)
         assert out.values.dtype == tf.float32

@@ -63,7 +63,9 @@ def test_weight_regularization_counts_once():
     def build(cls, **options):
         keras.utils.set_random_seed(3)
         inputs = keras.Input((3,))
-        h = keras.layers.Dense(5, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1))(inputs)
+        h = keras.layers.Dense(5, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1))(
+            inputs
+        )
         return cls(inputs, keras.layers.Dense(1)(h), **options)
 
     import keras_fastgrad
@@ -115,7 +117,11 @@ def test_save_load_keeps_micro_batches(tmp_path):
     "value, error, match",
     [
         (0, ValueError, r"`micro_batches` must be an integer >= 1.*Received: micro_batches=0"),
-        (1.5, TypeError, r"`micro_batches` must be an integer >= 1.*micro_batches=1.5 of type float"),
+        (
+            1.5,
+            TypeError,
+            r"`micro_batches` must be an integer >= 1.*micro_batches=1.5 of type float",
+        ),
         ("2", TypeError, r"`micro_batches` must be an integer.*micro_batches='2' of type str"),
     ],
 )
@@ -129,7 +135,10 @@ def test_micro_batches_larger_than_the_batch():
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(2, drop_remainder=True)
     model = fast(micro_batches=4)
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"`micro_batches` must not exceed the batch size.*micro_batches=4 for a batch of 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"`micro_batches` must not exceed the batch size.*micro_batches=4 for a batch of 2",
+    ):
         model.fit(dataset, verbose=0)
 
 
@@ -140,13 +149,18 @@ def two_task_model(regularized, **options):
     keras.utils.set_random_seed(5)
     inputs = keras.Input((3,))
     trunk = keras.layers.Dense(
-        6, activation="tanh", name="trunk",
+        6,
+        activation="tanh",
+        name="trunk",
         kernel_regularizer=keras.regularizers.L2(0.01) if regularized else None,
     )(inputs)
     heads = {t: keras.layers.Dense(1, name=t)(trunk) for t in ("a", "b")}
     model = keras_fastgrad.FastGradModel(inputs, heads, **options)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"a": "mse", "b": "mae"},
-                  loss_weights={"a": 1.0, "b": 0.5})
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"a": "mse", "b": "mae"},
+        loss_weights={"a": 1.0, "b": 0.5},
+    )
     return model
 
 
@@ -159,8 +173,10 @@ def test_micro_batches_with_multitask_equal_the_unsplit_merge(method, regularize
     # would differ; the task gradients must be summed first.
     x, _ = data(n=14)
     rng = np.random.default_rng(3)
-    y = {"a": rng.normal(size=(14, 1)).astype("float32"),
-         "b": -3.0 + rng.normal(size=(14, 1)).astype("float32")}
+    y = {
+        "a": rng.normal(size=(14, 1)).astype("float32"),
+        "b": -3.0 + rng.normal(size=(14, 1)).astype("float32"),
+    }
     w = np.linspace(0.5, 2.0, 14).astype("float32")
     ref = two_task_model(regularized, multitask=method)
     model = two_task_model(regularized, multitask=method, micro_batches=3)

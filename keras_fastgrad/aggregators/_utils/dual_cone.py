@@ -44,7 +44,9 @@ def normalized_regularized(gram, norm_eps, reg_eps):
     scaled = gram / top
     trace = tf.linalg.trace(scaled)
     small = (trace * top < norm_eps) | (trace <= 0)
-    gram = tf.where(small, tf.zeros_like(gram), scaled / tf.where(small, tf.ones_like(trace), trace))
+    gram = tf.where(
+        small, tf.zeros_like(gram), scaled / tf.where(small, tf.ones_like(trace), trace)
+    )
     return gram + reg_eps * tf.eye(gram.shape[0], dtype=gram.dtype)
 
 

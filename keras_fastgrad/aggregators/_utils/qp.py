@@ -160,8 +160,7 @@ def active_set_qp(gram, lower, simplex=False, start=None):
         )
 
     steps, x, _, _, _ = tf.while_loop(
-        lambda step, x, free, fresh, done: (step < max_steps(num_tasks))
-        & ~tf.reduce_all(done),
+        lambda step, x, free, fresh, done: (step < max_steps(num_tasks)) & ~tf.reduce_all(done),
         body,
         (tf.constant(0), x, free, tf.zeros([rows], tf.bool), tf.zeros([rows], tf.bool)),
         maximum_iterations=max_steps(num_tasks),
