@@ -43,9 +43,15 @@ from keras_fastgrad.aggregators._utils import dual_cone as _cone_aggregators
 from keras_fastgrad.aggregators._utils import qp as _qp
 
 REFERENCES = json.load(
-    open(os.path.join(os.path.dirname(__file__), "data", "aggregator_references.json"))
+    open(
+        os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            "data",
+            "aggregator_references.json",
+        )
+    )
 )["cases"]
-# Every case is checked against quadprog in test_aggregator_edges.py; the
+# Every case is checked against quadprog in test_dual_cone.py, test_mgda.py; the
 # KKT checks here take T = 3, 5, 8 (each new T is a new trace).
 SOME_REFERENCES = [c for c in REFERENCES if c["num_tasks"] in (3, 5, 8)]
 TOL = {tf.float64: 1e-8, tf.float32: 2e-4}
@@ -156,7 +162,7 @@ def test_xla_equals_eager(name):
     grams = _grams(5, seed=3)
     cases = [(k, grams[k]) for k in ("random", "rank_deficient", "zero_task")]
     cases += [("random", grams["random"] * 1e-6), ("random", _grams(5, seed=4)["random"] * 1e6)]
-    # float32, the training dtype (float64 under XLA: test_aggregator_edges.py
+    # float32, the training dtype (float64 under XLA: test_imtl.py
     # for the QP methods and IMTL; each compile costs seconds).
     for dtype in (tf.float32,):
         agg = aggregators.get(name)

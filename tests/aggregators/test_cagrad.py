@@ -1,0 +1,86 @@
+"""CAGrad (`aggregators/_cagrad.py`) against the official code's equations."""
+
+import numpy as np
+import pytest
+import tensorflow as tf  # noqa: E402
+from scipy.optimize import minimize  # noqa: E402
+
+from keras_fastgrad import aggregators  # noqa: E402
+
+P = 50
+
+
+def _jac(num_tasks, seed, conflict=0.0):
+    """Random `J`; `conflict > 0` pulls tasks 1.. against task 0."""
+    rng = np.random.default_rng(seed)
+    J = rng.normal(size=(num_tasks, P))
+    J[1:] -= conflict * J[0]
+    return J
+
+
+def _gram(J, dtype=tf.float64):
+    return tf.constant(J @ J.T, dtype)
+
+
+def _merged(w, J):
+    return np.asarray(w, np.float64) @ J
+
+
+def cagrad_np(J, c=0.5, rescale=1):
+    """The official `cagrad` function (Cranial-XIX/CAGrad), SLSQP included."""
+    T = len(J)
+    GG = J @ J.T
+    g0_norm = np.sqrt(GG.mean() + 1e-8)
+    x_start = np.ones(T) / T
+    cc = c * g0_norm + 1e-8
+
+    def objfn(x):
+        return x @ GG @ x_start + cc * np.sqrt(x @ GG @ x + 1e-8)
+
+    res = minimize(
+        objfn,
+        x_start,
+        bounds=[(0, 1)] * T,
+        method="SLSQP",
+        constraints={"type": "eq", "fun": lambda x: 1 - x.sum()},
+        options={"ftol": 1e-13, "maxiter": 1000},
+    )
+    gw = res.x @ J
+    g = J.mean(0) + cc / (np.linalg.norm(gw) + 1e-8) * gw
+    return g / {0: 1.0, 1: 1 + c**2, 2: 1 + c}[rescale], objfn, res.x
+
+
+@pytest.mark.parametrize(
+    "num_tasks,c,rescale", [(2, 0.5, 1), (3, 0.5, 1), (4, 0.4, 0), (4, 0.8, 2)]
+)
+def test_cagrad_matches_official(num_tasks, c, rescale):
+    J = _jac(num_tasks, seed=20 + num_tasks, conflict=0.5)
+    w = aggregators.CAGrad(c=c, rescale=rescale).weights(_gram(J)).numpy()
+    expected, objfn, x_ref = cagrad_np(J, c, rescale)
+    np.testing.assert_allclose(_merged(w, J), expected, rtol=1e-3, atol=1e-4)
+    # The in-graph simplex solution is at least as good as SLSQP's.
+    lam_w = w * {0: 1.0, 1: 1 + c**2, 2: 1 + c}[rescale] - 1.0 / num_tasks
+    x_ours = lam_w / lam_w.sum()
+    assert objfn(x_ours) <= objfn(x_ref) + 1e-9 * abs(objfn(x_ref))
+
+
+def test_cagrad_c0_is_mean():
+    J = _jac(3, seed=5, conflict=0.5)
+    w = aggregators.CAGrad(c=0.0).weights(_gram(J)).numpy()
+    np.testing.assert_allclose(w, np.full(3, 1 / 3), atol=1e-7)
+
+
+def test_cagrad_float32_gram_with_entries_from_1e_minus_18_to_1e24():
+    # Old: NaN weights.
+    rng = np.random.default_rng(3)
+    J = rng.normal(size=(5, 5))
+    J[1:] -= rng.uniform(0, 1) * J[0]
+    J *= 10.0 ** rng.uniform(-10, 18, size=(5, 1))
+    G = (J @ J.T).astype(np.float32)
+    assert np.isfinite(G).all()
+    w = aggregators.CAGrad().weights(tf.constant(G)).numpy()
+    assert np.isfinite(w).all()
+    # Where the official constants are negligible, the scale drops out.
+    w64 = aggregators.CAGrad().weights(tf.constant(np.eye(3) * 1e30)).numpy()
+    w1 = aggregators.CAGrad().weights(tf.constant(np.eye(3))).numpy()
+    np.testing.assert_allclose(w64, w1, rtol=1e-7)

@@ -1,0 +1,144 @@
+"""GradVac (`aggregators/_gradvac.py`) against Wang et al. (2021), and its state in a model."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from multitask_helpers import (
+    build,
+    compiled,
+    make_data,
+)
+
+from keras_fastgrad import aggregators
+from keras_fastgrad.multitask.merger import TaskMerger
+
+P_SMALL = 12
+
+
+def _jac_scaled(num_tasks, seed, conflict=0.0, size=P_SMALL):
+    rng = np.random.default_rng(seed)
+    J = rng.normal(size=(num_tasks, size))
+    J[1:] -= conflict * J[0]
+    return J * rng.uniform(0.5, 3.0, size=(num_tasks, 1))
+
+
+def _gram(J, dtype=tf.float64):
+    return tf.constant(J @ J.T, dtype)
+
+
+def gradvac_np(J, targets, beta):
+    """GradVac Algorithm 1 on vectors, other tasks in increasing order."""
+    targets = np.array(targets, np.float64)
+    total = np.zeros(J.shape[1])
+    for i in range(len(J)):
+        g = J[i].copy()
+        for j in [k for k in range(len(J)) if k != i]:
+            phi = g @ J[j] / (np.linalg.norm(g) * np.linalg.norm(J[j]))
+            t = targets[i, j]
+            if phi < t:
+                g = g + J[j] * np.linalg.norm(g) * (
+                    t * np.sqrt(1 - phi**2) - phi * np.sqrt(1 - t**2)
+                ) / (np.linalg.norm(J[j]) * np.sqrt(1 - t**2))
+            targets[i, j] = (1 - beta) * t + beta * phi
+        total += g
+    return total, targets
+
+
+def test_gradvac_first_step_is_pcgrad():
+    J = _jac_scaled(3, seed=6, conflict=0.7)
+    w = aggregators.GradVac().weights(_gram(J)).numpy()
+    np.testing.assert_allclose(w @ J, gradvac_np(J, np.zeros((3, 3)), 0.01)[0], rtol=1e-9)
+    pc = aggregators.PCGrad().weights(_gram(J), orders=[[1, 2], [0, 2], [0, 1]])
+    np.testing.assert_allclose(w, pc.numpy(), rtol=1e-9)
+
+
+@pytest.mark.parametrize("num_tasks,beta", [(2, 0.5), (3, 0.3), (4, 0.01)])
+def test_gradvac_follows_the_ema_over_steps(num_tasks, beta):
+    merger = TaskMerger(aggregators.GradVac(beta=beta))
+    targets = np.zeros((num_tasks, num_tasks))
+    altered = 0
+    for step in range(6):
+        J = _jac_scaled(num_tasks, seed=100 + step, conflict=0.3 * (step % 3))
+        per_task = [[tf.constant(g, tf.float32)] for g in J]
+        merged, info = merger.merge(per_task)
+        expected, targets = gradvac_np(J, targets, beta)
+        np.testing.assert_allclose(merged[0].numpy(), expected, rtol=2e-4, atol=2e-5)
+        state = merger.aggregator.state_variables[0].numpy()
+        np.testing.assert_allclose(state, targets, rtol=1e-4, atol=1e-6)
+        altered += not np.allclose(expected, J.sum(0))
+    assert altered >= 3 and np.abs(targets).max() > 0.01
+
+
+def test_gradvac_state_ignores_a_nonfinite_step():
+    merger = TaskMerger("gradvac")
+    J = _jac_scaled(2, seed=1, conflict=0.8)
+    head = tf.ones([3])
+    merger.merge([[tf.constant(J[0], tf.float32), None], [tf.constant(J[1], tf.float32), head]])
+    before = merger.aggregator.state_variables[0].numpy()
+    assert np.abs(before).max() > 0
+    J = _jac_scaled(2, seed=2, conflict=0.9)  # finite shared gradients, a NaN head
+    nan_head = tf.constant([1.0, np.nan, 1.0])
+    per_task = [[tf.constant(J[0], tf.float32), None], [tf.constant(J[1], tf.float32), nan_head]]
+    merged, info = merger.merge(per_task)
+    assert np.isfinite(info["gram"].numpy()).all() and np.isfinite(merged[0].numpy()).all()
+    np.testing.assert_array_equal(merger.aggregator.state_variables[0].numpy(), before)
+    J[1, 3] = np.nan  # a NaN shared gradient
+    merged, _ = merger.merge([[tf.constant(g, tf.float32), None] for g in J])
+    assert not np.isfinite(merged[0].numpy()).all()
+    np.testing.assert_array_equal(merger.aggregator.state_variables[0].numpy(), before)
+    merger.merge([[tf.constant(g, tf.float32), None] for g in _jac_scaled(2, seed=3, conflict=0.9)])
+    assert not np.array_equal(merger.aggregator.state_variables[0].numpy(), before)
+
+
+def test_gradvac_options_and_state_api():
+    expected = r"`beta` must be a number >= 0.0 and <= 1.0. Received: beta=2"
+    with pytest.raises(ValueError, match=expected):
+        aggregators.GradVac(beta=2)
+    agg = aggregators.get(aggregators.serialize(aggregators.GradVac(beta=0.2)))
+    assert agg.beta == 0.2 and agg.state_variables == []
+    agg.build(3)
+    assert agg.state_variables[0].shape == (3, 3)
+    w, (new,) = agg.weights_and_state(tf.eye(3, dtype=tf.float16) - 0.3)
+    assert w.dtype == tf.float16 and new.dtype == tf.float32
+
+
+def test_gradvac_state_restored_by_weights_file_and_plain_model_loads_it(tmp_path):
+    model = compiled(build(multitask=aggregators.GradVac(beta=0.5)))
+    x, y = make_data()
+    model.train_on_batch(x, y)
+    saved = model.multitask.state_variables[0].numpy()
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    fresh = compiled(build(multitask=aggregators.GradVac(beta=0.5)))
+    fresh.load_weights(path)
+    fresh.train_on_batch(x, y)  # builds the targets from the file, then moves them
+    again = compiled(build(multitask=aggregators.GradVac(beta=0.5)))
+    again.train_on_batch(x, y)  # from zeros: differs
+    model.train_on_batch(x, y)
+    np.testing.assert_allclose(
+        fresh.multitask.state_variables[0].numpy(),
+        model.multitask.state_variables[0].numpy(),
+        rtol=1e-6,
+        atol=1e-7,
+    )
+    assert not np.allclose(
+        again.multitask.state_variables[0].numpy(), model.multitask.state_variables[0].numpy()
+    )
+    assert np.abs(saved).max() > 0
+    plain = build(keras.Model)
+    plain.load_weights(path)
+    for a, b in zip(plain.get_weights(), fresh.get_weights()):
+        assert a.shape == b.shape
+
+
+def test_gradvac_targets_survive_a_nan_batch_in_fit():
+    model = compiled(build(multitask="gradvac", telemetry=True))
+    x, y = make_data()
+    model.train_on_batch(x, y)
+    before = model.multitask.state_variables[0].numpy()
+    x[0, 0] = np.nan
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert logs["nonfinite_count"] == 1.0
+    np.testing.assert_array_equal(model.multitask.state_variables[0].numpy(), before)
+    assert np.isfinite(before).all() and np.abs(before).max() > 0

@@ -1,0 +1,111 @@
+"""The multi-task models, data and references that the merger's tests
+(`multitask/test_merger.py`), the aggregators' model tests and the
+MirroredStrategy runner (`mirrored_multitask.py`) share."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_fastgrad
+
+LR = 0.1
+
+
+TASKS = ("a", "b", "c")
+
+
+# ------------------------------------------------------------------ models
+def build(cls=keras_fastgrad.FastGradModel, num_tasks=2, regularizer=None, **options):
+    """Input (3,) -> shared Dense(4, tanh) "trunk" -> one Dense(1) head per task."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="tanh", name="trunk", kernel_regularizer=regularizer)(
+        inputs
+    )
+    outputs = {t: keras.layers.Dense(1, name=t)(hidden) for t in TASKS[:num_tasks]}
+    return cls(inputs, outputs, **options)
+
+
+def compiled(model, loss_weights=None, **kwargs):
+    names = list(model.output_names)
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss={t: "mse" for t in names},
+        loss_weights=loss_weights,
+        **kwargs,
+    )
+    return model
+
+
+def make_data(n=8, num_tasks=2, signs=(1.0, -3.0, 2.0), seed=0):
+    """Targets of opposite signs: the tasks pull the trunk apart."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype("float32")
+    base = x @ np.array([[1.0], [-2.0], [0.5]], "float32") + 1.0
+    y = {t: (s * base).astype("float32") for t, s in zip(TASKS[:num_tasks], signs)}
+    return x, y
+
+
+def reference_model(model):
+    """A plain keras.Model with the same architecture and weights."""
+    ref = build(keras.Model, num_tasks=len(model.output_names))
+    ref.set_weights(model.get_weights())
+    return ref
+
+
+def task_gradients(ref, x, y, loss_weights=None):
+    """{task: [np gradient per trainable variable]}, one tape per task."""
+    grads = {}
+    for t in y:
+        with tf.GradientTape() as tape:
+            pred = ref(x)[t]
+            w = 1.0 if loss_weights is None else loss_weights[t]
+            loss = w * tf.reduce_mean(tf.square(pred - y[t]))
+        g = tape.gradient(loss, ref.trainable_variables)
+        grads[t] = [
+            np.zeros(v.shape, "float64") if gi is None else gi.numpy().astype("float64")
+            for v, gi in zip(ref.trainable_variables, g)
+        ]
+    return grads
+
+
+def shared_mask(model):
+    return [v.path.startswith("trunk") for v in model.trainable_variables]
+
+
+def flat(grads, mask):
+    return np.concatenate([g.ravel() for g, m in zip(grads, mask) if m])
+
+
+def unflat(vector, like, mask):
+    out, i = [], 0
+    for g, m in zip(like, mask):
+        if m:
+            out.append(vector[i : i + g.size].reshape(g.shape))
+            i += g.size
+        else:
+            out.append(None)
+    return out
+
+
+def expected_gradient(model, grads, merged_shared):
+    """Shared variables: the merged vector; heads: their task's gradient."""
+    mask = shared_mask(model)
+    like = next(iter(grads.values()))
+    shared = unflat(merged_shared, like, mask)
+    out = []
+    for k, v in enumerate(model.trainable_variables):
+        if mask[k]:
+            out.append(shared[k])
+        else:
+            out.append(grads[v.path.split("/")[0]][k])
+    return out
+
+
+def weights_of(model):
+    return [v.numpy().astype("float64") for v in model.trainable_variables]
+
+
+def assert_step(before, after, gradient, rtol=1e-5, atol=1e-6):
+    for b, a, g in zip(before, after, gradient):
+        np.testing.assert_allclose(a, b - LR * g, rtol=rtol, atol=atol)
