@@ -10,6 +10,12 @@ uses the non-interactive Agg backend and figures are closed after each
 cell (set `NOTEBOOK_FIGURES` to a folder to save them there as PNGs
 first, to look at them). The working directory is the notebook's folder.
 
+Set `KFG_EXECUTED_NOTEBOOKS` to a folder to also write the executed
+notebook there, under the same name: each code cell with its output (what
+it printed, and its figures as PNGs), as Jupyter would store it. The
+documentation site renders those copies (`tools/mkdocs_hooks.py`), so the
+notebooks run once per CI run, for the tests and the site alike.
+
 Exit status 0 when every cell ran. Otherwise the index and source of the
 failing cell and the traceback go to stderr and the exit status is 1.
 IPython magics and shell escapes (`%...`, `!...`) are refused: the
@@ -17,6 +23,8 @@ notebooks stay plain Python, runnable by this script and by Jupyter alike.
 """
 
 import ast
+import base64
+import io
 import json
 import os
 import sys
@@ -69,6 +77,61 @@ def save_figures(plt, folder, name, index):
         )
 
 
+class Tee(io.TextIOBase):
+    """Writes to a stream and keeps a copy (a cell's printed output)."""
+
+    def __init__(self, stream):
+        self.stream, self.parts = stream, []
+
+    def write(self, text):
+        self.parts.append(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
+def figure_outputs(plt):
+    """The open figures as Jupyter `display_data` outputs (PNG)."""
+    outputs = []
+    for number in plt.get_fignums():
+        buffer = io.BytesIO()
+        plt.figure(number).savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+        outputs.append(
+            {
+                "output_type": "display_data",
+                "data": {
+                    "image/png": base64.b64encode(buffer.getvalue()).decode("ascii"),
+                    "text/plain": [f"<Figure {number}>"],
+                },
+                "metadata": {},
+            }
+        )
+    return outputs
+
+
+def write_executed(path, outputs, folder):
+    """Writes the notebook at `path` with `outputs` (`{cell index: [...]}`)."""
+    with open(path, encoding="utf-8") as f:
+        notebook = json.load(f)
+    count = 0
+    for index, cell in enumerate(notebook["cells"]):
+        if cell["cell_type"] == "code":
+            count += 1
+            cell["execution_count"] = count
+            cell["outputs"] = outputs.get(index, [])
+    notebook["metadata"].setdefault(
+        "kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"}
+    )
+    notebook["metadata"].setdefault("language_info", {"name": "python"})
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, os.path.basename(path))
+    with open(target, "w", encoding="utf-8") as f:
+        json.dump(notebook, f, indent=1)
+        f.write("\n")
+    return target
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -84,12 +147,18 @@ def main(argv=None):
 
     figures = os.environ.get("NOTEBOOK_FIGURES")
     figures = os.path.abspath(figures) if figures else None
+    executed = os.environ.get("KFG_EXECUTED_NOTEBOOKS")
+    executed = os.path.abspath(executed) if executed else None
+    outputs = {}
     os.chdir(os.path.dirname(path))
     name = os.path.basename(path)
     namespace = {"__name__": "__main__"}
     start = time.perf_counter()
     for index, source in code_cells(path):
         print(f"--- cell {index}", flush=True)
+        stdout, stderr = sys.stdout, sys.stderr
+        if executed:
+            sys.stdout, sys.stderr = Tee(stdout), Tee(stderr)
         try:
             run_cell(index, source, namespace, name)
         except BaseException:  # noqa: BLE001 - reported with the cell
@@ -100,10 +169,20 @@ def main(argv=None):
             traceback.print_exc()
             return 1
         finally:
+            if executed:
+                cell_outputs = [
+                    {"output_type": "stream", "name": stream_name, "text": "".join(tee.parts)}
+                    for stream_name, tee in (("stdout", sys.stdout), ("stderr", sys.stderr))
+                    if "".join(tee.parts)
+                ]
+                outputs[index] = cell_outputs + figure_outputs(plt)
+                sys.stdout, sys.stderr = stdout, stderr
             if figures:
                 save_figures(plt, figures, name, index)
             plt.close("all")
         sys.stdout.flush()
+    if executed:
+        write_executed(path, outputs, executed)
     print(f"--- {name}: all cells ran in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -31,8 +31,13 @@ def notebook_names():
     return sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))
 
 
-def run_notebook(path, timeout=TIMEOUT_S):
+def run_notebook(path, timeout=TIMEOUT_S, executed=None):
     env = dict(os.environ)
+    if executed is not None:
+        env["KFG_EXECUTED_NOTEBOOKS"] = executed
+    elif os.path.dirname(os.path.abspath(path)) != NOTEBOOKS:
+        # Only the four notebooks go to the site's folder (`.ci/run` sets it).
+        env.pop("KFG_EXECUTED_NOTEBOOKS", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env["MPLBACKEND"] = "Agg"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -79,6 +84,20 @@ def test_notebook_is_stored_stripped_with_a_title(name):
             assert cell["execution_count"] is None, f"cell {i} execution_count"
 
 
+@pytest.mark.parametrize("name", EXPECTED)
+def test_notebook_ends_with_what_you_saw(name):
+    # The last two cells: a "What you saw" heading, then code that prints the
+    # numbers the notebook measured (from its variables, not typed in).
+    with open(os.path.join(NOTEBOOKS, name), encoding="utf-8") as f:
+        cells = json.load(f)["cells"]
+    heading, code = cells[-2], cells[-1]
+    assert heading["cell_type"] == "markdown"
+    assert "".join(heading["source"]).startswith("## What you saw")
+    assert code["cell_type"] == "code"
+    source = "".join(code["source"])
+    assert "print(" in source and "{" in source, "print computed values (f-strings)"
+
+
 def write_notebook(path, *sources):
     cells = [
         {
@@ -119,6 +138,28 @@ def test_runner_names_the_failing_cell_and_its_source(tmp_path):
     assert "bad.ipynb: cell 1 failed" in result.stderr
     assert "raise RuntimeError('boom in the second cell')" in result.stderr
     assert "RuntimeError: boom in the second cell" in result.stderr
+
+
+@pytest.mark.slow  # a fresh process
+def test_runner_writes_the_executed_notebook_with_outputs(tmp_path):
+    path = str(tmp_path / "shown.ipynb")
+    write_notebook(
+        path,
+        "print('hello')",
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()",
+        "6 * 7",
+    )
+    result = run_notebook(path, timeout=60, executed=str(tmp_path / "executed"))
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "executed" / "shown.ipynb", encoding="utf-8") as f:
+        cells = json.load(f)["cells"]
+    assert [c["execution_count"] for c in cells] == [1, 2, 3]
+    assert cells[0]["outputs"][0]["text"] == "hello\n"
+    assert "image/png" in cells[1]["outputs"][-1]["data"]
+    assert cells[2]["outputs"][0]["text"] == "42\n"
+    # The stored notebook is left stripped.
+    with open(path, encoding="utf-8") as f:
+        assert all(c["outputs"] == [] for c in json.load(f)["cells"])
 
 
 @pytest.mark.slow  # a fresh process

@@ -5,7 +5,7 @@ with plain Keras and with `keras.Model` rebound to `FastGradModel` (and,
 with `--sequential`, `keras.Sequential` to `FastGradSequential`; see
 `tools/keras_swap_plugin.py`), and compares test by test. A test that
 passes with Keras and fails with the swap must be listed in
-`KNOWN_DIFFERENCES` with its reason (the README's "Documented
+`KNOWN_DIFFERENCES` with its reason (docs/how-to/bring-your-own-model.md, "Documented
 differences"); any other such test makes the exit status 1.
 
     python tools/keras_suite.py                 # the default files
@@ -39,7 +39,7 @@ DEFAULT_FILES = (
 )
 
 # test id ("file::Class::test") -> why it differs with the swap. Each one
-# is a documented difference (README, "Documented differences").
+# is a documented difference (docs/how-to/bring-your-own-model.md, "Documented differences").
 KNOWN_DIFFERENCES = {
     "models/functional_test/FunctionalTest::test_basic_flow_multi_input": (
         "the test builds `Functional(inputs, outputs)` directly and checks "

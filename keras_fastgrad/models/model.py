@@ -96,7 +96,8 @@ class FastGradModel(keras.Model):
             (`grad_norm`, `nonfinite_count`, `loss_scale`, ... see
             `keras_fastgrad.step.telemetry.LOG_KEYS`) to the logs. The callbacks
             of `keras_fastgrad.callbacks` switch it on when attached.
-        *args, **kwargs: Passed to `keras.Model`.
+        *args: Passed to `keras.Model`.
+        **kwargs: Passed to `keras.Model`.
 
     Raises:
         ValueError, TypeError: on invalid options, naming the option, the

@@ -1,0 +1,177 @@
+"""The documentation site (`mkdocs.yml`, `docs/`) and the README stay true.
+
+`mkdocs build --strict` (in `.ci/run`) fails on broken links and missing
+references; these checks run in the ordinary test run, without MkDocs:
+
+- every public name has an entry (`::: keras_fastgrad....`) in the API pages;
+- every page in `mkdocs.yml`'s `nav` exists;
+- relative links in the README and in `docs/` point at existing files;
+- the README is a landing page: short, and each of its code blocks is also
+  in the site;
+- the aggregators page's scale table matches what the code computes.
+"""
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+import keras_fastgrad
+from keras_fastgrad import aggregators, callbacks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+# Pages the site shows from elsewhere in the repository (tools/mkdocs_hooks.py).
+EXTERNAL = {
+    "changelog.md": "CHANGELOG.md",
+    "benchmarks/RESULTS.md": "benchmarks/RESULTS.md",
+    "benchmarks/results.png": "benchmarks/results.png",
+    **{f"notebooks/{n}": f"notebooks/{n}" for n in os.listdir(os.path.join(ROOT, "notebooks"))},
+}
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+README_MAX_LINES = 220
+
+
+def read(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def docs_pages():
+    pages = []
+    for folder, _, names in os.walk(DOCS):
+        pages += [
+            os.path.relpath(os.path.join(folder, n), DOCS) for n in names if n.endswith(".md")
+        ]
+    return sorted(pages)
+
+
+def public_names():
+    names = {f"keras_fastgrad.{n}" for n in keras_fastgrad.__all__}
+    names -= {"keras_fastgrad.callbacks", "keras_fastgrad.__version__"}
+    names |= {f"keras_fastgrad.callbacks.{n}" for n in callbacks.__all__}
+    names |= {f"keras_fastgrad.aggregators.{n}" for n in aggregators.__all__}
+    return names
+
+
+def api_entries():
+    entries = set()
+    for page in docs_pages():
+        if page.startswith("api" + os.sep):
+            entries |= set(re.findall(r"^::: (\S+)", read(os.path.join("docs", page)), re.M))
+    return entries
+
+
+def test_every_public_name_has_an_api_entry():
+    required = {
+        "keras_fastgrad.FastGradModel",
+        "keras_fastgrad.FastGradSequential",
+        "keras_fastgrad.fastgrad",
+        "keras_fastgrad.profile_step",
+        "keras_fastgrad.StepProfile",
+        "keras_fastgrad.LOG_KEYS",
+        "keras_fastgrad.aggregators.get",
+        "keras_fastgrad.aggregators.serialize",
+        "keras_fastgrad.aggregators.NAMES",
+    }
+    assert required <= public_names()
+    missing = sorted(public_names() - api_entries())
+    assert not missing, f"add `::: name` entries to docs/api/*.md for {missing}"
+
+
+def test_api_entries_name_real_objects():
+    for entry in api_entries():
+        module, _, name = entry.rpartition(".")
+        if entry == "keras_fastgrad.aggregators":
+            continue
+        assert hasattr(__import__(module, fromlist=[name]), name), entry
+
+
+def nav_targets():
+    return re.findall(r"^\s*- (?:[^:\n]+: )?(\S+\.(?:md|ipynb))\s*$", read("mkdocs.yml"), re.M)
+
+
+def test_every_nav_page_exists():
+    targets = nav_targets()
+    assert "index.md" in targets and len(targets) > 20
+    missing = [
+        t for t in targets if t not in EXTERNAL and not os.path.exists(os.path.join(DOCS, t))
+    ]
+    assert not missing, f"mkdocs.yml nav names missing pages: {missing}"
+    pages = [p.replace(os.sep, "/") for p in docs_pages()]
+    orphans = sorted(set(pages) - set(targets))
+    assert not orphans, f"pages not in mkdocs.yml's nav: {orphans}"
+
+
+def relative_links(text):
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            continue
+        yield target.split("#")[0]
+
+
+def test_readme_links_resolve():
+    text = read("README.md")
+    links = list(relative_links(text))
+    assert any(link.startswith("docs/") for link in links), "the README links into the site"
+    missing = [link for link in links if not os.path.exists(os.path.join(ROOT, link))]
+    assert not missing, f"README links to missing files: {missing}"
+    anchors = re.findall(r"\]\(#([^)]+)\)", text)
+    headings = {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", text, re.M)
+    }
+    assert set(anchors) <= headings, f"README anchors without a heading: {set(anchors) - headings}"
+
+
+@pytest.mark.parametrize("page", docs_pages())
+def test_docs_links_resolve(page):
+    folder = os.path.dirname(page)
+    missing = []
+    for link in relative_links(read(os.path.join("docs", page))):
+        target = os.path.normpath(os.path.join(folder, link)).replace(os.sep, "/")
+        if target not in EXTERNAL and not os.path.exists(os.path.join(DOCS, target)):
+            missing.append(link)
+    assert not missing, f"docs/{page} links to missing files: {missing}"
+
+
+def test_readme_is_a_landing_page_whose_examples_the_site_holds():
+    text = read("README.md")
+    assert len(text.splitlines()) <= README_MAX_LINES
+    site = "\n".join(read(os.path.join("docs", p)) for p in docs_pages())
+    blocks = re.findall(r"```(?:python|bash)\n(.*?)```", text, re.S)
+    assert len(blocks) >= 4
+    missing = [b for b in blocks if b not in site]
+    assert not missing, f"README code blocks the site does not hold: {missing}"
+
+
+def scale_table():
+    rows = re.findall(r'^\| `"(\w+)"` \| `\w+` \| ([^|]+) \|', read("docs/aggregators.md"), re.M)
+    return dict(rows)
+
+
+def test_the_aggregators_scale_table_matches_the_code():
+    import tensorflow as tf
+
+    table = scale_table()
+    assert sorted(table) == sorted(aggregators.NAMES)
+    T = 3
+    J = np.tile(np.array([[1.0, 2.0, 0.5]]), (T, 1))
+    gram = tf.constant(J @ J.T)
+    for name, cell in table.items():
+        aggregator = aggregators.get(name)
+        try:
+            aggregator.build(T)  # GradVac's targets; the others have nothing to build
+        except (AttributeError, TypeError):
+            pass
+        total = float(tf.reduce_sum(aggregator.weights(gram)))
+        if cell.strip() == "`T g`":
+            expected = T
+        elif cell.strip() == "`g`":
+            expected = 1.0
+        else:  # CAGrad: (1 + c) / (1 + c^2)
+            c = aggregator.c
+            expected = (1 + c) / (1 + c**2)
+            assert cell.startswith("`(1 + c) / (1 + c^2) g`")
+        np.testing.assert_allclose(total, expected, rtol=1e-5, err_msg=name)
