@@ -45,7 +45,7 @@ for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 import tensorflow as tf
 
 from keras_fastgrad.step.gradients import summed_rows
-from keras_fastgrad.step.variables import global_variable
+from keras_fastgrad.step.variables import global_variable, increment
 
 LOG_KEYS = (
     "grad_norm",
@@ -143,14 +143,14 @@ class StepTelemetry:
     def record_drop(self, first_bad, num_bad):
         """Counts a dropped micro-batch and remembers where it went bad
         (runs only in the branch of a non-finite micro-batch)."""
-        self.nonfinite_count.assign_add(1.0)
+        increment(self.nonfinite_count, 1.0)
         self.nonfinite_first_index.assign(tf.cast(first_bad, tf.float32))
         self.nonfinite_num_variables.assign(tf.cast(num_bad, tf.float32))
 
     def record_dropped_update(self):
         """A window (or replica sum) of finite micro-batch gradients that
         overflowed was dropped at its update: counted as non-finite."""
-        self.nonfinite_count.assign_add(1.0)
+        increment(self.nonfinite_count, 1.0)
         self.nonfinite_first_index.assign(-1.0)
 
     def record_layer_norms(self, grads):
@@ -197,17 +197,17 @@ class StepTelemetry:
                 tf.not_equal(size, self.last_input_size),
             ),
         )
-        self.input_shape_changes.assign_add(tf.where(changed, 1.0, 0.0))
+        increment(self.input_shape_changes, tf.where(changed, 1.0, 0.0))
         self.last_input_batch.assign(batch)
         self.last_input_size.assign(size)
 
     def record_update(self, norm, was_clipped):
         """Records one optimizer update (inside the update branch)."""
-        self.updates.assign_add(1.0)
+        increment(self.updates, 1.0)
         if norm is not None:
             self.grad_norm.assign(norm)
         if was_clipped is not None:
-            self.clipped_updates.assign_add(tf.cast(was_clipped, tf.float32))
+            increment(self.clipped_updates, tf.cast(was_clipped, tf.float32))
 
     def logs(self, loss_scale, tape_variables):
         """The log dict returned by the step."""

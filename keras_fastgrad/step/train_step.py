@@ -259,7 +259,7 @@ def record_drop(model, state, marks, counts=None):
     first_bad, num_bad = finite.summarize(marks)
     state.telemetry.record_drop(first_bad, num_bad)
     if model.skip_nonfinite or state.scaling.active:
-        state.divergence.record_drop(tf.constant(True) if counts is None else counts)
+        state.divergence.record_drop(counts)
 
 
 # ------------------------------------------------- update (or accumulate)
@@ -401,7 +401,7 @@ def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
 
     def drop():
         telemetry.record_dropped_update()
-        state.divergence.record_drop(tf.constant(True))
+        state.divergence.record_drop()
         return tf.constant(False)
 
     if finite_update is None:
