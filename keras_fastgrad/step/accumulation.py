@@ -116,7 +116,6 @@ class WindowAccumulator:
                     total.value.scatter_add(to_float32(g))  # touched rows only
                 else:  # sync-on-read (replica) sums have no `scatter_add`
                     increment(total, tf.cast(tf.convert_to_tensor(g), tf.float32))
-            return tf.constant(True)
 
         # A `cond`, not a multiplication by 0 (NaN * 0 is NaN) nor a
         # `where` (an extra pass over every gradient). Mirrored state is
@@ -124,7 +123,6 @@ class WindowAccumulator:
         def leave_out():
             if otherwise is not None:
                 otherwise()
-            return tf.constant(False)
 
         tf.cond(include, add, leave_out)
         increment(self.normaliser, tf.where(include, normaliser, 0.0))

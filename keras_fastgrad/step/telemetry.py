@@ -19,6 +19,9 @@ Log keys (fixed, all float scalars):
   watched by the tape) of the first non-finite gradient of the most recent
   dropped micro-batch, -1 if none or if only the loss was non-finite.
 - `nonfinite_num_variables`: how many gradients were non-finite in it.
+  These two are worked out (in the branch of a dropped micro-batch) only
+  while one of them is requested (`NonFiniteGuard`, `telemetry=True`):
+  the count and the divergence streak, which safety needs, always are.
 - `loss_scale`: the current loss scale (1 without loss scaling).
 - `tape_variables`: how many variables the tape watched (a trace-time
   constant).
@@ -140,12 +143,13 @@ class StepTelemetry:
             self.last_input_size,
         ]
 
-    def record_drop(self, first_bad, num_bad):
-        """Counts a dropped micro-batch and remembers where it went bad
-        (runs only in the branch of a non-finite micro-batch)."""
+    def record_drop(self, first_bad=None, num_bad=None):
+        """Counts a dropped micro-batch and, when given, remembers where it
+        went bad (runs only in the branch of a non-finite micro-batch)."""
         increment(self.nonfinite_count, 1.0)
-        self.nonfinite_first_index.assign(tf.cast(first_bad, tf.float32))
-        self.nonfinite_num_variables.assign(tf.cast(num_bad, tf.float32))
+        if first_bad is not None:
+            self.nonfinite_first_index.assign(tf.cast(first_bad, tf.float32))
+            self.nonfinite_num_variables.assign(tf.cast(num_bad, tf.float32))
 
     def record_dropped_update(self):
         """A window (or replica sum) of finite micro-batch gradients that

@@ -247,17 +247,24 @@ def update_loss_scale(state, verdict):
     state.scaling.update(verdict.all_finite)
 
 
+# The telemetry keys that say where a dropped micro-batch went bad.
+_WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
+
+
 def record_drop(model, state, marks, counts=None):
     """Bookkeeping of a non-finite micro-batch (in the branch that runs
-    only then): where it went bad, and the divergence streak.
+    only then): the count, where it went bad (when requested), and the
+    divergence streak.
 
     Args:
         marks: The micro-batch's (global) `finite.marks` vector.
         counts: Boolean scalar, whether the drop counts towards the streak
             (`divergence.failed`, under loss scaling); `None`: it does.
     """
-    first_bad, num_bad = finite.summarize(marks)
-    state.telemetry.record_drop(first_bad, num_bad)
+    if state.log_keys & _WHERE_KEYS:  # only read then (see `telemetry`)
+        state.telemetry.record_drop(*finite.summarize(marks))
+    else:
+        state.telemetry.record_drop()
     if model.skip_nonfinite or state.scaling.active:
         state.divergence.record_drop(counts)
 
@@ -275,19 +282,20 @@ def single_cond(model, state):
 
 
 def update_or_drop(model, state, batch, verdict):
-    """One replica, no accumulation: the update and the metrics, or the
-    drop's bookkeeping, in a single `cond` (every `cond` costs a few ops
-    per step, which shows on short steps). Returns the metrics' logs."""
+    """One replica, no accumulation: the update and the metric updates,
+    or the drop's bookkeeping, in a single `cond` (every `cond` costs a
+    few ops per step, which shows on short steps); the metrics' results
+    are read once, after it. Returns the metrics' logs."""
 
     def apply():
         update(model, state, batch.grads, _divisor(batch, verdict))
-        return _update_metrics(model, batch, compat.unscale_loss_for_distribution(batch.loss))
+        _update_metric_states(model, batch)
 
     def drop():
         record_drop(model, state, verdict.marks, verdict.counts_towards_streak)
-        return model.get_metrics_result()
 
-    return tf.cond(verdict.keep, apply, drop)
+    tf.cond(verdict.keep, apply, drop)
+    return model.get_metrics_result()
 
 
 def accumulate_or_apply(model, state, batch, verdict):
@@ -397,12 +405,10 @@ def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
         telemetry.record_update_ratio(before, variables)
         telemetry.record_update(norm, was_clipped)
         state.divergence.record_update()
-        return tf.constant(True)
 
     def drop():
         telemetry.record_dropped_update()
         state.divergence.record_drop()
-        return tf.constant(False)
 
     if finite_update is None:
         apply()
@@ -422,8 +428,18 @@ def metrics_logs(model, keep, batch):
             model, batch, tf.where(keep, loss, 0.0), tf.where(keep, batch.num_samples, 0.0)
         )
     else:
-        logs = tf.cond(keep, lambda: _update_metrics(model, batch, loss), model.get_metrics_result)
+        tf.cond(keep, lambda: _update_metric_states(model, batch), lambda: None)
+        logs = model.get_metrics_result()
     return global_metric_results(model.metrics, logs)
+
+
+def _update_metric_states(model, batch):
+    """What `_update_metrics` does for Keras' own `compute_metrics`,
+    without reading the results (read once, after the `cond`)."""
+    compat.loss_tracker(model).update_state(
+        compat.unscale_loss_for_distribution(batch.loss), sample_weight=batch.num_samples
+    )
+    compat.update_compiled_metrics(model, batch.y, batch.y_pred, batch.sample_weight)
 
 
 def _update_metrics(model, batch, loss, num_samples=None):
