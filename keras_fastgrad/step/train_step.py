@@ -24,7 +24,7 @@ from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step import finite
 from keras_fastgrad.step.applying import apply_if
-from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
+from keras_fastgrad.step.clipping import clip_by_global_norm, scaled_norm
 from keras_fastgrad.step.divergence import failed
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.gradients import scale
@@ -363,11 +363,24 @@ def update(model, state, grads, normaliser=None):
     `divide_no_nan`, as Keras reduces a loss: a normaliser of 0, every
     sample weight 0 or every position masked, gives a zero gradient).
     """
+    checked = normaliser is None and _checked_as_is(model, state)
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     grads, norm, was_clipped = _clipped(model, state, grads)
-    _apply_if_finite(
-        model, state, grads, _finite_update(model, state, grads, norm), norm, was_clipped
+    finite_update = None if checked else _finite_update(model, state, grads, norm)
+    _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
+
+
+def _checked_as_is(model, state):
+    """Whether the update's gradient is the micro-batch's own, already
+    checked and dropped when not finite (one replica, no accumulation, the
+    gradient not divided). Clipping keeps a finite gradient finite (the
+    factor is computed without overflow, `clipping.clip_factor`), so the
+    update then needs no check of its own: no `cond` but the step's one."""
+    return (
+        state.accumulator is None
+        and num_replicas() == 1
+        and (model.skip_nonfinite or state.scaling.active)
     )
 
 
@@ -376,10 +389,11 @@ def _clipped(model, state, grads):
     (`None` when neither clipping nor `grad_norm` needs it)."""
     norm = was_clipped = None
     if "grad_norm" in state.log_keys or model.clip_norm is not None:
-        norm = global_norm(grads)
+        unit, root = scaled_norm(grads)
+        norm = unit * root
     state.telemetry.record_layer_norms(grads)
     if model.clip_norm is not None:
-        grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, norm)
+        grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, (unit, root))
     return grads, norm, was_clipped
 
 
