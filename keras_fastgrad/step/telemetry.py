@@ -213,13 +213,29 @@ class StepTelemetry:
         if was_clipped is not None:
             increment(self.clipped_updates, tf.cast(was_clipped, tf.float32))
 
-    def logs(self, loss_scale, tape_variables):
-        """The log dict returned by the step."""
-        values = {v.name: tf.identity(v.value) for v in self.variables}
-        values["loss_scale"] = loss_scale
-        values["tape_variables"] = tf.constant(float(tape_variables))
-        logs = {key: values[key] for key in LOG_KEYS}
-        logs.update({k: tf.identity(v.value) for k, v in self.layer_norms.items()})
-        if self.update_ratio is not None:
-            logs[UPDATE_RATIO] = tf.identity(self.update_ratio.value)
+    def logs(self, loss_scale, tape_variables, keys=None):
+        """The log dict returned by the step.
+
+        Args:
+            loss_scale: float32 scalar, the current loss scale.
+            tape_variables: Python int, the watched variables' number.
+            keys: Optional set of keys: only those are read (one
+                `ReadVariableOp` each); `None`: every key.
+        """
+
+        def wanted(key):
+            return keys is None or key in keys
+
+        logs = {v.name: _read(v) for v in self.variables if v.name in LOG_KEYS and wanted(v.name)}
+        logs["loss_scale"] = loss_scale
+        logs["tape_variables"] = tf.constant(float(tape_variables))
+        logs = {key: logs[key] for key in LOG_KEYS if key in logs and wanted(key)}
+        logs.update({k: _read(v) for k, v in self.layer_norms.items() if wanted(k)})
+        if self.update_ratio is not None and wanted(UPDATE_RATIO):
+            logs[UPDATE_RATIO] = _read(self.update_ratio)
         return logs
+
+
+def _read(variable):
+    """The variable's value now, as a tensor (one read, no copy)."""
+    return tf.convert_to_tensor(variable.value)

@@ -468,8 +468,10 @@ def _update_metrics(model, batch, loss, num_samples=None):
 def with_telemetry(state, logs):
     """The step's logs plus the requested telemetry keys."""
     if state.log_keys:
-        measured = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables)
-        logs.update({k: v for k, v in measured.items() if k in state.log_keys})
+        measured = state.telemetry.logs(
+            state.scaling.current_scale(), state.tape_variables, keys=state.log_keys
+        )
+        logs.update(measured)
         if state.merger is not None:  # task keys, from the Gram matrix
             logs.update(state.merger.logs())
     return for_keras_reduction(logs)
