@@ -132,7 +132,9 @@ def main():
     for a, (b, budget) in budgets.items():
         extra = sides[a][0] - sides[b][0]
         verdict = "met" if extra <= budget else "NOT met"
-        print(f"  {a:8s} {sides[a][0]:4d} = {b} {sides[b][0]} + {extra:3d} (<= +{budget}: {verdict})")
+        print(
+            f"  {a:8s} {sides[a][0]:4d} = {b} {sides[b][0]} + {extra:3d} (<= +{budget}: {verdict})"
+        )
         label = next(label for label, x, _ in rows if x == a)
         targets[f"ops: {label}"] = f"<= {(sides[b][0] + budget) / sides[b][0]:.3f} (+{budget} ops)"
     report("Ops in the traced train step (exact; not a time)", results, targets, "graph")
