@@ -79,6 +79,14 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def update_compiled_metrics(model, y, y_pred, sample_weight):
+    """The compiled metrics' update, as `keras.Model.compute_metrics` does
+    it before it reads every result (the step reads them once, after its
+    `cond`)."""
+    if model._compile_metrics is not None:
+        model._compile_metrics.update_state(y, y_pred, sample_weight)
+
+
 def set_loss_tracker(model, tracker):
     """Replaces the `loss` tracker, as `compile` sets it: not tracked as a
     user metric (`object.__setattr__` bypasses Keras' attribute tracking)."""
@@ -394,6 +402,7 @@ PRIVATE_NAMES = (
     ("keras.Model", "_loss_tracker"),
     ("keras.Model", "_distribute_strategy"),
     ("keras.Model", "_compile_loss"),
+    ("keras.Model", "_compile_metrics"),
     ("keras.Model", "_unpickle_model"),
     ("Functional", "_nodes_by_depth"),
     ("KerasTensor", "_keras_history"),

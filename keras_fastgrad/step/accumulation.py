@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.step.gradients import to_float32
-from keras_fastgrad.step.variables import global_variable
+from keras_fastgrad.step.variables import global_variable, increment
 
 
 class WindowAccumulator:
@@ -115,8 +115,7 @@ class WindowAccumulator:
                 if isinstance(g, tf.IndexedSlices) and sparse_ok:
                     total.value.scatter_add(to_float32(g))  # touched rows only
                 else:  # sync-on-read (replica) sums have no `scatter_add`
-                    total.assign_add(tf.cast(tf.convert_to_tensor(g), tf.float32))
-            return tf.constant(True)
+                    increment(total, tf.cast(tf.convert_to_tensor(g), tf.float32))
 
         # A `cond`, not a multiplication by 0 (NaN * 0 is NaN) nor a
         # `where` (an extra pass over every gradient). Mirrored state is
@@ -124,12 +123,11 @@ class WindowAccumulator:
         def leave_out():
             if otherwise is not None:
                 otherwise()
-            return tf.constant(False)
 
         tf.cond(include, add, leave_out)
-        self.normaliser.assign_add(tf.where(include, normaliser, 0.0))
-        self.included.assign_add(tf.cast(include, tf.int64))
-        self.micro_step.assign_add(1)
+        increment(self.normaliser, tf.where(include, normaliser, 0.0))
+        increment(self.included, tf.cast(include, tf.int64))
+        increment(self.micro_step, tf.constant(1, tf.int64))
         return tf.equal(self.micro_step % self.steps, 0)
 
     def has_samples(self):

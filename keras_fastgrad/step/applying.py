@@ -60,12 +60,10 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
             # itself: say so while the update is traced.
             with direct_merge_calls(distribution):
                 update_fn(*local_args)
-            return tf.constant(True)
 
         def skip():
             if otherwise is not None:
                 otherwise(*other_args)
-            return tf.constant(False)
 
         tf.cond(first_replica(distribution, should_apply), apply, skip)
 

@@ -1,15 +1,23 @@
 """Clipping by global L2 norm, applied once to each update's final gradient.
 
-The norm is computed without overflow: the sum of squares of finite values
-can exceed float32's range (a gradient of norm 2e20 squares to 4e40); then
-the norm is recomputed on the gradient divided by its largest magnitude.
-Sparse gradients (`tf.IndexedSlices`) are measured on their rows, duplicate
-rows added up first, so the norm is that of the dense gradient.
+One pass: `tf.nn.l2_loss` per gradient (one fused op: half its sum of
+squares), then scalar maths. The norm is computed without overflow: the
+sum of squares of finite values can exceed float32's range (a gradient of
+norm 2e20 squares to 4e40); only then (a `cond` whose common branch is one
+`sqrt`) the sum is recomputed on the gradient times 2**-80, an exact
+power of two: the squares of finite float32 values then fit, and values
+small enough to underflow weigh nothing against a norm above 2**64.
+Sparse gradients (`tf.IndexedSlices`) are measured on their rows,
+duplicate rows added up first, so the norm is that of the dense gradient.
 """
 
 import tensorflow as tf
 
 from keras_fastgrad.step.gradients import scale, summed_rows
+
+# The overflow rescale: exact (a power of two); 2**-80 maps float32's
+# largest value (~2**128) to 2**48, whose square times 2**31 elements fits.
+_RESCALE = 2.0**-80
 
 
 def global_norm(grads):
@@ -29,18 +37,38 @@ def global_norm(grads):
     >>> float(global_norm([tf.constant([3e20, 4e20])]))  # squares overflow
     5.000000...e+20
     """
+    unit, root = scaled_norm(grads)
+    return unit * root
+
+
+def scaled_norm(grads):
+    """The global norm as `unit * root` (`unit` is 1, or 2**80 when the
+    squares overflow), so that `clip_norm / norm` is computed without
+    overflow even where the norm itself exceeds float32 (`clip_factor`)."""
     parts = [tf.cast(summed_rows(g), tf.float32) for g in grads if g is not None]
     if not parts:
-        return tf.constant(0.0, tf.float32)
-    squares = tf.add_n([tf.reduce_sum(tf.square(p)) for p in parts])
+        return tf.constant(1.0), tf.constant(0.0)
+    # Half the sum of squares; multiplied by 2 under the root (no overflow).
+    halves = tf.add_n([tf.nn.l2_loss(p) for p in parts])
+    fits = tf.math.is_finite(halves)
 
     def rescaled():
-        top = tf.reduce_max(tf.stack([tf.reduce_max(tf.abs(p)) for p in parts]))
-        unit = tf.where(tf.logical_and(top > 0.0, tf.math.is_finite(top)), top, 1.0)
-        rest = tf.add_n([tf.reduce_sum(tf.square(p / unit)) for p in parts])
-        return unit * tf.sqrt(rest)
+        return tf.add_n([tf.nn.l2_loss(p * _RESCALE) for p in parts])
 
-    return tf.cond(tf.math.is_finite(squares), lambda: tf.sqrt(squares), rescaled)
+    halves = tf.cond(fits, lambda: halves, rescaled)
+    unit = tf.where(fits, 1.0, 1.0 / _RESCALE)
+    return unit, tf.sqrt(2.0 * halves)
+
+
+def clip_factor(clip_norm, unit, root):
+    """`min(1, clip_norm / norm)` for a norm given as `unit * root`
+    (`scaled_norm`), and whether it clips: finite for every finite
+    gradient, NaN for a non-finite `root` (a non-finite gradient)."""
+    norm = unit * root
+    was_clipped = norm > clip_norm
+    factor = tf.where(was_clipped, (clip_norm / unit) / root, 1.0)
+    factor = tf.where(tf.math.is_finite(root), factor, float("nan"))
+    return factor, was_clipped
 
 
 def clip_by_global_norm(grads, clip_norm, norm):
@@ -50,12 +78,12 @@ def clip_by_global_norm(grads, clip_norm, norm):
         grads: List of gradient tensors, `tf.IndexedSlices` or `None`.
         clip_norm: Python float > 0.
         norm: float32 scalar, the global norm of `grads` (computed once by
-            the caller, which also logs it).
+            the caller, which also logs it), or a pair `(unit, root)` from
+            `scaled_norm` (then the factor never overflows).
 
     Returns:
-        Tuple `(clipped_grads, was_clipped)`. An infinite or NaN `norm`
-        gives non-finite gradients, which the step's check before the
-        update drops.
+        Tuple `(clipped_grads, was_clipped)`. A NaN norm gives non-finite
+        gradients, which the step's check before the update drops.
 
     Example:
 
@@ -64,7 +92,6 @@ def clip_by_global_norm(grads, clip_norm, norm):
     >>> clipped[0].numpy().tolist(), bool(was_clipped)
     ([0.6000000238418579, 0.800000011920929], True)
     """
-    was_clipped = norm > clip_norm
-    factor = tf.where(was_clipped, clip_norm / norm, 1.0)
-    factor = tf.where(tf.math.is_finite(norm), factor, float("nan"))
+    unit, root = norm if isinstance(norm, tuple) else (tf.constant(1.0), norm)
+    factor, was_clipped = clip_factor(clip_norm, unit, root)
     return [scale(g, factor) for g in grads], was_clipped

@@ -25,7 +25,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_fastgrad.step.variables import global_variable
+from keras_fastgrad.step.variables import global_variable, increment
 
 
 class DivergenceWatch:
@@ -58,10 +58,10 @@ class DivergenceWatch:
     def variables(self):
         return [self.streak]
 
-    def record_drop(self, failed):
+    def record_drop(self, failed=None):
         """Adds a failure when `failed` (boolean scalar, the same on every
-        replica)."""
-        self.streak.assign_add(tf.where(failed, 1.0, 0.0))
+        replica; `None`: the drop is one)."""
+        increment(self.streak, 1.0 if failed is None else tf.where(failed, 1.0, 0.0))
 
     def record_update(self):
         """An update was applied (inside the update branch)."""

@@ -9,6 +9,11 @@ alarm: finite elements whose sum exceeds float32's range (~3.4e38), a
 gradient no update could use either; it is dropped like a non-finite one.
 Under several replicas one flag per gradient is summed over them, so a NaN
 on any replica drops the micro-batch everywhere.
+
+Cost per step: one `Sum` per gradient (gradients of the same rank share
+one constant for their axes; a scalar needs none), one `Pack`, one
+`IsFinite` and one `All`. Where it went bad (`summarize`) is worked out
+only in the branch of a dropped micro-batch.
 """
 
 import tensorflow as tf
@@ -18,12 +23,25 @@ from keras_fastgrad.step.gradients import values
 
 def gradient_sums(grads):
     """float32 vector: the sum of each gradient's elements (`None`: 0)."""
-    return tf.stack(
-        [
-            tf.constant(0.0) if g is None else tf.cast(tf.reduce_sum(values(g)), tf.float32)
-            for g in grads
-        ]
-    )
+    return tf.stack(_sums(grads))
+
+
+def _sums(grads):
+    """`gradient_sums` as a list of scalars (to stack with the loss)."""
+    axes = {}  # one constant per rank, shared by the sums of that rank
+
+    def total(g):
+        if g is None:
+            return tf.constant(0.0)
+        v = values(g)
+        rank = v.shape.rank
+        if rank == 0:
+            return tf.cast(v, tf.float32)
+        if rank is not None and rank not in axes:
+            axes[rank] = tf.constant(list(range(rank)), tf.int32)
+        return tf.cast(tf.reduce_sum(v, axis=axes.get(rank)), tf.float32)
+
+    return [total(g) for g in grads]
 
 
 def all_finite(grads):
@@ -46,11 +64,7 @@ def marks(grads, loss):
     (`None`: 0), then the loss; an entry is non-finite exactly when its
     gradient (or the loss) holds NaN/Inf. One reduction per gradient and
     one stack: the whole per-step cost of the check."""
-    return (
-        tf.concat([gradient_sums(grads), [tf.cast(loss, tf.float32)]], 0)
-        if grads
-        else (tf.reshape(tf.cast(loss, tf.float32), [1]))
-    )
+    return tf.stack(_sums(grads) + [tf.cast(loss, tf.float32)])
 
 
 def is_finite(marks_vector):
@@ -86,10 +100,11 @@ def summarize(marks_vector):
     >>> int(first), int(n)
     (2, 1)
     """
-    bad_ints = tf.cast(tf.logical_not(tf.math.is_finite(marks_vector[:-1])), tf.int32)
-    num_bad = tf.reduce_sum(bad_ints)
-    # argmax of an empty vector fails: pad with one 0 (never chosen unless
-    # no gradient is bad, and then -1 is returned).
-    index = tf.argmax(tf.concat([bad_ints, [0]], 0), output_type=tf.int32)
-    first_bad = tf.where(num_bad > 0, index, tf.constant(-1, tf.int32))
-    return first_bad, num_bad
+    bad = tf.cast(tf.logical_not(tf.math.is_finite(marks_vector)), tf.int32)
+    # The last entry is the loss's: weighed 0 in the count of gradients.
+    num_grads = marks_vector.shape[0] - 1
+    num_bad = tf.reduce_sum(bad * tf.constant([1] * num_grads + [0]))
+    # The first bad entry is a gradient's whenever one is bad (the loss's
+    # entry comes last), and only then is it reported.
+    first = tf.argmax(bad, output_type=tf.int32)
+    return tf.where(num_bad > 0, first, -1), num_bad

@@ -19,6 +19,9 @@ Log keys (fixed, all float scalars):
   watched by the tape) of the first non-finite gradient of the most recent
   dropped micro-batch, -1 if none or if only the loss was non-finite.
 - `nonfinite_num_variables`: how many gradients were non-finite in it.
+  These two are worked out (in the branch of a dropped micro-batch) only
+  while one of them is requested (`NonFiniteGuard`, `telemetry=True`):
+  the count and the divergence streak, which safety needs, always are.
 - `loss_scale`: the current loss scale (1 without loss scaling).
 - `tape_variables`: how many variables the tape watched (a trace-time
   constant).
@@ -45,7 +48,7 @@ for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 import tensorflow as tf
 
 from keras_fastgrad.step.gradients import summed_rows
-from keras_fastgrad.step.variables import global_variable
+from keras_fastgrad.step.variables import global_variable, increment
 
 LOG_KEYS = (
     "grad_norm",
@@ -140,17 +143,18 @@ class StepTelemetry:
             self.last_input_size,
         ]
 
-    def record_drop(self, first_bad, num_bad):
-        """Counts a dropped micro-batch and remembers where it went bad
-        (runs only in the branch of a non-finite micro-batch)."""
-        self.nonfinite_count.assign_add(1.0)
-        self.nonfinite_first_index.assign(tf.cast(first_bad, tf.float32))
-        self.nonfinite_num_variables.assign(tf.cast(num_bad, tf.float32))
+    def record_drop(self, first_bad=None, num_bad=None):
+        """Counts a dropped micro-batch and, when given, remembers where it
+        went bad (runs only in the branch of a non-finite micro-batch)."""
+        increment(self.nonfinite_count, 1.0)
+        if first_bad is not None:
+            self.nonfinite_first_index.assign(tf.cast(first_bad, tf.float32))
+            self.nonfinite_num_variables.assign(tf.cast(num_bad, tf.float32))
 
     def record_dropped_update(self):
         """A window (or replica sum) of finite micro-batch gradients that
         overflowed was dropped at its update: counted as non-finite."""
-        self.nonfinite_count.assign_add(1.0)
+        increment(self.nonfinite_count, 1.0)
         self.nonfinite_first_index.assign(-1.0)
 
     def record_layer_norms(self, grads):
@@ -197,25 +201,41 @@ class StepTelemetry:
                 tf.not_equal(size, self.last_input_size),
             ),
         )
-        self.input_shape_changes.assign_add(tf.where(changed, 1.0, 0.0))
+        increment(self.input_shape_changes, tf.where(changed, 1.0, 0.0))
         self.last_input_batch.assign(batch)
         self.last_input_size.assign(size)
 
     def record_update(self, norm, was_clipped):
         """Records one optimizer update (inside the update branch)."""
-        self.updates.assign_add(1.0)
+        increment(self.updates, 1.0)
         if norm is not None:
             self.grad_norm.assign(norm)
         if was_clipped is not None:
-            self.clipped_updates.assign_add(tf.cast(was_clipped, tf.float32))
+            increment(self.clipped_updates, tf.cast(was_clipped, tf.float32))
 
-    def logs(self, loss_scale, tape_variables):
-        """The log dict returned by the step."""
-        values = {v.name: tf.identity(v.value) for v in self.variables}
-        values["loss_scale"] = loss_scale
-        values["tape_variables"] = tf.constant(float(tape_variables))
-        logs = {key: values[key] for key in LOG_KEYS}
-        logs.update({k: tf.identity(v.value) for k, v in self.layer_norms.items()})
-        if self.update_ratio is not None:
-            logs[UPDATE_RATIO] = tf.identity(self.update_ratio.value)
+    def logs(self, loss_scale, tape_variables, keys=None):
+        """The log dict returned by the step.
+
+        Args:
+            loss_scale: float32 scalar, the current loss scale.
+            tape_variables: Python int, the watched variables' number.
+            keys: Optional set of keys: only those are read (one
+                `ReadVariableOp` each); `None`: every key.
+        """
+
+        def wanted(key):
+            return keys is None or key in keys
+
+        logs = {v.name: _read(v) for v in self.variables if v.name in LOG_KEYS and wanted(v.name)}
+        logs["loss_scale"] = loss_scale
+        logs["tape_variables"] = tf.constant(float(tape_variables))
+        logs = {key: logs[key] for key in LOG_KEYS if key in logs and wanted(key)}
+        logs.update({k: _read(v) for k, v in self.layer_norms.items() if wanted(k)})
+        if self.update_ratio is not None and wanted(UPDATE_RATIO):
+            logs[UPDATE_RATIO] = _read(self.update_ratio)
         return logs
+
+
+def _read(variable):
+    """The variable's value now, as a tensor (one read, no copy)."""
+    return tf.convert_to_tensor(variable.value)

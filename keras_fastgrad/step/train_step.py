@@ -24,7 +24,7 @@ from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step import finite
 from keras_fastgrad.step.applying import apply_if
-from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
+from keras_fastgrad.step.clipping import clip_by_global_norm, scaled_norm
 from keras_fastgrad.step.divergence import failed
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.gradients import scale
@@ -247,19 +247,26 @@ def update_loss_scale(state, verdict):
     state.scaling.update(verdict.all_finite)
 
 
+# The telemetry keys that say where a dropped micro-batch went bad.
+_WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
+
+
 def record_drop(model, state, marks, counts=None):
     """Bookkeeping of a non-finite micro-batch (in the branch that runs
-    only then): where it went bad, and the divergence streak.
+    only then): the count, where it went bad (when requested), and the
+    divergence streak.
 
     Args:
         marks: The micro-batch's (global) `finite.marks` vector.
         counts: Boolean scalar, whether the drop counts towards the streak
             (`divergence.failed`, under loss scaling); `None`: it does.
     """
-    first_bad, num_bad = finite.summarize(marks)
-    state.telemetry.record_drop(first_bad, num_bad)
+    if state.log_keys & _WHERE_KEYS:  # only read then (see `telemetry`)
+        state.telemetry.record_drop(*finite.summarize(marks))
+    else:
+        state.telemetry.record_drop()
     if model.skip_nonfinite or state.scaling.active:
-        state.divergence.record_drop(tf.constant(True) if counts is None else counts)
+        state.divergence.record_drop(counts)
 
 
 # ------------------------------------------------- update (or accumulate)
@@ -275,19 +282,20 @@ def single_cond(model, state):
 
 
 def update_or_drop(model, state, batch, verdict):
-    """One replica, no accumulation: the update and the metrics, or the
-    drop's bookkeeping, in a single `cond` (every `cond` costs a few ops
-    per step, which shows on short steps). Returns the metrics' logs."""
+    """One replica, no accumulation: the update and the metric updates,
+    or the drop's bookkeeping, in a single `cond` (every `cond` costs a
+    few ops per step, which shows on short steps); the metrics' results
+    are read once, after it. Returns the metrics' logs."""
 
     def apply():
         update(model, state, batch.grads, _divisor(batch, verdict))
-        return _update_metrics(model, batch, compat.unscale_loss_for_distribution(batch.loss))
+        _update_metric_states(model, batch)
 
     def drop():
         record_drop(model, state, verdict.marks, verdict.counts_towards_streak)
-        return model.get_metrics_result()
 
-    return tf.cond(verdict.keep, apply, drop)
+    tf.cond(verdict.keep, apply, drop)
+    return model.get_metrics_result()
 
 
 def accumulate_or_apply(model, state, batch, verdict):
@@ -355,11 +363,24 @@ def update(model, state, grads, normaliser=None):
     `divide_no_nan`, as Keras reduces a loss: a normaliser of 0, every
     sample weight 0 or every position masked, gives a zero gradient).
     """
+    checked = normaliser is None and _checked_as_is(model, state)
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     grads, norm, was_clipped = _clipped(model, state, grads)
-    _apply_if_finite(
-        model, state, grads, _finite_update(model, state, grads, norm), norm, was_clipped
+    finite_update = None if checked else _finite_update(model, state, grads, norm)
+    _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
+
+
+def _checked_as_is(model, state):
+    """Whether the update's gradient is the micro-batch's own, already
+    checked and dropped when not finite (one replica, no accumulation, the
+    gradient not divided). Clipping keeps a finite gradient finite (the
+    factor is computed without overflow, `clipping.clip_factor`), so the
+    update then needs no check of its own: no `cond` but the step's one."""
+    return (
+        state.accumulator is None
+        and num_replicas() == 1
+        and (model.skip_nonfinite or state.scaling.active)
     )
 
 
@@ -368,10 +389,11 @@ def _clipped(model, state, grads):
     (`None` when neither clipping nor `grad_norm` needs it)."""
     norm = was_clipped = None
     if "grad_norm" in state.log_keys or model.clip_norm is not None:
-        norm = global_norm(grads)
+        unit, root = scaled_norm(grads)
+        norm = unit * root
     state.telemetry.record_layer_norms(grads)
     if model.clip_norm is not None:
-        grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, norm)
+        grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, (unit, root))
     return grads, norm, was_clipped
 
 
@@ -397,12 +419,10 @@ def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
         telemetry.record_update_ratio(before, variables)
         telemetry.record_update(norm, was_clipped)
         state.divergence.record_update()
-        return tf.constant(True)
 
     def drop():
         telemetry.record_dropped_update()
-        state.divergence.record_drop(tf.constant(True))
-        return tf.constant(False)
+        state.divergence.record_drop()
 
     if finite_update is None:
         apply()
@@ -422,8 +442,18 @@ def metrics_logs(model, keep, batch):
             model, batch, tf.where(keep, loss, 0.0), tf.where(keep, batch.num_samples, 0.0)
         )
     else:
-        logs = tf.cond(keep, lambda: _update_metrics(model, batch, loss), model.get_metrics_result)
+        tf.cond(keep, lambda: _update_metric_states(model, batch), lambda: None)
+        logs = model.get_metrics_result()
     return global_metric_results(model.metrics, logs)
+
+
+def _update_metric_states(model, batch):
+    """What `_update_metrics` does for Keras' own `compute_metrics`,
+    without reading the results (read once, after the `cond`)."""
+    compat.loss_tracker(model).update_state(
+        compat.unscale_loss_for_distribution(batch.loss), sample_weight=batch.num_samples
+    )
+    compat.update_compiled_metrics(model, batch.y, batch.y_pred, batch.sample_weight)
 
 
 def _update_metrics(model, batch, loss, num_samples=None):
@@ -438,8 +468,10 @@ def _update_metrics(model, batch, loss, num_samples=None):
 def with_telemetry(state, logs):
     """The step's logs plus the requested telemetry keys."""
     if state.log_keys:
-        measured = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables)
-        logs.update({k: v for k, v in measured.items() if k in state.log_keys})
+        measured = state.telemetry.logs(
+            state.scaling.current_scale(), state.tape_variables, keys=state.log_keys
+        )
+        logs.update(measured)
         if state.merger is not None:  # task keys, from the Gram matrix
             logs.update(state.merger.logs())
     return for_keras_reduction(logs)

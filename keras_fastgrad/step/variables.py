@@ -35,3 +35,22 @@ def global_variable(value, name, dtype="float32"):
         aggregation="only_first_replica",
         name=name,
     )
+
+
+def increment(variable, amount=1):
+    """`variable += amount` as one op (`AssignAddVariableOp`): Keras'
+    `assign_add` reads, adds and assigns (three ops), which shows on the
+    short steps the counters run in.
+
+    Args:
+        variable: A `keras.Variable` (`global_variable`).
+        amount: Python number or scalar tensor of the variable's dtype.
+
+    Example:
+
+    >>> count = global_variable(0.0, "count")
+    >>> increment(count, 2.0)
+    >>> float(count.numpy())
+    2.0
+    """
+    variable.value.assign_add(amount, read_value=False)
