@@ -17,6 +17,7 @@ import functools
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
@@ -363,7 +364,7 @@ def update(model, state, grads, normaliser=None):
     `divide_no_nan`, as Keras reduces a loss: a normaliser of 0, every
     sample weight 0 or every position masked, gives a zero gradient).
     """
-    checked = normaliser is None and _checked_as_is(model, state)
+    checked = normaliser is None and model.clip_norm is None and _checked_as_is(model, state)
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     grads, norm, was_clipped = _clipped(model, state, grads)
@@ -403,7 +404,11 @@ def _finite_update(model, state, grads, norm):
     overflow: checked right before the update (free with clipping: the norm
     is finite iff they all are)."""
     if model.clip_norm is not None:
-        return tf.math.is_finite(norm)
+        # Finite, and the clip factor `clip_norm / norm` a normal float: a
+        # norm beyond `clip_norm / tiny` (~1e38) would make it flush to 0
+        # on CPU, a silently zero update; such an update is dropped, counted.
+        limit = model.clip_norm / float(np.finfo(np.float32).tiny)
+        return tf.math.is_finite(norm) & (norm <= limit)
     if state.accumulator is not None or num_replicas() > 1:
         return finite.all_finite(grads)
     return None  # the micro-batch check covered these

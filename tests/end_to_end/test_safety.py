@@ -207,6 +207,26 @@ def test_clipping_a_finite_gradient_whose_square_overflows():
     assert h.history["grad_norm"][0] == pytest.approx(2e20, rel=1e-6)
 
 
+@pytest.mark.parametrize("a", [1e19, 5e18])
+def test_clipping_never_makes_a_silently_zero_update(a):
+    # Inputs (a, -a), kernel (0.7, -0.7): gradient (2.8e38, -2.8e38) or
+    # (7e37, -7e37), finite (its elements sum to 0, so the micro-batch
+    # check passes), norm 3.96e38 (beyond float32) or 9.9e37 (finite). Its
+    # clip factor 1 / norm is below float32's smallest normal, which the
+    # CPU flushes to 0: the update would silently be 0. It is dropped and
+    # counted instead (the weights stay, `iterations` does not move).
+    inputs = keras.Input((2,))
+    kernel = keras.initializers.Constant([[0.7], [-0.7]])
+    layer = keras.layers.Dense(1, use_bias=False, kernel_initializer=kernel)
+    model = FG(inputs, layer(inputs), clip_norm=1.0, telemetry=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.array([[a, -a]], "float32")
+    h = model.fit(x, np.zeros((1, 1), "float32"), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    np.testing.assert_array_equal(model.get_weights()[0].ravel(), np.float32([0.7, -0.7]))
+    assert h.history["updates"] == [0.0]
+
+
 # ------------------------------------------------ no trainable weights
 def test_model_without_trainable_weights_warns_and_runs_like_keras():
     x, y = data(n=8)
