@@ -11,6 +11,7 @@ from keras_fastgrad._validation import (  # noqa: F401
     check_bool,
     check_choice,
     check_int,
+    check_number,
     check_optional_path,
 )
 

@@ -265,6 +265,7 @@ class FastGradModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = _step.gradients(self, state, x, y, sample_weight)
         verdict = _step.finite_check(self, state, batch)
+        _step.record_small_batches(state, batch, verdict)
         _step.update_loss_scale(state, verdict)
         if _step.single_cond(self, state):
             logs = _step.update_or_drop(self, state, batch, verdict)

@@ -60,7 +60,9 @@ def _pad_and_split(t, order, slices):
     return tf.reshape(t, tf.concat([[slices, -1], tf.shape(t)[1:]], 0))
 
 
-def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, merger=None):
+def sliced_gradients(
+    model, x, y, sample_weight, variables, scaling, slices, merger=None, measure=None
+):
     """Forward and backward of `model` on `slices` slices of one batch.
 
     Args:
@@ -73,6 +75,11 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
             each task's gradient is summed over the slices on its own, and
             the sums (the task gradients of the whole batch) are merged once
             after the loop: the same update as the un-split step.
+        measure: Optional pair `(fn, zero)`: `fn(grads, rows, normaliser)`
+            returns a vector (shaped as the tensor `zero`) from each
+            slice's (weighted) gradients, real rows and normaliser; the
+            vectors are summed over the slices (`noise_scale.small_batch`:
+            each slice is a small batch).
 
     Returns:
         `(loss, y_pred, grads, share)`: the batch loss as Keras would
@@ -81,16 +88,20 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
         multiplied by `share.actual` (times the replicas for mean
         reductions, as `weighting` prescribes), `None` where a variable gets
         no gradient; and the batch's share (`share.real` its normaliser,
-        `share.mean` whether the window divides by it).
+        `share.mean` whether the window divides by it). With `measure`, a
+        fifth item: the sum of its vectors.
     """
     batch = _split(x, y, sample_weight, slices)
     out_spec = model.compute_output_spec(tree.map_structure(lambda t: t[0], batch.x))
     facts = {}  # trace-time facts of the body, the same for every slice
-    body = _loop_body(model, batch, variables, scaling, merger, facts)
-    _, sums, loss_sum, actual_sum, real_sum, outputs, masks = tf.while_loop(
+    body = _loop_body(model, batch, variables, scaling, merger, facts, measure)
+    start = _initial_loop_values(model, batch, variables, out_spec, merger)
+    if measure is not None:  # the measures' sum rides along
+        start += (measure[1],)
+    _, sums, loss_sum, actual_sum, real_sum, outputs, masks, *measured = tf.while_loop(
         lambda i, *_: i < slices,
         body,
-        _initial_loop_values(model, batch, variables, out_spec, merger),
+        start,
         maximum_iterations=slices,
     )
     sums = [
@@ -114,7 +125,7 @@ def sliced_gradients(model, x, y, sample_weight, variables, scaling, slices, mer
         grads = _merged_tasks(model, merger, sums, regularized, actual_sum, loss_sum)
     y_pred = _whole_batch_predictions(outputs, masks, facts["has_mask"], out_spec, batch.n)
     share = Share(real, real, facts["mean"])
-    return loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share
+    return (loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share, *measured)
 
 
 class _Slices(
@@ -188,12 +199,13 @@ def _initial_loop_values(model, batch, variables, out_spec, merger):
     )
 
 
-def _loop_body(model, batch, variables, scaling, merger, facts):
+def _loop_body(model, batch, variables, scaling, merger, facts, measure=None):
     """The `tf.while_loop` body: one slice forward and backward, its
-    gradients added to the sums, its predictions kept. Fills `facts` (a
-    dict) with the body's trace-time facts on its first trace."""
+    gradients added to the sums, its predictions kept (and, with
+    `measure`, its measures added). Fills `facts` (a dict) with the body's
+    trace-time facts on its first trace."""
 
-    def body(i, sums, loss_sum, actual_sum, real_sum, outputs, masks):
+    def body(i, sums, loss_sum, actual_sum, real_sum, outputs, masks, *measured):
         losses, share, grads, y_pred = _slice_gradients(model, batch, i, variables, scaling, merger)
         flat_pred = tree.flatten(y_pred)
         if not facts:
@@ -210,6 +222,9 @@ def _loop_body(model, batch, variables, scaling, merger, facts):
             for ta, p, has in zip(masks, flat_pred, facts["has_mask"])
         ]
         loss = tf.add_n([tf.cast(l, tf.float32) for l in losses])
+        if measure is not None:
+            rows = tf.reduce_sum(tf.cast(batch.rows[i], tf.float32))
+            measured = [measured[0] + measure[0](grads[0], rows, share.actual)]
         return (
             i + 1,
             sums,
@@ -218,6 +233,7 @@ def _loop_body(model, batch, variables, scaling, merger, facts):
             real_sum + share.real,
             outputs,
             masks,
+            *measured,
         )
 
     return body

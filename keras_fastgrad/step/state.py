@@ -9,7 +9,8 @@ the variables must exist before the trace. What it holds:
 - the units with state (`keras.Variable`s created by `build`, before the
   train function is traced): `telemetry` (`StepTelemetry`), `divergence`
   (`DivergenceWatch`), `accumulator` (`WindowAccumulator`, `None` without
-  accumulation); and those without variables of their own: `scaling`
+  accumulation), `noise_scale` (`noise_scale.NoiseScale`, `None` unless a
+  `gns_*` key is requested); and those without variables of their own: `scaling`
   (`LossScaling`, around the optimizer), `merger` (`TaskMerger`, `None`
   without `multitask`);
 - trace-time facts of the traced step (`facts`, a `TraceFacts`, and
@@ -38,6 +39,7 @@ import tensorflow as tf
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask.merger import TaskMerger
 from keras_fastgrad.step.accumulation import WindowAccumulator
+from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
@@ -70,6 +72,9 @@ class StepState(compat.KerasSaveable):
         divergence: `DivergenceWatch`, the failure streak (variables).
         accumulator: `WindowAccumulator`, the window (variables); `None`
             without accumulation.
+        noise_scale: `noise_scale.NoiseScale` (variables, saved last);
+            `None` unless a `gns_*` key is requested.
+        noise_decay: float, the noise scale's EMA decay.
         scaling: `LossScaling` around the optimizer, set when the train
             function is made.
         merger: `TaskMerger`, `None` without `multitask`.
@@ -89,6 +94,8 @@ class StepState(compat.KerasSaveable):
         self.merger = None
         self.log_keys = set()
         self.telemetry = self.divergence = self.accumulator = None
+        self.noise_scale = None
+        self.noise_decay = noise_scale.DEFAULT_DECAY
         self.scaling = None  # set when the train function is made
         self.facts = None
         self.trace_count = 0
@@ -102,6 +109,13 @@ class StepState(compat.KerasSaveable):
         `multitask`) and the telemetry keys (all with `telemetry`)."""
         self.merger = None if multitask is None else TaskMerger(multitask)
         self.log_keys = set(LOG_KEYS) if telemetry else set()
+        self._all_telemetry = bool(telemetry)
+
+    def set_noise_decay(self, decay):
+        """The noise scale's EMA decay (a variable: no retrace)."""
+        self.noise_decay = float(decay)
+        if self.noise_scale is not None:
+            self.noise_scale.set_decay(decay)
 
     # ------------------------------------------------------------- building
     def build(self, model):
@@ -109,6 +123,8 @@ class StepState(compat.KerasSaveable):
         (again only when they or the requested optional keys changed; a
         change of keys alone keeps the values)."""
         variables = model.trainable_variables
+        if self._all_telemetry and noise_scale.measurable(model):
+            self.log_keys |= set(noise_scale.KEYS)  # `telemetry=True`: where measurable
         optional = sorted(k for k in self.log_keys if is_optional_key(k))
         key = (tuple(id(v) for v in variables), tuple(optional))
         if self._built_for == key:
@@ -123,9 +139,13 @@ class StepState(compat.KerasSaveable):
             if model.accumulation_steps > 1:
                 accumulator = WindowAccumulator(model.accumulation_steps)
                 accumulator.build(variables)
+            noise = None
+            if self.log_keys & set(noise_scale.KEYS):
+                noise = noise_scale.NoiseScale(self.noise_decay)
+                noise.build()
         same_variables = self._built_for and self._built_for[0] == key[0]
         self.telemetry, self.divergence = telemetry, divergence
-        self.accumulator = accumulator
+        self.accumulator, self.noise_scale = accumulator, noise
         self._built_for = key
         if same_variables:
             for v, value in zip(self.variables, old_values):
@@ -139,6 +159,8 @@ class StepState(compat.KerasSaveable):
         state = list(self.telemetry.variables) + self.divergence.variables
         if self.accumulator is not None:
             state += self.accumulator.variables
+        if self.noise_scale is not None:  # last: files without it still load
+            state += self.noise_scale.variables
         return state
 
     def values(self):
@@ -207,6 +229,7 @@ class StepState(compat.KerasSaveable):
         if not store or model is None or not model.built:
             return
         state = self.variables
+        state, store = self._noise_scale_aside(state, store)
         if self.accumulator is not None and len(store) == len(state) - 1:
             store = self._without_included_count(store, len(state))
         if len(store) != len(state):
@@ -220,6 +243,18 @@ class StepState(compat.KerasSaveable):
             return
         for i, v in enumerate(state):
             v.assign(store[str(i)])
+
+    def _noise_scale_aside(self, state, store):
+        """The noise scale's variables are the last ones, present only while
+        it is measured: a file saved without them leaves them fresh, a file
+        saved with them loads into a model that does not measure it."""
+        size = noise_scale.NoiseScale.NUM_VARIABLES
+        # (`- 1`: also saved before the accumulator counted its included)
+        if self.noise_scale is not None and len(state) - len(store) in (size, size + 1):
+            return state[:-size], store
+        if self.noise_scale is None and len(store) == len(state) + size:
+            return state, {str(i): store[str(i)] for i in range(len(state))}
+        return state, store
 
     def _without_included_count(self, store, size):
         """A file saved before the accumulator counted its included

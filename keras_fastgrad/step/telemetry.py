@@ -38,6 +38,10 @@ On request only (they cost extra work in the update branch):
   e.g. `grad_norm/dense_1`. Partial sums of the global norm: nearly free.
 - `update_ratio`: `||w_after - w_before|| / ||w_before||` over all trainable
   variables for the latest update (copies the weights before the update).
+- `gns_simple`, `gns_grad_sq`, `gns_trace`: the gradient noise scale
+  `B_simple` and the EMAs of its numerator and denominator
+  (`keras_fastgrad.step.noise_scale`; with accumulation, `micro_batches` or
+  several replicas only; `telemetry=True` includes them there).
 
 Multi-task models (`FastGradModel(multitask=...)`) also log, whenever any
 telemetry is on, what the task Gram matrix of the latest micro-batch gives
@@ -47,6 +51,7 @@ for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 
 import tensorflow as tf
 
+from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.gradients import summed_rows
 from keras_fastgrad.step.variables import global_variable, increment
 
@@ -86,6 +91,7 @@ def is_optional_key(key):
         key == UPDATE_RATIO
         or key.startswith(LAYER_NORM_PREFIX)
         or is_task_key(key)  # multi-task models only (keras_fastgrad.multitask)
+        or noise_scale.is_key(key)  # needs two batch sizes (`noise_scale`)
     )
 
 

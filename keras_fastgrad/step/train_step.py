@@ -23,7 +23,7 @@ import tensorflow as tf
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
-from keras_fastgrad.step import finite
+from keras_fastgrad.step import finite, noise_scale
 from keras_fastgrad.step.applying import apply_if
 from keras_fastgrad.step.clipping import clip_by_global_norm, scaled_norm
 from keras_fastgrad.step.divergence import failed
@@ -52,7 +52,9 @@ class Batch(
             "num_samples",
             "normaliser",
             "mean_reduction",
+            "small_batches",
         ],
+        defaults=(None,),
     )
 ):
     """What the forward and backward pass of one micro-batch produced.
@@ -67,7 +69,10 @@ class Batch(
         normaliser: float32 `D_j` on this replica (1 when not combined).
         mean_reduction: Python bool, whether the combined gradients are
             divided by the summed normalisers (`False`: `reduction="sum"`,
-            or nothing combined)."""
+            or nothing combined).
+        small_batches: The `noise_scale.small_batch` measures of this
+            replica's micro-batch (or of its slices, summed); `None` unless
+            the noise scale is measured."""
 
 
 class Verdict(
@@ -112,9 +117,10 @@ def gradients(model, state, x, y, sample_weight):
         state.telemetry.record_input_shape(first)
     num_rows = tf.shape(first)[0]
     weighted = state.accumulator is not None or num_replicas() > 1 or model.micro_batches > 1
+    noise = state.noise_scale
     if model.micro_batches > 1:
         _check_slices(model, x)
-        loss, y_pred, grads, share = sliced_gradients(
+        loss, y_pred, grads, share, *small = sliced_gradients(
             model,
             x,
             y,
@@ -123,11 +129,16 @@ def gradients(model, state, x, y, sample_weight):
             state.scaling,
             model.micro_batches,
             merger=state.merger,
+            measure=None if noise is None else noise_scale.slice_measure(),
         )
     else:
         loss, y_pred, grads, share = _batch_gradients(
             model, state, x, y, sample_weight, variables, num_rows if weighted else None
         )
+        if noise is not None:  # the micro-batch is the small batch
+            small = [noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)]
+    if noise is not None:
+        noise_scale.check_batch(sample_weight, share.mean)
     state.record_trace_facts(variables, grads)
     return Batch(
         loss=loss,
@@ -139,6 +150,7 @@ def gradients(model, state, x, y, sample_weight):
         num_samples=tf.cast(num_rows, tf.float32),
         normaliser=share.real if weighted else tf.constant(1.0),
         mean_reduction=weighted and share.mean,
+        small_batches=small[0] if noise is not None else None,
     )
 
 
@@ -240,6 +252,13 @@ def finite_check(model, state, batch):
         counts_towards_streak=failed(all_finite, scaling) if scaling.active else None,
         global_normaliser=total,
     )
+
+
+def record_small_batches(state, batch, verdict):
+    """The noise scale's small batches (a no-op unless it is measured):
+    added to the window unless the micro-batch is not finite."""
+    if state.noise_scale is not None:
+        state.noise_scale.record_small(batch.small_batches, verdict.all_finite)
 
 
 def update_loss_scale(state, verdict):
@@ -367,6 +386,8 @@ def update(model, state, grads, normaliser=None):
     checked = normaliser is None and model.clip_norm is None and _checked_as_is(model, state)
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
+    if state.noise_scale is not None:  # the big batch: unscaled, unclipped
+        state.noise_scale.record_window(grads)
     grads, norm, was_clipped = _clipped(model, state, grads)
     finite_update = None if checked else _finite_update(model, state, grads, norm)
     _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
@@ -479,4 +500,6 @@ def with_telemetry(state, logs):
         logs.update(measured)
         if state.merger is not None:  # task keys, from the Gram matrix
             logs.update(state.merger.logs())
+        if state.noise_scale is not None:
+            logs.update({k: v for k, v in state.noise_scale.logs().items() if k in state.log_keys})
     return for_keras_reduction(logs)

@@ -1,0 +1,233 @@
+"""The gradient noise scale, from gradients the step holds anyway.
+
+McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"
+(arXiv:1812.06162), App. A.1: a gradient over `B` independent samples has
+`E|G_B|^2 = |G|^2 + tr(Sigma) / B`. Two batch sizes give two equations, and
+the unbiased estimators
+
+    |G|^2  = (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    S      = (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)
+
+whose ratio, each side smoothed by an exponential moving average,
+`B_simple = EMA(S) / EMA(|G|^2)`, is the batch size beyond which larger
+batches stop paying (the paper's "simple noise scale").
+
+With accumulation, `micro_batches` or several replicas, every window holds
+both: each micro-batch (slice, replica) is a small batch `i` with `n_i`
+rows and loss normaliser `D_i`, and the window's gradient
+`G_big = sum_i a_i g_i` (`a_i = D_i / sum_j D_j`, `keras_fastgrad.step.
+weighting`) is the big one. The step adds up, per window, over the small
+batches it keeps (a non-finite one is left out, as from the update):
+
+    sum_i |g_i|^2,   sum_i 1 / n_i,   k,   sum_i D_i^2 / n_i,   sum_i D_i
+
+and, at the update, reads `|G_big|^2` (unscaled, before clipping). For
+small batches of `n_i` rows, `E[mean_i |g_i|^2] = |G|^2 + tr(Sigma) s` and
+`E|G_big|^2 = |G|^2 + tr(Sigma) t` with `s = mean_i 1/n_i` and
+`t = sum_i a_i^2 / n_i`, so
+
+    |G|^2 = (s |G_big|^2 - t mean_i |g_i|^2) / (s - t)
+    S     = (mean_i |g_i|^2 - |G_big|^2) / (s - t)
+
+which is the paper's pair for `k` equal micro-batches (`s = 1/B_small`,
+`t = 1/B_big`) and stays unbiased for uneven ones (the epoch's last,
+partial batch; a padded last slice). A "batch size" counts rows: the
+estimate assumes each row weighs alike in the loss (true for Keras' mean
+reductions without sample weights; with per-timestep or per-pixel losses
+a row is still one sample). Sample weights are refused (`check_batch`),
+as is `reduction="sum"`.
+"""
+
+import tensorflow as tf
+
+from keras_fastgrad.step.clipping import scaled_norm
+from keras_fastgrad.step.replicas import replica_sum
+from keras_fastgrad.step.variables import global_variable, increment
+
+SIMPLE, GRAD_SQ, TRACE = "gns_simple", "gns_grad_sq", "gns_trace"
+KEYS = (SIMPLE, GRAD_SQ, TRACE)
+DEFAULT_DECAY = 0.99
+_MEASURES = 5  # sum |g_i|^2, sum 1/n_i, k, sum D_i^2/n_i, sum D_i
+
+
+def is_key(key):
+    """Whether `key` is a noise-scale telemetry key."""
+    return key in KEYS
+
+
+def measurable(model):
+    """Whether `model`'s step holds gradients at two batch sizes
+    (accumulation, `micro_batches` or several replicas) and no task merge
+    (a merged gradient is not a sum of the slices' gradients)."""
+    many = (
+        model.accumulation_steps > 1
+        or model.micro_batches > 1
+        or model.distribute_strategy.num_replicas_in_sync > 1
+    )
+    return many and model.multitask is None
+
+
+def check_batch(sample_weight, mean_reduction):
+    """Refuses, at trace time, what would make the estimate silently wrong:
+    sample weights (a weighted mean over `n` rows is not a mean of `n`
+    equally weighted samples: its variance is not `tr(Sigma) / n`) and a
+    `reduction="sum"` loss (its gradient is not a mean)."""
+    if sample_weight is not None:
+        raise ValueError(
+            "The gradient noise scale (`GradientNoiseScale`, the `gns_*` "
+            "telemetry keys) counts each row of a batch as one sample and "
+            "cannot be measured with sample weights (or `class_weight`). "
+            "Received: sample_weight (a tensor). Fix: train without "
+            "`sample_weight`/`class_weight` while measuring it."
+        )
+    if not mean_reduction:
+        raise ValueError(
+            "The gradient noise scale (`GradientNoiseScale`, the `gns_*` "
+            "telemetry keys) needs a loss that averages over the batch. "
+            'Received: a loss with reduction="sum". Fix: use the default '
+            'reduction ("sum_over_batch_size") while measuring it.'
+        )
+
+
+def squared_norm(grads, divisor=1.0):
+    """`|grads / divisor|^2` (float32; sparse gradients read on their rows,
+    the square root taken before dividing so that large gradients do not
+    overflow where their quotient fits)."""
+    unit, root = scaled_norm(grads)
+    return tf.square((unit / divisor) * root)
+
+
+def small_batch(grads, rows, normaliser):
+    """One small batch's measures, `[|g|^2, 1/n, 1, D^2/n, D]` (zeros for a
+    batch without rows or with a zero normaliser: left out).
+
+    Args:
+        grads: Its gradients times `normaliser` (as the step weights them).
+        rows: float32 scalar, its number of (real) rows `n`.
+        normaliser: float32 scalar, its loss normaliser `D`.
+
+    Example:
+
+    >>> m = small_batch([tf.constant([6.0, 8.0])], tf.constant(4.0), tf.constant(2.0))
+    >>> m.numpy().tolist()  # |(3, 4)|^2, 1/4, 1, 2^2/4, 2
+    [25.0, 0.25, 1.0, 1.0, 2.0]
+    """
+    present = (rows > 0.0) & (normaliser > 0.0)
+    safe_rows = tf.where(present, rows, 1.0)
+    safe_d = tf.where(present, normaliser, 1.0)
+    measures = tf.stack(
+        [
+            squared_norm(grads, safe_d),
+            1.0 / safe_rows,
+            tf.constant(1.0),
+            tf.square(safe_d) / safe_rows,
+            safe_d,
+        ]
+    )
+    return tf.where(present, measures, tf.zeros_like(measures))
+
+
+def slice_measure():
+    """The `measure` pair `slicing.sliced_gradients` takes: each slice a
+    small batch."""
+    return small_batch, tf.zeros([_MEASURES])
+
+
+def estimate(small_sq_mean, big_sq, s, t):
+    """The unbiased `(|G|^2, tr(Sigma))` (module docstring): `s` is
+    `mean_i 1/n_i` over the small batches, `t` what `1/B_big` stands for.
+
+    Example (the paper's equal batches: B_small 8, B_big 32; true |G|^2 = 1,
+    tr(Sigma) = 16 give E|G_small|^2 = 3, E|G_big|^2 = 1.5):
+
+    >>> g2, trace = estimate(3.0, 1.5, 1 / 8, 1 / 32)
+    >>> float(g2), float(trace)
+    (1.0, 16.0)
+    """
+    gap = s - t
+    grad_sq = (s * big_sq - t * small_sq_mean) / gap
+    trace = (small_sq_mean - big_sq) / gap
+    return grad_sq, trace
+
+
+class NoiseScale:
+    """The window's small-batch sums and the EMAs of both estimates.
+
+    Args:
+        decay: Float in (0, 1), the EMAs' decay per window (a variable:
+            `set_decay` changes it without a retrace).
+
+    Example (one window of two small batches, 2 rows each):
+
+    >>> ns = NoiseScale(decay=0.5)
+    >>> ns.build()
+    >>> ns.record_small(small_batch([tf.constant([2.0, 2.0])], tf.constant(2.0),
+    ...                             tf.constant(2.0)), tf.constant(True))
+    >>> ns.record_small(small_batch([tf.constant([0.0, 4.0])], tf.constant(2.0),
+    ...                             tf.constant(2.0)), tf.constant(True))
+    >>> ns.record_window([tf.constant([0.5, 1.5])])  # their weighted mean
+    >>> logs = ns.logs()  # small |g|^2 = (2 + 4) / 2, big 2.5, s = 1/2, t = 1/4
+    >>> [round(float(logs[k]), 4) for k in KEYS]  # B_simple = 2 / 2
+    [1.0, 2.0, 2.0]
+    """
+
+    NUM_VARIABLES = 5
+
+    def __init__(self, decay=DEFAULT_DECAY):
+        self._initial_decay = float(decay)
+
+    def build(self):
+        """Creates the state (global float32 variables)."""
+        self.decay = global_variable(self._initial_decay, "gns_decay")
+        self.window = global_variable(tf.zeros([_MEASURES]), "gns_window")
+        self.ema_grad_sq = global_variable(0.0, "gns_ema_grad_sq")
+        self.ema_trace = global_variable(0.0, "gns_ema_trace")
+        # sum of the EMA weights so far (1 - decay^windows): its bias.
+        self.ema_weight = global_variable(0.0, "gns_ema_weight")
+
+    @property
+    def variables(self):
+        return [self.window, self.ema_grad_sq, self.ema_trace, self.ema_weight, self.decay]
+
+    def set_decay(self, decay):
+        """Sets the EMAs' decay (from the host)."""
+        self.decay.assign(float(decay))
+
+    def record_small(self, measures, include):
+        """Adds this replica's small batch(es) (`small_batch`, summed if
+        several) to the window: summed over the replicas, left out unless
+        `include` (a non-finite micro-batch). Runs in replica context,
+        outside any `cond` (the variables are written once for all)."""
+        (measures,) = replica_sum([measures])
+        increment(self.window, tf.where(include, measures, tf.zeros_like(measures)))
+
+    def record_window(self, grads):
+        """At the update, with the window's (global, unscaled, unclipped)
+        gradient: both estimates into their EMAs, and the window restarts.
+        A window with fewer than two small batches' worth of spread
+        (`s <= t`) or a non-finite estimate leaves the EMAs as they are."""
+        window = tf.convert_to_tensor(self.window.value)
+        small_sq, inv_rows, count, weight_sq, weight = tf.unstack(window)
+        safe_count = tf.maximum(count, 1.0)
+        s = inv_rows / safe_count
+        t = tf.math.divide_no_nan(weight_sq, tf.square(weight))
+        grad_sq, trace = estimate(small_sq / safe_count, squared_norm(grads), s, t)
+        valid = (count >= 1.0) & (s > t * (1.0 + 1e-6))
+        valid &= tf.math.is_finite(grad_sq) & tf.math.is_finite(trace)
+        d = tf.convert_to_tensor(self.decay.value)
+        for ema, value in ((self.ema_grad_sq, grad_sq), (self.ema_trace, trace)):
+            ema.assign(tf.where(valid, d * ema.value + (1.0 - d) * value, ema.value))
+        self.ema_weight.assign(
+            tf.where(valid, d * self.ema_weight.value + (1.0 - d), self.ema_weight.value)
+        )
+        self.window.assign(tf.zeros([_MEASURES]))
+
+    def logs(self):
+        """`gns_grad_sq`, `gns_trace` (bias-corrected EMAs) and
+        `gns_simple` (their ratio); NaN before the first estimate."""
+        weight = tf.convert_to_tensor(self.ema_weight.value)
+        nan = tf.constant(float("nan"))
+        measured = weight > 0.0
+        grad_sq = tf.where(measured, self.ema_grad_sq.value / weight, nan)
+        trace = tf.where(measured, self.ema_trace.value / weight, nan)
+        return {SIMPLE: trace / grad_sq, GRAD_SQ: grad_sq, TRACE: trace}
