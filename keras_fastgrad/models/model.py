@@ -241,12 +241,10 @@ class FastGradModel(keras.Model):
                 jit_compile=bool(self.jit_compile),
             )
         state.flush_function()
-        return {
-            k: float(v)
-            for k, v in state.telemetry.logs(
-                state.scaling.current_scale(), state.tape_variables or 0
-            ).items()
-        }
+        logs = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables or 0)
+        if state.noise_scale is not None:  # the partial window's estimate
+            logs.update(state.noise_scale.logs())
+        return {k: float(v) for k, v in logs.items()}
 
     # ------------------------------------------------------------- the step
     def train_step(self, data):

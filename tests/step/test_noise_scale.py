@@ -1,0 +1,316 @@
+"""The gradient noise scale (`keras_fastgrad.step.noise_scale`, the
+`GradientNoiseScale` callback) against references not written by the same
+reasoning: closed-form values of a linear regression with Gaussian noise,
+and the paper's estimators on plain `keras.Model` gradients of the same
+micro-batches (`gns_reference.py`)."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_fastgrad
+from keras_fastgrad.callbacks import GradientNoiseScale
+from keras_fastgrad.callbacks.gradient_noise_scale import describe
+import gns_reference as ref
+
+FEATURES, NOISE_VARIANCE = 8, 3.0
+
+
+def _linear_regression(rows, seed=0):
+    """`y = x . w* + noise` and a start `w0 = w* + delta`, `|delta| = 1`.
+
+    For `x ~ N(0, I_d)`, noise variance `v` and the MSE loss, the
+    per-sample gradient at `w0` is `2 (x . delta - noise) x`: its mean is
+    `G = 2 delta` and its covariance `4 (|delta|^2 + v) I + 4 delta
+    delta^T` (Isserlis), so `|G|^2 = 4`, `tr(Sigma) = 4 (d (1 + v) + 1)`
+    and `B_simple = d (1 + v) + 1` (33 here)."""
+    rng = np.random.default_rng(seed)
+    w_star = rng.normal(size=(FEATURES, 1))
+    delta = rng.normal(size=(FEATURES, 1))
+    delta /= np.linalg.norm(delta)
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
+    noise = np.sqrt(NOISE_VARIANCE) * rng.normal(size=(rows, 1))
+    y = (x @ w_star + noise).astype("float32")
+    return x, y, w_star + delta
+
+
+def _frozen_linear_model(w0, **options):
+    inputs = keras.Input((FEATURES,))
+    layer = keras.layers.Dense(1, use_bias=False)
+    model = keras_fastgrad.FastGradModel(inputs, layer(inputs), **options)
+    layer.kernel.assign(w0)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # w stays w0
+    return model
+
+
+@pytest.mark.parametrize(
+    "options, batch_size",
+    [({"micro_batches": 4}, 62), ({"accumulation_steps": 4}, 16)],
+    ids=["micro_batches_uneven_slices", "accumulation"],
+)
+def test_recovers_the_closed_form_noise_scale_of_a_linear_regression(options, batch_size):
+    x, y, w0 = _linear_regression(
+        rows=batch_size * 4 * 100 if "accumulation_steps" in options else batch_size * 400
+    )
+    model = _frozen_linear_model(w0, **options)
+    history = model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        verbose=0,
+        shuffle=False,
+        callbacks=[GradientNoiseScale(decay=0.99, verbose=0)],
+    )
+    expected_b = FEATURES * (1 + NOISE_VARIANCE) + 1.0
+    expected_trace = 4.0 * expected_b
+    logs = history.history
+    assert logs["gns_simple"][-1] == pytest.approx(expected_b, rel=0.10)
+    assert logs["gns_grad_sq"][-1] == pytest.approx(4.0, rel=0.10)
+    assert logs["gns_trace"][-1] == pytest.approx(expected_trace, rel=0.10)
+
+
+def _mlp():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(7, activation="tanh")(inputs)
+    return inputs, keras.layers.Dense(2)(hidden)
+
+
+def _conv():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(3, 3, activation="relu")(inputs)
+    h = keras.layers.Flatten()(h)
+    return inputs, keras.layers.Dense(3)(h)
+
+
+def _embedding():
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((4,), dtype="int32")
+    h = keras.layers.Embedding(20, 3)(inputs)  # sparse gradients
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return inputs, keras.layers.Dense(2)(h)
+
+
+def _data(kind, rows, seed=1):
+    rng = np.random.default_rng(seed)
+    if kind == "mlp":
+        return rng.normal(size=(rows, 5)).astype("float32"), rng.normal(size=(rows, 2)).astype(
+            "float32"
+        )
+    if kind == "conv":
+        x = rng.normal(size=(rows, 6, 6, 2)).astype("float32")
+        return x, rng.integers(0, 3, size=(rows,))
+    x = rng.integers(0, 20, size=(rows, 4)).astype("int32")
+    return x, rng.normal(size=(rows, 2)).astype("float32")
+
+
+_BUILDERS = {"mlp": _mlp, "conv": _conv, "embedding": _embedding}
+_LOSSES = {
+    "mlp": keras.losses.MeanSquaredError,
+    "conv": lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    "embedding": keras.losses.MeanSquaredError,
+}
+
+# (model, options, rows, batch_size, the windows' small-batch sizes)
+_CASES = {
+    # two windows of 3 x 8, then the epoch's partial window: 8 + 5 rows
+    "mlp_accumulation_partial_window": (
+        "mlp",
+        {"accumulation_steps": 3},
+        61,
+        8,
+        [[8, 8, 8], [8, 8, 8], [8, 5]],
+    ),
+    # slices of ceil(30 / 4) = 8 rows: 8, 8, 8, 6
+    "conv_micro_batches_uneven": (
+        "conv",
+        {"micro_batches": 4},
+        60,
+        30,
+        [[8, 8, 8, 6], [8, 8, 8, 6]],
+    ),
+    # windows of 2 batches of 12, each in 2 slices of 6; sparse gradients
+    "embedding_accumulation_and_slices": (
+        "embedding",
+        {"accumulation_steps": 2, "micro_batches": 2},
+        48,
+        12,
+        [[6] * 4] * 2,
+    ),
+    "mlp_xla_steps_per_execution": (
+        "mlp",
+        {"micro_batches": 2},
+        40,
+        8,
+        [[4, 4]] * 5,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_equals_the_paper_estimators_on_plain_keras_gradients(case):
+    kind, options, rows, batch_size, windows = _CASES[case]
+    x, y = _data(kind, rows)
+    inputs, outputs = _BUILDERS[kind]()
+    plain = keras.Model(inputs, outputs)
+    model = keras_fastgrad.FastGradModel(inputs, outputs, **options)
+    compile_kwargs = {}
+    if case.endswith("steps_per_execution"):
+        compile_kwargs = {"jit_compile": True, "steps_per_execution": 3}
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=_LOSSES[kind](), **compile_kwargs)
+    decay = 0.6
+    history = model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        verbose=0,
+        shuffle=False,
+        callbacks=[GradientNoiseScale(decay=decay, verbose=0)],
+    )
+    small, start = [], 0
+    for window in windows:
+        small.append(ref.split(x[start:], y[start:], window))
+        start += sum(window)
+    assert start == rows
+    b_simple, grad_sq, trace = ref.noise_scale(plain, _LOSSES[kind](), small, decay)
+    logs = {k: v[-1] for k, v in history.history.items()}
+    assert logs["gns_grad_sq"] == pytest.approx(grad_sq, rel=2e-3)
+    assert logs["gns_trace"] == pytest.approx(trace, rel=2e-3)
+    assert logs["gns_simple"] == pytest.approx(b_simple, rel=2e-3)
+
+
+# ------------------------------------------------------------- refusals
+def _plain_mlp():
+    inputs, outputs = _mlp()
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_refuses_a_model_that_holds_one_batch_size_naming_the_fix():
+    x, y = _data("mlp", 16)
+    for model in (_plain_mlp(), keras_fastgrad.FastGradModel(*_mlp())):
+        model.compile(optimizer="sgd", loss="mse")
+        with pytest.raises(ValueError, match=r"accumulation_steps>=2. or .micro_batches>=2"):
+            model.fit(x, y, verbose=0, callbacks=[GradientNoiseScale(verbose=0)])
+    assert not isinstance(model, type(None))
+
+
+def test_a_plain_keras_model_is_measured_through_fastgrad():
+    x, y = _data("mlp", 32)
+    model = keras_fastgrad.fastgrad(_plain_mlp(), micro_batches=2)
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[GradientNoiseScale(verbose=0)])
+    assert np.isfinite(history.history["gns_simple"][-1])
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.0, 1.5, -0.1, "0.9", True])
+def test_decay_is_validated(decay):
+    with pytest.raises(
+        ValueError, match=rf"`decay` must be a number > 0.0 .*Received: decay={decay!r}"
+    ):
+        GradientNoiseScale(decay=decay)
+
+
+def test_refuses_sample_weights_at_trace_time():
+    x, y = _data("mlp", 16)
+    model = keras_fastgrad.FastGradModel(*_mlp(), micro_batches=2)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="cannot be measured with sample weights"):
+        model.fit(x, y, sample_weight=np.ones(16), verbose=0, callbacks=[GradientNoiseScale()])
+
+
+def test_refuses_a_sum_reduction_at_trace_time():
+    x, y = _data("mlp", 16)
+    model = keras_fastgrad.FastGradModel(*_mlp(), accumulation_steps=2)
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    with pytest.raises(ValueError, match='reduction="sum"'):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[GradientNoiseScale()])
+
+
+def test_refuses_a_multitask_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    outputs = {
+        "a": keras.layers.Dense(1, name="a")(inputs),
+        "b": keras.layers.Dense(1, name="b")(inputs),
+    }
+    model = keras_fastgrad.FastGradModel(inputs, outputs, multitask="pcgrad", accumulation_steps=2)
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
+    x = np.ones((8, 3), "float32")
+    with pytest.raises(ValueError, match="multi-task model"):
+        model.fit(x, {"a": x[:, :1], "b": x[:, :1]}, verbose=0, callbacks=[GradientNoiseScale()])
+
+
+# ---------------------------------------------- telemetry, saving, output
+def test_telemetry_true_includes_the_keys_only_where_measurable():
+    x, y = _data("mlp", 16)
+    keys = {}
+    for name, options in (("one_batch", {}), ("accumulation", {"accumulation_steps": 2})):
+        model = keras_fastgrad.FastGradModel(*_mlp(), telemetry=True, **options)
+        model.compile(optimizer="sgd", loss="mse")
+        keys[name] = {
+            k for k in model.fit(x, y, batch_size=4, verbose=0).history if k.startswith("gns")
+        }
+    assert keys == {"one_batch": set(), "accumulation": {"gns_simple", "gns_grad_sq", "gns_trace"}}
+
+
+def test_state_round_trips_through_keras_files_and_older_files_load(tmp_path):
+    x, y = _data("mlp", 32)
+    model = keras_fastgrad.FastGradModel(*_mlp(), accumulation_steps=2, telemetry=True)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+    noise = model.fastgrad_step_state.noise_scale
+    saved = [v.numpy() for v in noise.variables]
+    assert saved[1] != 0.0  # an EMA has moved
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    restored = [v.numpy() for v in loaded.fastgrad_step_state.noise_scale.variables]
+    for a, b in zip(saved, restored):
+        np.testing.assert_array_equal(a, b)
+    # a file saved without the noise scale loads into a model that measures it
+    old = keras_fastgrad.FastGradModel(*_mlp(), accumulation_steps=2)
+    old.compile(optimizer="sgd", loss="mse")
+    old.fit(x, y, batch_size=4, verbose=0)
+    old_path = str(tmp_path / "old.keras")
+    old.save(old_path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "starts fresh" warning
+        fresh = keras.models.load_model(old_path)
+    assert fresh.fastgrad_step_state.noise_scale is None
+    # and a file saved with it loads into a model that does not measure it
+    new = keras_fastgrad.FastGradModel(*_mlp(), accumulation_steps=2)
+    new.compile(optimizer="sgd", loss="mse")
+    new.fit(x, y, batch_size=4, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new.load_weights(path)
+    np.testing.assert_array_equal(new.get_weights()[0], model.get_weights()[0])
+
+
+def test_prints_in_words_and_writes_tensorboard_scalars(tmp_path, capsys):
+    import tensorflow as tf
+
+    x, y = _data("mlp", 32)
+    model = keras_fastgrad.FastGradModel(*_mlp(), micro_batches=2)
+    model.compile(optimizer="sgd", loss="mse")
+    gns = GradientNoiseScale(tensorboard_dir=str(tmp_path))
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[gns])
+    out = capsys.readouterr().out
+    assert out.count("gradient noise scale B_simple ~") == 2
+    assert gns.b_simple == history.history["gns_simple"][-1]
+    tags = set()
+    for name in os.listdir(tmp_path / "train"):
+        for event in tf.compat.v1.train.summary_iterator(str(tmp_path / "train" / name)):
+            tags |= {v.tag for v in event.summary.value}
+    assert tags == {"epoch_gns_simple", "epoch_gns_grad_sq", "epoch_gns_trace"}
+
+
+def test_describe_says_when_nothing_is_measured_yet():
+    assert "not measured yet" in describe(float("nan"))
+    assert "not yet reliable" in describe(-3.0)
