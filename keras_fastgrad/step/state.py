@@ -38,8 +38,8 @@ import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask.merger import TaskMerger
-from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step import noise_scale
+from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 

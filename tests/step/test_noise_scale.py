@@ -6,6 +6,7 @@ micro-batches (`gns_reference.py`)."""
 
 import os
 
+import gns_reference as ref
 import keras
 import numpy as np
 import pytest
@@ -13,7 +14,6 @@ import pytest
 import keras_fastgrad
 from keras_fastgrad.callbacks import GradientNoiseScale
 from keras_fastgrad.callbacks.gradient_noise_scale import describe
-import gns_reference as ref
 
 FEATURES, NOISE_VARIANCE = 8, 3.0
 
