@@ -10,6 +10,7 @@ import gns_reference as ref
 import keras
 import numpy as np
 import pytest
+from helpers import needs_multi_replica_keras
 
 import keras_fastgrad
 from keras_fastgrad.callbacks import GradientNoiseScale
@@ -314,3 +315,29 @@ def test_prints_in_words_and_writes_tensorboard_scalars(tmp_path, capsys):
 def test_describe_says_when_nothing_is_measured_yet():
     assert "not measured yet" in describe(float("nan"))
     assert "not yet reliable" in describe(-3.0)
+
+
+# ------------------------------------------------------- MirroredStrategy
+@pytest.mark.slow
+@needs_multi_replica_keras
+def test_under_mirrored_strategy_each_replica_is_a_small_batch(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    out = tmp_path / "mirrored.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, os.path.join(here, "gns_mirrored.py"), str(out)],
+        env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"replicas", "plain_keras_model", "replicas_and_accumulation"}
+    for name, result in results.items():
+        assert result["step"] == pytest.approx(result["reference"], rel=2e-3), name
