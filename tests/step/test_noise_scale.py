@@ -148,6 +148,8 @@ _CASES = {
         8,
         [[4, 4]] * 5,
     ),
+    # the gradients the estimate reads are unscaled (loss scale 2**15)
+    "mlp_loss_scaled": ("mlp", {"accumulation_steps": 2}, 32, 8, [[8, 8], [8, 8]]),
 }
 
 
@@ -161,7 +163,10 @@ def test_equals_the_paper_estimators_on_plain_keras_gradients(case):
     compile_kwargs = {}
     if case.endswith("steps_per_execution"):
         compile_kwargs = {"jit_compile": True, "steps_per_execution": 3}
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=_LOSSES[kind](), **compile_kwargs)
+    optimizer = keras.optimizers.SGD(0.0)
+    if case.endswith("loss_scaled"):
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    model.compile(optimizer=optimizer, loss=_LOSSES[kind](), **compile_kwargs)
     decay = 0.6
     history = model.fit(
         x,
@@ -181,6 +186,31 @@ def test_equals_the_paper_estimators_on_plain_keras_gradients(case):
     assert logs["gns_grad_sq"] == pytest.approx(grad_sq, rel=2e-3)
     assert logs["gns_trace"] == pytest.approx(trace, rel=2e-3)
     assert logs["gns_simple"] == pytest.approx(b_simple, rel=2e-3)
+
+
+def test_a_dropped_nonfinite_micro_batch_is_left_out_of_the_estimate():
+    x, y = _data("mlp", 48)
+    x[8:16] = np.nan  # the first window's second micro-batch
+    inputs, outputs = _mlp()
+    plain = keras.Model(inputs, outputs)
+    model = keras_fastgrad.FastGradModel(inputs, outputs, accumulation_steps=3, skip_nonfinite=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        verbose=0,
+        shuffle=False,
+        callbacks=[GradientNoiseScale(decay=0.6, verbose=0)],
+    )
+    assert model.telemetry_counters()["nonfinite_count"] == 1.0
+    windows = [
+        [(x[0:8], y[0:8]), (x[16:24], y[16:24])],
+        ref.split(x[24:], y[24:], [8, 8, 8]),
+    ]
+    expected = ref.noise_scale(plain, keras.losses.MeanSquaredError(), windows, 0.6)
+    logs = [history.history[k][-1] for k in ("gns_simple", "gns_grad_sq", "gns_trace")]
+    assert logs == pytest.approx(list(expected), rel=2e-3)
 
 
 # ------------------------------------------------------------- refusals
