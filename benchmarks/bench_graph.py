@@ -15,7 +15,8 @@ functions, are counted apart: they cost no kernel.)
 Ratios (exact, one "round"):
 - default / keras.Model, accumulation 4 / keras.Model with
   `gradient_accumulation_steps=4`, clip_norm / keras.Model with
-  `global_clipnorm`, telemetry / default, multitask PCGrad (T=2 heads) /
+  `global_clipnorm`, telemetry / default, accumulation 4 with the
+  gradient noise scale measured / accumulation 4, multitask PCGrad (T=2 heads) /
   keras.Model summed loss.
 
 Targets (issue 21, "safety at no cost"): default <= keras.Model + 40 ops,
@@ -52,6 +53,12 @@ def mlp(cls, heads=1, **options):
     return cls(
         inputs, {f"t{i}": keras.layers.Dense(10, name=f"t{i}")(h) for i in range(heads)}, **options
     )
+
+
+def with_noise_scale(model):
+    """`model` measuring the gradient noise scale (`GradientNoiseScale`'s keys)."""
+    model.enable_telemetry(keras_fastgrad.callbacks.GradientNoiseScale.telemetry_keys)
+    return model
 
 
 def traced_ops(model, heads=1, **compile_kwargs):
@@ -102,6 +109,7 @@ def main():
         "keras_clip": traced_ops(mlp(keras.Model), global_clipnorm=1.0),
         "clip": traced_ops(mlp(fg, clip_norm=1.0)),
         "telemetry": traced_ops(mlp(fg, telemetry=True)),
+        "acc4_gns": traced_ops(with_noise_scale(mlp(fg, accumulation_steps=4))),
         "keras_2heads": traced_ops(mlp(keras.Model, heads=2), heads=2),
         "pcgrad_2heads": traced_ops(mlp(fg, heads=2, multitask="pcgrad"), heads=2),
     }
@@ -113,6 +121,7 @@ def main():
         ("accumulation 4 / keras.Model gradient_accumulation_steps=4", "acc4", "keras_acc4"),
         ("clip_norm / keras.Model global_clipnorm", "clip", "keras_clip"),
         ("telemetry / default", "telemetry", "default"),
+        ("accumulation 4 + noise scale / accumulation 4", "acc4_gns", "acc4"),
         ("multitask pcgrad (T=2) / keras.Model summed loss", "pcgrad_2heads", "keras_2heads"),
     ]
     results = {}

@@ -82,25 +82,7 @@ class GradientNoiseScale(_base.FastGradCallback):
         self._writer = None
 
     def check_model(self, model):
-        if model.multitask is not None:
-            raise ValueError(
-                "`GradientNoiseScale` cannot measure a multi-task model: its "
-                "merged gradient is not a sum of the micro-batches' "
-                "gradients. Received: multitask="
-                f"{model.multitask!r}. Fix: measure the summed loss "
-                "(`multitask=None`)."
-            )
-        if not noise_scale.measurable(model):
-            raise ValueError(
-                "`GradientNoiseScale` needs gradients at two batch sizes, "
-                "but each update of this model uses one batch, whole. "
-                f"Received: accumulation_steps={model.accumulation_steps}, "
-                f"micro_batches={model.micro_batches}, one replica. Fix: set "
-                "`accumulation_steps>=2` or `micro_batches>=2` (e.g. "
-                "`FastGradModel(..., micro_batches=4)`, or "
-                "`keras_fastgrad.fastgrad(model, micro_batches=4)` for a plain "
-                "Keras model), or train under a strategy with several replicas."
-            )
+        noise_scale.check_measurable(model)
         model.fastgrad_step_state.set_noise_decay(self.decay)
 
     def on_train_begin(self, logs=None):

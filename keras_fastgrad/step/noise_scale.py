@@ -67,6 +67,30 @@ def measurable(model):
     return many and model.multitask is None
 
 
+def check_measurable(model):
+    """Raises unless `measurable(model)`, naming the fix."""
+    if model.multitask is not None:
+        raise ValueError(
+            "The gradient noise scale (`GradientNoiseScale`, the `gns_*` "
+            "telemetry keys) cannot be measured on a multi-task model: its "
+            "merged gradient is not a sum of the micro-batches' gradients. "
+            f"Received: multitask={model.multitask!r}. Fix: measure the "
+            "summed loss (`multitask=None`)."
+        )
+    if not measurable(model):
+        raise ValueError(
+            "The gradient noise scale (`GradientNoiseScale`, the `gns_*` "
+            "telemetry keys) needs gradients at two batch sizes, but each "
+            "update of this model uses one batch, whole. Received: "
+            f"accumulation_steps={model.accumulation_steps}, "
+            f"micro_batches={model.micro_batches}, one replica. Fix: set "
+            "`accumulation_steps>=2` or `micro_batches>=2` (e.g. "
+            "`FastGradModel(..., micro_batches=4)`, or "
+            "`keras_fastgrad.fastgrad(model, micro_batches=4)` for a plain "
+            "Keras model), or train under a strategy with several replicas."
+        )
+
+
 def check_batch(sample_weight, mean_reduction):
     """Refuses, at trace time, what would make the estimate silently wrong:
     sample weights (a weighted mean over `n` rows is not a mean of `n`

@@ -141,6 +141,7 @@ class StepState(compat.KerasSaveable):
                 accumulator.build(variables)
             noise = None
             if self.log_keys & set(noise_scale.KEYS):
+                noise_scale.check_measurable(model)
                 noise = noise_scale.NoiseScale(self.noise_decay)
                 noise.build()
         same_variables = self._built_for and self._built_for[0] == key[0]

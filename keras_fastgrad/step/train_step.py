@@ -117,7 +117,7 @@ def gradients(model, state, x, y, sample_weight):
         state.telemetry.record_input_shape(first)
     num_rows = tf.shape(first)[0]
     weighted = state.accumulator is not None or num_replicas() > 1 or model.micro_batches > 1
-    noise = state.noise_scale
+    measure = state.noise_scale is not None
     if model.micro_batches > 1:
         _check_slices(model, x)
         loss, y_pred, grads, share, *small = sliced_gradients(
@@ -129,15 +129,14 @@ def gradients(model, state, x, y, sample_weight):
             state.scaling,
             model.micro_batches,
             merger=state.merger,
-            measure=None if noise is None else noise_scale.slice_measure(),
+            measure=noise_scale.slice_measure() if measure else None,
         )
     else:
         loss, y_pred, grads, share = _batch_gradients(
             model, state, x, y, sample_weight, variables, num_rows if weighted else None
         )
-        if noise is not None:  # the micro-batch is the small batch
-            small = [noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)]
-    if noise is not None:
+        small = [_small_batch(grads, num_rows, share)] if measure else []
+    if measure:
         noise_scale.check_batch(sample_weight, share.mean)
     state.record_trace_facts(variables, grads)
     return Batch(
@@ -150,8 +149,13 @@ def gradients(model, state, x, y, sample_weight):
         num_samples=tf.cast(num_rows, tf.float32),
         normaliser=share.real if weighted else tf.constant(1.0),
         mean_reduction=weighted and share.mean,
-        small_batches=small[0] if noise is not None else None,
+        small_batches=small[0] if small else None,
     )
+
+
+def _small_batch(grads, num_rows, share):
+    """The noise scale's measures of the micro-batch (one small batch)."""
+    return noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)
 
 
 def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):

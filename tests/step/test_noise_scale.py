@@ -371,3 +371,12 @@ def test_under_mirrored_strategy_each_replica_is_a_small_batch(tmp_path):
     assert set(results) == {"replicas", "plain_keras_model", "replicas_and_accumulation"}
     for name, result in results.items():
         assert result["step"] == pytest.approx(result["reference"], rel=2e-3), name
+
+
+def test_keys_requested_directly_on_a_model_with_one_batch_size_are_refused():
+    x, y = _data("mlp", 16)
+    model = keras_fastgrad.FastGradModel(*_mlp())
+    model.compile(optimizer="sgd", loss="mse")
+    model.enable_telemetry(["gns_simple"])
+    with pytest.raises(ValueError, match=r"Received: accumulation_steps=1, micro_batches=1"):
+        model.fit(x, y, verbose=0)

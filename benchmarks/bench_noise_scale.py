@@ -1,0 +1,74 @@
+"""What measuring the gradient noise scale costs, one process, interleaved.
+
+    python benchmarks/bench_noise_scale.py [--quick] [--rounds N]
+
+Ratios (median, min, max, best over rounds; each round = one epoch of
+`steps` batches through `fit`, after a warm-up fit that excludes tracing):
+`GradientNoiseScale` on / off, for `accumulation_steps=4` and for
+`micro_batches=4`, on the core MLP (784 -> 3 x 1024 -> 10, batch 256) and a
+Conv2D + BatchNorm model (28x28x1, Conv 32 / 64 each followed by
+BatchNormalization, batch 128). Target (issue 22): <= 1.03. What it adds
+per micro-batch is one squared norm of the gradient it has (per slice with
+`micro_batches`) and a 5-vector `assign_add`; per update one squared norm
+and scalar maths.
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+from bench_core import compiled, mlp  # noqa: E402
+from harness import fit_fn, interleaved_ratios, report, synthetic  # noqa: E402
+
+import keras_fastgrad  # noqa: E402
+
+
+def cnn_batchnorm(cls, **options):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((28, 28, 1))
+    h = inputs
+    for filters in (32, 64):
+        h = keras.layers.Conv2D(filters, 3, use_bias=False)(h)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Activation("relu")(h)
+        h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    return cls(inputs, keras.layers.Dense(10)(h), **options)
+
+
+MODELS = {"mlp": (mlp, (784,), 256), "cnn_batchnorm": (cnn_batchnorm, (28, 28, 1), 128)}
+OPTIONS = {"acc=4": {"accumulation_steps": 4}, "micro_batches=4": {"micro_batches": 4}}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    rounds, steps = (5, 8) if args.quick else (12, 16)
+    rounds = args.rounds or rounds
+    fg = keras_fastgrad.FastGradModel
+    pairs = []
+    for name in args.models.split(","):
+        build, shape, batch = MODELS[name]
+        x, y = synthetic(shape, 10, batch * steps)
+        for label, options in OPTIONS.items():
+            adam = keras.optimizers.Adam
+            off = fit_fn(compiled(build(fg, **options), adam()), x, y, batch)
+            gns = keras_fastgrad.callbacks.GradientNoiseScale(verbose=0)
+            on = fit_fn(compiled(build(fg, **options), adam()), x, y, batch, callbacks=[gns])
+            pairs.append((f"{name}: noise scale on / off ({label})", on, off))
+    results = interleaved_ratios(pairs, rounds)
+    report(
+        f"Gradient noise scale step-time ratios ({rounds} rounds x {steps} steps)",
+        results,
+        dict.fromkeys(results, "<= 1.03"),
+        "noise_scale",
+    )
+
+
+if __name__ == "__main__":
+    main()
