@@ -40,7 +40,7 @@ as is `reduction="sum"`.
 
 import tensorflow as tf
 
-from keras_fastgrad.step.clipping import scaled_norm
+from keras_fastgrad.step.gradients import summed_rows
 from keras_fastgrad.step.replicas import replica_sum
 from keras_fastgrad.step.variables import global_variable, increment
 
@@ -114,11 +114,14 @@ def check_batch(sample_weight, mean_reduction):
 
 
 def squared_norm(grads, divisor=1.0):
-    """`|grads / divisor|^2` (float32; sparse gradients read on their rows,
-    the square root taken before dividing so that large gradients do not
-    overflow where their quotient fits)."""
-    unit, root = scaled_norm(grads)
-    return tf.square((unit / divisor) * root)
+    """`|grads / divisor|^2` in float32 (sparse gradients read on their
+    rows, duplicates summed). One fused `l2_loss` per gradient and no
+    overflow rescue (unlike `clipping.global_norm`): a square beyond
+    float32 is `inf`, and the window's estimate, not finite, is skipped."""
+    parts = [tf.cast(summed_rows(g), tf.float32) for g in grads if g is not None]
+    if not parts:
+        return tf.constant(0.0)
+    return 2.0 * tf.add_n([tf.nn.l2_loss(p) for p in parts]) / tf.square(divisor)
 
 
 def small_batch(grads, rows, normaliser):

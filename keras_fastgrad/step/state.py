@@ -96,6 +96,7 @@ class StepState(compat.KerasSaveable):
         self.telemetry = self.divergence = self.accumulator = None
         self.noise_scale = None
         self.noise_decay = noise_scale.DEFAULT_DECAY
+        self._all_telemetry = False
         self.scaling = None  # set when the train function is made
         self.facts = None
         self.trace_count = 0
