@@ -17,14 +17,18 @@ both: each micro-batch (slice, replica) is a small batch `i` with `n_i`
 rows and loss normaliser `D_i`, and the window's gradient
 `G_big = sum_i a_i g_i` (`a_i = D_i / sum_j D_j`, `keras_fastgrad.step.
 weighting`) is the big one. The step adds up, per window, over the small
-batches it keeps (a non-finite one is left out, as from the update):
+batches it keeps (a non-finite one is left out, as from the update)
 
-    sum_i |g_i|^2,   sum_i 1 / n_i,   k,   sum_i D_i^2 / n_i,   sum_i D_i
+    sum_i |g_i|^2,   sum_i 1 / n_i,   k      over the k measured ones,
+    sum_i D_i^2 / n_i,   sum_i D_i           over all of them
 
-and, at the update, reads `|G_big|^2` (unscaled, before clipping). For
-small batches of `n_i` rows, `E[mean_i |g_i|^2] = |G|^2 + tr(Sigma) s` and
-`E|G_big|^2 = |G|^2 + tr(Sigma) t` with `s = mean_i 1/n_i` and
-`t = sum_i a_i^2 / n_i`, so
+and, at the update, reads `|G_big|^2` (unscaled, before clipping). Every
+micro-batch (replica) is measured; with `micro_batches`, the first slice
+of each batch only (`slice_measure`: one pass over the gradient per batch,
+not per slice). For small batches of `n_i` rows, each `|g_i|^2` has
+expectation `|G|^2 + tr(Sigma) / n_i`, so `E[mean_i |g_i|^2] = |G|^2 +
+tr(Sigma) s` and `E|G_big|^2 = |G|^2 + tr(Sigma) t` with `s = mean_i 1/n_i`
+over the measured ones and `t = sum_i a_i^2 / n_i` over all, so
 
     |G|^2 = (s |G_big|^2 - t mean_i |g_i|^2) / (s - t)
     S     = (mean_i |g_i|^2 - |G_big|^2) / (s - t)
@@ -155,9 +159,22 @@ def small_batch(grads, rows, normaliser):
 
 
 def slice_measure():
-    """The `measure` pair `slicing.sliced_gradients` takes: each slice a
-    small batch."""
-    return small_batch, tf.zeros([_MEASURES])
+    """The `measure` pair `slicing.sliced_gradients` takes. Each slice
+    adds its weight to the window (`D_i^2 / n_i`, `D_i`), but only the
+    first (always full) has its squared norm measured: each small batch's
+    is unbiased, and measuring every slice would cost a pass over the
+    gradient per slice (about 5% of a step on the benchmark MLP with
+    `micro_batches=4`; one per batch stays within 1-2%)."""
+    weights_only = tf.constant([0.0, 0.0, 0.0, 1.0, 1.0])
+
+    def measure(grads, rows, normaliser, index):
+        return tf.cond(
+            tf.equal(index, 0),
+            lambda: small_batch(grads, rows, normaliser),
+            lambda: small_batch([], rows, normaliser) * weights_only,
+        )
+
+    return measure, tf.zeros([_MEASURES])
 
 
 def estimate(small_sq_mean, big_sq, s, t):

@@ -75,11 +75,11 @@ def sliced_gradients(
             each task's gradient is summed over the slices on its own, and
             the sums (the task gradients of the whole batch) are merged once
             after the loop: the same update as the un-split step.
-        measure: Optional pair `(fn, zero)`: `fn(grads, rows, normaliser)`
-            returns a vector (shaped as the tensor `zero`) from each
-            slice's (weighted) gradients, real rows and normaliser; the
-            vectors are summed over the slices (`noise_scale.small_batch`:
-            each slice is a small batch).
+        measure: Optional pair `(fn, zero)`: `fn(grads, rows, normaliser,
+            index)` returns a vector (shaped as the tensor `zero`) from
+            each slice's (weighted) gradients, real rows, normaliser and
+            index; the vectors are summed over the slices
+            (`noise_scale.slice_measure`: slices are small batches).
 
     Returns:
         `(loss, y_pred, grads, share)`: the batch loss as Keras would
@@ -224,7 +224,7 @@ def _loop_body(model, batch, variables, scaling, merger, facts, measure=None):
         loss = tf.add_n([tf.cast(l, tf.float32) for l in losses])
         if measure is not None:
             rows = tf.reduce_sum(tf.cast(batch.rows[i], tf.float32))
-            measured = [measured[0] + measure[0](grads[0], rows, share.actual)]
+            measured = [measured[0] + measure[0](grads[0], rows, share.actual, i)]
         return (
             i + 1,
             sums,

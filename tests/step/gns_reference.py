@@ -8,7 +8,8 @@ small batches' gradients); the estimators are the paper's equations
     |G|^2 = (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     S     = (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
 
-with `|G_small|^2` the mean of the small batches' squared norms. For small
+with `|G_small|^2` the mean of the measured small batches' squared norms
+(with `micro_batches`, the step measures the first slice of each batch). For small
 batches of different sizes, `B_small` is their harmonic mean (what makes
 `E[mean_i |g_i|^2] = |G|^2 + tr(Sigma) / B_small` hold). Then EMAs of both,
 with Adam's bias correction, and `B_simple = EMA(S) / EMA(|G|^2)`.
@@ -39,13 +40,16 @@ def paper_estimates(small_sq, small_sizes, big_sq, big_size):
     return grad_sq, trace
 
 
-def noise_scale(model, loss_fn, windows, decay):
+def noise_scale(model, loss_fn, windows, decay, measured=None):
     """`(B_simple, |G|^2, tr(Sigma))` after the windows, each a list of
-    small batches `(x, y)`; the weights stay fixed (learning rate 0)."""
+    small batches `(x, y)`; the weights stay fixed (learning rate 0).
+    `measured(j)`: whether the window's `j`-th small batch enters
+    `|G_small|^2` (all by default; every one is in the big batch)."""
     ema_g = ema_s = weight = 0.0
     for window in windows:
-        small_sq = [squared_gradient_norm(model, loss_fn, x, y) for x, y in window]
-        sizes = [len(x) for x, _ in window]
+        chosen = [b for j, b in enumerate(window) if measured is None or measured(j)]
+        small_sq = [squared_gradient_norm(model, loss_fn, x, y) for x, y in chosen]
+        sizes = [len(x) for x, _ in chosen]
         big_x = np.concatenate([x for x, _ in window])
         big_y = np.concatenate([y for _, y in window])
         big_sq = squared_gradient_norm(model, loss_fn, big_x, big_y)
