@@ -51,10 +51,11 @@ def _frozen_linear_model(w0, **options):
     [({"micro_batches": 4}, 62), ({"accumulation_steps": 4}, 16)],
     ids=["micro_batches_uneven_slices", "accumulation"],
 )
-def test_recovers_the_closed_form_noise_scale_of_a_linear_regression(options, batch_size):
-    x, y, w0 = _linear_regression(
-        rows=batch_size * 4 * 100 if "accumulation_steps" in options else batch_size * 400
-    )
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recovers_the_closed_form_noise_scale_of_a_linear_regression(options, batch_size, seed):
+    windows = 1500  # the EMA (decay 0.998) averages about the last 500
+    window_rows = batch_size * options.get("accumulation_steps", 1)
+    x, y, w0 = _linear_regression(rows=windows * window_rows, seed=seed)
     model = _frozen_linear_model(w0, **options)
     history = model.fit(
         x,
@@ -62,7 +63,7 @@ def test_recovers_the_closed_form_noise_scale_of_a_linear_regression(options, ba
         batch_size=batch_size,
         verbose=0,
         shuffle=False,
-        callbacks=[GradientNoiseScale(decay=0.99, verbose=0)],
+        callbacks=[GradientNoiseScale(decay=0.998, verbose=0)],
     )
     expected_b = FEATURES * (1 + NOISE_VARIANCE) + 1.0
     expected_trace = 4.0 * expected_b
