@@ -42,7 +42,8 @@ def _frozen_linear_model(w0, **options):
     layer = keras.layers.Dense(1, use_bias=False)
     model = keras_fastgrad.FastGradModel(inputs, layer(inputs), **options)
     layer.kernel.assign(w0)
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")  # w stays w0
+    # w stays w0; many steps per call: the EMA lives in variables
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", steps_per_execution=50)
     return model
 
 
