@@ -38,6 +38,11 @@ On request only (they cost extra work in the update branch):
   e.g. `grad_norm/dense_1`. Partial sums of the global norm: nearly free.
 - `update_ratio`: `||w_after - w_before|| / ||w_before||` over all trainable
   variables for the latest update (copies the weights before the update).
+- `agc_clipped_fraction`: with `clip_adaptive` (adaptive gradient clipping,
+  `keras_fastgrad.step.adaptive_clipping`), the fraction of units (output
+  units of the kernels, rows of the embedding tables, whole vectors) whose
+  gradient was clipped in the latest update (`telemetry=True` includes
+  it on a model with `clip_adaptive`).
 
 Multi-task models (`FastGradModel(multitask=...)`) also log, whenever any
 telemetry is on, what the task Gram matrix of the latest micro-batch gives
@@ -63,6 +68,7 @@ LOG_KEYS = (
 )
 LAYER_NORM_PREFIX = "grad_norm/"
 UPDATE_RATIO = "update_ratio"
+AGC_CLIPPED_FRACTION = "agc_clipped_fraction"
 
 
 # A multi-task model's keys (`keras_fastgrad.multitask` records them).
@@ -83,7 +89,7 @@ def layer_key(variable_path):
 
 def is_optional_key(key):
     return (
-        key == UPDATE_RATIO
+        key in (UPDATE_RATIO, AGC_CLIPPED_FRACTION)
         or key.startswith(LAYER_NORM_PREFIX)
         or is_task_key(key)  # multi-task models only (keras_fastgrad.multitask)
     )
@@ -107,7 +113,7 @@ class StepTelemetry:
         Args:
             variable_paths: Paths of the watched variables, in order.
             optional_keys: Requested optional keys (`grad_norm/<layer>`,
-                `update_ratio`); their variables are measurements, not
+                `update_ratio`, `agc_clipped_fraction`); their variables are measurements, not
                 training state, and are not saved with the model.
         """
         self.layer_of_variable = [layer_key(p) for p in variable_paths]
@@ -118,6 +124,11 @@ class StepTelemetry:
         }
         self.update_ratio = (
             global_variable(0.0, UPDATE_RATIO) if UPDATE_RATIO in optional_keys else None
+        )
+        self.agc_clipped_fraction = (
+            global_variable(0.0, AGC_CLIPPED_FRACTION)
+            if AGC_CLIPPED_FRACTION in optional_keys
+            else None
         )
         self.grad_norm = global_variable(0.0, "grad_norm")
         self.clipped_updates = global_variable(0.0, "clipped_updates")
@@ -168,6 +179,11 @@ class StepTelemetry:
                 squares[layer] = squares.get(layer, 0.0) + sq
         for layer, variable in self.layer_norms.items():
             variable.assign(tf.sqrt(squares.get(layer, tf.constant(0.0))))
+
+    def record_adaptive_clipping(self, fraction):
+        """The fraction of units adaptive clipping clipped (update branch)."""
+        if self.agc_clipped_fraction is not None:
+            self.agc_clipped_fraction.assign(fraction)
 
     def record_update_ratio(self, before, variables):
         """`||w_after - w_before|| / ||w_before||` (inside the branch)."""
@@ -233,6 +249,8 @@ class StepTelemetry:
         logs.update({k: _read(v) for k, v in self.layer_norms.items() if wanted(k)})
         if self.update_ratio is not None and wanted(UPDATE_RATIO):
             logs[UPDATE_RATIO] = _read(self.update_ratio)
+        if self.agc_clipped_fraction is not None and wanted(AGC_CLIPPED_FRACTION):
+            logs[AGC_CLIPPED_FRACTION] = _read(self.agc_clipped_fraction)
         return logs
 
 

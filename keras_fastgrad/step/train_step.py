@@ -24,6 +24,7 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step import finite
+from keras_fastgrad.step.adaptive_clipping import adaptive_clip, both_finite
 from keras_fastgrad.step.applying import apply_if
 from keras_fastgrad.step.clipping import clip_by_global_norm, scaled_norm
 from keras_fastgrad.step.divergence import failed
@@ -357,7 +358,7 @@ def flush(model, state):
 
 
 def update(model, state, grads, normaliser=None):
-    """Normalise -> clip -> check -> apply -> record.
+    """Normalise -> adaptive clip -> clip -> check -> apply -> record.
 
     Runs in the update branch, in cross-replica context, on the global
     gradient (weighted sums divided by `normaliser` when it is given; by
@@ -367,8 +368,11 @@ def update(model, state, grads, normaliser=None):
     checked = normaliser is None and model.clip_norm is None and _checked_as_is(model, state)
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
+    grads, agc_finite = adaptive_clip(model, state, grads)  # (grads, None) when off
     grads, norm, was_clipped = _clipped(model, state, grads)
+    checked = checked or (agc_finite is not None and model.clip_norm is None)
     finite_update = None if checked else _finite_update(model, state, grads, norm)
+    finite_update = both_finite(finite_update, agc_finite)
     _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
 
 
