@@ -8,7 +8,8 @@ and the latest non-finite location are kept until replaced.
 Log keys (fixed, all float scalars):
 
 - `grad_norm`: global L2 norm, before clipping, of the gradient of the most
-  recent optimizer update.
+  recent optimizer update (with `clip_adaptive`: after adaptive clipping,
+  the norm `clip_norm` compares).
 - `clipped_updates`: number of updates whose gradient was clipped.
 - `updates`: number of optimizer updates the model made.
 - `nonfinite_count`: micro-batches dropped because their loss or gradient
