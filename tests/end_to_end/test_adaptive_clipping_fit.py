@@ -227,8 +227,10 @@ def test_optimizer_clipnorm_is_allowed_and_applies_after():
         np_agc(g, v.numpy(), lam, unit_axis=a)[0]
         for (v, a), g in zip(weights_and_units(ref), grads)
     ]
-    clipnorm = 0.5 * min(float(np.linalg.norm(c)) for c in clipped)
+    clipnorm = 0.5 * max(float(np.linalg.norm(c)) for c in clipped)  # clips one weight
     clipped = [c * min(1.0, clipnorm / np.linalg.norm(c)) for c in clipped]
+    without_agc = [g * min(1.0, clipnorm / np.linalg.norm(g)) for g in grads]
+    assert max(np.max(np.abs(c - g)) for c, g in zip(clipped, without_agc)) * LR > 1e-3
     model = dense(FG, clip_adaptive=lam)
     model.compile(optimizer=keras.optimizers.SGD(LR, clipnorm=clipnorm), loss="mse")
     model.fit(x, y, batch_size=8, verbose=0)
