@@ -102,6 +102,7 @@ def main():
         "keras_clip": traced_ops(mlp(keras.Model), global_clipnorm=1.0),
         "clip": traced_ops(mlp(fg, clip_norm=1.0)),
         "telemetry": traced_ops(mlp(fg, telemetry=True)),
+        "clip_adaptive": traced_ops(mlp(fg, clip_adaptive=0.01)),
         "keras_2heads": traced_ops(mlp(keras.Model, heads=2), heads=2),
         "pcgrad_2heads": traced_ops(mlp(fg, heads=2, multitask="pcgrad"), heads=2),
     }
@@ -113,6 +114,7 @@ def main():
         ("accumulation 4 / keras.Model gradient_accumulation_steps=4", "acc4", "keras_acc4"),
         ("clip_norm / keras.Model global_clipnorm", "clip", "keras_clip"),
         ("telemetry / default", "telemetry", "default"),
+        ("clip_adaptive=0.01 / default", "clip_adaptive", "default"),
         ("multitask pcgrad (T=2) / keras.Model summed loss", "pcgrad_2heads", "keras_2heads"),
     ]
     results = {}

@@ -11,6 +11,7 @@ import difflib
 import numbers
 
 import keras
+import numpy as np
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
@@ -88,6 +89,14 @@ def check_clip_adaptive(value, eps):
         "the largest ratio of a unit's gradient norm to its weight norm",
         " or None (no adaptive clipping)",
     )
+    if not float(np.float32(value) * np.float32(eps)) >= np.finfo(np.float32).tiny:
+        raise ValueError(
+            "`clip_adaptive * clip_adaptive_eps` (the smallest norm a unit "
+            "may keep) must be a normal float32 (>= 1.2e-38): a smaller one "
+            "rounds to 0, and every unit's gradient to 0 or NaN. Received: "
+            f"clip_adaptive={value!r}, clip_adaptive_eps={eps!r}. Fix: larger "
+            "values (the paper uses clip_adaptive=0.01 with eps=1e-3)."
+        )
     return {"clip_adaptive": value, "clip_adaptive_eps": eps}
 
 

@@ -24,7 +24,8 @@ Where optax differs: it squeezes unit axes away first (a `Dense(out)` on a
 single input, kernel `(1, out)`, is one unit there, `out` units here) and
 takes the norm over the first axis only for rank-3 weights (multi-head
 linear layers; here a `Conv1D` kernel `(width, in, out)` has `out` units).
-It divides by `max(||G_i||, 1e-6)`; here `min(1, ...)` is exact.
+It divides by `max(||G_i||, 1e-6)`; here `min(1, ...)` is exact (a zero
+unit's factor is `min(1, inf) = 1`).
 
 A finite gradient whose unit norm overflows float32 (above ~1.8e19) would
 get the factor `max_norm / inf = 0`, a silently zero unit: the step drops
@@ -55,7 +56,8 @@ class Clipped(
         grads: The clipped gradients (sparse kept sparse, `None` kept).
         all_finite: Boolean scalar: every unit's gradient norm is finite
             (so every gradient is finite, and none overflowed).
-        clipped_units: float32 scalar, how many units were clipped.
+        clipped_units: float32 scalar, how many units were clipped
+            (`None` when not counted).
         num_units: Python int, how many units the weights have (a unit
             of a table row not in a sparse gradient counts, unclipped).
     """
@@ -91,7 +93,7 @@ def row_unit_variables(model):
     }
 
 
-def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON):
+def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=True):
     """Adaptive gradient clipping of each weight's gradient, unit-wise.
 
     Args:
@@ -103,6 +105,8 @@ def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON):
             unit's gradient norm to its weight norm.
         eps: Python float > 0, the smallest weight norm a unit is
             measured by (zero-initialised weights can still move).
+        count: Python bool, whether to count the clipped units (`False`:
+            `clipped_units` is `None`, and the step saves the ops).
 
     Returns:
         A `Clipped`.
@@ -115,51 +119,56 @@ def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON):
     >>> out.grads[0].numpy().ravel().tolist(), float(out.clipped_units)
     ([0.30000001192092896, 0.4000000059604645], 1.0)
     """
+    # One constant each, shared by every weight's ops.
+    bounds = (tf.constant(clipping, tf.float32), tf.constant(eps, tf.float32))
     clipped, finite_parts, counts, num_units = [], [], [], 0
     for g, w, row_units in zip(grads, weights, rows):
         if g is None:
             clipped.append(None)
             continue
-        w = tf.cast(w, tf.float32)
-        axes = unit_axes(w.shape.rank, row_units)
-        num_units += 1 if axes is None else w.shape[0 if row_units else -1]
-        if isinstance(g, tf.IndexedSlices) and axes is not None and row_units:
-            g = summed_slices(g)  # each row once: its norm is the dense row's
-            w = tf.gather(w, g.indices)
-        elif isinstance(g, tf.IndexedSlices):  # units across rows: dense
-            g = tf.convert_to_tensor(g)
-        values = g.values if isinstance(g, tf.IndexedSlices) else g
-        factor, was_clipped, g_norm = _unit_factor(
-            tf.cast(values, tf.float32), w, axes, clipping, eps
-        )
-        values = tf.cast(values, tf.float32) * factor
-        if isinstance(g, tf.IndexedSlices):
-            values = tf.IndexedSlices(values, g.indices, g.dense_shape)
-        clipped.append(values)
+        g, g_norm, max_norm, units = _clip_weight(g, w, row_units, bounds)
+        clipped.append(g)
+        num_units += units
         finite_parts.append(tf.reduce_sum(g_norm))
-        counts.append(tf.reduce_sum(tf.cast(was_clipped, tf.float32)))
+        if count:
+            counts.append(tf.reduce_sum(tf.cast(g_norm > max_norm, tf.float32)))
     if not finite_parts:
         return Clipped(clipped, tf.constant(True), tf.constant(0.0), num_units)
     # Unit norms are >= 0 and at most ~1.8e19 when finite: their sum is
     # finite iff each one is.
     all_finite = tf.math.is_finite(tf.add_n(finite_parts))
-    return Clipped(clipped, all_finite, tf.add_n(counts), num_units)
+    return Clipped(clipped, all_finite, tf.add_n(counts) if count else None, num_units)
 
 
-def _unit_factor(g, w, axes, clipping, eps):
-    """`min(1, clipping * max(||w_i||, eps) / ||g_i||)` per unit (kept
-    dims, broadcasting over the unit), whether it clips, and `||g_i||`."""
-    g_norm = _norm(g, axes)
-    w_norm = _norm(w, axes)
-    max_norm = clipping * tf.maximum(w_norm, eps)
-    was_clipped = g_norm > max_norm  # then g_norm > 0: no division by 0
-    factor = tf.where(was_clipped, max_norm / g_norm, 1.0)
-    return factor, was_clipped, g_norm
+def _clip_weight(g, w, row_units, bounds):
+    """One weight's gradient clipped unit-wise: `(clipped, ||g_i||,
+    max_norm_i, number of units)`; a table's sparse gradient on its rows."""
+    clipping, eps = bounds
+    w = tf.cast(w, tf.float32)
+    axes = unit_axes(w.shape.rank, row_units)
+    units = 1 if axes is None else w.shape[0 if row_units else -1]
+    if isinstance(g, tf.IndexedSlices) and axes is not None and row_units:
+        g = summed_slices(g)  # each row once: its norm is the dense row's
+        w = tf.gather(w, g.indices)
+    elif isinstance(g, tf.IndexedSlices):  # units across rows: dense
+        g = tf.convert_to_tensor(g)
+    values = tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
+    g_norm = _norm(values, axes)
+    max_norm = clipping * tf.maximum(_norm(w, axes), eps)
+    # `max_norm > 0` (checked options): a zero unit's factor is 1. An
+    # overflowing or non-finite norm gives 0 or NaN here, and the flag.
+    values = values * tf.minimum(1.0, max_norm / g_norm)
+    if isinstance(g, tf.IndexedSlices):
+        values = tf.IndexedSlices(values, g.indices, g.dense_shape)
+    return values, g_norm, max_norm, units
 
 
 def _norm(x, axes):
     """The L2 norm over `axes` (kept, size 1), of everything for `None`."""
-    return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axes, keepdims=axes is not None))
+    if axes is None:  # the whole weight: its axes as a constant, not a `Range`
+        axes = list(range(x.shape.rank)) if x.shape.rank is not None else None
+        return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axes))
+    return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axes, keepdims=True))
 
 
 def adaptive_clip(model, state, grads):
@@ -181,8 +190,9 @@ def adaptive_clip(model, state, grads):
         [id(v) in tables for v in variables],
         model.clip_adaptive,
         model.clip_adaptive_eps,
+        count=AGC_CLIPPED_FRACTION in state.log_keys,
     )
-    if AGC_CLIPPED_FRACTION in state.log_keys:
+    if out.clipped_units is not None:
         state.telemetry.record_adaptive_clipping(out.clipped_units / max(out.num_units, 1))
     return out.grads, out.all_finite
 

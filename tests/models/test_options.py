@@ -306,6 +306,17 @@ def test_clip_adaptive_eps_without_clip_adaptive_is_refused():
         fast(clip_adaptive_eps=0.01)
 
 
+def test_clip_adaptive_whose_smallest_bound_is_not_a_float32_is_refused():
+    # 1e-30 * 1e-10 = 1e-40 is subnormal in float32 (flushed to 0 on CPU).
+    with pytest.raises(
+        ValueError,
+        match=r"`clip_adaptive \* clip_adaptive_eps`.*normal float32.*"
+        r"Received: clip_adaptive=1e-30, clip_adaptive_eps=1e-10\. Fix",
+    ):
+        fast(clip_adaptive=1e-30, clip_adaptive_eps=1e-10)
+    assert fast(clip_adaptive=1e-30, clip_adaptive_eps=1e-3).clip_adaptive == 1e-30
+
+
 def test_clip_adaptive_options_reach_every_constructor():
     layers = [keras.Input((3,)), keras.layers.Dense(1)]
     for model in (
