@@ -164,10 +164,11 @@ def _clip_weight(g, w, row_units, bounds):
 
 
 def _norm(x, axes):
-    """The L2 norm over `axes` (kept, size 1), of everything for `None`."""
+    """The L2 norm over `axes` (kept, size 1), of everything for `None`.
+    (Not `tf.math.reduce_euclidean_norm`, one fused op on CPU: XLA has no
+    kernel for it; XLA fuses these three.)"""
     if axes is None:  # the whole weight: its axes as a constant, not a `Range`
-        axes = list(range(x.shape.rank)) if x.shape.rank is not None else None
-        return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axes))
+        return tf.sqrt(tf.reduce_sum(tf.square(x), axis=list(range(x.shape.rank))))
     return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axes, keepdims=True))
 
 

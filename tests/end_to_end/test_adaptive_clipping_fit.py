@@ -167,6 +167,19 @@ def test_embedding_rows_are_units_in_the_dense_window_gradient_too():
     train_and_compare(embedding, x, y, batch_size=4, accumulation_steps=2)
 
 
+def test_under_xla():
+    # `jit_compile=True` (Keras' default on one GPU) compiles the step.
+    x, y = tokens()
+    ref = embedding(keras.Model)
+    grads = keras_gradient(ref, x, y, "mse")
+    lam = median_lambda(ref, grads)
+    expected, _ = reference_step(ref, grads, lam)
+    model = embedding(FG, clip_adaptive=lam)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", jit_compile=True)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert_weights(model, expected)
+
+
 def test_fastgrad_sequential():
     x, y = data(n=8, outputs=2)
     train_and_compare(sequential, x, y)
