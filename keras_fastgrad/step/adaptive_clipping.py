@@ -129,7 +129,7 @@ def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=Tru
         g, g_norm, max_norm, units = _clip_weight(g, w, row_units, bounds)
         clipped.append(g)
         num_units += units
-        finite_parts.append(tf.reduce_sum(g_norm))
+        finite_parts.append(g_norm if g_norm.shape.rank == 0 else tf.reduce_sum(g_norm))
         if count:
             counts.append(tf.reduce_sum(tf.cast(g_norm > max_norm, tf.float32)))
     if not finite_parts:

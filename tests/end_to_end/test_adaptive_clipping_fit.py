@@ -288,6 +288,21 @@ def test_clipped_fraction_is_the_papers_count_over_all_units():
     assert history.history["agc_clipped_fraction"][0] == pytest.approx(n_clipped / 14)
 
 
+def test_gradient_norm_logger_logs_the_clipped_fraction():
+    x, y = data(n=8, outputs=2)
+    ref = dense(keras.Model)
+    grads = keras_gradient(ref, x, y, "mse")
+    lam = median_lambda(ref, grads)
+    _, n_clipped = reference_step(ref, grads, lam)
+    # Units: hidden kernel (3, 5): 5, its bias: 1, out kernel (5, 2): 2,
+    # its bias: 1.
+    model = dense(FG, clip_adaptive=lam)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    logger = keras_fastgrad.callbacks.GradientNormLogger(adaptive_fraction=True)
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[logger])
+    assert history.history["agc_clipped_fraction"][0] == pytest.approx(n_clipped / 9)
+
+
 def test_clipped_fraction_is_only_computed_when_asked():
     model = dense(FG, clip_adaptive=0.01)
     model.compile(optimizer="sgd", loss="mse")
