@@ -110,6 +110,7 @@ def main():
         "clip": traced_ops(mlp(fg, clip_norm=1.0)),
         "telemetry": traced_ops(mlp(fg, telemetry=True)),
         "acc4_gns": traced_ops(with_noise_scale(mlp(fg, accumulation_steps=4))),
+        "clip_adaptive": traced_ops(mlp(fg, clip_adaptive=0.01)),
         "keras_2heads": traced_ops(mlp(keras.Model, heads=2), heads=2),
         "pcgrad_2heads": traced_ops(mlp(fg, heads=2, multitask="pcgrad"), heads=2),
     }
@@ -122,6 +123,7 @@ def main():
         ("clip_norm / keras.Model global_clipnorm", "clip", "keras_clip"),
         ("telemetry / default", "telemetry", "default"),
         ("accumulation 4 + noise scale / accumulation 4", "acc4_gns", "acc4"),
+        ("clip_adaptive=0.01 / default", "clip_adaptive", "default"),
         ("multitask pcgrad (T=2) / keras.Model summed loss", "pcgrad_2heads", "keras_2heads"),
     ]
     results = {}

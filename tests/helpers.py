@@ -66,6 +66,39 @@ def as_numpy(g):
     return g.numpy()
 
 
+def np_agc(g, w, lam, eps=1e-3, unit_axis=-1):
+    """Paper, eq. 3: G_i <- lam * max(||W_i||, eps) / ||G_i|| * G_i if that
+    ratio is < 1, per unit i (`unit_axis`: the axis indexing the units;
+    `None`: the whole tensor is one unit). Returns (clipped, n_clipped)."""
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    if unit_axis is None or g.ndim <= 1:
+        g_units, w_units = g[None], w[None]
+    else:
+        g_units, w_units = np.moveaxis(g, unit_axis, 0), np.moveaxis(w, unit_axis, 0)
+    out, n_clipped = np.empty_like(g_units), 0
+    for i in range(len(g_units)):
+        g_norm = np.sqrt(np.sum(g_units[i] ** 2))
+        max_norm = lam * max(np.sqrt(np.sum(w_units[i] ** 2)), eps)
+        if g_norm > max_norm:
+            out[i] = g_units[i] * (max_norm / g_norm)
+            n_clipped += 1
+        else:
+            out[i] = g_units[i]
+    if unit_axis is None or g.ndim <= 1:
+        return out[0], n_clipped
+    return np.moveaxis(out, 0, unit_axis), n_clipped
+
+
+def between_middle(ratios):
+    """A lambda halfway (geometrically) between the two middle ratios:
+    half the units clipped, none at the boundary (where rounding decides
+    whether a unit counts as clipped)."""
+    r = np.sort(np.asarray(ratios, np.float64))
+    k = len(r) // 2
+    assert r[k - 1] < r[k]
+    return float(np.sqrt(r[k - 1] * r[k]))
+
+
 def pcgrad_np(J, orders):
     """Yu et al. (2020), Algorithm 1, on the gradient vectors themselves.
 

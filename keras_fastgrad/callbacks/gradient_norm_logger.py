@@ -4,7 +4,7 @@ and, optionally, into TensorBoard (written from the host)."""
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.callbacks import _base
 from keras_fastgrad.callbacks._tensorboard import SummaryWriter
-from keras_fastgrad.step.telemetry import is_task_key
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, is_task_key
 
 CLIPPED_FRACTION = "clipped_fraction"
 
@@ -33,6 +33,11 @@ class GradientNormLogger(_base.FastGradCallback):
         update_ratio: Boolean, defaults to `False`. Also logs
             `update_ratio`, `||w_after - w_before|| / ||w_before||` of the
             latest update (costs one copy of the weights per update).
+        adaptive_fraction: Boolean, defaults to `False`. Also logs
+            `agc_clipped_fraction`: the fraction of units whose gradient
+            adaptive gradient clipping clipped in the latest update
+            (counted in the step only then). Needs
+            `FastGradModel(clip_adaptive=...)`.
         tensorboard_dir: Directory path or `None` (default). When set, the
             logged values are also written as TensorBoard scalars by a
             `tf.summary` file writer on the host (into
@@ -76,6 +81,7 @@ class GradientNormLogger(_base.FastGradCallback):
         per_layer=False,
         clip_fraction=False,
         update_ratio=False,
+        adaptive_fraction=False,
         tensorboard_dir=None,
         histogram_freq=0,
         update_freq="epoch",
@@ -84,6 +90,7 @@ class GradientNormLogger(_base.FastGradCallback):
         self.per_layer = _base.check_bool("per_layer", per_layer)
         self.clip_fraction = _base.check_bool("clip_fraction", clip_fraction)
         self.update_ratio = _base.check_bool("update_ratio", update_ratio)
+        self.adaptive_fraction = _base.check_bool("adaptive_fraction", adaptive_fraction)
         self.tensorboard_dir = _base.check_optional_path("tensorboard_dir", tensorboard_dir)
         self.histogram_freq = _base.check_int(
             "histogram_freq",
@@ -114,6 +121,8 @@ class GradientNormLogger(_base.FastGradCallback):
             keys += ["clipped_updates", "updates"]
         if self.update_ratio:
             keys.append("update_ratio")
+        if self.adaptive_fraction:
+            keys.append(AGC_CLIPPED_FRACTION)
         return keys
 
     def check_model(self, model):
@@ -123,6 +132,13 @@ class GradientNormLogger(_base.FastGradCallback):
                 "model has clip_norm=None. Fix: build it with "
                 "`FastGradModel(..., clip_norm=...)`, or pass "
                 "`clip_fraction=False`."
+            )
+        if self.adaptive_fraction and model.clip_adaptive is None:
+            raise ValueError(
+                "`adaptive_fraction=True` needs a model that clips "
+                "adaptively, but the model has clip_adaptive=None. Fix: "
+                "build it with `FastGradModel(..., clip_adaptive=...)`, or "
+                "pass `adaptive_fraction=False`."
             )
 
     def _logged_keys(self):

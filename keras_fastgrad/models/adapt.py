@@ -47,7 +47,8 @@ def fastgrad(model, **options):
             `keras.applications` or KerasHub model, a subclass) whose class
             does not override `train_step`.
         **options: `FastGradModel`'s options (`accumulation_steps`,
-            `clip_norm`, `multitask`, `multitask_space`,
+            `clip_norm`, `clip_adaptive`, `clip_adaptive_eps`, `multitask`,
+            `multitask_space`,
             `multitask_features`, `skip_nonfinite`, `micro_batches`,
             `max_consecutive_nonfinite`, `telemetry`).
 

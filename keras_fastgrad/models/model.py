@@ -30,7 +30,12 @@ from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.divergence import TrainingLoss
 from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.state import StepState
-from keras_fastgrad.step.telemetry import LOG_KEYS, is_optional_key, layer_key
+from keras_fastgrad.step.telemetry import (
+    AGC_CLIPPED_FRACTION,
+    LOG_KEYS,
+    is_optional_key,
+    layer_key,
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")
@@ -51,6 +56,17 @@ class FastGradModel(keras.Model):
             at the end of that epoch.
         clip_norm: Float > 0 or `None` (default). Clips the final gradient of
             each update (after accumulation) to this global L2 norm.
+        clip_adaptive: Float > 0 or `None` (default). Adaptive gradient
+            clipping (AGC, Brock et al. 2021), `lambda`: each unit's
+            gradient (an output unit of a kernel, a row of an embedding
+            table, a whole bias) is scaled to at most `clip_adaptive *
+            max(||w||, clip_adaptive_eps)`, its weights' norm. Applied once
+            to each update's final gradient (after accumulation, unscaling
+            and the sum over replicas), before `clip_norm` (see
+            `keras_fastgrad.step.adaptive_clipping`).
+        clip_adaptive_eps: Float > 0, defaults to `1e-3`. AGC's `eps`: the
+            smallest weight norm a unit is measured by (zero-initialised
+            weights can still move). Needs `clip_adaptive`.
         multitask: `None` (default): the task losses are summed as in
             `keras.Model`. Or a multi-task method: a name from
             `keras_fastgrad.aggregators.NAMES` (`"sum"`, `"mean"`,
@@ -122,6 +138,8 @@ class FastGradModel(keras.Model):
         *args,
         accumulation_steps=1,
         clip_norm=None,
+        clip_adaptive=None,
+        clip_adaptive_eps=1e-3,
         multitask=None,
         skip_nonfinite=True,
         telemetry=False,
@@ -145,6 +163,8 @@ class FastGradModel(keras.Model):
         given = {
             "accumulation_steps": accumulation_steps,
             "clip_norm": clip_norm,
+            "clip_adaptive": clip_adaptive,
+            "clip_adaptive_eps": clip_adaptive_eps,
             "multitask": multitask,
             "skip_nonfinite": skip_nonfinite,
             "telemetry": telemetry,
@@ -184,6 +204,8 @@ class FastGradModel(keras.Model):
         for name, value in options.items():
             setattr(self, name, value)
         self.fastgrad_step_state.configure(self.multitask, self.telemetry)
+        if self.telemetry and self.clip_adaptive is not None:
+            self.fastgrad_step_state.log_keys.add(AGC_CLIPPED_FRACTION)
 
     # ------------------------------------------------------------ compile/fit
     def compile(self, *args, **kwargs):
@@ -377,9 +399,16 @@ class FastGradModel(keras.Model):
         if unknown:
             raise ValueError(
                 f"`keys` must be names from {list(LOG_KEYS)}, "
-                "`update_ratio` or `grad_norm/<layer>` (multi-task models: "
+                "`update_ratio`, `agc_clipped_fraction` or `grad_norm/<layer>` (multi-task models: "
                 "`task_grad_norm/<task>`, `task_cosine/<a>/<b>`, "
                 f"`task_conflicts`). Received unknown names: {sorted(unknown)}"
+            )
+        if AGC_CLIPPED_FRACTION in keys and self.clip_adaptive is None:
+            raise ValueError(
+                f"`keys` holds `{AGC_CLIPPED_FRACTION}`, which needs adaptive "
+                "gradient clipping, but the model has clip_adaptive=None. "
+                f"Received: keys={sorted(keys)}. Fix: build the model with "
+                f"`clip_adaptive=...`, or leave `{AGC_CLIPPED_FRACTION}` out."
             )
         state = self.fastgrad_step_state
         if not keys <= state.log_keys:
@@ -435,6 +464,8 @@ class FastGradModel(keras.Model):
         return {
             "accumulation_steps": self.accumulation_steps,
             "clip_norm": self.clip_norm,
+            "clip_adaptive": self.clip_adaptive,
+            "clip_adaptive_eps": self.clip_adaptive_eps,
             "multitask": (
                 None if self.multitask is None else aggregators.serialize(self.multitask)
             ),

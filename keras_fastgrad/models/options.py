@@ -11,10 +11,12 @@ import difflib
 import numbers
 
 import keras
+import numpy as np
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad._validation import check_bool, check_choice, check_int, check_optional_int
+from keras_fastgrad.step.adaptive_clipping import DEFAULT_EPSILON as DEFAULT_AGC_EPSILON
 
 
 def check_accumulation_steps(value):
@@ -40,6 +42,62 @@ def check_clip_norm(value):
             f"clipping). Received: clip_norm={value!r}"
         )
     return float(value)
+
+
+def _check_positive_finite(name, value, meaning, off=""):
+    """Returns `value` as a float if it is a finite number > 0, else raises
+    (`off`: how to switch the option off, for the message)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a finite number > 0 ({meaning}){off}. "
+            f"Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if not 0 < value < float("inf"):
+        raise ValueError(
+            f"`{name}` must be a finite number > 0 ({meaning}){off}. "
+            f"Received: {name}={value!r}. Fix: pass a value such as "
+            f"{_EXAMPLES[name]}."
+        )
+    return float(value)
+
+
+_EXAMPLES = {"clip_adaptive": "0.01 (the paper's for large batches)", "clip_adaptive_eps": "1e-3"}
+
+
+def check_clip_adaptive(value, eps):
+    """`clip_adaptive` (None, or lambda: a finite number > 0) and
+    `clip_adaptive_eps` (a finite number > 0, only meaningful with it).
+
+    Returns:
+        A dict with both options, as floats (`clip_adaptive` may be None).
+    """
+    eps = _check_positive_finite(
+        "clip_adaptive_eps", eps, "the smallest weight norm a unit is measured by"
+    )
+    if value is None:
+        if eps != DEFAULT_AGC_EPSILON:
+            raise ValueError(
+                "`clip_adaptive_eps` is used only by adaptive gradient "
+                "clipping, which is off. Received: clip_adaptive=None, "
+                f"clip_adaptive_eps={eps!r}. Fix: pass `clip_adaptive=...` "
+                "(e.g. 0.01) too, or leave `clip_adaptive_eps` at its default."
+            )
+        return {"clip_adaptive": None, "clip_adaptive_eps": eps}
+    value = _check_positive_finite(
+        "clip_adaptive",
+        value,
+        "the largest ratio of a unit's gradient norm to its weight norm",
+        " or None (no adaptive clipping)",
+    )
+    if not float(np.float32(value) * np.float32(eps)) >= np.finfo(np.float32).tiny:
+        raise ValueError(
+            "`clip_adaptive * clip_adaptive_eps` (the smallest norm a unit "
+            "may keep) must be a normal float32 (>= 1.2e-38): a smaller one "
+            "rounds to 0, and every unit's gradient to 0 or NaN. Received: "
+            f"clip_adaptive={value!r}, clip_adaptive_eps={eps!r}. Fix: larger "
+            "values (the paper uses clip_adaptive=0.01 with eps=1e-3)."
+        )
+    return {"clip_adaptive": value, "clip_adaptive_eps": eps}
 
 
 def check_multitask(value):
@@ -269,6 +327,7 @@ def check_options(options):
     return {
         "accumulation_steps": check_accumulation_steps(options["accumulation_steps"]),
         "clip_norm": check_clip_norm(options["clip_norm"]),
+        **check_clip_adaptive(options["clip_adaptive"], options["clip_adaptive_eps"]),
         "multitask": multitask,
         "skip_nonfinite": check_bool("skip_nonfinite", options["skip_nonfinite"]),
         "telemetry": check_bool("telemetry", options["telemetry"]),

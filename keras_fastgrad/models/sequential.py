@@ -18,7 +18,8 @@ class FastGradSequential(FastGradModel, keras.Sequential):
         name: Optional name of the model.
         trainable: Boolean, as for `keras.Sequential`.
         **options: `FastGradModel`'s options (`accumulation_steps`,
-            `clip_norm`, `multitask`, `multitask_space`,
+            `clip_norm`, `clip_adaptive`, `clip_adaptive_eps`, `multitask`,
+            `multitask_space`,
             `multitask_features`, `skip_nonfinite`, `micro_batches`,
             `max_consecutive_nonfinite`, `telemetry`).
 

@@ -43,3 +43,20 @@ def summed_rows(g):
         return g
     unique, position = tf.unique(g.indices)
     return tf.math.unsorted_segment_sum(g.values, position, tf.size(unique))
+
+
+def summed_slices(g):
+    """A `tf.IndexedSlices` with each row once (duplicates added up): the
+    same dense gradient, with a row's values where its norm can be read.
+
+    Example:
+
+    >>> g = tf.IndexedSlices(tf.constant([[1.0], [2.0]]), tf.constant([3, 3]),
+    ...                      tf.constant([4, 1]))
+    >>> s = summed_slices(g)
+    >>> s.indices.numpy().tolist(), s.values.numpy().tolist()
+    ([3], [[3.0]])
+    """
+    unique, position = tf.unique(g.indices)
+    values = tf.math.unsorted_segment_sum(g.values, position, tf.size(unique))
+    return tf.IndexedSlices(values, unique, g.dense_shape)

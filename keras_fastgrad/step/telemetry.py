@@ -8,7 +8,8 @@ and the latest non-finite location are kept until replaced.
 Log keys (fixed, all float scalars):
 
 - `grad_norm`: global L2 norm, before clipping, of the gradient of the most
-  recent optimizer update.
+  recent optimizer update (with `clip_adaptive`: after adaptive clipping,
+  the norm `clip_norm` compares).
 - `clipped_updates`: number of updates whose gradient was clipped.
 - `updates`: number of optimizer updates the model made.
 - `nonfinite_count`: micro-batches dropped because their loss or gradient
@@ -42,6 +43,11 @@ On request only (they cost extra work in the update branch):
   `B_simple` and the EMAs of its numerator and denominator
   (`keras_fastgrad.step.noise_scale`; with accumulation, `micro_batches` or
   several replicas only; `telemetry=True` includes them there).
+- `agc_clipped_fraction`: with `clip_adaptive` (adaptive gradient clipping,
+  `keras_fastgrad.step.adaptive_clipping`), the fraction of units (output
+  units of the kernels, rows of the embedding tables, whole vectors) whose
+  gradient was clipped in the latest update (`telemetry=True` includes
+  it on a model with `clip_adaptive`).
 
 Multi-task models (`FastGradModel(multitask=...)`) also log, whenever any
 telemetry is on, what the task Gram matrix of the latest micro-batch gives
@@ -68,6 +74,7 @@ LOG_KEYS = (
 )
 LAYER_NORM_PREFIX = "grad_norm/"
 UPDATE_RATIO = "update_ratio"
+AGC_CLIPPED_FRACTION = "agc_clipped_fraction"
 
 
 # A multi-task model's keys (`keras_fastgrad.multitask` records them).
@@ -88,7 +95,7 @@ def layer_key(variable_path):
 
 def is_optional_key(key):
     return (
-        key == UPDATE_RATIO
+        key in (UPDATE_RATIO, AGC_CLIPPED_FRACTION)
         or key.startswith(LAYER_NORM_PREFIX)
         or is_task_key(key)  # multi-task models only (keras_fastgrad.multitask)
         or noise_scale.is_key(key)  # needs two batch sizes (`noise_scale`)
@@ -113,7 +120,7 @@ class StepTelemetry:
         Args:
             variable_paths: Paths of the watched variables, in order.
             optional_keys: Requested optional keys (`grad_norm/<layer>`,
-                `update_ratio`); their variables are measurements, not
+                `update_ratio`, `agc_clipped_fraction`); their variables are measurements, not
                 training state, and are not saved with the model.
         """
         self.layer_of_variable = [layer_key(p) for p in variable_paths]
@@ -124,6 +131,11 @@ class StepTelemetry:
         }
         self.update_ratio = (
             global_variable(0.0, UPDATE_RATIO) if UPDATE_RATIO in optional_keys else None
+        )
+        self.agc_clipped_fraction = (
+            global_variable(0.0, AGC_CLIPPED_FRACTION)
+            if AGC_CLIPPED_FRACTION in optional_keys
+            else None
         )
         self.grad_norm = global_variable(0.0, "grad_norm")
         self.clipped_updates = global_variable(0.0, "clipped_updates")
@@ -174,6 +186,11 @@ class StepTelemetry:
                 squares[layer] = squares.get(layer, 0.0) + sq
         for layer, variable in self.layer_norms.items():
             variable.assign(tf.sqrt(squares.get(layer, tf.constant(0.0))))
+
+    def record_adaptive_clipping(self, fraction):
+        """The fraction of units adaptive clipping clipped (update branch)."""
+        if self.agc_clipped_fraction is not None:
+            self.agc_clipped_fraction.assign(fraction)
 
     def record_update_ratio(self, before, variables):
         """`||w_after - w_before|| / ||w_before||` (inside the branch)."""
@@ -239,6 +256,8 @@ class StepTelemetry:
         logs.update({k: _read(v) for k, v in self.layer_norms.items() if wanted(k)})
         if self.update_ratio is not None and wanted(UPDATE_RATIO):
             logs[UPDATE_RATIO] = _read(self.update_ratio)
+        if self.agc_clipped_fraction is not None and wanted(AGC_CLIPPED_FRACTION):
+            logs[AGC_CLIPPED_FRACTION] = _read(self.agc_clipped_fraction)
         return logs
 
 

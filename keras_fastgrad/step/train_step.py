@@ -23,6 +23,7 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step import finite, noise_scale
+from keras_fastgrad.step.adaptive_clipping import adaptive_clip, both_finite
 from keras_fastgrad.step.applying import apply_if
 from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
 from keras_fastgrad.step.divergence import failed
@@ -275,6 +276,8 @@ def _checks_norm(model, state, batch):
     divided by a normaliser: no `micro_batches`), and clipping or the
     `grad_norm` key needs its norm."""
     wanted = model.clip_norm is not None or "grad_norm" in state.log_keys
+    # With `clip_adaptive` the update's norm is the adaptively clipped one.
+    wanted = wanted and model.clip_adaptive is None
     return wanted and not batch.mean_reduction and single_cond(model, state)
 
 
@@ -428,7 +431,7 @@ def flush(model, state):
 
 
 def update(model, state, grads, normaliser=None, norm=None):
-    """Normalise -> clip -> check -> apply -> record.
+    """Normalise -> adaptive clip -> clip -> check -> apply -> record.
 
     Runs in the update branch, in cross-replica context, on the global
     gradient (weighted sums divided by `normaliser` when it is given; by
@@ -444,8 +447,11 @@ def update(model, state, grads, normaliser=None, norm=None):
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     if state.noise_scale is not None:  # the big batch: unscaled, unclipped
         state.noise_scale.record_window(grads)
+    grads, agc_finite = adaptive_clip(model, state, grads)  # (grads, None) when off
     grads, norm, was_clipped = _clipped(model, state, grads, norm)
+    checked = checked or (agc_finite is not None and model.clip_norm is None)
     finite_update = None if checked else _finite_update(model, state, grads, norm)
+    finite_update = both_finite(finite_update, agc_finite)
     _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
 
 

@@ -905,3 +905,20 @@ def test_an_evaluate_that_raised_does_not_keep_the_step_after_the_next_fit():
     assert "grad_norm" in history.history
     assert vars(model).get("make_train_function") is None  # detached at its end
     assert "grad_norm" not in model.fit(x, y, verbose=0).history
+
+
+def test_adaptive_fraction_needs_an_adaptively_clipping_model():
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data()
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`adaptive_fraction=True` needs a model that clips adaptively, but "
+            "the model has clip_adaptive=None. Fix: build it with "
+            "`FastGradModel(..., clip_adaptive=...)`"
+        ),
+    ):
+        model.fit(x, y, verbose=0, callbacks=[GradientNormLogger(adaptive_fraction=True)])
+    with pytest.raises(TypeError, match="`adaptive_fraction` must be a boolean"):
+        GradientNormLogger(adaptive_fraction="yes")

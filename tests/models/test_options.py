@@ -234,6 +234,8 @@ def test_an_empty_multitask_features_is_refused_at_construction(make, features):
         {
             "accumulation_steps": 3,
             "clip_norm": 2.0,
+            "clip_adaptive": 0.05,
+            "clip_adaptive_eps": 0.01,
             "skip_nonfinite": False,
             "telemetry": True,
             "micro_batches": 2,
@@ -254,3 +256,75 @@ def test_every_option_given_reaches_the_model(options):
         assert (
             stored[name] if name != "multitask" else stored[name]["class_name"].lower()
         ) == value, name
+
+
+# ------------------------------------------------- adaptive gradient clipping
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (
+            0,
+            ValueError,
+            r"`clip_adaptive` must be a finite number > 0.*Received: clip_adaptive=0\. Fix",
+        ),
+        (-0.01, ValueError, r"`clip_adaptive` must be.*or None.*clip_adaptive=-0.01"),
+        (float("inf"), ValueError, r"`clip_adaptive` must be a finite number.*clip_adaptive=inf"),
+        (float("nan"), ValueError, r"`clip_adaptive` must be a finite number.*clip_adaptive=nan"),
+        ("0.01", TypeError, r"`clip_adaptive` must be.*clip_adaptive='0.01' of type str"),
+        (True, TypeError, r"`clip_adaptive` must be.*clip_adaptive=True of type bool"),
+    ],
+)
+def test_bad_clip_adaptive(value, error, match):
+    with pytest.raises(error, match=match):
+        fast(clip_adaptive=value)
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (
+            0.0,
+            ValueError,
+            r"`clip_adaptive_eps` must be a finite number > 0.*clip_adaptive_eps=0.0",
+        ),
+        (-1e-3, ValueError, r"`clip_adaptive_eps` must be.*clip_adaptive_eps=-0.001"),
+        (float("inf"), ValueError, r"`clip_adaptive_eps` must be.*clip_adaptive_eps=inf"),
+        (None, TypeError, r"`clip_adaptive_eps` must be.*clip_adaptive_eps=None of type NoneType"),
+    ],
+)
+def test_bad_clip_adaptive_eps(value, error, match):
+    with pytest.raises(error, match=match):
+        fast(clip_adaptive=0.01, clip_adaptive_eps=value)
+
+
+def test_clip_adaptive_eps_without_clip_adaptive_is_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"`clip_adaptive_eps` is used only by adaptive gradient clipping.*"
+        r"Received: clip_adaptive=None, clip_adaptive_eps=0.01\. Fix: pass `clip_adaptive=",
+    ):
+        fast(clip_adaptive_eps=0.01)
+
+
+def test_clip_adaptive_whose_smallest_bound_is_not_a_float32_is_refused():
+    # 1e-30 * 1e-10 = 1e-40 is subnormal in float32 (flushed to 0 on CPU).
+    with pytest.raises(
+        ValueError,
+        match=r"`clip_adaptive \* clip_adaptive_eps`.*normal float32.*"
+        r"Received: clip_adaptive=1e-30, clip_adaptive_eps=1e-10\. Fix",
+    ):
+        fast(clip_adaptive=1e-30, clip_adaptive_eps=1e-10)
+    assert fast(clip_adaptive=1e-30, clip_adaptive_eps=1e-3).clip_adaptive == 1e-30
+
+
+def test_clip_adaptive_options_reach_every_constructor():
+    layers = [keras.Input((3,)), keras.layers.Dense(1)]
+    for model in (
+        fast(clip_adaptive=0.02, clip_adaptive_eps=1e-2),
+        keras_fastgrad.FastGradSequential(layers, clip_adaptive=0.02, clip_adaptive_eps=1e-2),
+        keras_fastgrad.fastgrad(mlp(), clip_adaptive=0.02, clip_adaptive_eps=1e-2),
+    ):
+        assert (model.clip_adaptive, model.clip_adaptive_eps) == (0.02, 1e-2)
+    assert (fast().clip_adaptive, fast().clip_adaptive_eps) == (None, 1e-3)  # the paper's eps
+    with pytest.raises(ValueError, match=r"`clip_adaptive` must be a finite number > 0"):
+        keras_fastgrad.fastgrad(mlp(), clip_adaptive=-1)

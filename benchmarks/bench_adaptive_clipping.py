@@ -1,0 +1,122 @@
+"""Cost of adaptive gradient clipping (issue 22): step-time ratios, interleaved.
+
+    python benchmarks/bench_adaptive_clipping.py [--quick] [--models a,b]
+
+Ratio per model: FastGradModel(clip_adaptive=0.01) / FastGradModel default,
+each round one epoch of `steps` batches through `fit` (after a warm-up fit
+that excludes tracing), median, min, max over rounds and best of rounds
+(`harness.interleaved_ratios`). Target: <= 1.03 (AGC costs at most 3% of a
+step). Models: the benchmark MLP of bench_core (784 -> 3 x 1024 -> 10,
+batch 256), its short-step case (64 -> 3 x 256 -> 10, batch 64, about 1 ms
+a step, where any fixed cost shows) and a Conv2D + BatchNorm model
+(32x32x3, three Conv-BN-ReLU blocks of 32/64/64 channels, batch 64).
+
+On a shared, loaded machine these ratios spread widely; a second table
+gives AGC's own time in isolation: `clip_unitwise` on the model's weights
+and gradients of their shapes (10 applications chained in one
+`tf.function`, best of 30 calls, divided by 10), over the best epoch time
+per step of the default model. It leaves out what the step adds around
+AGC (the update's finite `cond`) but is robust to the load.
+
+Writes benchmarks/out/adaptive_clipping.json.
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from bench_core import dense_stack, mlp  # noqa: E402
+from harness import fit_fn, interleaved_ratios, report, synthetic, time_call  # noqa: E402
+
+import keras_fastgrad  # noqa: E402
+from keras_fastgrad.step.adaptive_clipping import clip_unitwise, row_unit_variables  # noqa: E402
+
+CHAIN = 10
+
+
+def isolated_seconds(model):
+    """AGC's own time per update on `model`'s weights (best of 30)."""
+    variables = model.trainable_variables
+    tables = row_unit_variables(model)
+    rows = [id(v) in tables for v in variables]
+    grads = [tf.random.normal(v.shape) * 1e-2 for v in variables]
+
+    @tf.function
+    def chained(grads):
+        for _ in range(CHAIN):
+            grads = clip_unitwise(
+                grads, [v.value for v in variables], rows, 0.01, count=False
+            ).grads
+        return tf.add_n([tf.reduce_sum(g) for g in grads])
+
+    chained(grads)
+    return min(time_call(lambda: chained(grads).numpy()) for _ in range(30)) / CHAIN
+
+
+def conv_bn(cls, **options):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 3))
+    h = inputs
+    for i, filters in enumerate((32, 64, 64)):
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.ReLU()(h)
+        if i < 2:
+            h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return cls(inputs, keras.layers.Dense(10)(h), **options)
+
+
+# name: (builder, input shape, batch, steps multiplier)
+MODELS = {
+    "mlp": (mlp, (784,), 256, 1),
+    "mlp_64x256_b64": (dense_stack(64, 256), (64,), 64, 16),
+    "conv_bn": (conv_bn, (32, 32, 3), 64, 1),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    rounds, steps = (5, 8) if args.quick else (12, 16)
+    rounds = args.rounds or rounds
+    fg = keras_fastgrad.FastGradModel
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    pairs, isolated = [], {}
+    for name in args.models.split(","):
+        build, shape, batch, longer = MODELS[name]
+        x, y = synthetic(shape, 10, batch * steps * longer)
+        sides = []
+        for options in ({}, {"clip_adaptive": 0.01}):
+            model = build(fg, **options)
+            model.compile(optimizer=keras.optimizers.Adam(), loss=loss)
+            sides.append(fit_fn(model, x, y, batch))
+        pairs.append((f"{name}: clip_adaptive=0.01 / FastGradModel default", sides[1], sides[0]))
+        default_model, default_fit, n_steps = model, sides[0], len(x) // batch
+        step = min(time_call(default_fit) for _ in range(rounds)) / n_steps
+        agc = isolated_seconds(default_model)
+        isolated[f"{name}: AGC alone / default step (isolated)"] = {
+            "median": agc / step,
+            "min": agc / step,
+            "max": agc / step,
+            "rounds": 1,
+            "seconds": [agc, step],
+        }
+    results = interleaved_ratios(pairs, rounds)
+    results.update(isolated)
+    report(
+        f"Adaptive gradient clipping step-time ratios ({rounds} rounds x {steps} steps)",
+        results,
+        {k: "<= 0.03" if "isolated" in k else "<= 1.03" for k in results},
+        "adaptive_clipping",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Adaptive gradient clipping (AGC), unit by unit, relative to the weights.
+
+Brock, De, Smith, Simonyan (2021), "High-Performance Large-Scale Image
+Recognition Without Normalization" (https://arxiv.org/abs/2102.06171),
+section 4.1; optax's `adaptive_grad_clip`. For every unit `i` of a
+weight `W` with gradient `G`:
+
+    G_i <- G_i * min(1, lambda * max(||W_i||, eps) / ||G_i||)
+
+with Frobenius norms over the unit. What a unit is, for Keras' weights:
+
+- a kernel (rank >= 2, output axis last: `Dense` `(in, out)`, `Conv1D/2D/3D`
+  `(..., in, out)`): one output unit, the norm over every axis but the
+  last (the paper's "row of a weight matrix"; for `Dense` and `Conv2D`
+  kernels what optax's `unitwise_norm` computes);
+- an embedding table (`keras.layers.Embedding`'s `embeddings`, `(vocab,
+  dim)`): one token's vector, the norm over every axis but the first. A
+  sparse gradient (`tf.IndexedSlices`) is clipped on its rows only,
+  duplicate rows added up first: the table is never made dense;
+- a vector or a scalar (biases, BatchNorm's `gamma`/`beta`): the whole
+  weight is one unit (optax too).
+
+Where optax differs: it squeezes unit axes away first (a `Dense(out)` on a
+single input, kernel `(1, out)`, is one unit there, `out` units here) and
+takes the norm over the first axis only for rank-3 weights (multi-head
+linear layers; here a `Conv1D` kernel `(width, in, out)` has `out` units).
+It divides by `max(||G_i||, 1e-6)`; here `min(1, ...)` is exact (a zero
+unit's factor is `min(1, inf) = 1`).
+
+A finite gradient whose unit norm overflows float32 (above ~1.8e19) would
+get the factor `max_norm / inf = 0`, a silently zero unit: the step drops
+such an update instead (`Clipped.all_finite` is false), as it drops a
+non-finite one. A NaN or Inf gradient stays non-finite.
+"""
+
+import collections
+
+import keras
+import tensorflow as tf
+
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.step.gradients import summed_slices
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
+
+# The paper's and optax's default: weights initialised to zero (biases,
+# some gains) may still move by `lambda * eps` per unit.
+DEFAULT_EPSILON = 1e-3
+
+
+class Clipped(
+    collections.namedtuple("Clipped", ["grads", "all_finite", "clipped_units", "num_units"])
+):
+    """What `clip_unitwise` returns.
+
+    Fields:
+        grads: The clipped gradients (sparse kept sparse, `None` kept).
+        all_finite: Boolean scalar: every unit's gradient norm is finite
+            (so every gradient is finite, and none overflowed).
+        clipped_units: float32 scalar, how many units were clipped
+            (`None` when not counted).
+        num_units: Python int, how many units the weights have (a unit
+            of a table row not in a sparse gradient counts, unclipped).
+    """
+
+
+def unit_axes(rank, rows=False):
+    """The axes a unit's norm runs over (`None`: the whole weight).
+
+    Args:
+        rank: Python int, the weight's rank.
+        rows: Python bool, the units are the first axis' entries (an
+            embedding table) rather than the last's (a kernel).
+
+    Example:
+
+    >>> unit_axes(2), unit_axes(4), unit_axes(2, rows=True), unit_axes(1)
+    ((0,), (0, 1, 2), (1,), None)
+    """
+    if rank <= 1:
+        return None
+    return tuple(range(1, rank)) if rows else tuple(range(rank - 1))
+
+
+def row_unit_variables(model):
+    """The ids of `model`'s embedding tables (units are their rows): a
+    trace-time fact read off the layers."""
+    return {
+        id(w)
+        for layer in compat.flatten_layers(model)
+        if isinstance(layer, keras.layers.Embedding)
+        for w in layer.trainable_weights
+        if w.name == "embeddings"
+    }
+
+
+def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=True):
+    """Adaptive gradient clipping of each weight's gradient, unit-wise.
+
+    Args:
+        grads: List of gradients (float32 tensors, `tf.IndexedSlices` or
+            `None`), the update's final gradient.
+        weights: List of the weights' current values, in the same order.
+        rows: List of Python bools: the units are rows (an embedding table).
+        clipping: Python float > 0, `lambda`: the largest ratio of a
+            unit's gradient norm to its weight norm.
+        eps: Python float > 0, the smallest weight norm a unit is
+            measured by (zero-initialised weights can still move).
+        count: Python bool, whether to count the clipped units (`False`:
+            `clipped_units` is `None`, and the step saves the ops).
+
+    Returns:
+        A `Clipped`.
+
+    Example:
+
+    >>> # One Dense unit: ||w|| = 5, lambda = 0.1: at most 0.5; ||g|| = 10.
+    >>> out = clip_unitwise([tf.constant([[6.0], [8.0]])],
+    ...                     [tf.constant([[3.0], [4.0]])], [False], 0.1)
+    >>> out.grads[0].numpy().ravel().tolist(), float(out.clipped_units)
+    ([0.30000001192092896, 0.4000000059604645], 1.0)
+    """
+    # One constant each, shared by every weight's ops.
+    bounds = (tf.constant(clipping, tf.float32), tf.constant(eps, tf.float32))
+    clipped, finite_parts, counts, num_units = [], [], [], 0
+    for g, w, row_units in zip(grads, weights, rows):
+        if g is None:
+            clipped.append(None)
+            continue
+        g, g_norm, max_norm, units = _clip_weight(g, w, row_units, bounds)
+        clipped.append(g)
+        num_units += units
+        finite_parts.append(g_norm if g_norm.shape.rank == 0 else tf.reduce_sum(g_norm))
+        if count:
+            counts.append(tf.reduce_sum(tf.cast(g_norm > max_norm, tf.float32)))
+    if not finite_parts:
+        return Clipped(clipped, tf.constant(True), tf.constant(0.0), num_units)
+    # Unit norms are >= 0 and at most ~1.8e19 when finite: their sum is
+    # finite iff each one is.
+    all_finite = tf.math.is_finite(tf.add_n(finite_parts))
+    return Clipped(clipped, all_finite, tf.add_n(counts) if count else None, num_units)
+
+
+def _clip_weight(g, w, row_units, bounds):
+    """One weight's gradient clipped unit-wise: `(clipped, ||g_i||,
+    max_norm_i, number of units)`; a table's sparse gradient on its rows."""
+    clipping, eps = bounds
+    w = tf.cast(w, tf.float32)
+    axes = unit_axes(w.shape.rank, row_units)
+    units = 1 if axes is None else w.shape[0 if row_units else -1]
+    if isinstance(g, tf.IndexedSlices) and axes is not None and row_units:
+        g = summed_slices(g)  # each row once: its norm is the dense row's
+        w = tf.gather(w, g.indices)
+    elif isinstance(g, tf.IndexedSlices):  # units across rows: dense
+        g = tf.convert_to_tensor(g)
+    values = tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
+    g_norm = _norm(values, axes)
+    max_norm = clipping * tf.maximum(_norm(w, axes), eps)
+    # `max_norm > 0` (checked options): a zero unit's factor is 1. An
+    # overflowing or non-finite norm gives 0 or NaN here, and the flag.
+    values = values * tf.minimum(1.0, max_norm / g_norm)
+    if isinstance(g, tf.IndexedSlices):
+        values = tf.IndexedSlices(values, g.indices, g.dense_shape)
+    return values, g_norm, max_norm, units
+
+
+def _norm(x, axes):
+    """The L2 norm over `axes` (kept, size 1), of everything for `None`.
+    (Not `tf.math.reduce_euclidean_norm`, one fused op on CPU: XLA has no
+    kernel for it; XLA fuses these three.)"""
+    if axes is None:  # the whole weight: its axes as a constant, not a `Range`
+        return tf.sqrt(tf.reduce_sum(tf.square(x), axis=list(range(x.shape.rank))))
+    return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axes, keepdims=True))
+
+
+def adaptive_clip(model, state, grads):
+    """The step's unit: the update's gradient clipped by
+    `model.clip_adaptive` (unchanged when it is `None`), and whether the
+    clipped update may be applied (`None`: AGC is off).
+
+    Runs in the update branch, after accumulation, unscaling and the
+    replica sum, on the global gradient; the weights are read as they are
+    before this update. Records `agc_clipped_fraction` when requested.
+    """
+    if model.clip_adaptive is None:
+        return grads, None
+    variables = model.trainable_variables
+    tables = row_unit_variables(model)
+    out = clip_unitwise(
+        grads,
+        [v.value for v in variables],
+        [id(v) in tables for v in variables],
+        model.clip_adaptive,
+        model.clip_adaptive_eps,
+        count=AGC_CLIPPED_FRACTION in state.log_keys,
+    )
+    if out.clipped_units is not None:
+        state.telemetry.record_adaptive_clipping(out.clipped_units / max(out.num_units, 1))
+    return out.grads, out.all_finite
+
+
+def both_finite(finite_update, agc_finite):
+    """The update's finite check with AGC's (`None`: no check needed).
+
+    AGC's flag is needed even where the gradient was checked before the
+    update (one replica, no accumulation): an overflowing unit norm is
+    caught only there. It covers every gradient (a unit's norm is finite
+    iff the unit is, and AGC keeps a finite unit finite), so the step
+    needs no other check without `clip_norm`; with it, `clip_norm`'s own
+    (its norm's limit) is kept beside it."""
+    if agc_finite is None:
+        return finite_update
+    if finite_update is None:
+        return agc_finite
+    return tf.logical_and(finite_update, agc_finite)
