@@ -9,7 +9,8 @@ the variables must exist before the trace. What it holds:
 - the units with state (`keras.Variable`s created by `build`, before the
   train function is traced): `telemetry` (`StepTelemetry`), `divergence`
   (`DivergenceWatch`), `accumulator` (`WindowAccumulator`, `None` without
-  accumulation); and those without variables of their own: `scaling`
+  accumulation), `batchnorm` (`WindowMoments`, `None` unless BatchNorm
+  statistics are pooled over micro-batches); and those without variables of their own: `scaling`
   (`LossScaling`, around the optimizer), `merger` (`TaskMerger`, `None`
   without `multitask`);
 - trace-time facts of the traced step (`facts`, a `TraceFacts`, and
@@ -38,6 +39,7 @@ import tensorflow as tf
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask.merger import TaskMerger
 from keras_fastgrad.step.accumulation import WindowAccumulator
+from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
 from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
@@ -70,6 +72,8 @@ class StepState(compat.KerasSaveable):
         divergence: `DivergenceWatch`, the failure streak (variables).
         accumulator: `WindowAccumulator`, the window (variables); `None`
             without accumulation.
+        batchnorm: `WindowMoments`, the BatchNorm layers' pooled moments
+            (variables); `None` unless they are pooled (`batchnorm.pools_window`).
         scaling: `LossScaling` around the optimizer, set when the train
             function is made.
         merger: `TaskMerger`, `None` without `multitask`.
@@ -89,6 +93,7 @@ class StepState(compat.KerasSaveable):
         self.merger = None
         self.log_keys = set()
         self.telemetry = self.divergence = self.accumulator = None
+        self.batchnorm = None
         self.scaling = None  # set when the train function is made
         self.facts = None
         self.trace_count = 0
@@ -110,7 +115,8 @@ class StepState(compat.KerasSaveable):
         change of keys alone keeps the values)."""
         variables = model.trainable_variables
         optional = sorted(k for k in self.log_keys if is_optional_key(k))
-        key = (tuple(id(v) for v in variables), tuple(optional))
+        pooled = pools_window(model)
+        key = (tuple(id(v) for v in variables), tuple(optional), pooled)
         if self._built_for == key:
             return
         old_values = self.values()
@@ -123,9 +129,12 @@ class StepState(compat.KerasSaveable):
             if model.accumulation_steps > 1:
                 accumulator = WindowAccumulator(model.accumulation_steps)
                 accumulator.build(variables)
+            batchnorm = WindowMoments(batchnorm_layers(model)) if pooled else None
+            if batchnorm is not None:
+                batchnorm.build()
         same_variables = self._built_for and self._built_for[0] == key[0]
         self.telemetry, self.divergence = telemetry, divergence
-        self.accumulator = accumulator
+        self.accumulator, self.batchnorm = accumulator, batchnorm
         self._built_for = key
         if same_variables:
             for v, value in zip(self.variables, old_values):
@@ -139,6 +148,8 @@ class StepState(compat.KerasSaveable):
         state = list(self.telemetry.variables) + self.divergence.variables
         if self.accumulator is not None:
             state += self.accumulator.variables
+        if self.batchnorm is not None:  # last: files saved before lack them
+            state += self.batchnorm.variables
         return state
 
     def values(self):
@@ -207,13 +218,21 @@ class StepState(compat.KerasSaveable):
         if not store or model is None or not model.built:
             return
         state = self.variables
+        if self.batchnorm is not None and len(store) < len(state):
+            # Saved without BatchNorm window moments (before they existed, or
+            # with `batchnorm_statistics="micro_batch"`): the statistics
+            # already moved for that window's micro-batches; it pools afresh.
+            state = state[: len(state) - len(self.batchnorm.variables)]
+            for v in self.batchnorm.variables:
+                v.assign(tf.zeros_like(v))
         if self.accumulator is not None and len(store) == len(state) - 1:
             store = self._without_included_count(store, len(state))
         if len(store) != len(state):
             warnings.warn(
                 f"FastGradModel: the saved step state has {len(store)} "
                 f"variables but this model's has {len(state)} (different "
-                "`accumulation_steps` or trainable variables?). The "
+                "`accumulation_steps`, `batchnorm_statistics` or trainable "
+                "variables?). The "
                 "accumulation window and counters start fresh; the weights "
                 "were loaded."
             )

@@ -1,6 +1,6 @@
 """The units of `FastGradModel.train_step`, in the order the step runs them.
 
-    gradients -> finite_check -> update_loss_scale
+    gradients -> finite_check -> pool_batchnorm_moments -> update_loss_scale
               -> update_or_drop                              (one `cond`)
               or accumulate_or_apply -> update
     then metrics and telemetry logs
@@ -104,6 +104,11 @@ def gradients(model, state, x, y, sample_weight):
     gradients unscaled and, where micro-batches are combined (accumulation,
     replicas, slices), weighted by the micro-batch's share of the window
     (`weighting`: folded into the loss). Returns a `Batch`."""
+    with _recording_batchnorm(state):
+        return _gradients(model, state, x, y, sample_weight)
+
+
+def _gradients(model, state, x, y, sample_weight):
     variables = model.trainable_variables
     if not variables:
         warnings.warn("The model does not have any trainable weights.")
@@ -140,6 +145,14 @@ def gradients(model, state, x, y, sample_weight):
         normaliser=share.real if weighted else tf.constant(1.0),
         mean_reduction=weighted and share.mean,
     )
+
+
+def _recording_batchnorm(state):
+    """While the forward pass is traced: BatchNorm moments recorded, the
+    moving statistics held (`batchnorm.WindowMoments`), when pooled."""
+    if state.batchnorm is None:
+        return contextlib.nullcontext()
+    return state.batchnorm.recording()
 
 
 def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
@@ -240,6 +253,13 @@ def finite_check(model, state, batch):
         counts_towards_streak=failed(all_finite, scaling) if scaling.active else None,
         global_normaliser=total,
     )
+
+
+def pool_batchnorm_moments(state, verdict):
+    """The micro-batch's BatchNorm moments (pooled over replicas) into
+    the window, unless it is dropped (a no-op unless they are pooled)."""
+    if state.batchnorm is not None:
+        state.batchnorm.end_micro_batch(verdict.keep)
 
 
 def update_loss_scale(state, verdict):
@@ -357,13 +377,15 @@ def flush(model, state):
 
 
 def update(model, state, grads, normaliser=None):
-    """Normalise -> clip -> check -> apply -> record.
+    """[BatchNorm statistics] -> normalise -> clip -> check -> apply -> record.
 
     Runs in the update branch, in cross-replica context, on the global
     gradient (weighted sums divided by `normaliser` when it is given; by
     `divide_no_nan`, as Keras reduces a loss: a normaliser of 0, every
     sample weight 0 or every position masked, gives a zero gradient).
     """
+    if state.batchnorm is not None:  # the window's one step of the statistics
+        state.batchnorm.apply()
     checked = normaliser is None and model.clip_norm is None and _checked_as_is(model, state)
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
