@@ -49,7 +49,7 @@ def fastgrad(model, **options):
         **options: `FastGradModel`'s options (`accumulation_steps`,
             `clip_norm`, `multitask`, `multitask_space`,
             `multitask_features`, `skip_nonfinite`, `micro_batches`,
-            `max_consecutive_nonfinite`, `telemetry`).
+            `max_consecutive_nonfinite`, `telemetry`, `batchnorm_statistics`).
 
     Returns:
         `model` itself, now also a `FastGradModel`.

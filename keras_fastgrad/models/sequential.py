@@ -20,7 +20,7 @@ class FastGradSequential(FastGradModel, keras.Sequential):
         **options: `FastGradModel`'s options (`accumulation_steps`,
             `clip_norm`, `multitask`, `multitask_space`,
             `multitask_features`, `skip_nonfinite`, `micro_batches`,
-            `max_consecutive_nonfinite`, `telemetry`).
+            `max_consecutive_nonfinite`, `telemetry`, `batchnorm_statistics`).
 
     Raises:
         ValueError, TypeError: on invalid options, as `FastGradModel`.
