@@ -205,7 +205,7 @@ def _check_layer(layer):
             "unbuilt layer. Fix: build the model (call it on a batch) "
             "before `fit`."
         )
-    if layer.renorm:
+    if getattr(layer, "renorm", False):  # (absent from older Keras)
         raise ValueError(
             f"`batchnorm_statistics='window'` cannot pool the BatchNormalization "
             f"layer `{layer.name}`: with `renorm=True` its renormalisation "
