@@ -87,44 +87,47 @@ class WindowMoments:
 
     Args:
         layers: The built `BatchNormalization` layers.
+        sliced: Python bool, the step runs `micro_batches` slices (a
+            `tf.while_loop`: their moments are added in variables; else the
+            forward pass hands them on as tensors).
 
     Raises:
         ValueError: for a layer with `renorm=True` (its renormalisation
             moves with every batch: no window equivalent), or one not built.
     """
 
-    def __init__(self, layers):
+    def __init__(self, layers, sliced=False):
         for layer in layers:
             _check_layer(layer)
         self.layers = list(layers)
+        self.sliced = sliced
+        self.sizes = [int(layer.moving_mean.shape[0]) for layer in self.layers]
         self.scratch = {}
-        self.window = {}
+        self.window = None
+        self._traced = threading.local()  # this thread's trace: moments as tensors
 
     def build(self):
-        """Creates the float32 state: the micro-batch's moments (per
-        replica) and the window's (global)."""
-        for i, layer in enumerate(self.layers):
-            zeros = tf.zeros(layer.moving_mean.shape, tf.float32)
-            self.scratch[id(layer)] = [
-                compat.variable(
-                    zeros,
+        """Creates the float32 state: the window's `[3, features]` moments
+        (`n`, `mean`, `M2`, all layers side by side; global), and with
+        slices each layer's micro-batch moments (per replica)."""
+        self.window = global_variable(tf.zeros([3, sum(self.sizes)]), "batchnorm_window_moments")
+        if self.sliced:
+            self.scratch = {
+                id(layer): compat.variable(
+                    tf.zeros([3, size]),
                     trainable=False,
                     autocast=False,
                     synchronization="on_read",
                     aggregation="sum",
-                    name=f"batchnorm_{i}_micro_{part}",
+                    name=f"batchnorm_{i}_micro_moments",
                 )
-                for part in ("n", "mean", "m2")
-            ]
-            self.window[id(layer)] = [
-                global_variable(zeros, f"batchnorm_{i}_window_{part}")
-                for part in ("n", "mean", "m2")
-            ]
+                for i, (layer, size) in enumerate(zip(self.layers, self.sizes))
+            }
 
     @property
     def variables(self):
-        """The window's state, in the order it is saved."""
-        return [v for layer in self.layers for v in self.window[id(layer)]]
+        """The window's state (what is saved)."""
+        return [self.window]
 
     # ------------------------------------------------- in the forward pass
     def recording(self):
@@ -136,6 +139,7 @@ class WindowMoments:
             ValueError: (while tracing) for a layer that assigns its moving
                 statistics without Keras' moments computation (a subclass
                 with a `call` of its own): nothing would be pooled."""
+        self._traced.moments = {}
         recorded = set()
 
         def record(layer, *moments):
@@ -156,45 +160,60 @@ class WindowMoments:
             m2 = tf.reshape(tf.cast(variance, tf.float32), [-1]) * n
         else:  # a slice padded with copies of real rows: those left out
             n, mean, m2 = _weighted_moments(layer, inputs, mask, rows)
-        moments = [tf.stop_gradient(t) for t in (n, mean, m2)]
-        scratch = self.scratch[id(layer)]
-        for v, value in zip(scratch, chan_combine(_read(scratch), moments)):
-            v.assign(value)
+        moments = tf.stop_gradient(tf.stack([n, mean, m2]))
+        if self.sliced:
+            scratch = self.scratch[id(layer)]
+            scratch.assign(_combined(tf.convert_to_tensor(scratch.value), moments))
+            return
+        traced = self._traced.moments  # several calls of a layer: all pooled
+        before = traced.get(id(layer))
+        traced[id(layer)] = moments if before is None else _combined(before, moments)
 
     # ------------------------------------------------ after the finite check
     def end_micro_batch(self, keep):
         """Adds the micro-batch's moments, pooled over the replicas (two
-        small all-reduces with several), to the window if `keep`; empties
-        the micro-batch's. Runs in replica context, on every replica."""
-        local = [_read(self.scratch[id(layer)]) for layer in self.layers]
-        pooled = _pooled_over_replicas(local) if num_replicas() > 1 else local
-        for layer, moments in zip(self.layers, pooled):
-            window = self.window[id(layer)]
-            current = _read(window)
-            for v, new, old in zip(window, chan_combine(current, moments), current):
-                v.assign(tf.where(keep, new, old))
-            for v in self.scratch[id(layer)]:
-                v.assign(tf.zeros_like(v))
+        small all-reduces with several), to the window if `keep`. Runs in
+        replica context, on every replica."""
+        local = tf.concat(
+            [self._micro_batch_moments(l, s) for l, s in zip(self.layers, self.sizes)], 1
+        )
+        if num_replicas() > 1:
+            local = _pooled_over_replicas(local)
+        current = tf.convert_to_tensor(self.window.value)
+        self.window.assign(tf.where(keep, _combined(current, local), current))
+
+    def _micro_batch_moments(self, layer, size):
+        """The layer's `[3, size]` moments of this micro-batch (zeros if it
+        took none); a slices' sum is emptied for the next one."""
+        if self.sliced:
+            scratch = self.scratch[id(layer)]
+            moments = tf.convert_to_tensor(scratch.value)
+            with tf.control_dependencies([moments]):
+                scratch.assign(tf.zeros([3, size]))
+            return moments
+        moments = getattr(self._traced, "moments", {}).get(id(layer))
+        return tf.zeros([3, size]) if moments is None else moments
 
     # ------------------------------------------------------- at the update
     def apply(self):
         """One momentum step of each layer's moving statistics from the
         window's pooled moments (features without samples keep theirs),
         then empties the window. Runs with the optimizer update."""
-        for layer in self.layers:
-            window = self.window[id(layer)]
-            n, mean, m2 = _read(window)
-            has_samples = n > 0
+        n, mean, m2 = tf.unstack(tf.convert_to_tensor(self.window.value))
+        variance = tf.math.divide_no_nan(m2, n)
+        parts = zip(*(tf.split(t, self.sizes) for t in (n > 0, mean, variance)))
+        for layer, (has_samples, mean, variance) in zip(self.layers, parts):
             momentum = layer.momentum
-            for moving, pooled in (
-                (layer.moving_mean, mean),
-                (layer.moving_variance, tf.math.divide_no_nan(m2, n)),
-            ):
+            for moving, pooled in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
                 old = tf.convert_to_tensor(moving.value)
                 new = old * momentum + tf.cast(pooled, old.dtype) * (1.0 - momentum)
                 moving.assign(tf.where(has_samples, new, old))
-            for v in window:
-                v.assign(tf.zeros_like(v))
+        self.window.assign(tf.zeros(self.window.shape))
+
+
+def _combined(a, b):
+    """`chan_combine` of two `[3, features]` moment stacks."""
+    return tf.stack(chan_combine(tf.unstack(a), tf.unstack(b)))
 
 
 def _check_layer(layer):
@@ -259,10 +278,6 @@ def _weighted_moments(layer, inputs, mask, rows):
     return n, mean, m2
 
 
-def _read(variables):
-    return [tf.convert_to_tensor(v.value) for v in variables]
-
-
 def _counts(layer, inputs, mask):
     """The samples behind each feature's moments: the positions reduced
     over, or (masked, as Keras weighs them) the mask's weights."""
@@ -277,17 +292,13 @@ def _counts(layer, inputs, mask):
 
 
 def _pooled_over_replicas(local):
-    """Each layer's `(n, mean, M2)` over all replicas: the k-group form
-    of Chan's combination, `mean = sum n_r mean_r / N`, `M2 = sum (M2_r +
-    n_r (mean_r - mean)**2)` (all layers packed in two all-reduces). A
+    """The `[3, features]` moments over all replicas: the k-group form of
+    Chan's combination, `mean = sum n_r mean_r / N`, `M2 = sum (M2_r +
+    n_r (mean_r - mean)**2)` (two all-reduces, all layers together). A
     `synchronized=True` layer's replicas each hold the global moments with
     their own count: the same formula gives them back."""
-    sums = replica_sum([t for n, mean, _ in local for t in (n, n * mean)])
-    totals = [
-        (sums[2 * i], tf.math.divide_no_nan(sums[2 * i + 1], sums[2 * i]))
-        for i in range(len(local))
-    ]
-    spread = replica_sum(
-        [m2 + n * tf.square(mean - g_mean) for (n, mean, m2), (_, g_mean) in zip(local, totals)]
-    )
-    return [(total, g_mean, m2) for (total, g_mean), m2 in zip(totals, spread)]
+    n, mean, m2 = tf.unstack(local)
+    total, weighted = replica_sum([n, n * mean])
+    global_mean = tf.math.divide_no_nan(weighted, total)
+    (spread,) = replica_sum([m2 + n * tf.square(mean - global_mean)])
+    return tf.stack([total, global_mean, spread])

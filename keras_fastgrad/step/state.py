@@ -129,7 +129,9 @@ class StepState(compat.KerasSaveable):
             if model.accumulation_steps > 1:
                 accumulator = WindowAccumulator(model.accumulation_steps)
                 accumulator.build(variables)
-            batchnorm = WindowMoments(batchnorm_layers(model)) if pooled else None
+            batchnorm = None
+            if pooled:
+                batchnorm = WindowMoments(batchnorm_layers(model), model.micro_batches > 1)
             if batchnorm is not None:
                 batchnorm.build()
         same_variables = self._built_for and self._built_for[0] == key[0]
