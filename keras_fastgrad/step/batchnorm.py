@@ -48,10 +48,10 @@ def chan_combine(a, b):
 
     Example:
 
-    >>> x = np.array([1.0, 2.0, 4.0, 7.0])
-    >>> a = (2.0, x[:2].mean(), ((x[:2] - x[:2].mean()) ** 2).sum())
-    >>> b = (2.0, x[2:].mean(), ((x[2:] - x[2:].mean()) ** 2).sum())
-    >>> n, mean, m2 = chan_combine(a, b)
+    >>> x = np.array([1.0, 2.0, 4.0, 7.0], "float32")
+    >>> def moments(p):
+    ...     return np.float32(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()
+    >>> n, mean, m2 = chan_combine(moments(x[:2]), moments(x[2:]))
     >>> float(mean), float(m2 / n), float(x.var())
     (3.5, 5.25, 5.25)
     """
