@@ -11,6 +11,7 @@ Sparse gradients (`tf.IndexedSlices`) are measured on their rows,
 duplicate rows added up first, so the norm is that of the dense gradient.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad.step.gradients import scale, summed_rows
@@ -69,6 +70,23 @@ def clip_factor(clip_norm, unit, root):
     factor = tf.where(was_clipped, (clip_norm / unit) / root, 1.0)
     factor = tf.where(tf.math.is_finite(root), factor, float("nan"))
     return factor, was_clipped
+
+
+def fits_clip(clip_norm, unit, root):
+    """Boolean scalar: the norm `unit * root` is at most `clip_norm / tiny`
+    (float32's smallest normal), so that the clip factor `clip_norm / norm`
+    is a normal float. Beyond (a norm above ~1e38 for `clip_norm=1`, or
+    a NaN norm) the factor would be subnormal, which CPUs flush to 0: a
+    silently zero update. The step drops such an update, counted.
+
+    Example:
+
+    >>> bool(fits_clip(1.0, 1.0, tf.constant(1e37)))
+    True
+    >>> bool(fits_clip(1.0, 2.0**80, tf.constant(1e20)))  # ~1.2e44
+    False
+    """
+    return unit * root <= clip_norm / float(np.finfo(np.float32).tiny)
 
 
 def clip_by_global_norm(grads, clip_norm, norm):

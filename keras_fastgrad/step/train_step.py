@@ -17,7 +17,6 @@ import functools
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
@@ -25,7 +24,7 @@ from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step import finite
 from keras_fastgrad.step.applying import apply_if
-from keras_fastgrad.step.clipping import clip_by_global_norm, scaled_norm
+from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
 from keras_fastgrad.step.divergence import failed
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.gradients import scale
@@ -80,13 +79,15 @@ class Verdict(
             "drops_nonfinite",
             "counts_towards_streak",
             "global_normaliser",
+            "norm",
         ],
     )
 ):
     """The finite check of one micro-batch, global over replicas.
 
     Fields:
-        marks: The `finite.marks` vector (where the check failed).
+        marks: The `finite.marks` vector (where the check failed), or
+            `None` when the check was the gradient's norm (`norm`).
         all_finite: Boolean scalar: loss and gradients finite everywhere.
         keep: Boolean scalar: the gradient goes on (`all_finite`, or always
             when non-finite gradients are applied, as `keras.Model` does).
@@ -95,7 +96,14 @@ class Verdict(
         counts_towards_streak: Boolean scalar, whether a drop counts towards
             the divergence streak (loss scaling: only at the lowest scale);
             `None`: every drop counts.
-        global_normaliser: float32, the normaliser summed over replicas."""
+        global_normaliser: float32, the normaliser summed over replicas.
+        norm: `None`, or the gradient's global norm as `(unit, root)`
+            (`clipping.scaled_norm`) when the check was made on it: one
+            replica, no accumulation, and the update needs the norm anyway
+            (`clip_norm`, or `grad_norm` logged). The norm is finite
+            exactly when every gradient is (its squares never overflow), so
+            it replaces the per-gradient sums; `keep` then also requires
+            a clip factor that is a normal float (`clipping.fits_clip`)."""
 
 
 # ------------------------------------------------------------ gradients
@@ -236,6 +244,8 @@ def _check_slices(model, x):
 def finite_check(model, state, batch):
     """Is the micro-batch finite (on every replica: one small all-reduce,
     so every replica decides alike)? Returns a `Verdict`."""
+    if _checks_norm(model, state, batch):
+        return _norm_check(model, state, batch)
     scaling = state.scaling
     marks = finite.marks(batch.grads, batch.loss)
     total = batch.normaliser
@@ -252,6 +262,39 @@ def finite_check(model, state, batch):
         # At the scale the micro-batch was checked at (before the update).
         counts_towards_streak=failed(all_finite, scaling) if scaling.active else None,
         global_normaliser=total,
+        norm=None,
+    )
+
+
+def _checks_norm(model, state, batch):
+    """Whether the check is the norm the update computes anyway: the
+    update is the micro-batch's own gradient as it is (`single_cond`, not
+    divided by a normaliser: no `micro_batches`), and clipping or the
+    `grad_norm` key needs its norm."""
+    wanted = model.clip_norm is not None or "grad_norm" in state.log_keys
+    return wanted and not batch.mean_reduction and single_cond(model, state)
+
+
+def _norm_check(model, state, batch):
+    """The finite check folded into the gradient's norm: one `L2Loss` per
+    gradient instead of one `Sum`, and no second check in the update."""
+    scaling = state.scaling
+    norm = scaled_norm(batch.grads)
+    all_finite = tf.math.is_finite(norm[1]) & tf.math.is_finite(batch.loss)
+    keep = all_finite
+    counts = failed(all_finite, scaling) if scaling.active else None
+    if model.clip_norm is not None:
+        keep = all_finite & fits_clip(model.clip_norm, *norm)
+        if counts is not None:  # a refused clip factor always counts
+            counts = counts | (all_finite & tf.logical_not(keep))
+    return Verdict(
+        marks=None,
+        all_finite=all_finite,
+        keep=keep,
+        drops_nonfinite=True,
+        counts_towards_streak=counts,
+        global_normaliser=batch.normaliser,
+        norm=norm,
     )
 
 
@@ -278,12 +321,14 @@ def record_drop(model, state, marks, counts=None):
     divergence streak.
 
     Args:
-        marks: The micro-batch's (global) `finite.marks` vector.
+        marks: The micro-batch's (global) `finite.marks` vector, or a
+            callable that computes it (only called when its keys are
+            requested).
         counts: Boolean scalar, whether the drop counts towards the streak
             (`divergence.failed`, under loss scaling); `None`: it does.
     """
     if state.log_keys & _WHERE_KEYS:  # only read then (see `telemetry`)
-        state.telemetry.record_drop(*finite.summarize(marks))
+        state.telemetry.record_drop(*finite.summarize(marks() if callable(marks) else marks))
     else:
         state.telemetry.record_drop()
     if model.skip_nonfinite or state.scaling.active:
@@ -309,11 +354,14 @@ def update_or_drop(model, state, batch, verdict):
     are read once, after it. Returns the metrics' logs."""
 
     def apply():
-        update(model, state, batch.grads, _divisor(batch, verdict))
+        update(model, state, batch.grads, _divisor(batch, verdict), norm=verdict.norm)
         _update_metric_states(model, batch)
 
     def drop():
-        record_drop(model, state, verdict.marks, verdict.counts_towards_streak)
+        marks = verdict.marks
+        if marks is None:  # the check was the norm: where, only if asked
+            marks = functools.partial(finite.marks, batch.grads, batch.loss)
+        record_drop(model, state, marks, verdict.counts_towards_streak)
 
     tf.cond(verdict.keep, apply, drop)
     return model.get_metrics_result()
@@ -376,20 +424,24 @@ def flush(model, state):
     state.accumulator.restart()
 
 
-def update(model, state, grads, normaliser=None):
+def update(model, state, grads, normaliser=None, norm=None):
     """[BatchNorm statistics] -> normalise -> clip -> check -> apply -> record.
 
     Runs in the update branch, in cross-replica context, on the global
     gradient (weighted sums divided by `normaliser` when it is given; by
     `divide_no_nan`, as Keras reduces a loss: a normaliser of 0, every
     sample weight 0 or every position masked, gives a zero gradient).
+    `norm`: the gradient's norm as `(unit, root)` when the finite check
+    was made on it (`Verdict.norm`): nothing left to check.
     """
     if state.batchnorm is not None:  # the window's one step of the statistics
         state.batchnorm.apply()
-    checked = normaliser is None and model.clip_norm is None and _checked_as_is(model, state)
+    checked = norm is not None or (
+        normaliser is None and model.clip_norm is None and _checked_as_is(model, state)
+    )
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
-    grads, norm, was_clipped = _clipped(model, state, grads)
+    grads, norm, was_clipped = _clipped(model, state, grads, norm)
     finite_update = None if checked else _finite_update(model, state, grads, norm)
     _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
 
@@ -407,12 +459,13 @@ def _checked_as_is(model, state):
     )
 
 
-def _clipped(model, state, grads):
+def _clipped(model, state, grads, scaled=None):
     """The gradient clipped to `clip_norm` (if set) and its norm before
-    (`None` when neither clipping nor `grad_norm` needs it)."""
+    (`None` when neither clipping nor `grad_norm` needs it); `scaled`: the
+    norm as `(unit, root)`, when already computed."""
     norm = was_clipped = None
     if "grad_norm" in state.log_keys or model.clip_norm is not None:
-        unit, root = scaled_norm(grads)
+        unit, root = scaled or scaled_norm(grads)
         norm = unit * root
     state.telemetry.record_layer_norms(grads)
     if model.clip_norm is not None:
@@ -429,8 +482,7 @@ def _finite_update(model, state, grads, norm):
         # Finite, and the clip factor `clip_norm / norm` a normal float: a
         # norm beyond `clip_norm / tiny` (~1e38) would make it flush to 0
         # on CPU, a silently zero update; such an update is dropped, counted.
-        limit = model.clip_norm / float(np.finfo(np.float32).tiny)
-        return tf.math.is_finite(norm) & (norm <= limit)
+        return tf.math.is_finite(norm) & fits_clip(model.clip_norm, 1.0, norm)
     if state.accumulator is not None or num_replicas() > 1:
         return finite.all_finite(grads)
     return None  # the micro-batch check covered these

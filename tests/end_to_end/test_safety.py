@@ -227,6 +227,39 @@ def test_clipping_never_makes_a_silently_zero_update(a):
     assert h.history["updates"] == [0.0]
 
 
+def _mse_inf_above_100(y_true, y_pred):
+    # Infinite for a row whose target is above 100, with a finite gradient:
+    # the infinite term does not depend on the prediction.
+    mse = keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+    return mse + keras.ops.where(y_true[:, 0] > 100.0, np.inf, 0.0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"telemetry": True}, {"clip_norm": 1e6}, {"clip_norm": 1e6, "telemetry": True}],
+)
+def test_a_nonfinite_loss_with_finite_gradients_is_dropped(options):
+    # Batch 1 of 3 has a target of 1000: its loss is inf, its gradient
+    # finite. It is dropped (the check reads the loss as well as the
+    # gradient's sums or, with clipping or `grad_norm`, its norm), so the
+    # model trains as keras.Model on batches 0 and 2.
+    x, y = data(n=12)
+    y_bad = y.copy()
+    y_bad[4:8] = 1000.0
+    keep = np.r_[0:4, 8:12]
+    ref, model = mlp(), fast(**options)
+    ref.compile(optimizer=sgd(), loss=_mse_inf_above_100)
+    model.compile(optimizer=sgd(), loss=_mse_inf_above_100)
+    ref.fit(x[keep], y[keep], batch_size=4, shuffle=False, verbose=0)
+    h = model.fit(x, y_bad, batch_size=4, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert max_weight_diff(ref, model) < 1e-6
+    if options.get("telemetry"):
+        assert h.history["nonfinite_count"] == [1.0]
+        assert h.history["nonfinite_first_index"] == [-1.0]  # the loss alone
+        assert h.history["nonfinite_num_variables"] == [0.0]
+
+
 # ------------------------------------------------ no trainable weights
 def test_model_without_trainable_weights_warns_and_runs_like_keras():
     x, y = data(n=8)
