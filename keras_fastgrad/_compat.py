@@ -18,6 +18,7 @@ moves one of them fails there, in one place.
 import contextlib
 import inspect
 import sys
+import threading
 
 import keras
 import tensorflow as tf
@@ -225,6 +226,79 @@ def once_built(compile_loss, install):
             vars(compile_loss).pop("build", None)
 
 
+# ------------------------------------------------------------ BatchNorm
+# `BatchNormalization.call(training=True)` takes the batch's moments with
+# `self._moments(inputs, mask)` and then assigns `moving_mean` and
+# `moving_variance`. While a recorder is active on a thread, each layer's
+# moments also go to the recorder and those two assigns do nothing: the
+# forward pass still normalises by the batch's own moments. Per thread
+# (MirroredStrategy traces each replica's step in a thread of its own),
+# installed once per layer however many threads record.
+_BATCHNORM_LOCK = threading.Lock()
+_BATCHNORM_INSTALLS = {}  # id(layer) -> count of active `recording` blocks
+_batchnorm_recorder = threading.local()
+
+
+def _install_batchnorm_hooks(layer):
+    moments = layer._moments
+    moving = (layer.moving_mean, layer.moving_variance)
+
+    def recorded_moments(inputs, mask):
+        mean, variance = moments(inputs, mask)
+        record = getattr(_batchnorm_recorder, "record", None)
+        if record is not None:
+            record(layer, inputs, mask, mean, variance)
+        return mean, variance
+
+    def held_assign(original):
+        def assign(value, *args, **kwargs):
+            held = getattr(_batchnorm_recorder, "held", None)
+            if held is not None:
+                held(layer)
+                return None
+            return original(value, *args, **kwargs)
+
+        return assign
+
+    vars(layer)["_moments"] = recorded_moments
+    for v in moving:
+        vars(v)["assign"] = held_assign(v.assign)
+
+
+def _remove_batchnorm_hooks(layer):
+    vars(layer).pop("_moments", None)
+    for v in (layer.moving_mean, layer.moving_variance):
+        vars(v).pop("assign", None)
+
+
+@contextlib.contextmanager
+def batchnorm_recording(layers, record, held):
+    """Within the block, on this thread, each of `layers`
+    (`BatchNormalization`, built) calls `record(layer, inputs, mask, mean,
+    variance)` with the moments it normalises by in training mode, and its
+    moving-statistic assigns call `held(layer)` instead of assigning."""
+    with _BATCHNORM_LOCK:
+        for layer in layers:
+            count = _BATCHNORM_INSTALLS.get(id(layer), 0)
+            if count == 0:
+                _install_batchnorm_hooks(layer)
+            _BATCHNORM_INSTALLS[id(layer)] = count + 1
+    previous = vars(_batchnorm_recorder).copy()
+    _batchnorm_recorder.record, _batchnorm_recorder.held = record, held
+    try:
+        yield
+    finally:
+        _batchnorm_recorder.record = previous.get("record")
+        _batchnorm_recorder.held = previous.get("held")
+        with _BATCHNORM_LOCK:
+            for layer in layers:
+                count = _BATCHNORM_INSTALLS.pop(id(layer)) - 1
+                if count:
+                    _BATCHNORM_INSTALLS[id(layer)] = count
+                else:
+                    _remove_batchnorm_hooks(layer)
+
+
 # ------------------------------------------------------------------ saving
 
 
@@ -399,6 +473,7 @@ PRIVATE_NAMES = (
     ("keras.Model", "_aggregate_additional_loss"),
     ("keras.Model", "_symbolic_build"),
     ("keras.Model", "_flatten_layers"),
+    ("keras.layers.BatchNormalization", "_moments"),
     ("keras.Model", "_loss_tracker"),
     ("keras.Model", "_distribute_strategy"),
     ("keras.Model", "_compile_loss"),

@@ -199,6 +199,50 @@ def case_replica_sum_overflow():
     return {"weights": model.get_weights()[0].ravel().tolist(), "history": h.history}
 
 
+def _conv_bn(cls, synchronized, **options):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(4, 3)(inputs)
+    h = keras.layers.BatchNormalization(momentum=0.9, synchronized=synchronized, name="bn")(h)
+    return cls(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(h)), **options)
+
+
+def case_batchnorm_window():
+    # One window of two global batches (8, then 7: replicas split 4/4 and
+    # 4/3; unsynchronized, each in 2 slices, padded): the moving statistics
+    # against keras.Model on one device on the 15 samples concatenated.
+    # (A `synchronized=True` layer all-reduces inside Keras' moments, which
+    # TensorFlow refuses inside the slices' loop: no `micro_batches` there.)
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(15, 6, 6, 2)) * 2.0 + 1.0).astype("float32")
+    y = rng.normal(size=(15, 1)).astype("float32")
+    result = {}
+    for synchronized in (False, True):
+        ref = _conv_bn(keras.Model, synchronized)
+        ref.compile(optimizer="sgd", loss="mse")
+        ref.train_on_batch(x, y)
+        with STRATEGY.scope():
+            model = _conv_bn(
+                keras_fastgrad.FastGradModel,
+                synchronized,
+                accumulation_steps=2,
+                micro_batches=1 if synchronized else 2,
+            )
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        got, want = model.get_layer("bn"), ref.get_layer("bn")
+        copies = STRATEGY.experimental_local_results(got.moving_mean.value)
+        result[f"synchronized={synchronized}"] = {
+            "mean_diff": float(np.max(np.abs(got.moving_mean.numpy() - want.moving_mean.numpy()))),
+            "variance_diff": float(
+                np.max(np.abs(got.moving_variance.numpy() - want.moving_variance.numpy()))
+            ),
+            "moved": float(np.max(np.abs(want.moving_mean.numpy()))),
+            "replicas_agree": float(np.max(np.abs(copies[0].numpy() - copies[1].numpy()))),
+        }
+    return result
+
+
 CASES = {
     name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
 }

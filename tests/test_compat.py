@@ -54,6 +54,8 @@ def _owner(name):
         layer = keras.layers.Dense(1)
         layer(keras.Input((3,)))
         return layer
+    if name == "keras.layers.BatchNormalization":
+        return keras.layers.BatchNormalization
     if name == "tf.distribute.StrategyExtended":
         return tf.distribute.MirroredStrategy(["/cpu:0"]).extended
     return importlib.import_module(name)

@@ -50,7 +50,7 @@ def fastgrad(model, **options):
             `clip_norm`, `clip_adaptive`, `clip_adaptive_eps`, `multitask`,
             `multitask_space`,
             `multitask_features`, `skip_nonfinite`, `micro_batches`,
-            `max_consecutive_nonfinite`, `telemetry`).
+            `max_consecutive_nonfinite`, `telemetry`, `batchnorm_statistics`).
 
     Returns:
         `model` itself, now also a `FastGradModel`.

@@ -108,6 +108,16 @@ class FastGradModel(keras.Model):
             end while micro-batches are being dropped, log `loss=nan`, so
             best-checkpoint callbacks never pick them (see
             `keras_fastgrad.step.divergence`). `None` never stops.
+        batchnorm_statistics: `"window"` (default) or `"micro_batch"`.
+            How `BatchNormalization` layers move their moving mean and
+            variance when a batch is split (`accumulation_steps`,
+            `micro_batches`). `"window"`: once per update, from the moments
+            pooled over the window's micro-batches (and replicas), as
+            `keras.Model` on the concatenated batch (the forward pass still
+            normalises by each micro-batch's moments: ghost batch norm).
+            `"micro_batch"`: once per micro-batch, from its own moments
+            (the behaviour before this option). See
+            `keras_fastgrad.step.batchnorm`.
         telemetry: Boolean, defaults to `False`. Adds the step's measurements
             (`grad_norm`, `nonfinite_count`, `loss_scale`, ... see
             `keras_fastgrad.step.telemetry.LOG_KEYS`) to the logs. The callbacks
@@ -147,6 +157,7 @@ class FastGradModel(keras.Model):
         max_consecutive_nonfinite=10,
         multitask_space="parameters",
         multitask_features=None,
+        batchnorm_statistics="window",
         **kwargs,
     ):
         # Options saved by `get_config` under `fastgrad_options` (a subclass
@@ -172,6 +183,7 @@ class FastGradModel(keras.Model):
             "max_consecutive_nonfinite": max_consecutive_nonfinite,
             "multitask_space": multitask_space,
             "multitask_features": multitask_features,
+            "batchnorm_statistics": batchnorm_statistics,
         }
         options = _checked_options(**{**given, **(restored or {})})
         if compat.functional_init_arguments(args, kwargs) and not isinstance(
@@ -273,6 +285,7 @@ class FastGradModel(keras.Model):
         """One micro-batch through the chain (`keras_fastgrad.step.train_step`):
 
         gradients (forward, backward, unscale, task merge) -> finite check
+          -> [BatchNorm pooled] the micro-batch's moments into the window
           -> loss-scale update
           -> [one replica, no accumulation] update or drop, in one `cond`
           -> [else] accumulate -> [window complete] clip, check, apply
@@ -285,6 +298,7 @@ class FastGradModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = _step.gradients(self, state, x, y, sample_weight)
         verdict = _step.finite_check(self, state, batch)
+        _step.pool_batchnorm_moments(state, verdict)
         _step.record_small_batches(state, batch, verdict)
         _step.update_loss_scale(state, verdict)
         if _step.single_cond(self, state):
@@ -475,6 +489,7 @@ class FastGradModel(keras.Model):
             "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
             "multitask_space": self.multitask_space,
             "multitask_features": self.multitask_features,
+            "batchnorm_statistics": self.batchnorm_statistics,
         }
 
 

@@ -341,4 +341,12 @@ def check_options(options):
         **check_multitask_space(
             options["multitask_space"], options["multitask_features"], multitask
         ),
+        "batchnorm_statistics": check_batchnorm_statistics(options["batchnorm_statistics"]),
     }
+
+
+def check_batchnorm_statistics(value):
+    """Returns `value` if it is one of `keras_fastgrad.step.batchnorm.CHOICES`."""
+    from keras_fastgrad.step.batchnorm import CHOICES
+
+    return check_choice("batchnorm_statistics", value, CHOICES)

@@ -21,7 +21,7 @@ class FastGradSequential(FastGradModel, keras.Sequential):
             `clip_norm`, `clip_adaptive`, `clip_adaptive_eps`, `multitask`,
             `multitask_space`,
             `multitask_features`, `skip_nonfinite`, `micro_batches`,
-            `max_consecutive_nonfinite`, `telemetry`).
+            `max_consecutive_nonfinite`, `telemetry`, `batchnorm_statistics`).
 
     Raises:
         ValueError, TypeError: on invalid options, as `FastGradModel`.

@@ -3,7 +3,8 @@
 
     forward (`forward.py`) -> weigh by the loss's normaliser (`weighting.py`;
     micro-batches: `slicing.py`) -> unscale (`loss_scaling.py`) -> finite
-    check (`finite.py`) -> accumulate (`accumulation.py`) -> clip
-    (`clipping.py`) -> apply (`applying.py`, legal under `tf.distribute`:
-    `replicas.py`) -> record (`telemetry.py`, `divergence.py`)
+    check (`finite.py`) -> accumulate (`accumulation.py`; BatchNorm moments
+    pooled over the window: `batchnorm.py`) -> clip (`clipping.py`) ->
+    apply (`applying.py`, legal under `tf.distribute`: `replicas.py`) ->
+    record (`telemetry.py`, `divergence.py`)
 """

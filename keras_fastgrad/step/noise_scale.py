@@ -233,6 +233,11 @@ class NoiseScale:
     def variables(self):
         return [self.window, self.ema_grad_sq, self.ema_trace, self.ema_weight, self.decay]
 
+    def reset_state(self):
+        """An empty window and no estimate yet (the decay kept)."""
+        for v in (self.window, self.ema_grad_sq, self.ema_trace, self.ema_weight):
+            v.assign(tf.zeros_like(v))
+
     def set_decay(self, decay):
         """Sets the EMAs' decay (from the host)."""
         self.decay.assign(float(decay))

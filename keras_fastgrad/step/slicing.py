@@ -15,9 +15,12 @@ the metrics see what they would on the whole batch. Weight regularisation
 enters every slice's loss once; what the slices' shares add beyond the
 batch's normaliser is taken back after the loop.
 
-Limits: layers that mix samples (BatchNormalization in training mode) see
-slices, not the batch; losses added with `add_loss` inside `call` are
-computed per slice.
+BatchNormalization normalises each slice by the slice's moments (ghost
+batch norm); its moving statistics take one step per batch from the
+moments pooled over the slices' real rows (`keras_fastgrad.step.batchnorm`;
+`batchnorm_statistics="micro_batch"`: one step per slice, padding rows
+included). Limits: other layers that mix samples see slices, not the
+batch; losses added with `add_loss` inside `call` are computed per slice.
 """
 
 import collections
@@ -28,6 +31,7 @@ from keras import tree
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._compat import get_keras_mask, set_keras_mask
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
+from keras_fastgrad.step.batchnorm import slice_rows
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import num_replicas
 from keras_fastgrad.step.weighting import LossShares, Share
@@ -244,7 +248,8 @@ def _slice_gradients(model, batch, i, variables, scaling, merger):
     times the share) and predictions."""
     x, y, sample_weight = batch.slice(i)
     with watching(variables, persistent=merger is not None) as tape:
-        y_pred = call_for_training(model, x)
+        with slice_rows(batch.rows[i]):  # padding rows: no BatchNorm moments
+            y_pred = call_for_training(model, x)
         with LossShares(model, batch.size, rows=batch.rows[i]) as shares:
             losses = _slice_losses(model, x, y, y_pred, sample_weight, merger)
         share = shares.share()

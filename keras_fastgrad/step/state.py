@@ -9,8 +9,10 @@ the variables must exist before the trace. What it holds:
 - the units with state (`keras.Variable`s created by `build`, before the
   train function is traced): `telemetry` (`StepTelemetry`), `divergence`
   (`DivergenceWatch`), `accumulator` (`WindowAccumulator`, `None` without
-  accumulation), `noise_scale` (`noise_scale.NoiseScale`, `None` unless a
-  `gns_*` key is requested); and those without variables of their own: `scaling`
+  accumulation), `batchnorm` (`WindowMoments`, `None` unless BatchNorm
+  statistics are pooled over micro-batches), `noise_scale`
+  (`noise_scale.NoiseScale`, `None` unless a `gns_*` key is requested);
+  and those without variables of their own: `scaling`
   (`LossScaling`, around the optimizer), `merger` (`TaskMerger`, `None`
   without `multitask`);
 - trace-time facts of the traced step (`facts`, a `TraceFacts`, and
@@ -34,14 +36,19 @@ import warnings
 import weakref
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask.merger import TaskMerger
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.accumulation import WindowAccumulator
+from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
 from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
+
+# The optional units, by attribute name: saved under keys of their own.
+_OPTIONAL = ("batchnorm", "noise_scale")
 
 
 class TraceFacts(
@@ -72,7 +79,9 @@ class StepState(compat.KerasSaveable):
         divergence: `DivergenceWatch`, the failure streak (variables).
         accumulator: `WindowAccumulator`, the window (variables); `None`
             without accumulation.
-        noise_scale: `noise_scale.NoiseScale` (variables, saved last);
+        batchnorm: `WindowMoments`, the BatchNorm layers' pooled moments
+            (variables); `None` unless they are pooled (`batchnorm.pools_window`).
+        noise_scale: `noise_scale.NoiseScale` (variables);
             `None` unless a `gns_*` key is requested.
         noise_decay: float, the noise scale's EMA decay.
         scaling: `LossScaling` around the optimizer, set when the train
@@ -94,6 +103,7 @@ class StepState(compat.KerasSaveable):
         self.merger = None
         self.log_keys = set()
         self.telemetry = self.divergence = self.accumulator = None
+        self.batchnorm = None
         self.noise_scale = None
         self.noise_decay = noise_scale.DEFAULT_DECAY
         self._all_telemetry = False
@@ -127,7 +137,8 @@ class StepState(compat.KerasSaveable):
         if self._all_telemetry and noise_scale.measurable(model):
             self.log_keys |= set(noise_scale.KEYS)  # `telemetry=True`: where measurable
         optional = sorted(k for k in self.log_keys if is_optional_key(k))
-        key = (tuple(id(v) for v in variables), tuple(optional))
+        pooled = pools_window(model)
+        key = (tuple(id(v) for v in variables), tuple(optional), pooled)
         if self._built_for == key:
             return
         old_values = self.values()
@@ -140,6 +151,10 @@ class StepState(compat.KerasSaveable):
             if model.accumulation_steps > 1:
                 accumulator = WindowAccumulator(model.accumulation_steps)
                 accumulator.build(variables)
+            batchnorm = None
+            if pooled:
+                batchnorm = WindowMoments(batchnorm_layers(model), model.micro_batches > 1)
+                batchnorm.build()
             noise = None
             if self.log_keys & set(noise_scale.KEYS):
                 noise_scale.check_measurable(model)
@@ -147,7 +162,7 @@ class StepState(compat.KerasSaveable):
                 noise.build()
         same_variables = self._built_for and self._built_for[0] == key[0]
         self.telemetry, self.divergence = telemetry, divergence
-        self.accumulator, self.noise_scale = accumulator, noise
+        self.accumulator, self.batchnorm, self.noise_scale = accumulator, batchnorm, noise
         self._built_for = key
         if same_variables:
             for v, value in zip(self.variables, old_values):
@@ -161,8 +176,12 @@ class StepState(compat.KerasSaveable):
         state = list(self.telemetry.variables) + self.divergence.variables
         if self.accumulator is not None:
             state += self.accumulator.variables
-        if self.noise_scale is not None:  # last: files without it still load
-            state += self.noise_scale.variables
+        # The optional units last, BatchNorm's (fixed by the options) before
+        # the noise scale's (there while its keys are requested): a change of
+        # keys keeps the values before (`build`). Saved under keys of their
+        # own (`_OPTIONAL`).
+        for unit in self._optional_units():
+            state += unit.variables
         return state
 
     def values(self):
@@ -215,10 +234,55 @@ class StepState(compat.KerasSaveable):
         return compat.SAVEABLE_OBJ_TYPE
 
     def save_own_variables(self, store):
+        """The core state as `"0"`, `"1"`, ... (the layout files saved before
+        the optional units existed have), then each optional unit's
+        variables as `"<unit>_0"`, ... (`_OPTIONAL`), so that a file with or
+        without them loads into a model with or without them."""
         model = self._model_ref()
         if model is not None and model.built:
-            for i, v in enumerate(self.variables):
+            core = self._core_size()
+            for i, v in enumerate(self.variables[:core]):
                 store[str(i)] = v.numpy()
+            for name, unit in self._named_units():
+                for i, v in enumerate(unit.variables):
+                    store[f"{name}_{i}"] = v.numpy()
+
+    def _optional_units(self):
+        return [unit for _, unit in self._named_units()]
+
+    def _named_units(self):
+        """`(name, unit)` of the optional units this model has."""
+        units = [(name, getattr(self, name)) for name in _OPTIONAL]
+        return [(name, unit) for name, unit in units if unit is not None]
+
+    def _core_size(self):
+        return len(self.variables) - sum(len(u.variables) for u in self._optional_units())
+
+    def _load_optional(self, state, store):
+        """Loads the optional units' variables (`"<unit>_<i>"` keys) and
+        returns the core `(state, store)`. A unit the file lacks starts
+        fresh (zeros: an empty window, no estimate yet); a unit the file
+        has but this model lacks is skipped (BatchNorm's pooled moments of
+        an unfinished window: warned, they are lost)."""
+        core = {k: v for k, v in store.items() if "_" not in k}
+        for name, unit in self._named_units():
+            saved = [store.get(f"{name}_{i}") for i in range(len(unit.variables))]
+            if all(value is not None for value in saved):
+                for v, value in zip(unit.variables, saved):
+                    v.assign(value)
+            else:
+                unit.reset_state()
+        own = {name for name, _ in self._named_units()}
+        pooled = [v for k, v in store.items() if k.startswith("batchnorm_")]
+        if "batchnorm" not in own and any(np.any(v) for v in pooled):
+            warnings.warn(
+                "FastGradModel: the file holds BatchNorm moments pooled over an "
+                "unfinished window (`batchnorm_statistics='window'`), which this "
+                "model does not pool; they are dropped (the moving statistics "
+                "are as saved). The weights and the rest of the step state "
+                "were loaded."
+            )
+        return state[: self._core_size()], core
 
     def load_own_variables(self, store):
         self.load({k: store[k] for k in store.keys()})
@@ -231,32 +295,21 @@ class StepState(compat.KerasSaveable):
         if not store or model is None or not model.built:
             return
         state = self.variables
-        state, store = self._noise_scale_aside(state, store)
+        state, store = self._load_optional(state, store)
         if self.accumulator is not None and len(store) == len(state) - 1:
             store = self._without_included_count(store, len(state))
         if len(store) != len(state):
             warnings.warn(
                 f"FastGradModel: the saved step state has {len(store)} "
                 f"variables but this model's has {len(state)} (different "
-                "`accumulation_steps` or trainable variables?). The "
+                "`accumulation_steps`, `batchnorm_statistics` or trainable "
+                "variables?). The "
                 "accumulation window and counters start fresh; the weights "
                 "were loaded."
             )
             return
         for i, v in enumerate(state):
             v.assign(store[str(i)])
-
-    def _noise_scale_aside(self, state, store):
-        """The noise scale's variables are the last ones, present only while
-        it is measured: a file saved without them leaves them fresh, a file
-        saved with them loads into a model that does not measure it."""
-        size = noise_scale.NoiseScale.NUM_VARIABLES
-        # (`- 1`: also saved before the accumulator counted its included)
-        if self.noise_scale is not None and len(state) - len(store) in (size, size + 1):
-            return state[:-size], store
-        if self.noise_scale is None and len(store) == len(state) + size:
-            return state, {str(i): store[str(i)] for i in range(len(state))}
-        return state, store
 
     def _without_included_count(self, store, size):
         """A file saved before the accumulator counted its included

@@ -1,6 +1,6 @@
 """The units of `FastGradModel.train_step`, in the order the step runs them.
 
-    gradients -> finite_check -> update_loss_scale
+    gradients -> finite_check -> pool_batchnorm_moments -> update_loss_scale
               -> update_or_drop                              (one `cond`)
               or accumulate_or_apply -> update
     then metrics and telemetry logs
@@ -118,6 +118,11 @@ def gradients(model, state, x, y, sample_weight):
     gradients unscaled and, where micro-batches are combined (accumulation,
     replicas, slices), weighted by the micro-batch's share of the window
     (`weighting`: folded into the loss). Returns a `Batch`."""
+    with _recording_batchnorm(state):
+        return _gradients(model, state, x, y, sample_weight)
+
+
+def _gradients(model, state, x, y, sample_weight):
     variables = model.trainable_variables
     if not variables:
         warnings.warn("The model does not have any trainable weights.")
@@ -165,6 +170,14 @@ def gradients(model, state, x, y, sample_weight):
 def _small_batch(grads, num_rows, share):
     """The noise scale's measures of the micro-batch (one small batch)."""
     return noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)
+
+
+def _recording_batchnorm(state):
+    """While the forward pass is traced: BatchNorm moments recorded, the
+    moving statistics held (`batchnorm.WindowMoments`), when pooled."""
+    if state.batchnorm is None:
+        return contextlib.nullcontext()
+    return state.batchnorm.recording()
 
 
 def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
@@ -311,6 +324,13 @@ def record_small_batches(state, batch, verdict):
         state.noise_scale.record_small(batch.small_batches, verdict.all_finite)
 
 
+def pool_batchnorm_moments(state, verdict):
+    """The micro-batch's BatchNorm moments (pooled over replicas) into
+    the window, unless it is dropped (a no-op unless they are pooled)."""
+    if state.batchnorm is not None:
+        state.batchnorm.end_micro_batch(verdict.keep)
+
+
 def update_loss_scale(state, verdict):
     """Loss scaling's own rule: halve after a non-finite micro-batch,
     double after `dynamic_growth_steps` finite ones (a no-op without)."""
@@ -431,7 +451,8 @@ def flush(model, state):
 
 
 def update(model, state, grads, normaliser=None, norm=None):
-    """Normalise -> adaptive clip -> clip -> check -> apply -> record.
+    """[BatchNorm statistics] -> normalise -> adaptive clip -> clip -> check
+    -> apply -> record.
 
     Runs in the update branch, in cross-replica context, on the global
     gradient (weighted sums divided by `normaliser` when it is given; by
@@ -440,6 +461,8 @@ def update(model, state, grads, normaliser=None, norm=None):
     `norm`: the gradient's norm as `(unit, root)` when the finite check
     was made on it (`Verdict.norm`): nothing left to check.
     """
+    if state.batchnorm is not None:  # the window's one step of the statistics
+        state.batchnorm.apply()
     checked = norm is not None or (
         normaliser is None and model.clip_norm is None and _checked_as_is(model, state)
     )

@@ -76,6 +76,19 @@ def test_micro_batches_with_accumulation_match_single_device(mirrored):
     _assert_same_as_single_device(mirrored["micro_batches"])
 
 
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_batchnorm_statistics_pooled_over_replicas_equal_keras_on_one_device(
+    mirrored, synchronized
+):
+    # Keras on one device on the concatenated window: what `synchronized=True`
+    # computes across replicas for one batch.
+    result = mirrored["batchnorm_window"][f"synchronized={synchronized}"]
+    assert result["moved"] > 0.01  # the reference's statistics did move
+    assert result["mean_diff"] < 1e-6
+    assert result["variance_diff"] < 1e-5
+    assert result["replicas_agree"] == 0.0
+
+
 def test_masked_sequences_weighted_by_valid_steps_across_replicas(mirrored):
     # Replica 0 holds rows with 1 valid step, replica 1 rows with 6; with
     # windows of 2: the same as keras.Model on batches of 16.

@@ -1,0 +1,308 @@
+"""BatchNorm moving statistics of the whole window, updated once per window.
+
+`keras.layers.BatchNormalization` in training mode normalises by the
+batch's moments and moves its statistics once per call:
+
+    moving_mean     <- moving_mean * momentum + mean * (1 - momentum)
+    moving_variance <- moving_variance * momentum + variance * (1 - momentum)
+
+(`variance` the biased, population variance; masked: the mask-weighted
+moments). With micro-batches (`accumulation_steps`, `micro_batches`) every
+micro-batch would move them: `k` momentum steps from `k` small batches.
+Here each layer's moments are pooled over the window instead (Chan, Golub
+and LeVeque's parallel combination of `(n, mean, M2)`, `M2 = n * variance`):
+
+    n     = n_a + n_b
+    delta = mean_b - mean_a
+    mean  = mean_a + delta * n_b / n
+    M2    = M2_a + M2_b + delta**2 * n_a * n_b / n
+
+per feature (`n` the mask weights under a mask), over the micro-batch's
+slices, its replicas and the window's micro-batches, and the moving
+statistics take one step, with the layer's momentum, from the pooled mean
+and `M2 / n`: what `keras.Model` does on the concatenated batch. The
+forward pass still normalises each micro-batch by its own moments (ghost
+batch normalisation): only the moving statistics are those of the window.
+
+State: per layer, the micro-batch's moments (`scratch`: per replica, not
+saved) and the window's (global, saved with the model). A micro-batch that
+is dropped (not finite) leaves the window as it was, like its gradient.
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.step.replicas import num_replicas, replica_sum
+from keras_fastgrad.step.variables import global_variable
+
+CHOICES = ("window", "micro_batch")
+
+
+def chan_combine(a, b):
+    """Chan et al.'s parallel combination of two `(n, mean, M2)` triples
+    (per-feature tensors); `n = 0` on either side is exact.
+
+    Example:
+
+    >>> x = np.array([1.0, 2.0, 4.0, 7.0], "float32")
+    >>> def moments(p):
+    ...     return np.float32(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()
+    >>> n, mean, m2 = chan_combine(moments(x[:2]), moments(x[2:]))
+    >>> float(mean), float(m2 / n), float(x.var())
+    (3.5, 5.25, 5.25)
+    """
+    n_a, mean_a, m2_a = a
+    n_b, mean_b, m2_b = b
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    mean = mean_a + delta * tf.math.divide_no_nan(n_b, n)
+    m2 = m2_a + m2_b + tf.square(delta) * tf.math.divide_no_nan(n_a * n_b, n)
+    return n, mean, m2
+
+
+def batchnorm_layers(model):
+    """The model's `BatchNormalization` layers (nested ones included)."""
+    return [
+        layer
+        for layer in compat.flatten_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+
+
+def pools_window(model):
+    """Whether the step pools `model`'s BatchNorm statistics: the option
+    is `"window"`, a batch is split (accumulation or `micro_batches`) and
+    the model has a BatchNorm layer."""
+    split = model.accumulation_steps > 1 or model.micro_batches > 1
+    return model.batchnorm_statistics == "window" and split and bool(batchnorm_layers(model))
+
+
+class WindowMoments:
+    """Per-feature `(n, mean, M2)` of each BatchNorm layer's inputs over a
+    window; the moving statistics updated from them once per window.
+
+    Args:
+        layers: The built `BatchNormalization` layers.
+        sliced: Python bool, the step runs `micro_batches` slices (a
+            `tf.while_loop`: their moments are added in variables; else the
+            forward pass hands them on as tensors).
+
+    Raises:
+        ValueError: for a layer with `renorm=True` (its renormalisation
+            moves with every batch: no window equivalent), or one not built.
+    """
+
+    def __init__(self, layers, sliced=False):
+        for layer in layers:
+            _check_layer(layer)
+        self.layers = list(layers)
+        self.sliced = sliced
+        self.sizes = [int(layer.moving_mean.shape[0]) for layer in self.layers]
+        self.scratch = {}
+        self.window = None
+        self._traced = threading.local()  # this thread's trace: moments as tensors
+
+    def build(self):
+        """Creates the float32 state: the window's `[3, features]` moments
+        (`n`, `mean`, `M2`, all layers side by side; global), and with
+        slices each layer's micro-batch moments (per replica)."""
+        self.window = global_variable(tf.zeros([3, sum(self.sizes)]), "batchnorm_window_moments")
+        if self.sliced:
+            self.scratch = {
+                id(layer): compat.variable(
+                    tf.zeros([3, size]),
+                    trainable=False,
+                    autocast=False,
+                    synchronization="on_read",
+                    aggregation="sum",
+                    name=f"batchnorm_{i}_micro_moments",
+                )
+                for i, (layer, size) in enumerate(zip(self.layers, self.sizes))
+            }
+
+    @property
+    def variables(self):
+        """The window's state (what is saved)."""
+        return [self.window]
+
+    def reset_state(self):
+        """An empty window (nothing pooled yet)."""
+        self.window.assign(tf.zeros_like(self.window))
+
+    # ------------------------------------------------- in the forward pass
+    def recording(self):
+        """A context for the step's forward pass: each layer's training
+        moments are added to its micro-batch moments, and its moving
+        statistics stay where they are (they move in `apply`).
+
+        Raises:
+            ValueError: (while tracing) for a layer that assigns its moving
+                statistics without Keras' moments computation (a subclass
+                with a `call` of its own): nothing would be pooled."""
+        self._traced.moments = {}
+        recorded = set()
+
+        def record(layer, *moments):
+            recorded.add(id(layer))
+            self._record(layer, *moments)
+
+        def held(layer):
+            if id(layer) not in recorded:
+                _refuse_unrecorded(layer)
+
+        return compat.batchnorm_recording(self.layers, record, held)
+
+    def _record(self, layer, inputs, mask, mean, variance):
+        rows = getattr(_slice_rows, "rows", None)
+        if rows is None:  # Keras' moments are the micro-batch's
+            n = _counts(layer, inputs, mask)
+            mean = tf.reshape(tf.cast(mean, tf.float32), [-1])
+            m2 = tf.reshape(tf.cast(variance, tf.float32), [-1]) * n
+        else:  # a slice padded with copies of real rows: those left out
+            n, mean, m2 = _weighted_moments(layer, inputs, mask, rows)
+        moments = tf.stop_gradient(tf.stack([n, mean, m2]))
+        if self.sliced:
+            scratch = self.scratch[id(layer)]
+            scratch.assign(_combined(tf.convert_to_tensor(scratch.value), moments))
+            return
+        traced = self._traced.moments  # several calls of a layer: all pooled
+        before = traced.get(id(layer))
+        traced[id(layer)] = moments if before is None else _combined(before, moments)
+
+    # ------------------------------------------------ after the finite check
+    def end_micro_batch(self, keep):
+        """Adds the micro-batch's moments, pooled over the replicas (two
+        small all-reduces with several), to the window if `keep`. Runs in
+        replica context, on every replica."""
+        local = tf.concat(
+            [self._micro_batch_moments(l, s) for l, s in zip(self.layers, self.sizes)], 1
+        )
+        if num_replicas() > 1:
+            local = _pooled_over_replicas(local)
+        current = tf.convert_to_tensor(self.window.value)
+        self.window.assign(tf.where(keep, _combined(current, local), current))
+
+    def _micro_batch_moments(self, layer, size):
+        """The layer's `[3, size]` moments of this micro-batch (zeros if it
+        took none); a slices' sum is emptied for the next one."""
+        if self.sliced:
+            scratch = self.scratch[id(layer)]
+            moments = tf.convert_to_tensor(scratch.value)
+            with tf.control_dependencies([moments]):
+                scratch.assign(tf.zeros([3, size]))
+            return moments
+        moments = getattr(self._traced, "moments", {}).get(id(layer))
+        return tf.zeros([3, size]) if moments is None else moments
+
+    # ------------------------------------------------------- at the update
+    def apply(self):
+        """One momentum step of each layer's moving statistics from the
+        window's pooled moments (features without samples keep theirs),
+        then empties the window. Runs with the optimizer update."""
+        n, mean, m2 = tf.unstack(tf.convert_to_tensor(self.window.value))
+        variance = tf.math.divide_no_nan(m2, n)
+        parts = zip(*(tf.split(t, self.sizes) for t in (n > 0, mean, variance)))
+        for layer, (has_samples, mean, variance) in zip(self.layers, parts):
+            momentum = layer.momentum
+            for moving, pooled in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+                old = tf.convert_to_tensor(moving.value)
+                new = old * momentum + tf.cast(pooled, old.dtype) * (1.0 - momentum)
+                moving.assign(tf.where(has_samples, new, old))
+        self.window.assign(tf.zeros(self.window.shape))
+
+
+def _combined(a, b):
+    """`chan_combine` of two `[3, features]` moment stacks."""
+    return tf.stack(chan_combine(tf.unstack(a), tf.unstack(b)))
+
+
+def _check_layer(layer):
+    if not layer.built:
+        raise ValueError(
+            f"`batchnorm_statistics='window'` needs the BatchNormalization "
+            f"layer `{layer.name}` built before training. Received: an "
+            "unbuilt layer. Fix: build the model (call it on a batch) "
+            "before `fit`."
+        )
+    if getattr(layer, "renorm", False):  # (absent from older Keras)
+        raise ValueError(
+            f"`batchnorm_statistics='window'` cannot pool the BatchNormalization "
+            f"layer `{layer.name}`: with `renorm=True` its renormalisation "
+            "statistics move with every batch it sees. Received: renorm=True. "
+            "Fix: pass `batchnorm_statistics='micro_batch'` (each micro-batch "
+            "moves the statistics, as `keras.Model` does per batch)."
+        )
+
+
+def _refuse_unrecorded(layer):
+    raise ValueError(
+        f"`batchnorm_statistics='window'` cannot pool the BatchNormalization "
+        f"layer `{layer.name}` ({type(layer).__name__}): it updates its moving "
+        "statistics without Keras' moments computation. Fix: pass "
+        "`batchnorm_statistics='micro_batch'`."
+    )
+
+
+@contextlib.contextmanager
+def slice_rows(rows):
+    """Within the block (the forward pass of one `micro_batches` slice),
+    BatchNorm moments count only the slice's real rows: `rows`, a boolean
+    `[size]` vector over the inputs' first (batch) axis (`slicing` pads the
+    last slice with copies of real rows). Costs nothing unless pooled."""
+    previous = getattr(_slice_rows, "rows", None)
+    _slice_rows.rows = rows
+    try:
+        yield
+    finally:
+        _slice_rows.rows = previous
+
+
+_slice_rows = threading.local()
+
+
+def _weighted_moments(layer, inputs, mask, rows):
+    """`(n, mean, M2)` per feature over the real rows (and, masked, the
+    mask's positions), as Keras weighs a mask."""
+    inputs = tf.cast(inputs, tf.float32)
+    rank = len(inputs.shape)
+    axes = [a for a in range(rank) if a != layer.axis % rank]
+    weights = tf.reshape(tf.cast(rows, tf.float32), [-1] + [1] * (rank - 1))
+    if mask is not None:
+        weights = weights * tf.cast(mask, tf.float32)[..., None]
+    weights = tf.broadcast_to(weights, tf.shape(inputs))
+    n = tf.reduce_sum(weights, axis=axes)
+    mean = tf.math.divide_no_nan(tf.reduce_sum(weights * inputs, axis=axes), n)
+    shape = [1] * rank
+    shape[layer.axis % rank] = -1
+    m2 = tf.reduce_sum(weights * tf.square(inputs - tf.reshape(mean, shape)), axis=axes)
+    return n, mean, m2
+
+
+def _counts(layer, inputs, mask):
+    """The samples behind each feature's moments: the positions reduced
+    over, or (masked, as Keras weighs them) the mask's weights."""
+    axis = layer.axis % len(inputs.shape)
+    features = tf.shape(inputs)[axis]
+    if mask is None:
+        count = tf.cast(tf.size(inputs) // features, tf.float32)
+        return tf.fill([features], count)
+    weights = tf.broadcast_to(tf.cast(mask, tf.float32)[..., None], tf.shape(inputs))
+    axes = [a for a in range(len(inputs.shape)) if a != axis]
+    return tf.reduce_sum(weights, axis=axes)
+
+
+def _pooled_over_replicas(local):
+    """The `[3, features]` moments over all replicas: the k-group form of
+    Chan's combination, `mean = sum n_r mean_r / N`, `M2 = sum (M2_r +
+    n_r (mean_r - mean)**2)` (two all-reduces, all layers together). A
+    `synchronized=True` layer's replicas each hold the global moments with
+    their own count: the same formula gives them back."""
+    n, mean, m2 = tf.unstack(local)
+    total, weighted = replica_sum([n, n * mean])
+    global_mean = tf.math.divide_no_nan(weighted, total)
+    (spread,) = replica_sum([m2 + n * tf.square(mean - global_mean)])
+    return tf.stack([total, global_mean, spread])

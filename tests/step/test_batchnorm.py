@@ -1,0 +1,292 @@
+"""BatchNorm moving statistics pooled over the window (`step/batchnorm.py`).
+
+References: `keras.Model` trained on the concatenated batch (one update of
+the moving statistics from the big batch's moments); numpy moments of the
+inputs each BatchNorm saw (recorded with a probe model); the per-micro-batch
+momentum steps worked out by hand for `batchnorm_statistics="micro_batch"`.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+
+import keras_fastgrad
+from keras_fastgrad import FastGradModel, fastgrad
+from keras_fastgrad.step.batchnorm import chan_combine
+
+
+def conv_bn(cls, axis=-1, **options):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    h = keras.layers.BatchNormalization(axis=axis, momentum=0.9, name="bn")(h)
+    out = keras.layers.Dense(1)(keras.layers.Flatten()(h))
+    return cls(inputs, out, **options)
+
+
+def dense_bn(cls, **options):
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(3, name="hidden")(inputs)
+    h = keras.layers.BatchNormalization(momentum=0.8, name="bn")(h)
+    return cls(inputs, keras.layers.Dense(1)(h), **options)
+
+
+def sequence_bn(cls, axis=-1, **options):
+    """Embedding(mask_zero) -> Dense -> BatchNorm: the BatchNorm gets the mask."""
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(9, 4, mask_zero=True)(inputs)
+    h = keras.layers.Dense(3, name="project")(h)
+    h = keras.layers.BatchNormalization(axis=axis, momentum=0.7, name="bn")(h)
+    out = keras.layers.GlobalAveragePooling1D()(h)
+    return cls(inputs, keras.layers.Dense(1)(out), **options)
+
+
+def image_data(n=8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(n, 6, 6, 2)) * 2.0 + 1.0).astype("float32")
+    return x, rng.normal(size=(n, 1)).astype("float32")
+
+
+def vector_data(n=8, seed=1):
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(n, 5)) * 3.0 - 2.0).astype("float32")
+    return x, rng.normal(size=(n, 1)).astype("float32")
+
+
+def sequence_data(n=8, seed=2):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, 9, size=(n, 6))
+    lengths = rng.integers(1, 7, size=n)
+    x[np.arange(6)[None, :] >= lengths[:, None]] = 0  # trailing padding
+    return x.astype("int32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def moving(model):
+    bn = model.get_layer("bn")
+    return bn.moving_mean.numpy(), bn.moving_variance.numpy()
+
+
+def keras_on_concatenation(build, x, y, **kwargs):
+    ref = build(keras.Model, **kwargs)
+    ref.compile(optimizer="sgd", loss="mse")
+    ref.train_on_batch(x, y)
+    return moving(ref)
+
+
+def assert_moving_close(model, expected, rtol=1e-5, atol=1e-6):
+    for got, want in zip(moving(model), expected):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+# (options, how the batch of 8 is fed): uneven micro-batches everywhere.
+SPLITS = {
+    "accumulation": ({"accumulation_steps": 2}, [slice(0, 5), slice(5, 8)]),
+    "micro_batches": ({"micro_batches": 3}, [slice(0, 8)]),  # 3 + 3 + 2 (padded)
+    "both": ({"accumulation_steps": 2, "micro_batches": 2}, [slice(0, 3), slice(3, 8)]),
+}
+
+
+def test_chan_combine_equals_numpy_moments_of_the_union():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(11, 3)) * 5.0 + 7.0
+    parts = [x[:1], x[1:7], x[7:]]
+    total = (np.zeros(3), np.zeros(3), np.zeros(3))
+    for p in parts:
+        moments = (np.full(3, len(p), float), p.mean(0), ((p - p.mean(0)) ** 2).sum(0))
+        total = [np.asarray(t) for t in chan_combine(total, moments)]
+    np.testing.assert_allclose(total[0], 11.0)
+    np.testing.assert_allclose(total[1], x.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(total[2] / total[0], x.var(0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("build, make_data", [(conv_bn, image_data), (dense_bn, vector_data)])
+def test_moving_statistics_equal_keras_on_the_concatenated_batch(build, make_data, split):
+    options, parts = SPLITS[split]
+    x, y = make_data()
+    model = build(FastGradModel, **options)
+    model.compile(optimizer="sgd", loss="mse")
+    for p in parts:
+        model.train_on_batch(x[p], y[p])
+    assert_moving_close(model, keras_on_concatenation(build, x, y))
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_masked_batchnorm_pools_the_mask_weighted_moments(axis):
+    # axis=-1: features; axis=1: the time steps are the "features" (the
+    # mask's weights differ per feature then).
+    x, y = sequence_data()
+    model = sequence_bn(FastGradModel, axis=axis, accumulation_steps=3)
+    model.compile(optimizer="sgd", loss="mse")
+    for p in (slice(0, 2), slice(2, 5), slice(5, 8)):
+        model.train_on_batch(x[p], y[p])
+    expected = keras_on_concatenation(sequence_bn, x, y, axis=axis)
+    assert_moving_close(model, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_batchnorm_in_padded_slices():
+    x, y = sequence_data(n=7)
+    model = sequence_bn(FastGradModel, micro_batches=3)  # 3 + 3 + 1 (padded)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x, y)
+    assert_moving_close(model, keras_on_concatenation(sequence_bn, x, y))
+
+
+def test_statistics_move_once_per_window():
+    x, y = image_data()
+    model = conv_bn(FastGradModel, accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    start = moving(model)
+    model.train_on_batch(x[:5], y[:5])
+    for got, want in zip(moving(model), start):  # mid-window: unchanged
+        np.testing.assert_array_equal(got, want)
+    model.train_on_batch(x[5:], y[5:])
+    assert_moving_close(model, keras_on_concatenation(conv_bn, x, y))
+
+
+def test_micro_batch_option_moves_the_statistics_per_micro_batch():
+    # The previous behaviour: one momentum step per micro-batch, from its
+    # own moments (numpy, on the BatchNorm's inputs: the window's weights
+    # do not change before the update).
+    x, y = image_data()
+    model = conv_bn(FastGradModel, accumulation_steps=2, batchnorm_statistics="micro_batch")
+    probe = keras.Model(model.inputs, model.get_layer("conv").output)
+    features = [probe(x[:5]).numpy(), probe(x[5:]).numpy()]
+    model.compile(optimizer="sgd", loss="mse")
+    mean, var = moving(model)
+    for f in features:
+        mean = mean * 0.9 + f.mean(axis=(0, 1, 2)) * 0.1
+        var = var * 0.9 + f.var(axis=(0, 1, 2)) * 0.1
+    model.train_on_batch(x[:5], y[:5])
+    model.train_on_batch(x[5:], y[5:])
+    assert_moving_close(model, (mean, var))
+    assert model.fastgrad_step_state.batchnorm is None
+
+
+def test_dropped_micro_batch_is_left_out_of_the_pooled_moments():
+    x, y = image_data()
+    bad = x[5:].copy()
+    bad[0, 0, 0, 0] = np.nan
+    model = conv_bn(FastGradModel, accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:5], y[:5])
+    model.train_on_batch(bad, y[5:])  # not finite: dropped
+    assert model.telemetry_counters()["nonfinite_count"] == 1.0
+    # The window's update is the first micro-batch's alone.
+    assert_moving_close(model, keras_on_concatenation(conv_bn, x[:5], y[:5]))
+
+
+def test_save_and_load_mid_window_keeps_the_pooled_moments(tmp_path):
+    x, y = image_data()
+    model = conv_bn(FastGradModel, accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:5], y[:5])
+    path = str(tmp_path / "mid_window.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    loaded.train_on_batch(x[5:], y[5:])
+    assert_moving_close(loaded, keras_on_concatenation(conv_bn, x, y))
+
+
+def mobilenet(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.applications.MobileNetV3Small(
+        input_shape=(32, 32, 3),
+        weights=None,
+        classes=4,
+        dropout_rate=0.0,
+        include_preprocessing=False,
+    )
+
+
+def test_every_batchnorm_of_a_keras_application_pools_what_it_saw():
+    # `fastgrad` on MobileNetV3Small: each BatchNorm's moving statistics
+    # after one window are one momentum step from the pooled moments of
+    # the inputs it saw (each micro-batch normalised by its own moments
+    # upstream: recorded by a probe of the same weights in training mode).
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(7, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 4, size=(7,))
+    parts = [slice(0, 4), slice(4, 7)]
+    model = fastgrad(mobilenet(), accumulation_steps=2)
+    twin = mobilenet()
+    norms = [l for l in twin.layers if isinstance(l, keras.layers.BatchNormalization)]
+    assert len(norms) > 30
+    start = {l.name: (l.moving_mean.numpy(), l.moving_variance.numpy()) for l in norms}
+    probe = keras.Model(twin.inputs, [l.input for l in norms])
+    seen = [[] for _ in norms]
+    for p in parts:
+        for i, t in enumerate(probe(x[p], training=True)):
+            seen[i].append(np.asarray(t, np.float64))
+    expected = {}
+    for layer, inputs in zip(norms, seen):
+        pooled = np.concatenate([t.reshape(-1, t.shape[-1]) for t in inputs])
+        mom = layer.momentum
+        mean0, var0 = start[layer.name]  # (the probe moved the twin's)
+        expected[layer.name] = (
+            mean0 * mom + pooled.mean(0) * (1 - mom),
+            var0 * mom + pooled.var(0) * (1 - mom),
+        )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    for p in parts:
+        model.train_on_batch(x[p], y[p])
+    for name, (mean, var) in expected.items():
+        layer = model.get_layer(name)
+        np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(layer.moving_variance.numpy(), var, rtol=1e-4, atol=1e-5)
+
+
+def test_batchnorm_statistics_is_validated_and_round_trips(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"`batchnorm_statistics` must be one of .*Received: batchnorm_statistics='batch'",
+    ):
+        conv_bn(FastGradModel, batchnorm_statistics="batch")
+    with pytest.raises(TypeError, match="batchnorm_statistics"):
+        keras_fastgrad.FastGradSequential([keras.layers.Dense(1)], batchnorm_statistics=None)
+    model = conv_bn(keras.Model)
+    with pytest.raises(ValueError, match="batchnorm_statistics"):
+        fastgrad(model, batchnorm_statistics="pooled")
+    adapted = fastgrad(conv_bn(keras.Model), batchnorm_statistics="micro_batch")
+    adapted.compile(optimizer="sgd", loss="mse")
+    path = str(tmp_path / "adapted.keras")
+    adapted.save(path)
+    assert keras.models.load_model(path).batchnorm_statistics == "micro_batch"
+    model = conv_bn(FastGradModel, accumulation_steps=2, batchnorm_statistics="micro_batch")
+    assert model.get_config()["batchnorm_statistics"] == "micro_batch"
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    assert keras.models.load_model(path).batchnorm_statistics == "micro_batch"
+
+
+@pytest.mark.skipif(
+    "renorm" not in inspect.signature(keras.layers.BatchNormalization).parameters,
+    reason="BatchNormalization has no `renorm` in this Keras",
+)
+def test_renorm_is_refused_with_the_fix():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = keras.layers.BatchNormalization(renorm=True)(inputs)
+    model = FastGradModel(inputs, keras.layers.Dense(1)(h), accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = vector_data()
+    with pytest.raises(ValueError, match=r"renorm=True.*batchnorm_statistics='micro_batch'"):
+        model.train_on_batch(x[:, :3], y)
+    model = FastGradModel(
+        inputs, keras.layers.Dense(1)(h), accumulation_steps=2, batchnorm_statistics="micro_batch"
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:, :3], y)  # the previous behaviour: accepted
+
+
+def test_without_a_split_the_step_is_keras_own():
+    x, y = image_data()
+    model = conv_bn(FastGradModel)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x, y)
+    assert model.fastgrad_step_state.batchnorm is None
+    assert_moving_close(model, keras_on_concatenation(conv_bn, x, y), rtol=0, atol=0)
