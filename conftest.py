@@ -30,3 +30,39 @@ def doctest_namespace_setup(doctest_namespace):
     import keras_fastgrad
 
     doctest_namespace.update({"np": np, "keras": keras, "tf": tf, "keras_fastgrad": keras_fastgrad})
+
+
+def _shared_fixture_scope(item):
+    """The module or session scoped fixtures of this repository that `item`
+    uses (pytest's own, such as `tmp_path_factory`, do not count)."""
+    info = getattr(item, "_fixtureinfo", None)
+    names = []
+    for name in getattr(info, "names_closure", ()):
+        for definition in info.name2fixturedefs.get(name, ()):
+            where = getattr(definition.func, "__module__", "") or ""
+            if definition.scope in ("module", "session", "package") and not where.startswith(
+                ("_pytest", "pytest", "xdist")
+            ):
+                names.append(f"{where}.{name}")
+    return sorted(set(names))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Orders and groups the tests for `pytest -n 2` (pyproject's
+    `--dist loadgroup`); a run without workers keeps the files' order.
+
+    - The `slow` tests (whole programs in fresh processes, each seconds to
+      minutes) first: they start while the short tests fill the other worker,
+      and the run does not end with one worker on a long test while the
+      other idles.
+    - The tests that share a module or session scoped fixture (a process
+      started once, a site built once) go to one worker
+      (`xdist_group`), so that the fixture is made once, not once a worker.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        for name in _shared_fixture_scope(item):
+            item.add_marker(pytest.mark.xdist_group(name))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
