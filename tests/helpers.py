@@ -99,24 +99,6 @@ def between_middle(ratios):
     return float(np.sqrt(r[k - 1] * r[k]))
 
 
-def pcgrad_np(J, orders):
-    """Yu et al. (2020), Algorithm 1, on the gradient vectors themselves.
-
-    `J` is T x P (one task gradient per row); `orders[i]` is the visiting
-    order of the other tasks for task i. The merged gradient is the sum of
-    the projected task gradients.
-    """
-    merged = np.zeros(J.shape[1])
-    for i in range(len(J)):
-        g = J[i].copy()
-        for j in orders[i]:
-            dot = g @ J[j]
-            if dot < 0:
-                g = g - dot / (J[j] @ J[j]) * J[j]
-        merged += g
-    return merged
-
-
 def run_mirrored_multitask(tmp_path, module, method):
     """Runs `tests/mirrored_multitask.py` for a test module and an
     aggregator in a fresh process; returns its result per accumulation
@@ -143,25 +125,3 @@ def run_mirrored_multitask(tmp_path, module, method):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
-
-
-def mgda_np(gram):
-    """min_{w in simplex} w^T G w, exactly: KKT on every support set."""
-    import itertools
-
-    num, best = len(gram), (np.inf, None)
-    for size in range(1, num + 1):
-        for support in itertools.combinations(range(num), size):
-            s = list(support)
-            kkt = np.zeros((size + 1, size + 1))
-            kkt[:size, :size], kkt[:size, size], kkt[size, :size] = gram[np.ix_(s, s)], 1, 1
-            try:
-                sol = np.linalg.solve(kkt, np.r_[np.zeros(size), 1.0])
-            except np.linalg.LinAlgError:
-                continue
-            if np.all(sol[:size] >= -1e-12):
-                w = np.zeros(num)
-                w[s] = sol[:size]
-                if w @ gram @ w < best[0]:
-                    best = (w @ gram @ w, w)
-    return best[1]

@@ -1,5 +1,6 @@
 """The multi-task models, data and references that the merger's tests
-(`multitask/test_merger.py`), the aggregators' model tests and the
+(`multitask/test_merger.py`), the features-space tests
+(`multitask/test_feature_space.py`), the aggregators' model tests and the
 MirroredStrategy runner (`mirrored_multitask.py`) share."""
 
 import keras
@@ -27,7 +28,8 @@ def build(cls=keras_fastgrad.FastGradModel, num_tasks=2, regularizer=None, **opt
 
 
 def compiled(model, loss_weights=None, **kwargs):
-    names = list(model.output_names)
+    # An unbuilt subclassed model has no output names yet: tasks "a", "b".
+    names = list(getattr(model, "output_names", None) or TASKS[:2])
     model.compile(
         optimizer=keras.optimizers.SGD(LR),
         loss={t: "mse" for t in names},
@@ -37,12 +39,16 @@ def compiled(model, loss_weights=None, **kwargs):
     return model
 
 
-def make_data(n=8, num_tasks=2, signs=(1.0, -3.0, 2.0), seed=0):
-    """Targets of opposite signs: the tasks pull the trunk apart."""
+def make_data(n=8, num_tasks=2, signs=(1.0, -3.0, 2.0), seed=0, noise=0.0):
+    """Targets of opposite signs: the tasks pull the trunk apart (plus
+    `noise` times a normal draw per target, when `noise` is not 0)."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 3)).astype("float32")
     base = x @ np.array([[1.0], [-2.0], [0.5]], "float32") + 1.0
-    y = {t: (s * base).astype("float32") for t, s in zip(TASKS[:num_tasks], signs)}
+    y = {
+        t: (s * base + (noise * rng.normal(size=base.shape) if noise else 0.0)).astype("float32")
+        for t, s in zip(TASKS[:num_tasks], signs)
+    }
     return x, y
 
 

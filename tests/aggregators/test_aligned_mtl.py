@@ -3,54 +3,22 @@
 import keras  # noqa: E402
 import numpy as np
 import pytest
-import tensorflow as tf  # noqa: E402
+from aggregator_references import aligned_np, gram_of, merged_of, random_jacobian
 
 from keras_fastgrad import aggregators  # noqa: E402
-
-P = 50
-
-
-def _jac(num_tasks, seed, conflict=0.0):
-    """Random `J`; `conflict > 0` pulls tasks 1.. against task 0."""
-    rng = np.random.default_rng(seed)
-    J = rng.normal(size=(num_tasks, P))
-    J[1:] -= conflict * J[0]
-    return J
-
-
-def _gram(J, dtype=tf.float64):
-    return tf.constant(J @ J.T, dtype)
-
-
-def _merged(w, J):
-    return np.asarray(w, np.float64) @ J
-
-
-def aligned_np(J):
-    """Official `ProcrustesSolver.apply` (scale_mode='min') + balancer sum."""
-    G = J @ J.T
-    lam, V = np.linalg.eigh(G)
-    tol = lam.max() * len(J) * np.finfo(np.float32).eps
-    rank = int((lam > tol).sum())
-    order = np.argsort(lam)[::-1]
-    lam, V = lam[order][:rank], V[:, order][:, :rank]
-    B = (V * np.sqrt(lam[-1])) / np.sqrt(lam)
-    B = B @ V.T
-    aligned = J.T @ B  # P x T aligned task gradients
-    return aligned.sum(-1), B, lam[-1]
 
 
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])
 def test_aligned_matches_official(num_tasks):
-    J = _jac(num_tasks, seed=40 + num_tasks, conflict=0.5)
+    J = random_jacobian(num_tasks, seed=40 + num_tasks, conflict=0.5)
     J *= np.arange(1, num_tasks + 1)[:, None]
     agg = aggregators.AlignedMTL()
-    merged = _merged(agg.weights(_gram(J)), J)
+    merged = merged_of(agg.weights(gram_of(J)), J)
     expected, B_ref, lam_min = aligned_np(J)
     np.testing.assert_allclose(merged, expected, rtol=1e-6, atol=1e-9)
     # Balanced: the aligned gradients J^T B are orthogonal with equal norms
     # sqrt(lam_min), so the merged direction has equal components on each.
-    B = agg.balance_matrix(_gram(J)).numpy()
+    B = agg.balance_matrix(gram_of(J)).numpy()
     np.testing.assert_allclose(B, B_ref, rtol=1e-6, atol=1e-9)
     aligned = J.T @ B
     eye = np.eye(num_tasks)
@@ -59,9 +27,9 @@ def test_aligned_matches_official(num_tasks):
 
 
 def test_aligned_rank_deficient_matches_official():
-    J = _jac(3, seed=4)
+    J = random_jacobian(3, seed=4)
     J[2] = J[0] + J[1]
-    merged = _merged(aggregators.AlignedMTL().weights(_gram(J)), J)
+    merged = merged_of(aggregators.AlignedMTL().weights(gram_of(J)), J)
     np.testing.assert_allclose(merged, aligned_np(J)[0], rtol=1e-5, atol=1e-8)
 
 

@@ -3,61 +3,19 @@
 import numpy as np
 import pytest
 import tensorflow as tf  # noqa: E402
-from scipy.optimize import minimize  # noqa: E402
+from aggregator_references import cagrad_np, gram_of, merged_of, random_jacobian
 
 from keras_fastgrad import aggregators  # noqa: E402
-
-P = 50
-
-
-def _jac(num_tasks, seed, conflict=0.0):
-    """Random `J`; `conflict > 0` pulls tasks 1.. against task 0."""
-    rng = np.random.default_rng(seed)
-    J = rng.normal(size=(num_tasks, P))
-    J[1:] -= conflict * J[0]
-    return J
-
-
-def _gram(J, dtype=tf.float64):
-    return tf.constant(J @ J.T, dtype)
-
-
-def _merged(w, J):
-    return np.asarray(w, np.float64) @ J
-
-
-def cagrad_np(J, c=0.5, rescale=1):
-    """The official `cagrad` function (Cranial-XIX/CAGrad), SLSQP included."""
-    T = len(J)
-    GG = J @ J.T
-    g0_norm = np.sqrt(GG.mean() + 1e-8)
-    x_start = np.ones(T) / T
-    cc = c * g0_norm + 1e-8
-
-    def objfn(x):
-        return x @ GG @ x_start + cc * np.sqrt(x @ GG @ x + 1e-8)
-
-    res = minimize(
-        objfn,
-        x_start,
-        bounds=[(0, 1)] * T,
-        method="SLSQP",
-        constraints={"type": "eq", "fun": lambda x: 1 - x.sum()},
-        options={"ftol": 1e-13, "maxiter": 1000},
-    )
-    gw = res.x @ J
-    g = J.mean(0) + cc / (np.linalg.norm(gw) + 1e-8) * gw
-    return g / {0: 1.0, 1: 1 + c**2, 2: 1 + c}[rescale], objfn, res.x
 
 
 @pytest.mark.parametrize(
     "num_tasks,c,rescale", [(2, 0.5, 1), (3, 0.5, 1), (4, 0.4, 0), (4, 0.8, 2)]
 )
 def test_cagrad_matches_official(num_tasks, c, rescale):
-    J = _jac(num_tasks, seed=20 + num_tasks, conflict=0.5)
-    w = aggregators.CAGrad(c=c, rescale=rescale).weights(_gram(J)).numpy()
+    J = random_jacobian(num_tasks, seed=20 + num_tasks, conflict=0.5)
+    w = aggregators.CAGrad(c=c, rescale=rescale).weights(gram_of(J)).numpy()
     expected, objfn, x_ref = cagrad_np(J, c, rescale)
-    np.testing.assert_allclose(_merged(w, J), expected, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(merged_of(w, J), expected, rtol=1e-3, atol=1e-4)
     # The in-graph simplex solution is at least as good as SLSQP's.
     lam_w = w * {0: 1.0, 1: 1 + c**2, 2: 1 + c}[rescale] - 1.0 / num_tasks
     x_ours = lam_w / lam_w.sum()
@@ -65,8 +23,8 @@ def test_cagrad_matches_official(num_tasks, c, rescale):
 
 
 def test_cagrad_c0_is_mean():
-    J = _jac(3, seed=5, conflict=0.5)
-    w = aggregators.CAGrad(c=0.0).weights(_gram(J)).numpy()
+    J = random_jacobian(3, seed=5, conflict=0.5)
+    w = aggregators.CAGrad(c=0.0).weights(gram_of(J)).numpy()
     np.testing.assert_allclose(w, np.full(3, 1 / 3), atol=1e-7)
 
 

@@ -2,37 +2,15 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
+from aggregator_references import P_SMALL, config_np, gram_of, scaled_jacobian
 
 from keras_fastgrad import aggregators
-
-P_SMALL = 12
-
-
-def _jac_scaled(num_tasks, seed, conflict=0.0, size=P_SMALL):
-    rng = np.random.default_rng(seed)
-    J = rng.normal(size=(num_tasks, size))
-    J[1:] -= conflict * J[0]
-    return J * rng.uniform(0.5, 3.0, size=(num_tasks, 1))
-
-
-def _gram(J, dtype=tf.float64):
-    return tf.constant(J @ J.T, dtype)
-
-
-def config_np(J):
-    """Official `ConFIG_update` (conflictfree): pinv of the unit gradients
-    times ones, made unit, scaled by the sum of projections."""
-    U = J / np.linalg.norm(J, axis=1, keepdims=True)
-    best = np.linalg.pinv(U) @ np.ones(len(J))
-    unit = best / np.linalg.norm(best)
-    return np.sum(J @ unit) * unit
 
 
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])
 def test_config_matches_official_and_has_equal_cosines(num_tasks):
-    J = _jac_scaled(num_tasks, seed=50 + num_tasks, conflict=0.6)
-    merged = aggregators.ConFIG().weights(_gram(J)).numpy() @ J
+    J = scaled_jacobian(num_tasks, seed=50 + num_tasks, conflict=0.6)
+    merged = aggregators.ConFIG().weights(gram_of(J)).numpy() @ J
     np.testing.assert_allclose(merged, config_np(J), rtol=1e-8, atol=1e-10)
     cosines = J @ merged / (np.linalg.norm(J, axis=1) * np.linalg.norm(merged))
     np.testing.assert_allclose(cosines, cosines[0], rtol=1e-8)
@@ -42,9 +20,9 @@ def test_config_matches_official_and_has_equal_cosines(num_tasks):
 
 
 def test_config_zero_gradient_task_is_ignored():
-    J = _jac_scaled(3, seed=5, conflict=0.5)
+    J = scaled_jacobian(3, seed=5, conflict=0.5)
     J[1] = 0.0
-    w = aggregators.ConFIG().weights(_gram(J)).numpy()
+    w = aggregators.ConFIG().weights(gram_of(J)).numpy()
     assert np.isfinite(w).all() and w[1] == 0.0
     np.testing.assert_allclose(w @ J, config_np(J[[0, 2]]), rtol=1e-8)
 
@@ -55,5 +33,5 @@ def test_config_keeps_small_real_directions_of_a_float64_gram():
     rng = np.random.default_rng(13)
     J = rng.normal(size=(3, P_SMALL))
     J[1] = J[0] + 1e-3 * rng.normal(size=P_SMALL)
-    merged = aggregators.ConFIG().weights(_gram(J)).numpy() @ J
+    merged = aggregators.ConFIG().weights(gram_of(J)).numpy() @ J
     np.testing.assert_allclose(merged, config_np(J), rtol=1e-5, atol=1e-8)

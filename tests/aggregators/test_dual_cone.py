@@ -2,123 +2,48 @@
 `_utils/dual_cone.py` and `_utils/qp.py`) against the exact QP (numpy enumeration
 of active sets, quadprog's stored numbers)."""
 
-import itertools
-import json
 import os
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from aggregator_references import (
+    REFERENCES,
+    dualproj_np,
+    gram_of,
+    project_dual_cone_vector_np,
+    rel_error,
+    scaled_jacobian,
+    upgrad_np,
+)
 from multitask_helpers import (
     make_data,
 )
-from scipy.optimize import minimize
 
 from keras_fastgrad import aggregators
-
-P_SMALL = 12
-
-
-def _jac_scaled(num_tasks, seed, conflict=0.0, size=P_SMALL):
-    rng = np.random.default_rng(seed)
-    J = rng.normal(size=(num_tasks, size))
-    J[1:] -= conflict * J[0]
-    return J * rng.uniform(0.5, 3.0, size=(num_tasks, 1))
-
-
-def _gram(J, dtype=tf.float64):
-    return tf.constant(J @ J.T, dtype)
-
-
-def dual_cone_qp_np(G, u):
-    """`argmin v^T G v s.t. v >= u` by brute force over the active sets:
-    the KKT point (v >= u, (Gv)_free = 0, (Gv)_active >= 0) of least cost."""
-    T, best = len(u), None
-    tol = 1e-9 * max(1.0, np.abs(G).max())
-    for size in range(T + 1):
-        for active in itertools.combinations(range(T), size):
-            free = [i for i in range(T) if i not in active]
-            v = np.array(u, np.float64)
-            if free:
-                rhs = -G[np.ix_(free, list(active))] @ v[list(active)]
-                v[free] = np.linalg.lstsq(G[np.ix_(free, free)], rhs, rcond=None)[0]
-            grad = G @ v
-            if (
-                (v >= u - tol).all()
-                and (grad[list(active)] >= -tol).all()
-                and (np.abs(grad[free]) <= tol * max(1.0, np.abs(v).max())).all()
-            ):
-                if best is None or v @ G @ v < best @ G @ best - tol:
-                    best = v
-    return best
-
-
-def torchjd_gram_np(G, norm_eps=1e-4, reg_eps=1e-4):
-    trace = np.trace(G)
-    G = np.zeros_like(G) if trace < norm_eps else G / trace
-    return G + reg_eps * np.eye(len(G))
-
-
-def upgrad_np(G, **eps):
-    """torchjd's UPGradWeighting: sum_i v(e_i / T)."""
-    Gn, T = torchjd_gram_np(G, **eps), len(G)
-    return sum(dual_cone_qp_np(Gn, np.eye(T)[i] / T) for i in range(T))
-
-
-def dualproj_np(G, **eps):
-    T = len(G)
-    return dual_cone_qp_np(torchjd_gram_np(G, **eps), np.full(T, 1.0 / T))
-
-
-def project_dual_cone_vector_np(J, g):
-    """The definition: argmin ||x - g||^2 s.t. J x >= 0 (SLSQP, vectors)."""
-    res = minimize(
-        lambda x: np.sum((x - g) ** 2),
-        g,
-        jac=lambda x: 2 * (x - g),
-        method="SLSQP",
-        constraints={"type": "ineq", "fun": lambda x: J @ x, "jac": lambda x: J},
-        options={"ftol": 1e-15, "maxiter": 500},
-    )
-    return res.x
-
-
-REFERENCES = json.load(
-    open(
-        os.path.join(
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            "data",
-            "aggregator_references.json",
-        )
-    )
-)["cases"]
-
-
-def _rel(w, ref):
-    return np.max(np.abs(np.asarray(w, np.float64) - ref)) / np.max(np.abs(ref))
 
 
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])
 @pytest.mark.parametrize("conflict", [0.3, 0.8])
 def test_upgrad_and_dualproj_match_active_set_qp(num_tasks, conflict):
-    J = _jac_scaled(num_tasks, seed=num_tasks + int(10 * conflict), conflict=conflict)
+    J = scaled_jacobian(num_tasks, seed=num_tasks + int(10 * conflict), conflict=conflict)
     G = J @ J.T
     assert (G < 0).any()
-    w = aggregators.get("upgrad").weights(_gram(J)).numpy()
+    w = aggregators.get("upgrad").weights(gram_of(J)).numpy()
     np.testing.assert_allclose(w, upgrad_np(G), rtol=1e-7, atol=1e-10)
-    w = aggregators.get("dualproj").weights(_gram(J)).numpy()
+    w = aggregators.get("dualproj").weights(gram_of(J)).numpy()
     np.testing.assert_allclose(w, dualproj_np(G), rtol=1e-7, atol=1e-10)
 
 
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])
 def test_upgrad_and_dualproj_are_the_dual_cone_projections(num_tasks):
-    J = _jac_scaled(num_tasks, seed=40 + num_tasks, conflict=0.7)
+    J = scaled_jacobian(num_tasks, seed=40 + num_tasks, conflict=0.7)
     options = {"norm_eps": 0.0, "reg_eps": 0.0}
     projections = [project_dual_cone_vector_np(J, g) for g in J]
-    upgrad = aggregators.UPGrad(**options).weights(_gram(J)).numpy() @ J
+    upgrad = aggregators.UPGrad(**options).weights(gram_of(J)).numpy() @ J
     np.testing.assert_allclose(upgrad, np.mean(projections, 0), rtol=1e-5, atol=1e-7)
-    dualproj = aggregators.DualProj(**options).weights(_gram(J)).numpy() @ J
+    dualproj = aggregators.DualProj(**options).weights(gram_of(J)).numpy() @ J
     expected = project_dual_cone_vector_np(J, J.mean(0))
     np.testing.assert_allclose(dualproj, expected, rtol=1e-5, atol=1e-7)
     for merged in (upgrad, dualproj):  # no task is made worse
@@ -128,16 +53,16 @@ def test_upgrad_and_dualproj_are_the_dual_cone_projections(num_tasks):
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
 def test_no_conflict_is_the_mean(name):
-    J = np.abs(_jac_scaled(3, seed=3))  # positive entries: every G_ij > 0
+    J = np.abs(scaled_jacobian(3, seed=3))  # positive entries: every G_ij > 0
     agg = aggregators.get(name)
     np.testing.assert_allclose(
-        type(agg)(reg_eps=0.0).weights(_gram(J)).numpy(), np.full(3, 1 / 3), rtol=1e-12
+        type(agg)(reg_eps=0.0).weights(gram_of(J)).numpy(), np.full(3, 1 / 3), rtol=1e-12
     )
 
 
 def test_dual_cone_solver_hard_case_float32():
     # Nearly opposite, very unequal gradients: an ill-conditioned QP.
-    J = _jac_scaled(4, seed=9, conflict=0.95)
+    J = scaled_jacobian(4, seed=9, conflict=0.95)
     J[3] = -0.99 * J[2] + 0.01 * J[3]
     G = J @ J.T
     for name, ref in (("upgrad", upgrad_np), ("dualproj", dualproj_np)):
@@ -164,7 +89,6 @@ def test_max_iter_is_deprecated_and_old_configs_load(name):
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
 def test_keras_files_saved_with_max_iter_load_and_train(name):
-    import os
 
     path = os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -186,9 +110,9 @@ def test_dual_cone_weights_are_the_exact_qp_solution(name):
     agg = aggregators.get(name)
     for case in REFERENCES:
         G, ref = np.array(case["gram"]), np.array(case[name])
-        assert _rel(agg.weights(tf.constant(G)).numpy(), ref) <= 1e-9, case["kind"]
+        assert rel_error(agg.weights(tf.constant(G)).numpy(), ref) <= 1e-9, case["kind"]
         w32 = agg.weights(tf.constant(G, tf.float32)).numpy()
-        assert _rel(w32, ref) <= 2e-4, (case["kind"], case["num_tasks"])
+        assert rel_error(w32, ref) <= 2e-4, (case["kind"], case["num_tasks"])
 
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
@@ -205,8 +129,8 @@ def test_dual_cone_weights_do_not_depend_on_task_order_or_xla(name):
         for dtype, tol in ((tf.float64, 1e-10), (tf.float32, 1e-4)):
             w = agg.weights(tf.constant(G, dtype)).numpy()
             wp = agg.weights(tf.constant(G[np.ix_(perm, perm)], dtype)).numpy()
-            assert _rel(wp, w[perm]) <= tol, case["kind"]
-            assert _rel(xla(tf.constant(G, dtype)).numpy(), w) <= tol, case["kind"]
+            assert rel_error(wp, w[perm]) <= tol, case["kind"]
+            assert rel_error(xla(tf.constant(G, dtype)).numpy(), w) <= tol, case["kind"]
 
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])

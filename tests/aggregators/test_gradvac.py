@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from aggregator_references import gradvac_np, gram_of, scaled_jacobian
 from multitask_helpers import (
     build,
     compiled,
@@ -13,43 +14,12 @@ from multitask_helpers import (
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask.merger import TaskMerger
 
-P_SMALL = 12
-
-
-def _jac_scaled(num_tasks, seed, conflict=0.0, size=P_SMALL):
-    rng = np.random.default_rng(seed)
-    J = rng.normal(size=(num_tasks, size))
-    J[1:] -= conflict * J[0]
-    return J * rng.uniform(0.5, 3.0, size=(num_tasks, 1))
-
-
-def _gram(J, dtype=tf.float64):
-    return tf.constant(J @ J.T, dtype)
-
-
-def gradvac_np(J, targets, beta):
-    """GradVac Algorithm 1 on vectors, other tasks in increasing order."""
-    targets = np.array(targets, np.float64)
-    total = np.zeros(J.shape[1])
-    for i in range(len(J)):
-        g = J[i].copy()
-        for j in [k for k in range(len(J)) if k != i]:
-            phi = g @ J[j] / (np.linalg.norm(g) * np.linalg.norm(J[j]))
-            t = targets[i, j]
-            if phi < t:
-                g = g + J[j] * np.linalg.norm(g) * (
-                    t * np.sqrt(1 - phi**2) - phi * np.sqrt(1 - t**2)
-                ) / (np.linalg.norm(J[j]) * np.sqrt(1 - t**2))
-            targets[i, j] = (1 - beta) * t + beta * phi
-        total += g
-    return total, targets
-
 
 def test_gradvac_first_step_is_pcgrad():
-    J = _jac_scaled(3, seed=6, conflict=0.7)
-    w = aggregators.GradVac().weights(_gram(J)).numpy()
+    J = scaled_jacobian(3, seed=6, conflict=0.7)
+    w = aggregators.GradVac().weights(gram_of(J)).numpy()
     np.testing.assert_allclose(w @ J, gradvac_np(J, np.zeros((3, 3)), 0.01)[0], rtol=1e-9)
-    pc = aggregators.PCGrad().weights(_gram(J), orders=[[1, 2], [0, 2], [0, 1]])
+    pc = aggregators.PCGrad().weights(gram_of(J), orders=[[1, 2], [0, 2], [0, 1]])
     np.testing.assert_allclose(w, pc.numpy(), rtol=1e-9)
 
 
@@ -59,7 +29,7 @@ def test_gradvac_follows_the_ema_over_steps(num_tasks, beta):
     targets = np.zeros((num_tasks, num_tasks))
     altered = 0
     for step in range(6):
-        J = _jac_scaled(num_tasks, seed=100 + step, conflict=0.3 * (step % 3))
+        J = scaled_jacobian(num_tasks, seed=100 + step, conflict=0.3 * (step % 3))
         per_task = [[tf.constant(g, tf.float32)] for g in J]
         merged, info = merger.merge(per_task)
         expected, targets = gradvac_np(J, targets, beta)
@@ -72,12 +42,12 @@ def test_gradvac_follows_the_ema_over_steps(num_tasks, beta):
 
 def test_gradvac_state_ignores_a_nonfinite_step():
     merger = TaskMerger("gradvac")
-    J = _jac_scaled(2, seed=1, conflict=0.8)
+    J = scaled_jacobian(2, seed=1, conflict=0.8)
     head = tf.ones([3])
     merger.merge([[tf.constant(J[0], tf.float32), None], [tf.constant(J[1], tf.float32), head]])
     before = merger.aggregator.state_variables[0].numpy()
     assert np.abs(before).max() > 0
-    J = _jac_scaled(2, seed=2, conflict=0.9)  # finite shared gradients, a NaN head
+    J = scaled_jacobian(2, seed=2, conflict=0.9)  # finite shared gradients, a NaN head
     nan_head = tf.constant([1.0, np.nan, 1.0])
     per_task = [[tf.constant(J[0], tf.float32), None], [tf.constant(J[1], tf.float32), nan_head]]
     merged, info = merger.merge(per_task)
@@ -87,7 +57,9 @@ def test_gradvac_state_ignores_a_nonfinite_step():
     merged, _ = merger.merge([[tf.constant(g, tf.float32), None] for g in J])
     assert not np.isfinite(merged[0].numpy()).all()
     np.testing.assert_array_equal(merger.aggregator.state_variables[0].numpy(), before)
-    merger.merge([[tf.constant(g, tf.float32), None] for g in _jac_scaled(2, seed=3, conflict=0.9)])
+    merger.merge(
+        [[tf.constant(g, tf.float32), None] for g in scaled_jacobian(2, seed=3, conflict=0.9)]
+    )
     assert not np.array_equal(merger.aggregator.state_variables[0].numpy(), before)
 
 

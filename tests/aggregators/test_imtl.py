@@ -3,56 +3,24 @@
 import numpy as np
 import pytest
 import tensorflow as tf  # noqa: E402
+from aggregator_references import (
+    P,
+    gram_of,
+    imtl_np,
+    imtl_pinv_np,
+    merged_of,
+    random_jacobian,
+    rel_error,
+)
 
 from keras_fastgrad import aggregators  # noqa: E402
-
-P = 50
-
-
-def _jac(num_tasks, seed, conflict=0.0):
-    """Random `J`; `conflict > 0` pulls tasks 1.. against task 0."""
-    rng = np.random.default_rng(seed)
-    J = rng.normal(size=(num_tasks, P))
-    J[1:] -= conflict * J[0]
-    return J
-
-
-def _gram(J, dtype=tf.float64):
-    return tf.constant(J @ J.T, dtype)
-
-
-def _merged(w, J):
-    return np.asarray(w, np.float64) @ J
-
-
-def imtl_np(J):
-    """IMTL-G closed form (Liu et al., 2021) on explicit vectors."""
-    U = J / np.linalg.norm(J, axis=1, keepdims=True)
-    D = J[0] - J[1:]
-    Ud = U[0] - U[1:]
-    alpha = J[0] @ Ud.T @ np.linalg.inv(D @ Ud.T)
-    alpha = np.concatenate([[1 - alpha.sum()], alpha])
-    return alpha @ J, U
-
-
-def imtl_pinv_np(G):
-    """IMTL-G from a Gram matrix as torchjd generalises it, numpy float64:
-    `w = pinv(G) d / sum(pinv(G) d)`, `d` the task gradient norms, numpy's
-    default (array API) cut-off `T eps`; zeros when the sum vanishes."""
-    G = np.asarray(G, np.float64)
-    v = np.linalg.pinv(G, rtol=None) @ np.sqrt(np.diag(G))
-    return np.zeros_like(v) if abs(v.sum()) < 1e-12 else v / v.sum()
-
-
-def _rel(w, ref):
-    return np.max(np.abs(np.asarray(w, np.float64) - ref)) / np.max(np.abs(ref))
 
 
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])
 def test_imtl_matches_paper(num_tasks):
-    J = _jac(num_tasks, seed=30 + num_tasks, conflict=0.4)
+    J = random_jacobian(num_tasks, seed=30 + num_tasks, conflict=0.4)
     J *= np.arange(1, num_tasks + 1)[:, None]  # unequal norms
-    merged = _merged(aggregators.IMTL().weights(_gram(J)), J)
+    merged = merged_of(aggregators.IMTL().weights(gram_of(J)), J)
     expected, U = imtl_np(J)
     np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-8)
     projections = U @ merged  # <g, u_t> equal for every task
@@ -60,11 +28,11 @@ def test_imtl_matches_paper(num_tasks):
 
 
 def test_imtl_singular_is_finite():
-    J = _jac(3, seed=2)
+    J = random_jacobian(3, seed=2)
     J[2] = J[1]
-    w = aggregators.IMTL().weights(_gram(J, tf.float32)).numpy()
+    w = aggregators.IMTL().weights(gram_of(J, tf.float32)).numpy()
     assert np.all(np.isfinite(w))
-    merged = _merged(w, J)
+    merged = merged_of(w, J)
     U = J / np.linalg.norm(J, axis=1, keepdims=True)
     np.testing.assert_allclose(U @ merged, (U @ merged)[0], rtol=1e-3)
 
@@ -75,7 +43,7 @@ def test_imtl_matches_numpy_pinv_formula_on_random_grams(num_tasks, rank):
     J = rng.normal(size=(rank, P))
     J = rng.normal(size=(num_tasks, rank)) @ J  # rank-deficient when rank < T
     J *= rng.uniform(0.1, 10.0, size=(num_tasks, 1))
-    w = aggregators.IMTL().weights(_gram(J)).numpy()
+    w = aggregators.IMTL().weights(gram_of(J)).numpy()
     np.testing.assert_allclose(w, imtl_pinv_np(J @ J.T), rtol=1e-6, atol=1e-9)
     if rank == num_tasks:  # else no direction has equal projections
         U = J / np.linalg.norm(J, axis=1, keepdims=True)
@@ -84,9 +52,9 @@ def test_imtl_matches_numpy_pinv_formula_on_random_grams(num_tasks, rank):
 
 @pytest.mark.parametrize("zero_task", [0, 1, 2])
 def test_imtl_zero_gradient_task_does_not_zero_the_update(zero_task):
-    J = _jac(3, seed=80, conflict=0.4)
+    J = random_jacobian(3, seed=80, conflict=0.4)
     J[zero_task] = 0.0
-    w = aggregators.IMTL().weights(_gram(J)).numpy()
+    w = aggregators.IMTL().weights(gram_of(J)).numpy()
     others = [t for t in range(3) if t != zero_task]
     # By hand: the zero task gets nothing; the two others get the paper's
     # closed form on their own (equal projections, weights summing to 1).
@@ -123,7 +91,7 @@ def test_imtl_under_xla_does_not_depend_on_the_scale():
     ref = aggregators.IMTL().weights(tf.constant(G)).numpy()
     xla = tf.function(aggregators.IMTL().weights, jit_compile=True)
     for scale in (1e-6, 1e-4, 1.0, 1e4):
-        assert _rel(xla(tf.constant(G * scale)).numpy(), ref) <= 1e-9
-        assert _rel(xla(tf.constant(G * scale, tf.float32)).numpy(), ref) <= 1e-5
+        assert rel_error(xla(tf.constant(G * scale)).numpy(), ref) <= 1e-9
+        assert rel_error(xla(tf.constant(G * scale, tf.float32)).numpy(), ref) <= 1e-5
     top = tf.constant(G / np.abs(G).max() * 1e30, tf.float32)
-    assert _rel(xla(top).numpy(), ref) <= 1e-5
+    assert rel_error(xla(top).numpy(), ref) <= 1e-5

@@ -31,26 +31,15 @@ not unique (duplicated tasks, a zero gradient) or that belong to a
 gradient negligible at the dtype's precision do not count.
 """
 
-import json
-import os
-
 import numpy as np
 import pytest
 import tensorflow as tf
+from aggregator_references import REFERENCES
 
 from keras_fastgrad import aggregators
 from keras_fastgrad.aggregators._utils import dual_cone as _cone_aggregators
 from keras_fastgrad.aggregators._utils import qp as _qp
 
-REFERENCES = json.load(
-    open(
-        os.path.join(
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            "data",
-            "aggregator_references.json",
-        )
-    )
-)["cases"]
 # Every case is checked against quadprog in test_dual_cone.py, test_mgda.py; the
 # KKT checks here take T = 3, 5, 8 (each new T is a new trace).
 SOME_REFERENCES = [c for c in REFERENCES if c["num_tasks"] in (3, 5, 8)]

@@ -8,26 +8,13 @@ import keras  # noqa: E402
 import numpy as np
 import pytest
 import tensorflow as tf  # noqa: E402
+from aggregator_references import NEW, gram_of, random_jacobian, scaled_jacobian
 
 from keras_fastgrad import aggregators  # noqa: E402
 
-P = 50
-
-
-def _jac(num_tasks, seed, conflict=0.0):
-    """Random `J`; `conflict > 0` pulls tasks 1.. against task 0."""
-    rng = np.random.default_rng(seed)
-    J = rng.normal(size=(num_tasks, P))
-    J[1:] -= conflict * J[0]
-    return J
-
-
-def _gram(J, dtype=tf.float64):
-    return tf.constant(J @ J.T, dtype)
-
 
 def _nan_gram():
-    J = _jac(3, seed=5, conflict=0.5)
+    J = random_jacobian(3, seed=5, conflict=0.5)
     J[1, 7] = np.nan  # one NaN in one task's gradient
     return tf.constant(J @ J.T, tf.float32)
 
@@ -38,19 +25,6 @@ def _call(agg, gram):
         orders = [[j for j in range(t) if j != i] for i in range(t)]
         return agg.weights(gram, orders=tf.constant(orders, tf.int32, shape=(t, t - 1)))
     return agg.weights(gram)
-
-
-NEW = ("upgrad", "dualproj", "config", "gradvac", "nashmtl")
-
-
-P_SMALL = 12
-
-
-def _jac_scaled(num_tasks, seed, conflict=0.0, size=P_SMALL):
-    rng = np.random.default_rng(seed)
-    J = rng.normal(size=(num_tasks, size))
-    J[1:] -= conflict * J[0]
-    return J * rng.uniform(0.5, 3.0, size=(num_tasks, 1))
 
 
 @pytest.mark.parametrize("name", ["aligned", "imtl"])
@@ -72,9 +46,9 @@ def test_nonfinite_gram_gives_nonfinite_weights_without_error(name, mode):
 
 @pytest.mark.parametrize("name", aggregators.NAMES)
 def test_xla_and_graph_match_eager_and_keep_dtype(name):
-    J = _jac(3, seed=50, conflict=0.5)
+    J = random_jacobian(3, seed=50, conflict=0.5)
     agg = aggregators.get(name)
-    gram32 = _gram(J, tf.float32)
+    gram32 = gram_of(J, tf.float32)
     eager = _call(agg, gram32)
     xla = tf.function(lambda g: _call(agg, g), jit_compile=True)(gram32)
     graph = tf.function(lambda g: _call(agg, g))(gram32)
@@ -83,7 +57,7 @@ def test_xla_and_graph_match_eager_and_keep_dtype(name):
     np.testing.assert_allclose(xla.numpy(), eager.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(graph.numpy(), eager.numpy(), rtol=1e-4, atol=1e-5)
     assert _call(agg, tf.cast(gram32, tf.float16)).dtype == tf.float16
-    w64 = _call(agg, _gram(J))
+    w64 = _call(agg, gram_of(J))
     assert w64.dtype == tf.float64
     np.testing.assert_allclose(w64.numpy(), eager.numpy(), rtol=1e-3, atol=1e-4)
 
@@ -124,9 +98,9 @@ def test_get_keeps_arguments_and_errors():
 
 
 def test_gram_telemetry():
-    J = _jac(4, seed=60, conflict=0.5)
+    J = random_jacobian(4, seed=60, conflict=0.5)
     J[3] = 0.0
-    t = aggregators.gram_telemetry(_gram(J))
+    t = aggregators.gram_telemetry(gram_of(J))
     norms = np.linalg.norm(J, axis=1)
     np.testing.assert_allclose(t["norms"].numpy(), norms, rtol=1e-10)
     safe = np.where(norms > 0, norms, 1.0)
@@ -139,16 +113,16 @@ def test_gram_telemetry():
 
 @pytest.mark.parametrize("name", NEW)
 def test_graph_and_xla_match_eager_on_conflicting_tasks(name):
-    J = _jac_scaled(4, seed=11, conflict=0.7)
+    J = scaled_jacobian(4, seed=11, conflict=0.7)
     agg = aggregators.get(name)
     for dtype, rtol in ((tf.float64, 1e-9), (tf.float32, 1e-4)):
-        gram = _gram(J, dtype)
+        gram = gram_of(J, dtype)
         eager = agg.weights(gram).numpy()
         graph = tf.function(agg.weights)(gram).numpy()
         xla = tf.function(agg.weights, jit_compile=True)(gram).numpy()
         np.testing.assert_allclose(graph, eager, rtol=rtol, atol=rtol * 1e-2)
         np.testing.assert_allclose(xla, eager, rtol=rtol, atol=rtol * 1e-2)
-    w16 = agg.weights(_gram(J, tf.float16))
+    w16 = agg.weights(gram_of(J, tf.float16))
     assert w16.dtype == tf.float16
     np.testing.assert_allclose(w16.numpy(), eager, rtol=5e-2, atol=5e-2)
 
@@ -157,7 +131,7 @@ def test_graph_and_xla_match_eager_on_conflicting_tasks(name):
 @pytest.mark.parametrize("case", ["zero_task", "identical", "opposite", "single", "zero"])
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
 def test_degenerate_grams_give_finite_weights(name, case, dtype):
-    J = _jac_scaled(3, seed=12, conflict=0.5)
+    J = scaled_jacobian(3, seed=12, conflict=0.5)
     if case == "zero_task":
         J[1] = 0.0
     elif case == "identical":
@@ -173,7 +147,7 @@ def test_degenerate_grams_give_finite_weights(name, case, dtype):
     if dtype == tf.float32:  # XLA once per case (each compile takes seconds)
         fns.append(tf.function(agg.weights, jit_compile=True))
     for fn in fns:
-        w = fn(_gram(J, dtype)).numpy()
+        w = fn(gram_of(J, dtype)).numpy()
         assert w.shape == (len(J),) and np.isfinite(w).all(), (case, w)
     if case == "single":
         assert w[0] > 0

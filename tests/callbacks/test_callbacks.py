@@ -26,9 +26,11 @@ from keras_fastgrad.callbacks import (
 
 @pytest.fixture(autouse=True)
 def fresh_session():
-    keras.backend.clear_session()
+    # After the root conftest's fixture: also clears its Keras global seed.
+    # Without `gc.collect()`: the root fixture's reset at the end collects.
+    keras.backend.clear_session(free_memory=False)
     yield
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
 
 
 class Recorder(keras.callbacks.Callback):

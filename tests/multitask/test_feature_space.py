@@ -14,52 +14,31 @@ plain `sum_t dL_t/dphi` on the heads; the model trains with SGD.
 import itertools
 
 import keras
+import multitask_helpers
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import mgda_np, pcgrad_np, run_mirrored_multitask
+from aggregator_references import mgda_np, pcgrad_np
+from helpers import run_mirrored_multitask
+from multitask_helpers import LR, compiled
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask.feature_space import find_features
 
-LR = 0.1
-TASKS = ("a", "b", "c")
-
 
 # ------------------------------------------------------------------ models
-def build(cls=keras_fastgrad.FastGradModel, num_tasks=2, regularizer=None, **options):
-    """Input (3,) -> Dense(4, tanh) "trunk" -> one Dense(1) head per task."""
-    keras.utils.set_random_seed(7)
-    inputs = keras.Input((3,))
-    z = keras.layers.Dense(4, activation="tanh", name="trunk", kernel_regularizer=regularizer)(
-        inputs
-    )
-    outputs = {t: keras.layers.Dense(1, name=t)(z) for t in TASKS[:num_tasks]}
+def build(cls=keras_fastgrad.FastGradModel, **options):
+    """`multitask_helpers.build` (Input (3,) -> Dense(4, tanh) "trunk" -> one
+    Dense(1) head per task) with `multitask_space="features"`."""
     if cls is not keras.Model:
         options.setdefault("multitask_space", "features")
-    return cls(inputs, outputs, **options)
+    return multitask_helpers.build(cls, **options)
 
 
-def compiled(model, loss_weights=None, **kwargs):
-    names = getattr(model, "output_names", None) or ["a", "b"]
-    model.compile(
-        optimizer=keras.optimizers.SGD(LR),
-        loss={t: "mse" for t in names},
-        loss_weights=loss_weights,
-        **kwargs,
-    )
-    return model
-
-
-def make_data(n=8, num_tasks=2, signs=(1.0, -3.0, 2.0), seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 3)).astype("float32")
-    base = x @ np.array([[1.0], [-2.0], [0.5]], "float32") + 1.0
-    return x, {
-        t: (s * base + 0.3 * rng.normal(size=base.shape)).astype("float32")
-        for t, s in zip(TASKS[:num_tasks], signs)
-    }
+def make_data(n=8, num_tasks=2, seed=0):
+    """`multitask_helpers.make_data` with noise on the targets."""
+    return multitask_helpers.make_data(n=n, num_tasks=num_tasks, seed=seed, noise=0.3)
 
 
 def weights_of(model):

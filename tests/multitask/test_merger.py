@@ -13,7 +13,8 @@ import itertools
 import keras
 import numpy as np
 import pytest
-from helpers import needs_multi_replica_keras, pcgrad_np, run_mirrored_multitask
+from aggregator_references import pcgrad_np
+from helpers import needs_multi_replica_keras, run_mirrored_multitask
 from multitask_helpers import (  # noqa: F401 (mirrored_multitask.py reads them here)
     LR,
     TASKS,

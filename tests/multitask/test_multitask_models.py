@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import mgda_np
+from aggregator_references import mgda_np
 
 import keras_fastgrad
 
