@@ -1,0 +1,207 @@
+"""One micro-batch's forward and backward pass: a `Batch`.
+
+The first unit of the step (`train_step`): the forward pass (whole batch,
+or `micro_batches` slices: `slicing`), the loss (weighted by the
+micro-batch's share of the window where micro-batches are combined:
+`weighting`), the gradients of exactly the trainable variables
+(`forward.watching`), unscaled (`loss_scaling`), with `multitask` the task
+gradients merged (`multitask`); BatchNorm moments recorded (`batchnorm`)
+and the noise scale's small-batch measures taken (`noise_scale`) when on.
+"""
+
+import collections
+import contextlib
+import warnings
+
+import tensorflow as tf
+
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.multitask import feature_space
+from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
+from keras_fastgrad.step import noise_scale
+from keras_fastgrad.step.forward import call_for_training, watching
+from keras_fastgrad.step.replicas import (
+    num_replicas,
+)
+from keras_fastgrad.step.slicing import first_input, sliced_gradients
+from keras_fastgrad.step.weighting import LossShares
+
+
+class Batch(
+    collections.namedtuple(
+        "Batch",
+        [
+            "loss",
+            "y_pred",
+            "grads",
+            "x",
+            "y",
+            "sample_weight",
+            "num_samples",
+            "normaliser",
+            "mean_reduction",
+            "small_batches",
+        ],
+        defaults=(None,),
+    )
+):
+    """What the forward and backward pass of one micro-batch produced.
+
+    Fields:
+        loss, y_pred: The loss (as Keras computes it) and the predictions.
+        grads: The gradients, unscaled; where micro-batches are combined
+            (accumulation, replicas, slices) multiplied by the micro-batch's
+            normaliser `D_j` (`weighting`), so that they add up.
+        x, y, sample_weight: The micro-batch (the metrics read them).
+        num_samples: float32, its rows (the `loss` tracker's weight).
+        normaliser: float32 `D_j` on this replica (1 when not combined).
+        mean_reduction: Python bool, whether the combined gradients are
+            divided by the summed normalisers (`False`: `reduction="sum"`,
+            or nothing combined).
+        small_batches: The `noise_scale.small_batch` measures of this
+            replica's micro-batch (or of its slices, summed); `None` unless
+            the noise scale is measured."""
+
+
+def gradients(model, state, x, y, sample_weight):
+    """Forward and backward (whole batch, or `micro_batches` slices); the
+    gradients unscaled and, where micro-batches are combined (accumulation,
+    replicas, slices), weighted by the micro-batch's share of the window
+    (`weighting`: folded into the loss). Returns a `Batch`."""
+    with _recording_batchnorm(state):
+        return _gradients(model, state, x, y, sample_weight)
+
+
+def _gradients(model, state, x, y, sample_weight):
+    variables = model.trainable_variables
+    if not variables:
+        warnings.warn("The model does not have any trainable weights.")
+    first = _first_input(model, x)
+    if "input_shape_changes" in state.log_keys:  # only when read
+        state.telemetry.record_input_shape(first)
+    num_rows = tf.shape(first)[0]
+    weighted = state.accumulator is not None or num_replicas() > 1 or model.micro_batches > 1
+    measure = state.noise_scale is not None
+    if model.micro_batches > 1:
+        _check_slices(model, x)
+        loss, y_pred, grads, share, *small = sliced_gradients(
+            model,
+            x,
+            y,
+            sample_weight,
+            variables,
+            state.scaling,
+            model.micro_batches,
+            merger=state.merger,
+            measure=noise_scale.slice_measure() if measure else None,
+        )
+    else:
+        loss, y_pred, grads, share = _batch_gradients(
+            model, state, x, y, sample_weight, variables, num_rows if weighted else None
+        )
+        small = [_small_batch(grads, num_rows, share)] if measure else []
+    if measure:
+        noise_scale.check_batch(sample_weight, share.mean)
+    state.record_trace_facts(variables, grads)
+    return Batch(
+        loss=loss,
+        y_pred=y_pred,
+        grads=grads,
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        num_samples=tf.cast(num_rows, tf.float32),
+        normaliser=share.real if weighted else tf.constant(1.0),
+        mean_reduction=weighted and share.mean,
+        small_batches=small[0] if small else None,
+    )
+
+
+def _small_batch(grads, num_rows, share):
+    """The noise scale's measures of the micro-batch (one small batch)."""
+    return noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)
+
+
+def _recording_batchnorm(state):
+    """While the forward pass is traced: BatchNorm moments recorded, the
+    moving statistics held (`batchnorm.WindowMoments`), when pooled."""
+    if state.batchnorm is None:
+        return contextlib.nullcontext()
+    return state.batchnorm.recording()
+
+
+def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
+    """Forward and backward on the whole batch (one tape); with
+    `multitask`, the task gradients merged. Returns `(loss, y_pred, grads,
+    share)`: the gradients unscaled and, when `num_rows` is given
+    (micro-batches are combined), multiplied by the micro-batch's share
+    (`weighting.LossShares`; `share` is `None` otherwise)."""
+    shares = None if num_rows is None else LossShares(model, num_rows)
+    backward = _loss_gradients if state.merger is None else _merged_task_gradients
+    return backward(model, state, x, y, sample_weight, variables, shares)
+
+
+def _loss_gradients(model, state, x, y, sample_weight, variables, shares):
+    """The model's loss and its gradient (see `_batch_gradients`)."""
+    scaling = state.scaling
+    with watching(variables) as tape:
+        y_pred = call_for_training(model, x)
+        with shares or contextlib.nullcontext():
+            loss = compat.compute_loss(model, x, y, y_pred, sample_weight)
+        share = None if shares is None else shares.share()
+        weight = None if share is None else share.loss_weight(num_replicas())
+        scaled_loss = scaling.scale(loss, weight)
+    grads = tape.gradient(scaled_loss, [v.value for v in variables])
+    return loss, y_pred, scaling.unscale(grads, weight), share
+
+
+def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares):
+    """One loss per task (regularisation is not a task), each task's
+    gradient unscaled once, then merged (see `_batch_gradients`)."""
+    scaling, merger = state.scaling, state.merger
+    with watching(variables, persistent=True) as tape:
+        features = feature_space.capture(model, tape)  # no-op unless "features"
+        with features:
+            y_pred = call_for_training(model, x)
+        with shares or contextlib.nullcontext():
+            tasks = task_losses(model, y, y_pred, sample_weight)
+            regularization = regularization_loss(model)
+            loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
+        share = None if shares is None else shares.share()
+        weight = None if share is None else share.loss_weight(num_replicas())
+        scaled_tasks = [scaling.scale(t, weight) for t in tasks]
+        if regularization is not None:
+            regularization = scaling.scale(regularization, weight)
+    merge = features.merger(merger) if features.active else merger
+    grads, _ = merge(
+        tape,
+        scaled_tasks,
+        regularization,
+        variables,
+        unscale=lambda g: scaling.unscale(g, weight),
+        share=None if share is None else share.actual,
+        task_names=task_names(model),
+    )
+    return loss, y_pred, grads, share
+
+
+def _first_input(model, x):
+    """The batch's first input tensor (its rows are the batch size)."""
+    try:
+        return first_input(x)  # a `ValueError` when `x` holds no tensor
+    except ValueError:
+        # Keras' own error first where it has one (a required input is
+        # `None`: "not optional"), as `keras.Model` raises it.
+        call_for_training(model, x)
+        raise
+
+
+def _check_slices(model, x):
+    batch = first_input(x).shape[0]
+    if batch is not None and batch < model.micro_batches:
+        raise ValueError(
+            "`micro_batches` must not exceed the batch size (each slice "
+            f"needs a sample). Received: micro_batches={model.micro_batches} "
+            f"for a batch of {batch}. Fix: a larger `batch_size` or fewer "
+            "`micro_batches`."
+        )

@@ -1,0 +1,173 @@
+"""The finite check of one micro-batch: a `Verdict` (keep or drop).
+
+Global over replicas (one small all-reduce); folded into the gradient's
+norm where the update needs that norm anyway (`clip_norm` or `grad_norm`
+on one replica without accumulation). Also the bookkeeping that follows
+the verdict outside the update's `cond`: the loss-scale update, BatchNorm
+moments and noise-scale measures of a kept micro-batch, and (in the drop
+branch) `record_drop`.
+"""
+
+import collections
+
+import keras
+import tensorflow as tf
+
+from keras_fastgrad.step import finite
+from keras_fastgrad.step.clipping import fits_clip, scaled_norm
+from keras_fastgrad.step.divergence import failed
+from keras_fastgrad.step.replicas import (
+    num_replicas,
+    replica_sum,
+)
+
+
+class Verdict(
+    collections.namedtuple(
+        "Verdict",
+        [
+            "marks",
+            "all_finite",
+            "keep",
+            "drops_nonfinite",
+            "counts_towards_streak",
+            "global_normaliser",
+            "norm",
+        ],
+    )
+):
+    """The finite check of one micro-batch, global over replicas.
+
+    Fields:
+        marks: The `finite.marks` vector (where the check failed), or
+            `None` when the check was the gradient's norm (`norm`).
+        all_finite: Boolean scalar: loss and gradients finite everywhere.
+        keep: Boolean scalar: the gradient goes on (`all_finite`, or always
+            when non-finite gradients are applied, as `keras.Model` does).
+        drops_nonfinite: Python bool: a non-finite micro-batch is dropped
+            (`skip_nonfinite`, or loss scaling).
+        counts_towards_streak: Boolean scalar, whether a drop counts towards
+            the divergence streak (loss scaling: only at the lowest scale);
+            `None`: every drop counts.
+        global_normaliser: float32, the normaliser summed over replicas.
+        norm: `None`, or the gradient's global norm as `(unit, root)`
+            (`clipping.scaled_norm`) when the check was made on it: one
+            replica, no accumulation, and the update needs the norm anyway
+            (`clip_norm`, or `grad_norm` logged). The norm is finite
+            exactly when every gradient is (its squares never overflow), so
+            it replaces the per-gradient sums; `keep` then also requires
+            a clip factor that is a normal float (`clipping.fits_clip`)."""
+
+
+def finite_check(model, state, batch):
+    """Is the micro-batch finite (on every replica: one small all-reduce,
+    so every replica decides alike)? Returns a `Verdict`."""
+    if _checks_norm(model, state, batch):
+        return _norm_check(model, state, batch)
+    scaling = state.scaling
+    marks = finite.marks(batch.grads, batch.loss)
+    total = batch.normaliser
+    if num_replicas() > 1:
+        flags, total = replica_sum([finite.to_flags(marks), total])
+        marks = finite.from_flags(flags)
+    all_finite = finite.is_finite(marks)
+    drops = model.skip_nonfinite or scaling.active  # keep == finite
+    return Verdict(
+        marks=marks,
+        all_finite=all_finite,
+        keep=all_finite if drops else tf.constant(True),
+        drops_nonfinite=drops,
+        # At the scale the micro-batch was checked at (before the update).
+        counts_towards_streak=failed(all_finite, scaling) if scaling.active else None,
+        global_normaliser=total,
+        norm=None,
+    )
+
+
+def _checks_norm(model, state, batch):
+    """Whether the check is the norm the update computes anyway: the
+    update is the micro-batch's own gradient as it is (`single_cond`, not
+    divided by a normaliser: no `micro_batches`), and clipping or the
+    `grad_norm` key needs its norm."""
+    wanted = model.clip_norm is not None or "grad_norm" in state.log_keys
+    # With `clip_adaptive` the update's norm is the adaptively clipped one.
+    wanted = wanted and model.clip_adaptive is None
+    return wanted and not batch.mean_reduction and single_cond(model, state)
+
+
+def _norm_check(model, state, batch):
+    """The finite check folded into the gradient's norm: one `L2Loss` per
+    gradient instead of one `Sum`, and no second check in the update."""
+    scaling = state.scaling
+    norm = scaled_norm(batch.grads)
+    all_finite = tf.math.is_finite(norm[1]) & tf.math.is_finite(batch.loss)
+    keep = all_finite
+    counts = failed(all_finite, scaling) if scaling.active else None
+    if model.clip_norm is not None:
+        keep = all_finite & fits_clip(model.clip_norm, *norm)
+        if counts is not None:  # a refused clip factor always counts
+            counts = counts | (all_finite & tf.logical_not(keep))
+    return Verdict(
+        marks=None,
+        all_finite=all_finite,
+        keep=keep,
+        drops_nonfinite=True,
+        counts_towards_streak=counts,
+        global_normaliser=batch.normaliser,
+        norm=norm,
+    )
+
+
+def record_small_batches(state, batch, verdict):
+    """The noise scale's small batches (a no-op unless it is measured):
+    added to the window unless the micro-batch is not finite."""
+    if state.noise_scale is not None:
+        state.noise_scale.record_small(batch.small_batches, verdict.all_finite)
+
+
+def pool_batchnorm_moments(state, verdict):
+    """The micro-batch's BatchNorm moments (pooled over replicas) into
+    the window, unless it is dropped (a no-op unless they are pooled)."""
+    if state.batchnorm is not None:
+        state.batchnorm.end_micro_batch(verdict.keep)
+
+
+def update_loss_scale(state, verdict):
+    """Loss scaling's own rule: halve after a non-finite micro-batch,
+    double after `dynamic_growth_steps` finite ones (a no-op without)."""
+    state.scaling.update(verdict.all_finite)
+
+
+# The telemetry keys that say where a dropped micro-batch went bad.
+_WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
+
+
+def record_drop(model, state, marks, counts=None):
+    """Bookkeeping of a non-finite micro-batch (in the branch that runs
+    only then): the count, where it went bad (when requested), and the
+    divergence streak.
+
+    Args:
+        marks: The micro-batch's (global) `finite.marks` vector, or a
+            callable that computes it (only called when its keys are
+            requested).
+        counts: Boolean scalar, whether the drop counts towards the streak
+            (`divergence.failed`, under loss scaling); `None`: it does.
+    """
+    if state.log_keys & _WHERE_KEYS:  # only read then (see `telemetry`)
+        state.telemetry.record_drop(*finite.summarize(marks() if callable(marks) else marks))
+    else:
+        state.telemetry.record_drop()
+    if model.skip_nonfinite or state.scaling.active:
+        state.divergence.record_drop(counts)
+
+
+def single_cond(model, state):
+    """One replica, no accumulation, default metrics: the update and the
+    metrics share one `cond` (`update_or_drop`)."""
+    return (
+        state.accumulator is None
+        and (model.skip_nonfinite or state.scaling.active)
+        and num_replicas() == 1
+        and type(model).compute_metrics is keras.Model.compute_metrics
+    )
