@@ -344,3 +344,106 @@ def test_batchnorm_model_default_options_train_exactly_like_keras(build):
     for a, b in zip(ref.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+
+
+# ------------------------------------------- clip_norm beyond an MLP
+class TrainingBranch(keras.Model):
+    """A subclass whose training call adds a branch (its own weights) that
+    inference skips."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.body = keras.layers.Dense(6, activation="tanh")
+        self.extra = keras.layers.Dense(6)
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        h = self.body(x)
+        if training:
+            h = h + 0.5 * self.extra(h)
+        return self.head(h)
+
+
+class FGTrainingBranch(FG, TrainingBranch):
+    pass
+
+
+def _clip_case(name):
+    """`(keras.Model, FastGradModel builder, x, y, loss)` for one model."""
+    rng = np.random.default_rng(12)
+    if name == "masked_rnn":
+        x, y = masked_data()
+        return masked_rnn, x, y * 5.0, "mse"
+    if name in ("per_pixel_conv", "batchnorm"):
+        x = rng.normal(size=(8, 6, 6, 2)).astype("float32")
+        y = rng.integers(0, 3, size=(8, 6, 6)).astype("int32")
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        build = bn_segmenter if name == "batchnorm" else lambda cls, **o: segmenter(cls, 6, **o)
+        return build, x, y, loss
+    x = rng.normal(size=(8, 4)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32") * 5.0
+    if name == "sequential":
+
+        def build(cls, **options):
+            keras.utils.set_random_seed(13)
+            layers = [keras.Input((4,)), keras.layers.Dense(6, activation="tanh")]
+            seq = keras_fastgrad.FastGradSequential if cls is FG else keras.Sequential
+            return seq(layers + [keras.layers.Dense(1)], **options)
+
+        return build, x, y, "mse"
+
+    def build(cls, **options):  # a subclass with a training-only branch
+        keras.utils.set_random_seed(14)
+        model = (FGTrainingBranch if cls is FG else TrainingBranch)(**options)
+        model(x[:1])
+        return model
+
+    return build, x, y, "mse"
+
+
+def _fit_with_dense_clipping(model, x, y, clip_norm, batch, epochs):
+    """keras.Model's loss and SGD, the gradient made dense and clipped by
+    `tf.clip_by_global_norm` (a plain training loop)."""
+    import tensorflow as tf
+
+    for _ in range(epochs):
+        for i in range(0, len(x), batch):
+            xb, yb = x[i : i + batch], y[i : i + batch]
+            with tf.GradientTape() as tape:
+                y_pred = model(xb, training=True)
+                loss = model.compute_loss(x=xb, y=yb, y_pred=y_pred)
+            grads = tape.gradient(loss, model.trainable_variables)
+            dense = [tf.convert_to_tensor(g) for g in grads]
+            clipped, _ = tf.clip_by_global_norm(dense, clip_norm)
+            model.optimizer.apply(clipped, model.trainable_variables)
+
+
+@pytest.mark.parametrize("telemetry", [False, True])  # True: `grad_norm` requested
+@pytest.mark.parametrize(
+    "name", ["masked_rnn", "per_pixel_conv", "batchnorm", "sequential", "training_branch"]
+)
+def test_clip_norm_trains_like_keras_global_clipnorm(name, telemetry):
+    # One replica, no accumulation: the step's finite check is the
+    # gradient's norm, computed once for the check and the clipping
+    # (issue 21). Reference: keras.Model with `global_clipnorm`, on every
+    # kind of model, the norm small enough that every step clips.
+    build, x, y, loss = _clip_case(name)
+    ref, model = build(keras.Model), build(FG, clip_norm=0.05, telemetry=telemetry)
+    model.set_weights(ref.get_weights())
+    start = ref.get_weights()
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+    h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    if name == "masked_rnn":
+        # Keras' `global_clipnorm` measures an embedding's `IndexedSlices`
+        # with repeated ids counted apart (not the dense gradient's norm):
+        # the reference clips the dense gradient by hand.
+        ref.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        _fit_with_dense_clipping(ref, x, y, clip_norm=0.05, batch=4, epochs=2)
+    else:
+        ref.compile(optimizer=keras.optimizers.SGD(0.5, global_clipnorm=0.05), loss=loss)
+        h_ref = ref.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+    assert relative_error(ref, model, start) < 1e-5
+    assert int(model.optimizer.iterations.numpy()) == 4
+    if telemetry:
+        assert h.history["clipped_updates"][-1] == 4.0  # cumulative: every update clipped
