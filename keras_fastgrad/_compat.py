@@ -392,6 +392,21 @@ def variable(initializer, *, synchronization="auto", **kwargs):
 # ------------------------------------------------------------ tf.distribute
 
 
+def in_xla_context():
+    """Whether the graph being traced will be compiled by XLA (a
+    `tf.function(jit_compile=True)`, the step of a model compiled with
+    `jit_compile=True`, a TPU replica), so that an op without an XLA
+    kernel must not be used. `True` when TF's private check is gone: the
+    XLA-safe ops are always correct."""
+    try:
+        from tensorflow.python.framework import ops
+        from tensorflow.python.ops import control_flow_util
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
+    except (ImportError, AttributeError):  # pragma: no cover (newer TF)
+        return True
+
+
 def in_multi_worker_mode(strategy):
     """Whether `strategy` runs collectives across several workers."""
     return strategy.extended._in_multi_worker_mode()

@@ -41,6 +41,16 @@ def random_case(shape, unit_axis=-1, seed=0):
     return g, w, between_middle(unit_ratios(g, w, unit_axis))
 
 
+def clip_in(mode, grads, weights, rows, lam):
+    """`clip_unitwise` eagerly (its one-pass `EuclideanNorm`) or inside a
+    `tf.function(jit_compile=True)` (XLA has no kernel for that op: the
+    three-op norm there); the reference is the same for both."""
+    if mode == "eager":
+        return clip_unitwise(grads, weights, rows, lam)
+    xla = tf.function(lambda g, w: clip_unitwise(g, w, rows, lam), jit_compile=True)
+    return xla(grads, weights)
+
+
 def assert_some_clipped_some_not(n_clipped, n_units):
     assert 0 < n_clipped < n_units
 
@@ -92,11 +102,12 @@ class TestClipUnitwise:
         [(7, 9), (3, 3, 4, 8), (5, 4, 6)],
         ids=["dense", "conv2d", "conv1d"],
     )
-    def test_kernel_matches_the_paper_per_output_unit(self, shape):
+    @pytest.mark.parametrize("mode", ["eager", "xla"])
+    def test_kernel_matches_the_paper_per_output_unit(self, shape, mode):
         g, w, lam = random_case(shape)
         expected, n_clipped = np_agc(g, w, lam)
         assert_some_clipped_some_not(n_clipped, shape[-1])
-        out = clip_unitwise([tf.constant(g)], [tf.constant(w)], [False], lam)
+        out = clip_in(mode, [tf.constant(g)], [tf.constant(w)], [False], lam)
         np.testing.assert_allclose(out.grads[0].numpy(), expected, rtol=1e-5, atol=1e-7)
         assert float(out.clipped_units) == n_clipped
         assert out.num_units == shape[-1]
@@ -192,11 +203,12 @@ class TestNonFinite:
         out = clip_unitwise([slices], [tf.ones([3, 2])], [True], 0.01)
         assert not bool(out.all_finite)
 
-    def test_finite_gradient_whose_unit_norm_overflows_is_flagged(self):
+    @pytest.mark.parametrize("mode", ["eager", "xla"])
+    def test_finite_gradient_whose_unit_norm_overflows_is_flagged(self, mode):
         # ||[1e20, 1e20]||^2 = 2e40 overflows float32: the factor would be
         # max_norm / inf = 0, a silently zero unit; it is flagged instead.
         g = tf.constant([[1e20], [1e20]])
-        out = clip_unitwise([g], [tf.ones([2, 1])], [False], 0.01)
+        out = clip_in(mode, [g], [tf.ones([2, 1])], [False], 0.01)
         assert np.isfinite(g.numpy()).all()
         assert not bool(out.all_finite)
 
