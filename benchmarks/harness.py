@@ -71,6 +71,63 @@ def interleaved_ratios(pairs, rounds):
     }
 
 
+def step_fn(model, dataset, steps):
+    """A zero-argument function that runs `steps` train steps of `model`
+    (its compiled `train_function`, as `fit` calls it, without `fit`'s own
+    per-epoch and per-batch Python work) on batches of the repeating
+    `dataset` and returns each step's seconds. Built by one `fit` epoch
+    of two batches, traced here (warm-up)."""
+    model.fit(dataset.take(2), epochs=1, verbose=0)
+    function = model.make_train_function() or model.train_function
+    iterator = iter(dataset.repeat())
+    for _ in range(steps):
+        function(iterator)
+
+    def run():
+        seconds = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            function(iterator)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    return run
+
+
+def interleaved_step_ratios(pairs, rounds):
+    """As `interleaved_ratios`, for `step_fn` functions: a round's time is
+    the sum of its steps. Adds `step_p25`: the ratio of each side's 25th
+    percentile step over every round (robust to the moments another
+    process takes the cores, which hit a few steps hard)."""
+    ratios = {name: [] for name, _, _ in pairs}
+    rounds_s = {name: ([], []) for name, _, _ in pairs}
+    steps_s = {name: ([], []) for name, _, _ in pairs}
+    for r in range(rounds):
+        for name, numerator, denominator in pairs:
+            if r % 2:
+                den, num = denominator(), numerator()
+            else:
+                num, den = numerator(), denominator()
+            ratios[name].append(sum(num) / sum(den))
+            for side, seconds in enumerate((num, den)):
+                rounds_s[name][side].append(sum(seconds))
+                steps_s[name][side].extend(seconds)
+    return {
+        name: {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "rounds": len(values),
+            "best": min(rounds_s[name][0]) / min(rounds_s[name][1]),
+            "step_p25": float(
+                np.percentile(steps_s[name][0], 25) / np.percentile(steps_s[name][1], 25)
+            ),
+            "step_ms": [float(np.median(side)) * 1e3 for side in steps_s[name]],
+        }
+        for name, values in ratios.items()
+    }
+
+
 def report(title, results, targets, out_name):
     """Prints a table and writes JSON to benchmarks/out/<out_name>.json."""
     load = {"at_start": LOAD_AT_START, "at_end": load_average()}
@@ -80,11 +137,16 @@ def report(title, results, targets, out_name):
         f"{load['at_end']} at the end (the benchmark itself keeps about 1-2 of "
         f"{os.cpu_count()} cores busy; more means other work shared the machine)"
     )
-    print(f"{'ratio':58s} {'median':>7s} {'min':>7s} {'max':>7s} {'best':>7s}  target")
+    p25 = any("step_p25" in s for s in results.values())
+    extra = f" {'p25':>7s}" if p25 else ""
+    print(f"{'ratio':58s} {'median':>7s} {'min':>7s} {'max':>7s} {'best':>7s}{extra}  target")
     for name, s in results.items():
         target = targets.get(name, "")
         best = f"{s['best']:7.3f}" if "best" in s else f"{'':7s}"
-        print(f"{name:58s} {s['median']:7.3f} {s['min']:7.3f} {s['max']:7.3f} {best}  {target}")
+        extra = f" {s['step_p25']:7.3f}" if p25 else ""
+        print(
+            f"{name:58s} {s['median']:7.3f} {s['min']:7.3f} {s['max']:7.3f} {best}{extra}  {target}"
+        )
     out_dir = os.path.join(os.path.dirname(__file__), "out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{out_name}.json"), "w") as f:
