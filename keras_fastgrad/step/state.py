@@ -258,16 +258,19 @@ class StepState(compat.KerasSaveable):
     def _core_size(self):
         return len(self.variables) - sum(len(u.variables) for u in self._optional_units())
 
-    def _load_optional(self, state, store):
-        """Loads the optional units' variables (`"<unit>_<i>"` keys) and
-        returns the core `(state, store)`. A unit the file lacks starts
-        fresh (zeros: an empty window, no estimate yet); a unit the file
-        has but this model lacks is skipped (BatchNorm's pooled moments of
-        an unfinished window: warned, they are lost)."""
-        core = {k: v for k, v in store.items() if "_" not in k}
+    def _load_optional(self, store):
+        """Loads the optional units' variables (`"<unit>_<i>"` keys), once
+        the core state has loaded. A unit the file lacks, or holds with
+        other shapes, starts fresh (zeros: an empty window, no estimate
+        yet); a unit the file has but this model lacks is skipped
+        (BatchNorm's pooled moments of an unfinished window: warned, they
+        are lost)."""
         for name, unit in self._named_units():
             saved = [store.get(f"{name}_{i}") for i in range(len(unit.variables))]
-            if all(value is not None for value in saved):
+            if all(
+                value is not None and tuple(np.shape(value)) == tuple(v.shape)
+                for v, value in zip(unit.variables, saved)
+            ):
                 for v, value in zip(unit.variables, saved):
                     v.assign(value)
             else:
@@ -282,7 +285,6 @@ class StepState(compat.KerasSaveable):
                 "are as saved). The weights and the rest of the step state "
                 "were loaded."
             )
-        return state[: self._core_size()], core
 
     def load_own_variables(self, store):
         self.load({k: store[k] for k in store.keys()})
@@ -294,8 +296,8 @@ class StepState(compat.KerasSaveable):
         model = self._model_ref()
         if not store or model is None or not model.built:
             return
-        state = self.variables
-        state, store = self._load_optional(state, store)
+        state = self.variables[: self._core_size()]
+        optional, store = store, {k: v for k, v in store.items() if "_" not in k}
         if self.accumulator is not None and len(store) == len(state) - 1:
             store = self._without_included_count(store, len(state))
         if len(store) != len(state):
@@ -307,9 +309,12 @@ class StepState(compat.KerasSaveable):
                 "accumulation window and counters start fresh; the weights "
                 "were loaded."
             )
+            for _, unit in self._named_units():  # of no window it belongs to
+                unit.reset_state()
             return
         for i, v in enumerate(state):
             v.assign(store[str(i)])
+        self._load_optional(optional)
 
     def _without_included_count(self, store, size):
         """A file saved before the accumulator counted its included

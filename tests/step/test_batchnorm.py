@@ -290,3 +290,23 @@ def test_without_a_split_the_step_is_keras_own():
     model.train_on_batch(x, y)
     assert model.fastgrad_step_state.batchnorm is None
     assert_moving_close(model, keras_on_concatenation(conv_bn, x, y), rtol=0, atol=0)
+
+
+def test_a_file_whose_step_state_does_not_fit_leaves_no_pooled_moments(tmp_path):
+    # The file's core step state (an accumulation window) does not fit a
+    # model without accumulation: its window starts fresh, and so must
+    # its BatchNorm moments (the file's unfinished window belongs to no
+    # window of this model).
+    x, y = image_data()
+    saved = conv_bn(FastGradModel, accumulation_steps=2)
+    saved.compile(optimizer="sgd", loss="mse")
+    saved.train_on_batch(x[:5], y[:5])  # mid-window: moments pooled
+    path = str(tmp_path / "mid_window.weights.h5")
+    saved.save_weights(path)
+    model = conv_bn(FastGradModel, micro_batches=2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:5], y[:5])  # built
+    with pytest.warns(UserWarning, match="start fresh"):
+        model.load_weights(path)  # the weights and moving statistics as saved
+    model.train_on_batch(x[5:], y[5:])
+    assert_moving_close(model, keras_on_concatenation(conv_bn, x[5:], y[5:]))
