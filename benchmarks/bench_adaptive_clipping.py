@@ -3,9 +3,10 @@
     python benchmarks/bench_adaptive_clipping.py [--quick] [--models a,b]
 
 Ratio per model: FastGradModel(clip_adaptive=0.01) / FastGradModel default,
-each round one epoch of `steps` batches through `fit` (after a warm-up fit
-that excludes tracing), median, min, max over rounds and best of rounds
-(`harness.interleaved_ratios`). Target: <= 1.03 (AGC costs at most 3% of a
+each round `steps` calls of the compiled `train_function`, timed one by
+one (`harness.step_fn`); median, min, max over rounds, best of rounds and
+`p25`, the ratio of the 25th-percentile steps
+(`harness.interleaved_step_ratios`). Target: <= 1.03 (AGC costs at most 3% of a
 step). Models: the benchmark MLP of bench_core (784 -> 3 x 1024 -> 10,
 batch 256), its short-step case (64 -> 3 x 256 -> 10, batch 64, about 1 ms
 a step, where any fixed cost shows) and a Conv2D + BatchNorm model
@@ -14,8 +15,8 @@ a step, where any fixed cost shows) and a Conv2D + BatchNorm model
 On a shared, loaded machine these ratios spread widely; a second table
 gives AGC's own time in isolation: `clip_unitwise` on the model's weights
 and gradients of their shapes (10 applications chained in one
-`tf.function`, best of 30 calls, divided by 10), over the best epoch time
-per step of the default model. It leaves out what the step adds around
+`tf.function`, best of 30 calls, divided by 10), over the fastest step
+of the default model. It leaves out what the step adds around
 AGC (the update's finite `cond`) but is robust to the load.
 
 Writes benchmarks/out/adaptive_clipping.json.
@@ -29,7 +30,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from bench_core import dense_stack, mlp  # noqa: E402
-from harness import fit_fn, interleaved_ratios, report, synthetic, time_call  # noqa: E402
+from harness import (  # noqa: E402
+    dataset_of,
+    interleaved_step_ratios,
+    report,
+    step_fn,
+    synthetic,
+    time_call,
+)
 
 import keras_fastgrad  # noqa: E402
 from keras_fastgrad.step.adaptive_clipping import clip_unitwise, row_unit_variables  # noqa: E402
@@ -84,22 +92,23 @@ def main():
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
-    rounds, steps = (5, 8) if args.quick else (12, 16)
+    rounds, steps = (6, 16) if args.quick else (16, 32)
     rounds = args.rounds or rounds
     fg = keras_fastgrad.FastGradModel
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     pairs, isolated = [], {}
     for name in args.models.split(","):
         build, shape, batch, longer = MODELS[name]
-        x, y = synthetic(shape, 10, batch * steps * longer)
-        sides = []
+        data = dataset_of(*synthetic(shape, 10, batch * 8), batch)
+        sides, models = [], []
         for options in ({}, {"clip_adaptive": 0.01}):
             model = build(fg, **options)
             model.compile(optimizer=keras.optimizers.Adam(), loss=loss)
-            sides.append(fit_fn(model, x, y, batch))
+            sides.append(step_fn(model, data, steps * longer))
+            models.append(model)
         pairs.append((f"{name}: clip_adaptive=0.01 / FastGradModel default", sides[1], sides[0]))
-        default_model, default_fit, n_steps = model, sides[0], len(x) // batch
-        step = min(time_call(default_fit) for _ in range(rounds)) / n_steps
+        default_model = models[0]
+        step = min(min(sides[0]()) for _ in range(3))
         agc = isolated_seconds(default_model)
         isolated[f"{name}: AGC alone / default step (isolated)"] = {
             "median": agc / step,
@@ -108,7 +117,7 @@ def main():
             "rounds": 1,
             "seconds": [agc, step],
         }
-    results = interleaved_ratios(pairs, rounds)
+    results = interleaved_step_ratios(pairs, rounds)
     results.update(isolated)
     report(
         f"Adaptive gradient clipping step-time ratios ({rounds} rounds x {steps} steps)",

@@ -2,8 +2,9 @@
 
     python benchmarks/bench_noise_scale.py [--quick] [--rounds N]
 
-Ratios (median, min, max, best over rounds; each round = one epoch of
-`steps` batches through `fit`, after a warm-up fit that excludes tracing):
+Ratios (median, min, max, best over rounds, and `p25`, the ratio of the
+25th-percentile steps; each round = `steps` calls of the compiled
+`train_function`, timed one by one: `harness.step_fn`):
 `GradientNoiseScale` on / off, for `accumulation_steps=4` and for
 `micro_batches=4`, on the core MLP (784 -> 3 x 1024 -> 10, batch 256) and a
 Conv2D + BatchNorm model (28x28x1, Conv 32 / 64 each followed by
@@ -20,7 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 from bench_core import compiled, mlp  # noqa: E402
-from harness import fit_fn, interleaved_ratios, report, synthetic  # noqa: E402
+from harness import dataset_of, interleaved_step_ratios, report, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 
@@ -48,20 +49,22 @@ def main():
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
-    rounds, steps = (5, 8) if args.quick else (12, 16)
+    rounds, steps = (6, 16) if args.quick else (16, 32)
     rounds = args.rounds or rounds
     fg = keras_fastgrad.FastGradModel
     pairs = []
     for name in args.models.split(","):
         build, shape, batch = MODELS[name]
-        x, y = synthetic(shape, 10, batch * steps)
+        data = dataset_of(*synthetic(shape, 10, batch * 8), batch)
         for label, options in OPTIONS.items():
             adam = keras.optimizers.Adam
-            off = fit_fn(compiled(build(fg, **options), adam()), x, y, batch)
-            gns = keras_fastgrad.callbacks.GradientNoiseScale(verbose=0)
-            on = fit_fn(compiled(build(fg, **options), adam()), x, y, batch, callbacks=[gns])
+            off = step_fn(compiled(build(fg, **options), adam()), data, steps)
+            measuring = compiled(build(fg, **options), adam())
+            # What `GradientNoiseScale` asks of the step when attached.
+            measuring.enable_telemetry(keras_fastgrad.callbacks.GradientNoiseScale.telemetry_keys)
+            on = step_fn(measuring, data, steps)
             pairs.append((f"{name}: noise scale on / off ({label})", on, off))
-    results = interleaved_ratios(pairs, rounds)
+    results = interleaved_step_ratios(pairs, rounds)
     report(
         f"Gradient noise scale step-time ratios ({rounds} rounds x {steps} steps)",
         results,

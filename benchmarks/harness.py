@@ -143,7 +143,7 @@ def report(title, results, targets, out_name):
     for name, s in results.items():
         target = targets.get(name, "")
         best = f"{s['best']:7.3f}" if "best" in s else f"{'':7s}"
-        extra = f" {s['step_p25']:7.3f}" if p25 else ""
+        extra = f" {s['step_p25']:7.3f}" if "step_p25" in s else f" {'':7s}" if p25 else ""
         print(
             f"{name:58s} {s['median']:7.3f} {s['min']:7.3f} {s['max']:7.3f} {best}{extra}  {target}"
         )
@@ -169,6 +169,13 @@ def fit_fn(model, x, y, batch, callbacks=()):
 
     run()
     return run
+
+
+def dataset_of(x, y, batch):
+    """`x, y` as a `tf.data.Dataset` of whole batches (for `step_fn`)."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
 
 
 def synthetic(shape, classes, n, seed=0):
