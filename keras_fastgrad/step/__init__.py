@@ -1,6 +1,6 @@
 """The train step, one unit per module, in the order it runs them
 (`train_step.py` chains them, starting with `backward.py` and
-`verdict.py`; `state.py` holds what they keep):
+`verdict.py`; `state.py` holds what they keep, `state_files.py` writes it into files):
 
     forward (`forward.py`) -> weigh by the loss's normaliser (`weighting.py`;
     micro-batches: `slicing.py`) -> unscale (`loss_scaling.py`) -> finite

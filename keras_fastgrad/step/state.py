@@ -32,23 +32,23 @@ exactly, a plain `keras.Model` of the same architecture loads a
 """
 
 import collections
-import warnings
 import weakref
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask.merger import TaskMerger
-from keras_fastgrad.step import noise_scale
+from keras_fastgrad.step import noise_scale, state_files
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
 from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 # The optional units, by attribute name: saved under keys of their own.
-_OPTIONAL = ("batchnorm", "noise_scale")
+# The units with state only some models have, saved under keys of their
+# own (`state_files`), in this order.
+OPTIONAL = ("batchnorm", "noise_scale")
 
 
 class TraceFacts(
@@ -179,8 +179,8 @@ class StepState(compat.KerasSaveable):
         # The optional units last, BatchNorm's (fixed by the options) before
         # the noise scale's (there while its keys are requested): a change of
         # keys keeps the values before (`build`). Saved under keys of their
-        # own (`_OPTIONAL`).
-        for unit in self._optional_units():
+        # own (`OPTIONAL`).
+        for _, unit in self.named_units():
             state += unit.variables
         return state
 
@@ -234,59 +234,13 @@ class StepState(compat.KerasSaveable):
         return compat.SAVEABLE_OBJ_TYPE
 
     def save_own_variables(self, store):
-        """The core state as `"0"`, `"1"`, ... (the layout files saved before
-        the optional units existed have), then each optional unit's
-        variables as `"<unit>_0"`, ... (`_OPTIONAL`), so that a file with or
-        without them loads into a model with or without them."""
+        """Keras' hook: the state into a file's entry (`state_files.save`)."""
         model = self._model_ref()
         if model is not None and model.built:
-            core = self._core_size()
-            for i, v in enumerate(self.variables[:core]):
-                store[str(i)] = v.numpy()
-            for name, unit in self._named_units():
-                for i, v in enumerate(unit.variables):
-                    store[f"{name}_{i}"] = v.numpy()
-
-    def _optional_units(self):
-        return [unit for _, unit in self._named_units()]
-
-    def _named_units(self):
-        """`(name, unit)` of the optional units this model has."""
-        units = [(name, getattr(self, name)) for name in _OPTIONAL]
-        return [(name, unit) for name, unit in units if unit is not None]
-
-    def _core_size(self):
-        return len(self.variables) - sum(len(u.variables) for u in self._optional_units())
-
-    def _load_optional(self, store):
-        """Loads the optional units' variables (`"<unit>_<i>"` keys), once
-        the core state has loaded. A unit the file lacks, or holds with
-        other shapes, starts fresh (zeros: an empty window, no estimate
-        yet); a unit the file has but this model lacks is skipped
-        (BatchNorm's pooled moments of an unfinished window: warned, they
-        are lost)."""
-        for name, unit in self._named_units():
-            saved = [store.get(f"{name}_{i}") for i in range(len(unit.variables))]
-            if all(
-                value is not None and tuple(np.shape(value)) == tuple(v.shape)
-                for v, value in zip(unit.variables, saved)
-            ):
-                for v, value in zip(unit.variables, saved):
-                    v.assign(value)
-            else:
-                unit.reset_state()
-        own = {name for name, _ in self._named_units()}
-        pooled = [v for k, v in store.items() if k.startswith("batchnorm_")]
-        if "batchnorm" not in own and any(np.any(v) for v in pooled):
-            warnings.warn(
-                "FastGradModel: the file holds BatchNorm moments pooled over an "
-                "unfinished window (`batchnorm_statistics='window'`), which this "
-                "model does not pool; they are dropped (the moving statistics "
-                "are as saved). The weights and the rest of the step state "
-                "were loaded."
-            )
+            state_files.save(self, store)
 
     def load_own_variables(self, store):
+        """Keras' hook: the state from a file's entry (`state_files.load`)."""
         self.load({k: store[k] for k in store.keys()})
 
     def load(self, store):
@@ -294,34 +248,8 @@ class StepState(compat.KerasSaveable):
         (another `accumulation_steps`, other variables) warns and starts
         fresh: the weights are loaded either way."""
         model = self._model_ref()
-        if not store or model is None or not model.built:
-            return
-        state = self.variables[: self._core_size()]
-        optional, store = store, {k: v for k, v in store.items() if "_" not in k}
-        if self.accumulator is not None and len(store) == len(state) - 1:
-            store = self._without_included_count(store, len(state))
-        if len(store) != len(state):
-            warnings.warn(
-                f"FastGradModel: the saved step state has {len(store)} "
-                f"variables but this model's has {len(state)} (different "
-                "`accumulation_steps`, `batchnorm_statistics` or trainable "
-                "variables?). The "
-                "accumulation window and counters start fresh; the weights "
-                "were loaded."
-            )
-            for _, unit in self._named_units():  # of no window it belongs to
-                unit.reset_state()
-            return
-        for i, v in enumerate(state):
-            v.assign(store[str(i)])
-        self._load_optional(optional)
-
-    def _without_included_count(self, store, size):
-        """A file saved before the accumulator counted its included
-        micro-batches (its last variable): a window with a positive
-        normaliser held at least one (what was decided by then)."""
-        normaliser = store[str(size - 3)]  # ..., normaliser, micro_step
-        return {**store, str(size - 1): int(float(normaliser) > 0.0)}
+        if store and model is not None and model.built:
+            state_files.load(self, store)
 
     def load_legacy(self, values):
         """Files written before the state had an entry of its own kept it
@@ -330,3 +258,9 @@ class StepState(compat.KerasSaveable):
         at = len(self.variables) and len(self.telemetry.variables)
         values = values[:at] + [0.0] + values[at:]
         self.load({str(i): value for i, value in enumerate(values)})
+
+    def named_units(self):
+        """`(name, unit)` of the optional units this model has (units
+        with state that only some models have: `OPTIONAL`)."""
+        units = [(name, getattr(self, name)) for name in OPTIONAL]
+        return [(name, unit) for name, unit in units if unit is not None]

@@ -1,0 +1,87 @@
+"""`StepState` in files: its entry of `.keras` / `.weights.h5` files.
+
+The core state (the telemetry, divergence and accumulation variables, in
+`StepState.variables` order) is saved as `"0"`, `"1"`, ... (the layout
+files saved before the optional units existed have), then each optional
+unit's variables as `"<unit>_0"`, ... (`state.OPTIONAL`), so that a file
+with or without them loads into a model with or without them. The
+optional units load only once the core state has: a core state that does
+not fit (another `accumulation_steps`, other variables) warns and starts
+the whole step state fresh, the weights loaded either way.
+"""
+
+import warnings
+
+import numpy as np
+
+
+def save(state, store):
+    """Writes `state`'s variables into `store` (a file's entry)."""
+    for i, v in enumerate(state.variables[: _core_size(state)]):
+        store[str(i)] = v.numpy()
+    for name, unit in state.named_units():
+        for i, v in enumerate(unit.variables):
+            store[f"{name}_{i}"] = v.numpy()
+
+
+def load(state, store):
+    """Restores `state`'s variables from `store` (`{"0": array, ...}`)."""
+    core = state.variables[: _core_size(state)]
+    saved = {k: v for k, v in store.items() if "_" not in k}
+    if state.accumulator is not None and len(saved) == len(core) - 1:
+        saved = _without_included_count(saved, len(core))
+    if len(saved) != len(core):
+        warnings.warn(
+            f"FastGradModel: the saved step state has {len(saved)} "
+            f"variables but this model's has {len(core)} (different "
+            "`accumulation_steps`, `batchnorm_statistics` or trainable "
+            "variables?). The accumulation window and counters start "
+            "fresh; the weights were loaded."
+        )
+        for _, unit in state.named_units():  # of no window it belongs to
+            unit.reset_state()
+        return
+    for i, v in enumerate(core):
+        v.assign(saved[str(i)])
+    _load_optional(state, store)
+
+
+def _core_size(state):
+    optional = sum(len(unit.variables) for _, unit in state.named_units())
+    return len(state.variables) - optional
+
+
+def _load_optional(state, store):
+    """Loads the optional units' variables (`"<unit>_<i>"` keys). A unit
+    the file lacks, or holds with other shapes, starts fresh (zeros: an
+    empty window, no estimate yet); a unit the file has but this model
+    lacks is skipped (BatchNorm's pooled moments of an unfinished window:
+    warned, they are lost)."""
+    for name, unit in state.named_units():
+        saved = [store.get(f"{name}_{i}") for i in range(len(unit.variables))]
+        if all(
+            value is not None and tuple(np.shape(value)) == tuple(v.shape)
+            for v, value in zip(unit.variables, saved)
+        ):
+            for v, value in zip(unit.variables, saved):
+                v.assign(value)
+        else:
+            unit.reset_state()
+    own = {name for name, _ in state.named_units()}
+    pooled = [v for k, v in store.items() if k.startswith("batchnorm_")]
+    if "batchnorm" not in own and any(np.any(v) for v in pooled):
+        warnings.warn(
+            "FastGradModel: the file holds BatchNorm moments pooled over an "
+            "unfinished window (`batchnorm_statistics='window'`), which this "
+            "model does not pool; they are dropped (the moving statistics "
+            "are as saved). The weights and the rest of the step state "
+            "were loaded."
+        )
+
+
+def _without_included_count(store, size):
+    """A file saved before the accumulator counted its included
+    micro-batches (its last variable): a window with a positive
+    normaliser held at least one (what was decided by then)."""
+    normaliser = store[str(size - 3)]  # ..., normaliser, micro_step
+    return {**store, str(size - 1): int(float(normaliser) > 0.0)}
