@@ -22,7 +22,6 @@ AGC (the update's finite `cond`) but is robust to the load.
 Writes benchmarks/out/adaptive_clipping.json.
 """
 
-import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -31,6 +30,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from bench_core import dense_stack, mlp  # noqa: E402
 from harness import (  # noqa: E402
+    command_line,
     dataset_of,
     interleaved_step_ratios,
     report,
@@ -87,17 +87,11 @@ MODELS = {
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    rounds, steps = (6, 16) if args.quick else (16, 32)
-    rounds = args.rounds or rounds
+    _, rounds, steps, names = command_line(__doc__, (6, 16), (16, 32), list(MODELS))
     fg = keras_fastgrad.FastGradModel
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     pairs, isolated = [], {}
-    for name in args.models.split(","):
+    for name in names:
         build, shape, batch, longer = MODELS[name]
         data = dataset_of(*synthetic(shape, 10, batch * 8), batch)
         sides, models = [], []

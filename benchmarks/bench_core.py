@@ -20,13 +20,12 @@ step, where any per-step overhead shows), a small CNN (28x28x1, Conv
 convolution (`cnn_bn`). `--models a,b` picks some of them.
 """
 
-import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
-from harness import fit_fn, interleaved_ratios, report, synthetic  # noqa: E402
+from harness import command_line, fit_fn, interleaved_ratios, report, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 
@@ -90,16 +89,12 @@ def compiled(model, optimizer):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    rounds, steps = (5, 8) if args.quick else (12, 16)
-    rounds = args.rounds or rounds
+    _, rounds, steps, names = command_line(
+        __doc__, (5, 8), (12, 16), list(MODELS), quick_models=["mlp", "cnn", "cnn_bn"]
+    )
     fg = keras_fastgrad.FastGradModel
     results = {}
-    for name in args.models.split(","):
+    for name in names:
         build, shape, batch, longer = MODELS[name]
         x, y = synthetic(shape, 10, batch * steps * longer)
         adam = keras.optimizers.Adam

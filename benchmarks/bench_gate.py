@@ -25,14 +25,20 @@ round and `p25`), on the two MLPs of `bench_steps` (64 -> 3 x 256 -> 10 and
 Writes benchmarks/out/gate.json.
 """
 
-import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from harness import dataset_of, interleaved_step_ratios, report, step_fn, synthetic  # noqa: E402
+from harness import (  # noqa: E402
+    command_line,
+    dataset_of,
+    interleaved_step_ratios,
+    report,
+    step_fn,
+    synthetic,
+)
 
 
 class Gated(keras.Model):
@@ -84,14 +90,12 @@ MODELS = {"mlp_64x256_b64": (64, 256), "mlp_256x1024_b64": (256, 1024)}
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    rounds = args.rounds or (6 if args.quick else 16)
-    steps = 24 if args.quick else 48
+    args, rounds, steps, _ = command_line(__doc__, (6, 24), (16, 48))
     pairs = []
-    for name, (features, width) in MODELS.items():
+    # Quick mode: the larger MLP, where the gate shows.
+    names = ["mlp_256x1024_b64"] if args.quick else list(MODELS)
+    for name in names:
+        features, width = MODELS[name]
         data = dataset_of(*synthetic((features,), 10, 64 * 16), 64)
         side = {gate: step_fn(mlp(features, width, gate), data, steps) for gate in GATES}
         pairs += [

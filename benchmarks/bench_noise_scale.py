@@ -14,14 +14,20 @@ per micro-batch is one squared norm of the gradient it has (per slice with
 and scalar maths.
 """
 
-import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 from bench_core import compiled, mlp  # noqa: E402
-from harness import dataset_of, interleaved_step_ratios, report, step_fn, synthetic  # noqa: E402
+from harness import (  # noqa: E402
+    command_line,
+    dataset_of,
+    interleaved_step_ratios,
+    report,
+    step_fn,
+    synthetic,
+)
 
 import keras_fastgrad  # noqa: E402
 
@@ -44,16 +50,10 @@ OPTIONS = {"acc=4": {"accumulation_steps": 4}, "micro_batches=4": {"micro_batche
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    rounds, steps = (6, 16) if args.quick else (16, 32)
-    rounds = args.rounds or rounds
+    _, rounds, steps, names = command_line(__doc__, (6, 16), (16, 32), list(MODELS))
     fg = keras_fastgrad.FastGradModel
     pairs = []
-    for name in args.models.split(","):
+    for name in names:
         build, shape, batch = MODELS[name]
         data = dataset_of(*synthetic(shape, 10, batch * 8), batch)
         for label, options in OPTIONS.items():

@@ -26,7 +26,6 @@ gradients, SGD, "mse", batch 32; default target <= 1.05).
 Writes benchmarks/out/steps.json.
 """
 
-import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -36,7 +35,7 @@ import tensorflow as tf  # noqa: E402
 from bench_core import dense_stack  # noqa: E402
 from bench_embedding import data as embedding_data  # noqa: E402
 from bench_embedding import recommender  # noqa: E402
-from harness import interleaved_step_ratios, report, step_fn, synthetic  # noqa: E402
+from harness import command_line, interleaved_step_ratios, report, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 
@@ -83,16 +82,16 @@ MODELS = {
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    rounds = args.rounds or (8 if args.quick else 24)
-    steps = STEPS // 2 if args.quick else STEPS
+    _, rounds, steps, names = command_line(
+        __doc__,
+        (8, STEPS // 2),
+        (24, STEPS),
+        list(MODELS),
+        quick_models=["mlp_64x256_b64", "mlp_256x1024_b64"],
+    )
     fg = keras_fastgrad.FastGradModel
     results, targets = {}, {}
-    for name in args.models.split(","):
+    for name in names:
         make, dataset, optimizer, batch = MODELS[name]
         data = dataset(batch)
 

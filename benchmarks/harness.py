@@ -22,6 +22,38 @@ def machine():
     )
 
 
+def command_line(doc, quick, full, models=None, quick_models=None):
+    """The command line every benchmark takes: `--quick`, `--rounds N`
+    and, where it has `models` (names), `--models a,b`.
+
+    Args:
+        doc: The script's docstring (`--help`).
+        quick, full: `(rounds, steps)` of each mode.
+        models: Optional list of model names, all run by default.
+        quick_models: Optional list, the models `--quick` runs by default.
+
+    Returns:
+        `(args, rounds, steps, names)`: `names` the models to run (`[]`
+        without `models`).
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None)
+    if models is not None:
+        parser.add_argument("--models", default=None, help=f"comma-separated, of {models}")
+    args = parser.parse_args()
+    rounds, steps = quick if args.quick else full
+    names = []
+    if models is not None:
+        default = quick_models if args.quick and quick_models else models
+        names = args.models.split(",") if args.models else list(default)
+    return args, args.rounds or rounds, steps, names
+
+
 def time_call(fn):
     start = time.perf_counter()
     fn()
