@@ -21,7 +21,10 @@ Models: `mlp_64x256_b64` (MLP 64 -> 3 x 256 -> 10, batch 64, Adam: about
 1-2 ms a step on a quiet 2-core machine, where any fixed cost shows),
 `mlp_256x1024_b64` (256 -> 3 x 1024 -> 10, batch 64, Adam: about 8-10
 ms), `embedding` (bench_embedding's recommender: a 1M x 32 table, sparse
-gradients, SGD, "mse", batch 32; default target <= 1.05).
+gradients, SGD, "mse", batch 32; default target <= 1.05). `cnn_bn`
+(bench_core's CNN with BatchNormalization, batch 128) has one pair, issue
+22's budget: BatchNorm statistics of the window / per micro-batch
+(`batchnorm_statistics`, accumulation 4), target <= 1.03.
 
 Writes benchmarks/out/steps.json.
 """
@@ -32,7 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from bench_core import dense_stack  # noqa: E402
+from bench_core import cnn_bn, compiled, dense_stack  # noqa: E402
 from bench_embedding import data as embedding_data  # noqa: E402
 from bench_embedding import recommender  # noqa: E402
 from harness import command_line, interleaved_step_ratios, report, step_fn, synthetic  # noqa: E402
@@ -60,6 +63,19 @@ def classifier(features, width):
     return make, dataset, keras.optimizers.Adam
 
 
+def batchnorm_cnn():
+    """bench_core's CNN with a BatchNormalization after each convolution."""
+
+    def make(cls, optimizer, **options):
+        return compiled(cnn_bn(cls, **options), optimizer)
+
+    def dataset(batch):
+        x, y = synthetic((28, 28, 1), 10, batch * 8)
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+
+    return make, dataset, keras.optimizers.Adam
+
+
 def embedding():
     def make(cls, optimizer, **options):
         model = recommender(cls, **options)
@@ -78,6 +94,7 @@ MODELS = {
     "mlp_64x256_b64": (*classifier(64, 256), 64),
     "mlp_256x1024_b64": (*classifier(256, 1024), 64),
     "embedding": (*embedding(), 32),
+    "cnn_bn": (*batchnorm_cnn(), 128),
 }
 
 
@@ -99,6 +116,22 @@ def main():
             model = make(cls, optimizer(**(opt_kwargs or {})), **options)
             return step_fn(model, data, steps)
 
+        if name == "cnn_bn":  # issue 22's budget: one pair
+            window = f"{name}: BatchNorm window / micro_batch statistics (acc=4)"
+            results.update(
+                interleaved_step_ratios(
+                    [
+                        (
+                            window,
+                            timed(fg, accumulation_steps=4),
+                            timed(fg, accumulation_steps=4, batchnorm_statistics="micro_batch"),
+                        )
+                    ],
+                    rounds,
+                )
+            )
+            targets[window] = "<= 1.03"
+            continue
         pairs = [
             (
                 f"{name}: FastGradModel default / keras.Model",
