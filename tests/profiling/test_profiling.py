@@ -453,3 +453,22 @@ def test_cli_other_bad_arguments_exit_2_before_loading_anything(argv, message, c
         profile_cli.parse_args(argv)
     assert info.value.code == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_xla_mode_runs_adaptive_clipping():
+    # The model is not compiled with `jit_compile=True`, but the profiler's
+    # "xla" mode compiles its step: adaptive clipping must pick the norm
+    # XLA has (`EuclideanNorm` has no XLA kernel) from the trace's context,
+    # not from the model's flag.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="relu")(inputs))
+    model = keras_fastgrad.FastGradModel(inputs, outputs, clip_adaptive=0.01)
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    assert not model.jit_compile
+    result = keras_fastgrad.profile_step(
+        model, batch(), modes=("function", "xla"), repeats=2, warmup=1, verbose=0
+    )
+    assert set(result.phases) == {"function", "xla"}, result.skipped
