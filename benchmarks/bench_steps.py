@@ -34,11 +34,17 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from bench_core import cnn_bn, compiled, dense_stack  # noqa: E402
 from bench_embedding import data as embedding_data  # noqa: E402
 from bench_embedding import recommender  # noqa: E402
-from harness import command_line, interleaved_step_ratios, report, step_fn, synthetic  # noqa: E402
+from harness import (  # noqa: E402
+    command_line,
+    dataset_of,
+    interleaved_step_ratios,
+    report,
+    step_fn,
+    synthetic,
+)
 
 import keras_fastgrad  # noqa: E402
 
@@ -57,8 +63,7 @@ def classifier(features, width):
         return model
 
     def dataset(batch):
-        x, y = synthetic((features,), 10, batch * 16)
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+        return dataset_of(*synthetic((features,), 10, batch * 16), batch)
 
     return make, dataset, keras.optimizers.Adam
 
@@ -70,8 +75,7 @@ def batchnorm_cnn():
         return compiled(cnn_bn(cls, **options), optimizer)
 
     def dataset(batch):
-        x, y = synthetic((28, 28, 1), 10, batch * 8)
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+        return dataset_of(*synthetic((28, 28, 1), 10, batch * 8), batch)
 
     return make, dataset, keras.optimizers.Adam
 
@@ -83,8 +87,7 @@ def embedding():
         return model
 
     def dataset(batch):
-        x, y = embedding_data(batch * 16)
-        return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+        return dataset_of(*embedding_data(batch * 16), batch)
 
     return make, dataset, lambda **kw: keras.optimizers.SGD(0.01, **kw)
 

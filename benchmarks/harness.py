@@ -78,29 +78,42 @@ def interleaved_ratios(pairs, rounds):
     sides from round to round. Returns {name: dict(median, min, max, n)} of
     the per-round ratios numerator / denominator.
     """
-    ratios = {name: [] for name, _, _ in pairs}
-    times = {name: ([], []) for name, _, _ in pairs}
+    return _summaries(_interleaved(pairs, rounds, time_call), sum_of=None)
+
+
+def _interleaved(pairs, rounds, measure):
+    """`{name: ([numerator], [denominator])}`: `measure(fn)` of each side,
+    round by round, the order of the two sides alternating."""
+    measured = {name: ([], []) for name, _, _ in pairs}
     for r in range(rounds):
         for name, numerator, denominator in pairs:
             if r % 2:
-                t_den, t_num = time_call(denominator), time_call(numerator)
+                den, num = measure(denominator), measure(numerator)
             else:
-                t_num, t_den = time_call(numerator), time_call(denominator)
-            ratios[name].append(t_num / t_den)
-            times[name][0].append(t_num)
-            times[name][1].append(t_den)
-    return {
-        name: {
+                num, den = measure(numerator), measure(denominator)
+            measured[name][0].append(num)
+            measured[name][1].append(den)
+    return measured
+
+
+def _summaries(measured, sum_of):
+    """The per-round ratios' median, min and max, and the best-of-rounds
+    ratio, from `_interleaved`'s measures; `sum_of`: how a measure becomes
+    a round's time (`None`: it is one)."""
+    results = {}
+    for name, sides in measured.items():
+        times = [[m if sum_of is None else sum_of(m) for m in side] for side in sides]
+        values = [num / den for num, den in zip(*times)]
+        results[name] = {
             "median": statistics.median(values),
             "min": min(values),
             "max": max(values),
             "rounds": len(values),
             # Best of rounds: each side's fastest round (the least disturbed
             # by other work on the machine), divided.
-            "best": min(times[name][0]) / min(times[name][1]),
+            "best": min(times[0]) / min(times[1]),
         }
-        for name, values in ratios.items()
-    }
+    return results
 
 
 def step_fn(model, dataset, steps):
@@ -110,7 +123,7 @@ def step_fn(model, dataset, steps):
     `dataset` and returns each step's seconds. Built by one `fit` epoch
     of two batches, traced here (warm-up)."""
     model.fit(dataset.take(2), epochs=1, verbose=0)
-    function = model.make_train_function() or model.train_function
+    function = model.train_function  # what that `fit` made
     iterator = iter(dataset.repeat())
     for _ in range(steps):
         function(iterator)
@@ -131,36 +144,16 @@ def interleaved_step_ratios(pairs, rounds):
     the sum of its steps. Adds `step_p25`: the ratio of each side's 25th
     percentile step over every round (robust to the moments another
     process takes the cores, which hit a few steps hard)."""
-    ratios = {name: [] for name, _, _ in pairs}
-    rounds_s = {name: ([], []) for name, _, _ in pairs}
-    steps_s = {name: ([], []) for name, _, _ in pairs}
     for _, numerator, denominator in pairs:  # one untimed round: the first
         numerator()  # timed round after the others' warm-up ran slow
         denominator()
-    for r in range(rounds):
-        for name, numerator, denominator in pairs:
-            if r % 2:
-                den, num = denominator(), numerator()
-            else:
-                num, den = numerator(), denominator()
-            ratios[name].append(sum(num) / sum(den))
-            for side, seconds in enumerate((num, den)):
-                rounds_s[name][side].append(sum(seconds))
-                steps_s[name][side].extend(seconds)
-    return {
-        name: {
-            "median": statistics.median(values),
-            "min": min(values),
-            "max": max(values),
-            "rounds": len(values),
-            "best": min(rounds_s[name][0]) / min(rounds_s[name][1]),
-            "step_p25": float(
-                np.percentile(steps_s[name][0], 25) / np.percentile(steps_s[name][1], 25)
-            ),
-            "step_ms": [float(np.median(side)) * 1e3 for side in steps_s[name]],
-        }
-        for name, values in ratios.items()
-    }
+    measured = _interleaved(pairs, rounds, lambda fn: fn())
+    results = _summaries(measured, sum_of=sum)
+    for name, sides in measured.items():
+        steps = [np.concatenate(side) for side in sides]
+        results[name]["step_p25"] = float(np.percentile(steps[0], 25) / np.percentile(steps[1], 25))
+        results[name]["step_ms"] = [float(np.median(side)) * 1e3 for side in steps]
+    return results
 
 
 def report(title, results, targets, out_name):
