@@ -2,6 +2,7 @@
 the gradients it holds at two batch sizes (`keras_fastgrad.step.noise_scale`)."""
 
 import math
+import numbers
 
 from keras_fastgrad.callbacks import _base
 from keras_fastgrad.callbacks._tensorboard import SummaryWriter
@@ -69,13 +70,7 @@ class GradientNoiseScale(_base.FastGradCallback):
 
     def __init__(self, decay=noise_scale.DEFAULT_DECAY, verbose=1, tensorboard_dir=None):
         super().__init__()
-        self.decay = _base.check_number("decay", decay, 0.0, 1.0, open_min=True)
-        if self.decay >= 1.0:
-            raise ValueError(
-                "`decay` must be a number > 0.0 and < 1.0 (the moving "
-                f"averages' decay per update). Received: decay={decay!r}. "
-                "Fix: e.g. `decay=0.99`, or `0.9` for short runs."
-            )
+        self.decay = check_decay(decay)
         self.verbose = _base.check_int("verbose", verbose, 0, " (0 or 1)")
         self.tensorboard_dir = _base.check_optional_path("tensorboard_dir", tensorboard_dir)
         self.b_simple = float("nan")
@@ -106,6 +101,20 @@ class GradientNoiseScale(_base.FastGradCallback):
             self._writer.close()
             self._writer = None
         super().on_train_end(logs)
+
+
+def check_decay(decay):
+    """`decay` as a float if it is a number in the open interval (0, 1)
+    (1.0 would never move the moving averages from their empty start; 0.0
+    would average nothing), else raises `ValueError`."""
+    ok = isinstance(decay, numbers.Real) and not isinstance(decay, bool)
+    if not (ok and 0.0 < decay < 1.0):
+        raise ValueError(
+            "`decay` must be a number > 0.0 and < 1.0 (the moving averages' "
+            f"decay per update; both ends excluded). Received: decay={decay!r}. "
+            "Fix: e.g. `decay=0.99`, or `0.9` for short runs."
+        )
+    return float(decay)
 
 
 def describe(b_simple):
