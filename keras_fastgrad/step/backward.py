@@ -83,7 +83,6 @@ def _gradients(model, state, x, y, sample_weight):
     weighted = state.accumulator is not None or num_replicas() > 1 or model.micro_batches > 1
     measure = state.noise_scale is not None
     if model.micro_batches > 1:
-        _check_slices(model, x)
         loss, y_pred, grads, share, *small = sliced_gradients(
             model,
             x,
@@ -194,14 +193,3 @@ def _first_input(model, x):
         # `None`: "not optional"), as `keras.Model` raises it.
         call_for_training(model, x)
         raise
-
-
-def _check_slices(model, x):
-    batch = first_input(x).shape[0]
-    if batch is not None and batch < model.micro_batches:
-        raise ValueError(
-            "`micro_batches` must not exceed the batch size (each slice "
-            f"needs a sample). Received: micro_batches={model.micro_batches} "
-            f"for a batch of {batch}. Fix: a larger `batch_size` or fewer "
-            "`micro_batches`."
-        )

@@ -29,7 +29,6 @@ saved) and the window's (global, saved with the model). A micro-batch that
 is dropped (not finite) leaves the window as it was, like its gradient.
 """
 
-import contextlib
 import threading
 
 import keras
@@ -157,13 +156,10 @@ class WindowMoments:
         return compat.batchnorm_recording(self.layers, record, held)
 
     def _record(self, layer, inputs, mask, mean, variance):
-        rows = getattr(_slice_rows, "rows", None)
-        if rows is None:  # Keras' moments are the micro-batch's
-            n = _counts(layer, inputs, mask)
-            mean = tf.reshape(tf.cast(mean, tf.float32), [-1])
-            m2 = tf.reshape(tf.cast(variance, tf.float32), [-1]) * n
-        else:  # a slice padded with copies of real rows: those left out
-            n, mean, m2 = _weighted_moments(layer, inputs, mask, rows)
+        # Keras' moments are the micro-batch's (or slice's: no padding)
+        n = _counts(layer, inputs, mask)
+        mean = tf.reshape(tf.cast(mean, tf.float32), [-1])
+        m2 = tf.reshape(tf.cast(variance, tf.float32), [-1]) * n
         moments = tf.stop_gradient(tf.stack([n, mean, m2]))
         if self.sliced:
             scratch = self.scratch[id(layer)]
@@ -245,41 +241,6 @@ def _refuse_unrecorded(layer):
         "statistics without Keras' moments computation. Fix: pass "
         "`batchnorm_statistics='micro_batch'`."
     )
-
-
-@contextlib.contextmanager
-def slice_rows(rows):
-    """Within the block (the forward pass of one `micro_batches` slice),
-    BatchNorm moments count only the slice's real rows: `rows`, a boolean
-    `[size]` vector over the inputs' first (batch) axis (`slicing` pads the
-    last slice with copies of real rows). Costs nothing unless pooled."""
-    previous = getattr(_slice_rows, "rows", None)
-    _slice_rows.rows = rows
-    try:
-        yield
-    finally:
-        _slice_rows.rows = previous
-
-
-_slice_rows = threading.local()
-
-
-def _weighted_moments(layer, inputs, mask, rows):
-    """`(n, mean, M2)` per feature over the real rows (and, masked, the
-    mask's positions), as Keras weighs a mask."""
-    inputs = tf.cast(inputs, tf.float32)
-    rank = len(inputs.shape)
-    axes = [a for a in range(rank) if a != layer.axis % rank]
-    weights = tf.reshape(tf.cast(rows, tf.float32), [-1] + [1] * (rank - 1))
-    if mask is not None:
-        weights = weights * tf.cast(mask, tf.float32)[..., None]
-    weights = tf.broadcast_to(weights, tf.shape(inputs))
-    n = tf.reduce_sum(weights, axis=axes)
-    mean = tf.math.divide_no_nan(tf.reduce_sum(weights * inputs, axis=axes), n)
-    shape = [1] * rank
-    shape[layer.axis % rank] = -1
-    m2 = tf.reduce_sum(weights * tf.square(inputs - tf.reshape(mean, shape)), axis=axes)
-    return n, mean, m2
 
 
 def _counts(layer, inputs, mask):

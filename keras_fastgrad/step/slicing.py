@@ -1,26 +1,37 @@
 """In-step micro-batching: one batch, `m` slices, one gradient.
 
-The batch of n samples is padded to `m * s` rows, s = ceil(n / m) (with
-copies of its first rows, so the padding is as finite as the data), and a
-`tf.while_loop` runs forward and backward on one slice at a time, adding the
-slice's gradient to float32 loop-carried sums: activation memory is that of
-one slice. Padded rows are masked out of every output loss (whatever its
-rank: per-sample, per-timestep, per-pixel), and each slice's gradient is
-multiplied by its loss's normaliser `D_i` (`keras_fastgrad.step.weighting`), so
-the sums are gradients of the summed losses and dividing by the batch's
-normaliser gives exactly the gradient of the un-split batch, masks and
-sample weights included, for any n (tests: uneven splits, masked sequences,
-per-pixel losses, SGD and Adam, XLA). The predictions keep their masks, so
-the metrics see what they would on the whole batch. Weight regularisation
-enters every slice's loss once; what the slices' shares add beyond the
-batch's normaliser is taken back after the loop.
+The batch of n rows is split as `numpy.array_split` splits it, without
+padding: `k = min(m, n)` slices (one, empty, for an empty batch), the first
+`n mod k` of `ceil(n / k)` rows and the others of `floor(n / k)`. Every row
+is in exactly one slice and no slice holds anything else, so every term the
+model computes (output losses, `add_loss` terms, activity regularisers, the
+extra terms of an overridden `compute_loss`) and every layer that mixes
+samples (BatchNormalization's moments) sees real rows only. A
+`tf.while_loop` runs forward and backward on one slice at a time, adding
+the slice's gradient to float32 loop-carried sums: activation memory is
+that of one slice. Each slice's gradient is multiplied by its loss's
+normaliser `D_i` (`keras_fastgrad.step.weighting`), so the sums are
+gradients of the summed losses and dividing by the batch's normaliser
+gives exactly the gradient of the un-split batch, masks and sample weights
+included (tests: uneven splits, masked sequences, per-pixel losses, SGD
+and Adam, XLA). Weight regularisation enters every slice's loss once; what
+the slices' shares add beyond the batch's normaliser is taken back after
+the loop (`reduction="sum"`: each slice's share is 1).
 
-BatchNormalization normalises each slice by the slice's moments (ghost
-batch norm); its moving statistics take one step per batch from the
-moments pooled over the slices' real rows (`keras_fastgrad.step.batchnorm`;
-`batchnorm_statistics="micro_batch"`: one step per slice, padding rows
-included). Limits: other layers that mix samples see slices, not the
-batch; losses added with `add_loss` inside `call` are computed per slice.
+Slices of different sizes have different shapes. Outside XLA one loop
+slices the batch with a dynamic first dimension; XLA needs static shapes,
+so there two loops run, one over the `ceil` slices and one over the
+`floor` slices, each of one static shape (the model is traced twice).
+
+The predictions keep their masks, so the metrics see what they would on
+the whole batch. BatchNormalization normalises each slice by the slice's
+moments (ghost batch norm); its moving statistics take one step per batch
+from the moments pooled over the slices (`keras_fastgrad.step.batchnorm`;
+`batchnorm_statistics="micro_batch"`: one step per slice). Limits: other
+layers that mix samples see slices, not the batch; terms beyond the
+output losses are weighted by the slice's share of the loss normaliser
+(exact for per-sample means when the normaliser counts rows: see
+docs/concepts/exactness.md).
 """
 
 import collections
@@ -31,7 +42,6 @@ from keras import tree
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._compat import get_keras_mask, set_keras_mask
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
-from keras_fastgrad.step.batchnorm import slice_rows
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import num_replicas
 from keras_fastgrad.step.weighting import LossShares, Share
@@ -57,11 +67,20 @@ def first_input(x):
     )
 
 
-def _pad_and_split(t, order, slices):
-    """`[n, ...]` -> `[slices, s, ...]`: the rows in `order` (the batch's
-    rows, then copies of its first rows as padding)."""
-    t = tf.gather(tf.convert_to_tensor(t), order)
-    return tf.reshape(t, tf.concat([[slices, -1], tf.shape(t)[1:]], 0))
+def slice_sizes(n, slices):
+    """The rows of each slice of a batch of `n` rows split `slices` ways:
+    those of `numpy.array_split`, with no empty slice unless `n` is 0.
+
+    Example:
+
+    >>> slice_sizes(22, 3), slice_sizes(7, 4), slice_sizes(1, 2)
+    ([8, 7, 7], [2, 2, 2, 1], [1])
+    >>> [len(part) for part in np.array_split(np.arange(22), 3)]
+    [8, 7, 7]
+    """
+    count = max(min(slices, n), 1)
+    small, big = divmod(n, count)
+    return [small + 1] * big + [small] * (count - big)
 
 
 def sliced_gradients(
@@ -74,15 +93,16 @@ def sliced_gradients(
         x, y, sample_weight: The batch, as Keras unpacks it.
         variables: The trainable variables the tape watches.
         scaling: The step's `LossScaling` unit.
-        slices: Python int >= 2.
+        slices: Python int >= 2 (a batch with fewer rows runs one slice
+            per row, `slice_sizes`).
         merger: The model's `multitask.TaskMerger`, or `None`. With one,
             each task's gradient is summed over the slices on its own, and
             the sums (the task gradients of the whole batch) are merged once
             after the loop: the same update as the un-split step.
         measure: Optional pair `(fn, zero)`: `fn(grads, rows, normaliser,
             index)` returns a vector (shaped as the tensor `zero`) from
-            each slice's (weighted) gradients, real rows, normaliser and
-            index; the vectors are summed over the slices
+            each slice's (weighted) gradients, rows, normaliser and index;
+            the vectors are summed over the slices
             (`noise_scale.slice_measure`: slices are small batches).
 
     Returns:
@@ -96,18 +116,16 @@ def sliced_gradients(
         fifth item: the sum of its vectors.
     """
     batch = _split(x, y, sample_weight, slices)
-    out_spec = model.compute_output_spec(tree.map_structure(lambda t: t[0], batch.x))
+    out_spec = model.compute_output_spec(x)
     facts = {}  # trace-time facts of the body, the same for every slice
-    body = _loop_body(model, batch, variables, scaling, merger, facts, measure)
-    start = _initial_loop_values(model, batch, variables, out_spec, merger)
-    if measure is not None:  # the measures' sum rides along
-        start += (measure[1],)
-    _, sums, loss_sum, actual_sum, real_sum, outputs, masks, *measured = tf.while_loop(
-        lambda i, *_: i < slices,
-        body,
-        start,
-        maximum_iterations=slices,
-    )
+    step = _slice_step(model, batch, variables, scaling, merger, facts, measure)
+    totals = _zero_totals(model, y, out_spec, variables, merger, measure)
+    outputs, masks = [], []
+    for group in _groups(batch):
+        totals, group_outputs, group_masks = _run_group(group, step, totals, out_spec)
+        outputs.append(group_outputs)
+        masks.append(group_masks)
+    sums, loss_sum, actual_sum, real_sum, *measured = totals
     sums = [
         [s if present else None for s, present in zip(row, has)]
         for row, has in zip(sums, facts["has_grad"])
@@ -127,130 +145,189 @@ def sliced_gradients(
         grads = regularized
     else:  # the whole batch's task gradients, merged once
         grads = _merged_tasks(model, merger, sums, regularized, actual_sum, loss_sum)
-    y_pred = _whole_batch_predictions(outputs, masks, facts["has_mask"], out_spec, batch.n)
+    rows = first_input(x).shape[:1]
+    y_pred = _whole_batch_predictions(outputs, masks, facts["shapes"], rows, out_spec)
     share = Share(real, real, facts["mean"])
     return (loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share, *measured)
 
 
-class _Slices(
-    collections.namedtuple(
-        "_Slices",
-        [
-            "n",
-            "size",
-            "slices",
-            "rows",
-            "x",
-            "y",
-            "sample_weight",
-        ],
-    )
+class _Split(
+    collections.namedtuple("_Split", ["n", "count", "small", "big", "x", "y", "sample_weight"])
 ):
-    """One batch as `[slices, size, ...]` tensors: `n` real rows, `rows` the
-    `[slices, size]` validity of each row, `x`, `y`, `sample_weight` the
-    split structures (`None` where the batch has none)."""
+    """One batch and how it is split (`slice_sizes`, as int32 tensors):
+    `count` slices, the first `big` of `small + 1` rows, the others of
+    `small`; `x`, `y`, `sample_weight` the whole batch's structures
+    (`None` where the batch has none)."""
 
-    def slice(self, i):
-        """The `i`-th slice's `(x, y, sample_weight)`."""
-        take = lambda t: t[i]  # noqa: E731
-        return (
-            tree.map_structure(take, self.x),
-            None if self.y is None else tree.map_structure(take, self.y),
-            None if self.sample_weight is None else tree.map_structure(take, self.sample_weight),
-        )
+    def start(self, i):
+        """The first row of slice `i`."""
+        return i * self.small + tf.minimum(i, self.big)
+
+    def size(self, i):
+        """The rows of slice `i`."""
+        return self.small + tf.cast(i < self.big, tf.int32)
+
+    def structures(self):
+        return (self.x, self.y, self.sample_weight)
 
 
 def _split(x, y, sample_weight, slices):
-    """The batch in `slices` slices of `ceil(n / slices)` rows."""
+    """The batch and its split (`slice_sizes`, traced)."""
     n = tf.shape(first_input(x))[0]
-    size = (n + slices - 1) // slices
-    pad = size * slices - n
-    rows = tf.reshape(tf.concat([tf.ones([n], tf.bool), tf.zeros([pad], tf.bool)], 0), [slices, -1])
-    # Padding rows are copies of real rows, not zeros: a zero row can be
-    # NaN in the forward pass (a fully masked sequence pools to 0/0), and
-    # NaN times the mask that removes the row from the loss is still NaN.
-    order = tf.math.floormod(tf.range(size * slices), n)
-    split = lambda t: _pad_and_split(t, order, slices)  # noqa: E731
-    return _Slices(
-        n=n,
-        size=size,
-        slices=slices,
-        rows=rows,
-        x=tree.map_structure(split, x),
-        y=None if y is None else tree.map_structure(split, y),
-        sample_weight=None if sample_weight is None else tree.map_structure(split, sample_weight),
-    )
+    count = tf.maximum(tf.minimum(n, slices), 1)
+    return _Split(n, count, n // count, n % count, x, y, sample_weight)
 
 
-def _initial_loop_values(model, batch, variables, out_spec, merger):
-    """The loop's start: slice 0, zero sums (one row per loss), zero
-    totals, empty arrays for the predictions and their masks."""
+def _map(fn, structures):
+    """`fn` over every tensor of the `(x, y, sample_weight)` structures."""
+    return tuple(None if s is None else tree.map_structure(fn, s) for s in structures)
+
+
+class _Group(collections.namedtuple("_Group", ["first", "end", "take"])):
+    """Slices `first` to `end - 1`; `take(i)` gives slice `i`'s `(x, y,
+    sample_weight, rows)`."""
+
+
+def _groups(batch):
+    """The loops to run: outside XLA one over every slice (dynamic
+    shapes); under XLA one per slice size, each slice of a static shape."""
+    if not compat.in_xla_context():
+
+        def take(i):
+            start, size = batch.start(i), batch.size(i)
+            parts = _map(lambda t: t[start : start + size], batch.structures())
+            return (*parts, size)
+
+        return [_Group(tf.constant(0), batch.count, take)]
+    groups = []
+    for first, end, size in (
+        (tf.constant(0), batch.big, batch.small + 1),
+        (batch.big, batch.count, batch.small),
+    ):
+        groups.append(_Group(first, end, _static_take(batch, first, end, size)))
+    return groups
+
+
+def _static_take(batch, first, end, size):
+    """`take` for slices `first` to `end - 1`, all of `size` rows: the
+    rows reshaped to `[end - first, size, ...]` before the loop. An empty
+    group is given one slice of the batch's rows that the loop never
+    reaches: XLA compiles the body for it, and indexing an empty axis
+    does not compile."""
+    count = tf.maximum(end - first, 1)
+    rows = batch.start(first) + tf.range(count * size)
+    rows = tf.minimum(rows, tf.maximum(batch.n - 1, 0))
+
+    def grouped(t):
+        t = tf.gather(tf.convert_to_tensor(t), rows)
+        return tf.reshape(t, tf.concat([[count, size], tf.shape(t)[1:]], 0))
+
+    parts = _map(grouped, batch.structures())
+
+    def take(i):
+        return (*_map(lambda t: t[i - first], parts), size)
+
+    return take
+
+
+def _zero_totals(model, y, out_spec, variables, merger, measure):
+    """The loop's running totals at the start: zero gradient sums (one
+    row per loss), zero loss, actual and real normalisers (and measures)."""
     num_losses = 1
     if merger is not None:  # one sum per task, and the regularisation's
         compile_loss = compat.compile_loss(model)
         if not compile_loss.built:  # (the task names come with its build)
-            compile_loss.build(tree.map_structure(lambda t: t[0], batch.y), out_spec)
+            compile_loss.build(y, out_spec)
         num_losses = len(task_names(model)) + 1
-    flat_spec = tree.flatten(out_spec)
-    return (
-        tf.constant(0),
+    totals = (
         [[tf.zeros(v.shape, tf.float32) for v in variables] for _ in range(num_losses)],
         tf.constant(0.0),
         tf.constant(0.0),
         tf.constant(0.0),
-        [tf.TensorArray(s.dtype, size=batch.slices, element_shape=None) for s in flat_spec],
-        [tf.TensorArray(tf.bool, size=batch.slices, element_shape=None) for _ in flat_spec],
     )
+    return totals + ((measure[1],) if measure is not None else ())
 
 
-def _loop_body(model, batch, variables, scaling, merger, facts, measure=None):
-    """The `tf.while_loop` body: one slice forward and backward, its
-    gradients added to the sums, its predictions kept (and, with
-    `measure`, its measures added). Fills `facts` (a dict) with the body's
+def _run_group(group, step, totals, out_spec):
+    """One `tf.while_loop` over the group's slices. Returns the new totals
+    and the group's predictions and masks (one `TensorArray` each per
+    output, one element per slice)."""
+    flat_spec = tree.flatten(out_spec)
+    count = group.end - group.first
+    arrays = lambda dtype: tf.TensorArray(dtype, size=count, infer_shape=False)  # noqa: E731
+
+    def body(i, totals, outputs, masks):
+        totals, flat_pred, flat_mask = step(i, group.take(i), totals)
+        outputs = [ta.write(i - group.first, p) for ta, p in zip(outputs, flat_pred)]
+        masks = [ta.write(i - group.first, m) for ta, m in zip(masks, flat_mask)]
+        return i + 1, totals, outputs, masks
+
+    _, totals, outputs, masks = tf.while_loop(
+        lambda i, *_: i < group.end,
+        body,
+        (
+            group.first,
+            totals,
+            [arrays(s.dtype) for s in flat_spec],
+            [arrays(tf.bool) for _ in flat_spec],
+        ),
+    )
+    return totals, outputs, masks
+
+
+def _slice_step(model, batch, variables, scaling, merger, facts, measure=None):
+    """One slice forward and backward: `step(i, (x, y, sample_weight,
+    rows), totals)` adds its gradients to the sums and its loss, shares
+    (and, with `measure`, its measures) to the totals; returns them with
+    its flat predictions and masks. Fills `facts` (a dict) with the
     trace-time facts on its first trace."""
 
-    def body(i, sums, loss_sum, actual_sum, real_sum, outputs, masks, *measured):
-        losses, share, grads, y_pred = _slice_gradients(model, batch, i, variables, scaling, merger)
+    def step(i, piece, totals):
+        x, y, sample_weight, rows = piece
+        sums, loss_sum, actual_sum, real_sum, *measured = totals
+        losses, share, grads, y_pred = _slice_gradients(
+            model, x, y, sample_weight, rows, variables, scaling, merger
+        )
         flat_pred = tree.flatten(y_pred)
         if not facts:
             facts["has_grad"] = [[g is not None for g in row] for row in grads]
             facts["mean"] = share.mean
             facts["has_mask"] = [get_keras_mask(p) is not None for p in flat_pred]
+            # (the shapes past the batch axis: the concatenation loses them)
+            facts["shapes"] = [
+                (p.shape[1:], get_keras_mask(p).shape[1:] if has else None)
+                for p, has in zip(flat_pred, facts["has_mask"])
+            ]
         sums = [
             [total if g is None else total + tf.cast(g, tf.float32) for total, g in zip(r, row)]
             for r, row in zip(sums, grads)
         ]
-        outputs = [ta.write(i, p) for ta, p in zip(outputs, flat_pred)]
-        masks = [
-            ta.write(i, get_keras_mask(p) if has else tf.zeros([0], tf.bool))
-            for ta, p, has in zip(masks, flat_pred, facts["has_mask"])
+        flat_mask = [
+            get_keras_mask(p) if has else tf.zeros([0], tf.bool)
+            for p, has in zip(flat_pred, facts["has_mask"])
         ]
         loss = tf.add_n([tf.cast(l, tf.float32) for l in losses])
         if measure is not None:
-            rows = tf.reduce_sum(tf.cast(batch.rows[i], tf.float32))
+            rows = tf.cast(rows, tf.float32)
             measured = [measured[0] + measure[0](grads[0], rows, share.actual, i)]
-        return (
-            i + 1,
+        totals = (
             sums,
             loss_sum + loss * share.actual,
             actual_sum + share.actual,
             real_sum + share.real,
-            outputs,
-            masks,
             *measured,
         )
+        return totals, flat_pred, flat_mask
 
-    return body
+    return step
 
 
-def _slice_gradients(model, batch, i, variables, scaling, merger):
-    """Slice `i`'s losses, share, gradients (one row per loss, unscaled,
+def _slice_gradients(model, x, y, sample_weight, rows, variables, scaling, merger):
+    """The slice's losses, share, gradients (one row per loss, unscaled,
     times the share) and predictions."""
-    x, y, sample_weight = batch.slice(i)
     with watching(variables, persistent=merger is not None) as tape:
-        with slice_rows(batch.rows[i]):  # padding rows: no BatchNorm moments
-            y_pred = call_for_training(model, x)
-        with LossShares(model, batch.size, rows=batch.rows[i]) as shares:
+        y_pred = call_for_training(model, x)
+        with LossShares(model, rows) as shares:
             losses = _slice_losses(model, x, y, y_pred, sample_weight, merger)
         share = shares.share()
         weight = share.loss_weight(num_replicas())
@@ -274,13 +351,18 @@ def _merged_tasks(model, merger, sums, regularized, actual_sum, loss_sum):
     return grads
 
 
-def _whole_batch_predictions(outputs, masks, has_mask, out_spec, n):
-    """The slices' predictions (and masks) as the whole batch's."""
+def _whole_batch_predictions(outputs, masks, shapes, rows, out_spec):
+    """The slices' predictions (and masks), group after group, as the
+    whole batch's: `shapes` their shapes past the batch axis (`None`: no
+    mask), `rows` the batch's static `[n]` shape."""
     merged = []
-    for ta, mask_ta, has in zip(outputs, masks, has_mask):
-        p = _merge_slices(ta.stack(), n)
-        if has:
-            set_keras_mask(p, _merge_slices(mask_ta.stack(), n))
+    for k, (shape, mask_shape) in enumerate(shapes):
+        p = tf.concat([group[k].concat() for group in outputs], 0)
+        p.set_shape(rows.concatenate(shape))
+        if mask_shape is not None:
+            mask = tf.concat([group[k].concat() for group in masks], 0)
+            mask.set_shape(rows.concatenate(mask_shape))
+            set_keras_mask(p, mask)
         merged.append(p)
     return tree.pack_sequence_as(out_spec, merged)
 
@@ -295,12 +377,6 @@ def _slice_losses(model, x, y, y_pred, sample_weight, merger):
     return task_losses(model, y, y_pred, sample_weight) + [
         tf.constant(0.0) if regularization is None else regularization
     ]
-
-
-def _merge_slices(stacked, n):
-    """`[slices, s, ...]` -> `[n, ...]`."""
-    flat = tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]], 0))
-    return flat[:n]
 
 
 def _take_back_extra_regularization(model, variables, grads, loss_sum, extra, factor):

@@ -18,7 +18,7 @@ def both(options=None, optimizer=lambda: keras.optimizers.SGD(0.1), **compile_kw
 
 @pytest.mark.parametrize("slices", [2, 3, 4])
 def test_uneven_split_equals_the_whole_batch(slices):
-    # A batch of 10 in 3 slices: 4, 4, 2 (+2 padded rows).
+    # A batch of 10 in 3 slices: 4, 3, 3 (as `numpy.array_split`).
     x, y = data(n=20)
     ref, model = both({"micro_batches": slices})
     h_ref = ref.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
@@ -131,15 +131,15 @@ def test_bad_micro_batches(value, error, match):
 
 
 def test_micro_batches_larger_than_the_batch():
+    # Batches of 2 (a static shape) in `micro_batches=4`: one slice per row,
+    # no empty or padded slice; the un-split step on batches of 2.
     x, y = data(n=4)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(2, drop_remainder=True)
-    model = fast(micro_batches=4)
-    model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(
-        ValueError,
-        match=r"`micro_batches` must not exceed the batch size.*micro_batches=4 for a batch of 2",
-    ):
-        model.fit(dataset, verbose=0)
+    ref, model = both({"micro_batches": 4})
+    ref.fit(dataset, verbose=0)
+    model.fit(dataset, verbose=0)
+    assert max_weight_diff(ref, model) < 1e-6
+    assert int(model.optimizer.iterations.numpy()) == 2
 
 
 def two_task_model(regularized, **options):
@@ -169,7 +169,7 @@ def two_task_model(regularized, **options):
 def test_micro_batches_with_multitask_equal_the_unsplit_merge(method, regularized):
     # Reference: the un-split multi-task step (itself checked against
     # numpy in test_merger.py) on the same batches of 7 (3 slices:
-    # 3, 3, 1 + 2 padded rows). The merge is nonlinear: merging per slice
+    # 3, 2, 2). The merge is nonlinear: merging per slice
     # would differ; the task gradients must be summed first.
     x, _ = data(n=14)
     rng = np.random.default_rng(3)
@@ -188,3 +188,12 @@ def test_micro_batches_with_multitask_equal_the_unsplit_merge(method, regularize
     per_slice = two_task_model(regularized, multitask=method)
     per_slice.fit(x, y, sample_weight=w, batch_size=3, epochs=2, shuffle=False, verbose=0)
     assert max_weight_diff(ref, per_slice) > 1e-4
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 7, 22, 24])
+@pytest.mark.parametrize("slices", [2, 3, 4])
+def test_slice_sizes_are_numpy_array_split_without_empty_slices(n, slices):
+    from keras_fastgrad.step.slicing import slice_sizes
+
+    expected = [len(p) for p in np.array_split(np.arange(n), slices) if len(p)] or [0]
+    assert slice_sizes(n, slices) == expected
