@@ -175,3 +175,127 @@ def test_the_aggregators_scale_table_matches_the_code():
             expected = (1 + c) / (1 + c**2)
             assert cell.startswith("`(1 + c) / (1 + c^2) g`")
         np.testing.assert_allclose(total, expected, rtol=1e-5, err_msg=name)
+
+
+# --- The site's machinery (tools/mkdocs_hooks.py, tools/griffe_keras_examples.py,
+# the vendored KaTeX): checked without a build; `.ci/run` builds the site and
+# checks it in a browser (tools/check_site.py).
+
+
+def tool(name):
+    """A module of tools/, imported from its file (needs the `docs` extra)."""
+    import importlib.util
+
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("griffe")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_katex_is_vendored_whole_and_its_version_noted():
+    katex = os.path.join(DOCS, "assets", "katex")
+    note = read("docs/assets/katex/VERSION.txt")
+    noted = re.match(
+        r"KaTeX (\d+\.\d+\.\d+), vendored unmodified from the npm package katex@\1", note
+    )
+    assert noted, "VERSION.txt names the version and the npm package"
+    assert f'version:"{noted.group(1)}"' in read("docs/assets/katex/katex.min.js")
+    assert "MIT License" in read("docs/assets/katex/LICENSE")
+    fonts = set(
+        re.findall(r"url\(fonts/([\w-]+\.woff2)\)", read("docs/assets/katex/katex.min.css"))
+    )
+    assert len(fonts) == 20
+    missing = [f for f in sorted(fonts) if not os.path.exists(os.path.join(katex, "fonts", f))]
+    assert not missing, f"fonts katex.min.css uses: {missing}"
+    config = read("mkdocs.yml")
+    for asset in re.findall(r"^  - (assets/\S+\.(?:js|css))$", config, re.M):
+        assert os.path.exists(os.path.join(DOCS, asset)), asset
+    assert "assets/katex/katex.min.js" in config and "assets/katex/katex.min.css" in config
+
+
+def test_no_page_loads_anything_from_the_network():
+    # The site works offline: no CDN in the configuration or the pages.
+    texts = [read("mkdocs.yml")] + [read(os.path.join("docs", p)) for p in docs_pages()]
+    for text in texts:
+        assert not re.search(r"<(script|link)[^>]+(src|href)=\"https?://", text)
+    assert not re.search(r"^\s*- https?://", read("mkdocs.yml"), re.M)
+
+
+def test_notebook_table_of_contents_is_read_from_the_rendered_headings():
+    hooks = tool("mkdocs_hooks")
+    page = (
+        '<h1 id="quick-start">Quick start<a class="anchor-link" href="#quick-start">¶</a></h1>'
+        '<h2 id="the-swap-kerasmodel-fastgradmodel">The swap: <code>keras.Model</code> -&gt; '
+        '<code>FastGradModel</code><a class="anchor-link" href="#x">¶</a></h2>'
+        '<h3 id="3-fastgradmodels-step">3. <code>FastGradModel</code>\'s step</h3>'
+        '<h2 id="what-you-saw">What you saw</h2><h2>no id</h2>'
+    )
+    tokens = hooks.toc_tokens(page)
+    assert [(t["level"], t["id"], t["name"]) for t in tokens] == [(1, "quick-start", "Quick start")]
+    children = tokens[0]["children"]
+    assert [(t["id"], t["name"]) for t in children] == [
+        ("the-swap-kerasmodel-fastgradmodel", "The swap: keras.Model -&gt; FastGradModel"),
+        ("what-you-saw", "What you saw"),
+    ]
+    assert children[0]["children"][0]["name"] == "3. FastGradModel&#x27;s step"
+
+
+def test_the_404_page_links_relative_to_the_site_root():
+    hooks = tool("mkdocs_hooks")
+    page = (
+        '<html><head><link rel="stylesheet" href="/assets/main.css">'
+        '<script>__md_scope=new URL("/",location)</script></head><body>'
+        '<a href="/getting-started/">a</a><a href="/.">home</a>'
+        '<a href="https://arxiv.org/abs/1">out</a><a href="#top">top</a>'
+        '<script id="__config" type="application/json">{"base": "/", "search": "/assets/s.js"}</script>'
+        '<script src="/assets/bundle.js"></script></body></html>'
+    )
+    out = hooks.relative_404(page, "/")
+    assert 'href="getting-started/"' in out and 'href="."' in out
+    assert 'href="https://arxiv.org/abs/1"' in out and 'href="#top"' in out
+    assert not re.search(r'(href|src)=\\?"/', out), "no link from the domain's root is left"
+    assert out.index("<base href") < out.index("assets/main.css")  # the base comes first
+    assert '"search": "assets/s.js"' in out and 'new URL(".",document.baseURI)' in out
+    # Under a sub-path (site_url set): the same page, relative to it.
+    moved = page.replace('="/', '="/kfg/').replace('"/"', '"/kfg/"')
+    assert 'href="getting-started/"' in hooks.relative_404(moved, "/kfg/")
+
+
+def test_api_signatures_show_values_not_names_of_constants():
+    # `GradientNoiseScale(decay=noise_scale.DEFAULT_DECAY)` reads
+    # `decay=0.99` on the API page.
+    import ast
+
+    extensions = tool("griffe_keras_examples")
+    import griffe
+
+    package = griffe.load(
+        "keras_fastgrad",
+        search_paths=[ROOT],
+        extensions=griffe.load_extensions(extensions.LiteralDefaults),
+    )
+    decay = package.get_member("callbacks.gradient_noise_scale.GradientNoiseScale.__init__")
+    assert str(decay.parameters["decay"].default) == "0.99"
+    names = []
+
+    def walk(obj):
+        for member in obj.members.values():
+            if member.is_alias or member.name.startswith("_") and member.name != "__init__":
+                continue
+            if member.is_function:
+                for parameter in member.parameters:
+                    default = parameter.default
+                    if default is None:
+                        continue
+                    try:
+                        ast.literal_eval(str(default))
+                    except (ValueError, SyntaxError):
+                        if isinstance(default, (griffe.ExprName, griffe.ExprAttribute)):
+                            names.append(f"{member.path}({parameter.name}={default})")
+            elif member.is_class or member.is_module:
+                walk(member)
+
+    walk(package)
+    assert not names, f"defaults shown as names of constants: {names}"
