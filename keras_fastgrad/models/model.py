@@ -244,13 +244,19 @@ class FastGradModel(keras.Model):
             self.steps_per_execution, self.distribute_strategy
         )
         _options.check_keras_supports_replicas(self.distribute_strategy)
+        self._fg_prepare_state()
+        return super().make_train_function(force=force)
+
+    def _fg_prepare_state(self):
+        """The step's state for the model as it trains now (its trainable
+        variables, its optimizer): before the train function is traced,
+        and before a flush that comes first (a loaded or recompiled model)."""
         state = self.fastgrad_step_state
         state.build(self)
         if not self.optimizer.built:  # state must exist before tracing
             self.optimizer.build(self.trainable_variables)
         state.scaling = LossScaling(self.optimizer)
         state.flush_function = None
-        return super().make_train_function(force=force)
 
     def apply_partial_window(self):
         """Applies the accumulated gradient of an incomplete window now.
@@ -267,6 +273,17 @@ class FastGradModel(keras.Model):
         acc = state.accumulator
         if acc is None or int(acc.micro_step.numpy()) % acc.steps == 0:
             return None
+        if self.train_function is None:  # loaded, or recompiled: not made yet
+            if getattr(self, "optimizer", None) is None:
+                raise ValueError(
+                    "`apply_partial_window` applies the pending window with the "
+                    "model's optimizer, and the model is not compiled. Received: "
+                    f"a model with {int(acc.micro_step.numpy()) % acc.steps} "
+                    "micro-batches pending and no optimizer. Fix: `compile` it "
+                    "first (`keras.saving.load_model` compiles a saved model "
+                    "unless `compile=False`)."
+                )
+            self._fg_prepare_state()
         if state.flush_function is None:
             # A `partial`, not a lambda: TF keys its retracing warning on a
             # function's code, shared by every model's lambda.

@@ -127,7 +127,14 @@ class WindowAccumulator:
         tf.cond(include, add, leave_out)
         increment(self.normaliser, tf.where(include, normaliser, 0.0))
         increment(self.included, tf.cast(include, tf.int64))
-        increment(self.micro_step, tf.constant(1, tf.int64))
+        # The count moves only once the micro-batch exists. On data of
+        # unknown size Keras' train function asks the iterator for one batch
+        # more than it has (`get_next` fails with `OutOfRange`, which ends the
+        # epoch); TensorFlow inlines the step into that function, and an
+        # increment that reads nothing of the batch would still run there:
+        # the window would count a micro-batch that never came.
+        with tf.control_dependencies(_of_the_batch(weighted_grads, normaliser, include)):
+            increment(self.micro_step, tf.constant(1, tf.int64))
         return tf.equal(self.micro_step % self.steps, 0)
 
     def has_samples(self):
@@ -175,3 +182,15 @@ class WindowAccumulator:
         """Empties the window and starts the next one at micro-step 0."""
         self.reset()
         self.micro_step.assign(0)
+
+
+def _of_the_batch(weighted_grads, normaliser, include):
+    """Tensors computed from the micro-batch (its gradients, normaliser and
+    verdict): what the window's count waits for (`add`)."""
+    tensors = [normaliser, include]
+    for g in weighted_grads:
+        if isinstance(g, tf.IndexedSlices):
+            tensors.append(g.values)
+        elif g is not None:
+            tensors.append(g)
+    return [t for t in tensors if isinstance(t, tf.Tensor)]

@@ -6,7 +6,10 @@ measured or clipped, and an overflowing micro-batch is dropped while the
 others of its window still count. This unit drives the optimizer's own
 `dynamic_scale` and `step_counter` variables with the same rule as Keras
 (halve on a non-finite micro-batch, double after `dynamic_growth_steps`
-finite ones), so the scale is saved and restored with the optimizer.
+finite updates), so the scale is saved and restored with the optimizer.
+Growth counts updates, not micro-batches: under accumulation a window's
+applied update is one step, as Keras' `LossScaleOptimizer` on the big batch
+and PyTorch's `GradScaler` with accumulation count it.
 
 An ordinary optimizer may carry a fixed `loss_scale_factor`: Keras' own
 step multiplies the loss by it (`optimizer.scale_loss`) and the optimizer's
@@ -107,26 +110,42 @@ class LossScaling:
         finally:
             optimizer.loss_scale_factor = self.factor
 
-    def update(self, finite):
+    def update(self, finite, counts_growth=True):
         """Halves the scale after a non-finite micro-batch, grows it after
         `dynamic_growth_steps` finite ones (Keras' rule).
 
         Args:
             finite: Boolean scalar, the same on every replica.
+            counts_growth: Python bool. `False` under accumulation: a finite
+                micro-batch is not an update, and growth is counted per
+                applied update instead (`record_update`), as Keras'
+                `LossScaleOptimizer` counts its steps on the big batch (and
+                PyTorch's `GradScaler.update` once per optimizer step). An
+                overflow still halves the scale and restarts the count.
         """
         if self.active:
             # The optimizer's scale variables are not per-replica state.
-            in_cross_replica_context(self._update, finite)
+            in_cross_replica_context(self._update, finite, counts_growth)
 
-    def _update(self, finite):
+    def record_update(self):
+        """An applied update of an accumulated window (in the update branch,
+        cross-replica context): one finite step towards growth."""
+        if self.active:
+            self._update(tf.constant(True), True)
+
+    def _update(self, finite, counts_growth):
         counter = self.scaler.step_counter
         scale = self.scaler.dynamic_scale
+        zero = tf.zeros([], counter.dtype)
+        if not counts_growth:  # only an overflow acts (see `update`)
+            scale.assign(tf.where(finite, scale, scale * 0.5))
+            counter.assign(tf.where(finite, counter, zero))
+            return
         grow = tf.logical_and(
             finite,
             tf.equal(counter, self.scaler.dynamic_growth_steps - 1),
         )
         scale.assign(tf.where(finite, tf.where(grow, scale * 2.0, scale), scale * 0.5))
-        zero = tf.zeros([], counter.dtype)
         counter.assign(tf.where(finite, tf.where(grow, zero, counter + 1), zero))
 
     def current_scale(self):

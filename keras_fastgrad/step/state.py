@@ -114,6 +114,7 @@ class StepState(compat.KerasSaveable):
         self.evaluating = 0
         self.flush_function = None
         self._built_for = None
+        self._loaded_window_facts = None
 
     def configure(self, multitask, telemetry):
         """The units the options choose: the task merger (`None` without
@@ -222,10 +223,33 @@ class StepState(compat.KerasSaveable):
 
     def no_gradient_template(self):
         """`None` where a variable gets no gradient (the accumulator
-        leaves those out of the window's sums), `True` elsewhere."""
-        if self.facts is None:
+        leaves those out of the window's sums), `True` elsewhere; from a
+        loaded file's facts before the first trace (`None`: unknown)."""
+        grad_is_none = None if self.facts is None else self.facts.grad_is_none
+        if grad_is_none is None and self._loaded_window_facts is not None:
+            grad_is_none = self._loaded_window_facts[0]
+            if self.accumulator is None or len(grad_is_none) != len(self.accumulator.sums):
+                grad_is_none = None  # of other variables
+        if grad_is_none is None:
             return None
-        return [None if none else True for none in self.facts.grad_is_none]
+        return [None if none else True for none in grad_is_none]
+
+    def window_facts(self):
+        """`(grad_is_none, mean_reduction)`: what the traced step knew of
+        the window (saved with it, `state_files`), `None` without
+        accumulation or before anything is known."""
+        if self.accumulator is None:
+            return None
+        if self.facts is not None:
+            return list(self.facts.grad_is_none), self.accumulator.mean_reduction
+        return self._loaded_window_facts
+
+    def set_window_facts(self, grad_is_none, mean_reduction):
+        """The window's facts from a file (`state_files`): used until a
+        trace records its own."""
+        self._loaded_window_facts = (list(grad_is_none), bool(mean_reduction))
+        if self.accumulator is not None:
+            self.accumulator.mean_reduction = bool(mean_reduction)
 
     # --------------------------------------------------------------- saving
     def _obj_type(self):

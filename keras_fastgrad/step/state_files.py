@@ -4,7 +4,11 @@ The core state (the telemetry, divergence and accumulation variables, in
 `StepState.variables` order) is saved as `"0"`, `"1"`, ... (the layout
 files saved before the optional units existed have), then each optional
 unit's variables as `"<unit>_0"`, ... (`state.OPTIONAL`), so that a file
-with or without them loads into a model with or without them. The
+with or without them loads into a model with or without them; then, with
+accumulation, what the traced step knew of the window (which variables get
+no gradient, whether the loss is a mean: `NO_GRADIENT_KEY`,
+`MEAN_REDUCTION_KEY`), so that a loaded model applies a pending window as
+the saved one would have. The
 optional units load only once the core state has: a core state that does
 not fit (another `accumulation_steps`, other variables) warns and starts
 the whole step state fresh, the weights loaded either way.
@@ -14,6 +18,11 @@ import warnings
 
 import numpy as np
 
+# What the traced step knew of a pending window, saved beside it so that a
+# loaded model can apply it before any step is traced (`window_facts`).
+NO_GRADIENT_KEY = "window_no_gradient"
+MEAN_REDUCTION_KEY = "window_mean_reduction"
+
 
 def save(state, store):
     """Writes `state`'s variables into `store` (a file's entry)."""
@@ -22,6 +31,11 @@ def save(state, store):
     for name, unit in state.named_units():
         for i, v in enumerate(unit.variables):
             store[f"{name}_{i}"] = v.numpy()
+    facts = state.window_facts()
+    if facts is not None:
+        no_gradient, mean_reduction = facts
+        store[NO_GRADIENT_KEY] = np.asarray(no_gradient, np.int8)
+        store[MEAN_REDUCTION_KEY] = np.asarray(int(mean_reduction), np.int8)
 
 
 def load(state, store):
@@ -44,6 +58,16 @@ def load(state, store):
     for i, v in enumerate(core):
         v.assign(saved[str(i)])
     _load_optional(state, store)
+    _load_window_facts(state, store)
+
+
+def _load_window_facts(state, store):
+    """The traced step's facts of the window, where the file has them
+    (files saved before they were kept lack them: the flush then treats
+    every variable as having a gradient, and a mean reduction)."""
+    if NO_GRADIENT_KEY in store and MEAN_REDUCTION_KEY in store:
+        no_gradient = [bool(b) for b in np.asarray(store[NO_GRADIENT_KEY]).reshape(-1)]
+        state.set_window_facts(no_gradient, bool(np.asarray(store[MEAN_REDUCTION_KEY])))
 
 
 def _core_size(state):

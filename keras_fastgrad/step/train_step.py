@@ -18,6 +18,7 @@ units are below. The maths is in the modules they call (`weighting`,
 import functools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
@@ -218,6 +219,8 @@ def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
     def apply():
         before = telemetry.snapshot(variables)
         state.scaling.apply(grads, variables)
+        if state.accumulator is not None:  # growth counts updates
+            state.scaling.record_update()
         telemetry.record_update_ratio(before, variables)
         telemetry.record_update(norm, was_clipped)
         state.divergence.record_update()
@@ -240,9 +243,8 @@ def metrics_logs(model, keep, batch):
     loss = compat.unscale_loss_for_distribution(batch.loss)
     if type(model).compute_metrics is not keras.Model.compute_metrics:
         # A user override may return other keys: call it as Keras does.
-        logs = _update_metrics(
-            model, batch, tf.where(keep, loss, 0.0), tf.where(keep, batch.num_samples, 0.0)
-        )
+        loss, weight = _tracked(loss, batch.num_samples)
+        logs = _update_metrics(model, batch, tf.where(keep, loss, 0.0), tf.where(keep, weight, 0.0))
     else:
         tf.cond(keep, lambda: _update_metric_states(model, batch), lambda: None)
         logs = model.get_metrics_result()
@@ -252,10 +254,21 @@ def metrics_logs(model, keep, batch):
 def _update_metric_states(model, batch):
     """What `_update_metrics` does for Keras' own `compute_metrics`,
     without reading the results (read once, after the `cond`)."""
-    compat.loss_tracker(model).update_state(
-        compat.unscale_loss_for_distribution(batch.loss), sample_weight=batch.num_samples
-    )
+    loss, weight = _tracked(compat.unscale_loss_for_distribution(batch.loss), batch.num_samples)
+    compat.loss_tracker(model).update_state(loss, sample_weight=weight)
     compat.update_compiled_metrics(model, batch.y, batch.y_pred, batch.sample_weight)
+
+
+def _tracked(loss, num_samples):
+    """What a kept micro-batch gives the `loss` tracker: its loss, weighted
+    by its rows, as Keras' `train_step` does. A batch of no rows adds
+    nothing to Keras' mean (weight 0, and its logged mean of nothing is
+    0.0); here it adds 0 with the smallest normal float32 weight, which
+    leaves every other mean as it is but marks the period as having kept
+    something (`TrainingLoss`: a period with nothing kept logs NaN)."""
+    empty = num_samples <= 0.0
+    tiny = tf.constant(np.finfo(np.float32).tiny, num_samples.dtype)
+    return tf.where(empty, tf.zeros_like(loss), loss), tf.where(empty, tiny, num_samples)
 
 
 def _update_metrics(model, batch, loss, num_samples=None):

@@ -134,8 +134,10 @@ def pool_batchnorm_moments(state, verdict):
 
 def update_loss_scale(state, verdict):
     """Loss scaling's own rule: halve after a non-finite micro-batch,
-    double after `dynamic_growth_steps` finite ones (a no-op without)."""
-    state.scaling.update(verdict.all_finite)
+    double after `dynamic_growth_steps` finite updates (a no-op without).
+    Under accumulation a micro-batch is not an update: growth is counted
+    when the window is applied (`LossScaling.record_update`)."""
+    state.scaling.update(verdict.all_finite, counts_growth=state.accumulator is None)
 
 
 # The telemetry keys that say where a dropped micro-batch went bad.

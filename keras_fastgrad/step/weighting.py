@@ -81,7 +81,8 @@ def normaliser(losses, sample_weight, mask, reduction):
         # Keras weighs valid entries by size(mask) / valid, then divides by
         # size(losses): D = valid * size(losses) / size(mask).
         valid = tf.reduce_sum(tf.cast(mask, tf.float32))
-        return valid * _size(losses) / _size(mask)
+        # (`divide_no_nan`: a batch of no rows has no valid entry, D = 0.)
+        return valid * tf.math.divide_no_nan(_size(losses), _size(mask))
     merged = apply_mask(sample_weight, mask, dtype=tf.float32, reduction=reduction)
     if merged is None:
         return _size(losses)

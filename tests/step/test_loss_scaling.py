@@ -154,6 +154,37 @@ class TestLossScalingDynamic:
             assert float(ours.dynamic_scale.numpy()) == float(keras_opt.dynamic_scale.numpy())
             assert int(ours.step_counter.numpy()) == int(keras_opt.step_counter.numpy())
 
+    def test_under_accumulation_growth_counts_updates_not_micro_batches(self):
+        # Windows of 2 micro-batches: Keras' optimizer sees one step per
+        # window (the big batch), finite when both micro-batches are; an
+        # overflowing micro-batch halves at once and its window's update
+        # (of the other micro-batch) still counts, as an applied update.
+        ours, _ = built_lso(initial_scale=64.0, dynamic_growth_steps=2)
+        scaling = LossScaling(ours)
+        keras_opt, keras_v = built_lso(initial_scale=64.0, dynamic_growth_steps=2)
+        windows = [(True, True), (True, True), (True, True), (False, True), (True, True)]
+        # By hand: x2 after updates 2 and 4, /2 at the overflow (which
+        # restarts the count before its window's update: 1 after it).
+        expected = [64, 128, 128, 64, 128]
+        got = []
+        for window in windows:
+            for finite in window:
+                scaling.update(tf.constant(finite), counts_growth=False)
+            scaling.record_update()
+            got.append(float(scaling.current_scale()))
+        assert got == expected
+        for window in windows[:3]:  # Keras on the big batches of the finite windows
+            keras_opt.apply([tf.constant([1.0, 1.0])], [keras_v])
+        ours_first_three = LossScaling(built_lso(initial_scale=64.0, dynamic_growth_steps=2)[0])
+        for window in windows[:3]:
+            for finite in window:
+                ours_first_three.update(tf.constant(finite), counts_growth=False)
+            ours_first_three.record_update()
+        assert float(ours_first_three.current_scale()) == float(keras_opt.dynamic_scale.numpy())
+        assert int(ours_first_three.scaler.step_counter.numpy()) == int(
+            keras_opt.step_counter.numpy()
+        )
+
     def test_apply_uses_the_inner_optimizer_without_unscaling_again(self):
         opt, v = built_lso(initial_scale=8.0)
         scaling = LossScaling(opt)
