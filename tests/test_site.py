@@ -299,3 +299,56 @@ def test_api_signatures_show_values_not_names_of_constants():
 
     walk(package)
     assert not names, f"defaults shown as names of constants: {names}"
+
+
+def test_the_build_renders_executed_notebooks_and_executes_missing_or_stale_ones(
+    tmp_path, monkeypatch
+):
+    import json
+    import shutil
+
+    hooks = tool("mkdocs_hooks")
+    from mkdocs.exceptions import PluginError
+
+    names = sorted(n for n in os.listdir(os.path.join(ROOT, "notebooks")) if n.endswith(".ipynb"))
+    executed = []
+
+    def fake_execute(stored, folder):  # what tests/run_notebook.py writes
+        executed.append(os.path.basename(stored))
+        with open(stored, encoding="utf-8") as f:
+            notebook = json.load(f)
+        for cell in notebook["cells"]:
+            if cell["cell_type"] == "code":
+                cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "ran\n"}]
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, os.path.basename(stored)), "w", encoding="utf-8") as f:
+            json.dump(notebook, f)
+
+    monkeypatch.setattr(hooks, "execute", fake_execute)
+    monkeypatch.setenv("KFG_EXECUTED_NOTEBOOKS", str(tmp_path))
+
+    def sources():
+        hooks._sources.clear()
+        return hooks.notebook_sources()
+
+    # None executed yet: the build executes each, and renders the copies.
+    assert sources() == {f"notebooks/{n}": str(tmp_path / n) for n in names}
+    assert executed == names
+    # Up to date: nothing runs again.
+    executed.clear()
+    sources()
+    assert executed == []
+    # A copy whose cells differ from the stored notebook is stale.
+    stale = tmp_path / names[0]
+    notebook = json.loads(stale.read_text(encoding="utf-8"))
+    notebook["cells"][-1]["source"] = ["print('an older version')\n"]
+    stale.write_text(json.dumps(notebook), encoding="utf-8")
+    sources()
+    assert executed == [names[0]]
+    # A copy without outputs is refused loudly.
+    shutil.copy(os.path.join(ROOT, "notebooks", names[1]), tmp_path / names[1])
+    with pytest.raises(PluginError, match="no outputs"):
+        sources()
+    # `none`: the stored notebooks, without outputs (a warning: --strict refuses).
+    monkeypatch.setenv("KFG_EXECUTED_NOTEBOOKS", "none")
+    assert sources() == {f"notebooks/{n}": os.path.join(ROOT, "notebooks", n) for n in names}
