@@ -267,3 +267,44 @@ def _pooled_over_replicas(local):
     global_mean = tf.math.divide_no_nan(weighted, total)
     (spread,) = replica_sum([m2 + n * tf.square(mean - global_mean)])
     return tf.stack([total, global_mean, spread])
+
+
+def check_synchronized_slices(model):
+    """Refuses `micro_batches` with a `BatchNormalization(synchronized=True)`
+    layer under a distribution strategy, before the step is traced.
+
+    The layer all-reduces its moments across replicas (a `merge_call`) in
+    every forward pass; inside the slices' `tf.while_loop` TensorFlow
+    refuses that with a `RuntimeError` ("`merge_call` called while defining
+    a new graph"), with one replica too. Without a strategy, and with
+    `accumulation_steps` (no loop), the layer runs.
+
+    Raises:
+        ValueError: naming the layer and both fixes.
+    """
+    if model.micro_batches <= 1:
+        return
+    synchronized = [
+        layer for layer in batchnorm_layers(model) if getattr(layer, "synchronized", False)
+    ]
+    if not synchronized:
+        return
+    strategy = model.distribute_strategy
+    with strategy.scope():  # (the default strategy's scope is no strategy)
+        if not tf.distribute.has_strategy():
+            return
+    m = model.micro_batches
+    raise ValueError(
+        f"`micro_batches` cannot run the BatchNormalization layer "
+        f"`{synchronized[0].name}` with `synchronized=True` under "
+        f"`{type(strategy).__name__}`: the layer all-reduces its moments "
+        "across replicas in each forward pass, and TensorFlow refuses that "
+        "inside the slices' loop (`merge_call` called while defining a new "
+        f"graph). Received: micro_batches={m}, synchronized=True. Fix: "
+        "`BatchNormalization(synchronized=False)` (each replica's slices "
+        "are normalised by their own moments; with "
+        "`batchnorm_statistics='window'` the moving statistics are still "
+        f"pooled over every replica), or `accumulation_steps={m}` with a "
+        f"batch size {m} times smaller instead of `micro_batches={m}` (each "
+        "micro-batch a whole batch, normalised across the replicas)."
+    )
