@@ -35,6 +35,7 @@ import collections
 import weakref
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
@@ -142,7 +143,7 @@ class StepState(compat.KerasSaveable):
         key = (tuple(id(v) for v in variables), tuple(optional), pooled)
         if self._built_for == key:
             return
-        old_values = self.values()
+        old = self._held_values()
         with model.distribute_strategy.scope(), keras.name_scope("fastgrad"):
             telemetry = StepTelemetry()
             telemetry.build([v.path for v in variables], optional)
@@ -161,13 +162,59 @@ class StepState(compat.KerasSaveable):
                 noise_scale.check_measurable(model)
                 noise = noise_scale.NoiseScale(self.noise_decay)
                 noise.build()
-        same_variables = self._built_for and self._built_for[0] == key[0]
         self.telemetry, self.divergence = telemetry, divergence
         self.accumulator, self.batchnorm, self.noise_scale = accumulator, batchnorm, noise
         self._built_for = key
-        if same_variables:
-            for v, value in zip(self.variables, old_values):
-                v.assign(value)
+        if old is not None:
+            self._carry(old, key[0])
+
+    def _held_values(self):
+        """The built units' values (numpy) by unit, and the variables they
+        were built for (`None` before `build`): what a rebuild carries."""
+        if self._built_for is None:
+            return None
+        held = {"ids": self._built_for[0], "facts": self.facts}
+        for name in ("telemetry", "divergence", "accumulator") + OPTIONAL:
+            unit = getattr(self, name)
+            held[name] = None if unit is None else [v.numpy() for v in unit.variables]
+        if self.accumulator is not None:
+            held["mean_reduction"] = self.accumulator.mean_reduction
+        return held
+
+    def _carry(self, old, ids):
+        """Carries the state over a rebuild, so that nothing the user
+        trained is lost when the trainable variables change (a layer frozen
+        or unfrozen, then recompiled): the counters, the divergence streak,
+        the optional units (where their shapes are unchanged), and the
+        pending window. A variable that keeps training keeps its window
+        sum; one that stops training loses its own (freezing it means its
+        pending gradient is not applied); one that starts training starts
+        from zero: its window gradient holds the micro-batches since, each
+        weighted by its share of the whole window."""
+        for name in ("telemetry", "divergence") + OPTIONAL:
+            unit, values = getattr(self, name), old[name]
+            if unit is None or values is None:
+                continue
+            if [tuple(v.shape) for v in unit.variables] == [np.shape(x) for x in values]:
+                for v, value in zip(unit.variables, values):
+                    v.assign(value)
+        acc, values = self.accumulator, old["accumulator"]
+        if acc is None or values is None:
+            return
+        old_sums, scalars = values[: len(old["ids"])], values[len(old["ids"]) :]
+        by_id = dict(zip(old["ids"], old_sums))
+        for total, i in zip(acc.sums, ids):
+            if i in by_id:
+                total.assign(by_id[i])
+        for v, value in zip(acc.variables[len(acc.sums) :], scalars):
+            v.assign(value)
+        acc.mean_reduction = old["mean_reduction"]
+        facts = old["facts"]
+        if facts is not None and tuple(old["ids"]) != tuple(ids):
+            # Until the next trace: a variable that starts training has
+            # nothing in the window (no gradient), the others as traced.
+            none_by_id = dict(zip(old["ids"], facts.grad_is_none))
+            self.facts = facts._replace(grad_is_none=[none_by_id.get(i, True) for i in ids])
 
     @property
     def variables(self):

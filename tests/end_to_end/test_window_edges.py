@@ -281,3 +281,79 @@ def test_loss_scale_grows_per_update_as_keras_on_the_big_batch():
     assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**11
     assert int(model.optimizer.step_counter.numpy()) == int(ref.optimizer.step_counter.numpy())
     assert_same_training(ref, model)
+
+
+# ---------------------------------------- 4: the trainable set changes mid-window
+def sequential(cls, **options):
+    keras.utils.set_random_seed(5)
+    layers = [
+        keras.Input((3,)),
+        keras.layers.Dense(4, activation="tanh"),
+        keras.layers.Dense(1),
+    ]
+    if cls is keras.Model:
+        return keras.Sequential(layers)
+    return keras_fastgrad.FastGradSequential(layers, **options)
+
+
+def first_layer(model):
+    """The layer to freeze: the first with weights (rnn: the Embedding)."""
+    return next(layer for layer in model.layers if layer.weights)
+
+
+@pytest.mark.parametrize("build", [mlp, rnn, sequential])
+def test_freezing_a_layer_mid_window_keeps_the_window_and_the_counters(build):
+    # Windows of 3 batches of 4. One full window, then 2 micro-batches
+    # pending when the first layer is frozen (and the model recompiled):
+    # the window completes as the big batch of its 3 micro-batches would
+    # with that layer frozen (its weights did not move within the window).
+    x, y = data_for(mlp if build is sequential else build, 24)
+    ref = build(keras.Model)
+    ref.compile(optimizer=sgd(), loss="mse")
+    ref.train_on_batch(x[:12], y[:12])
+    first_layer(ref).trainable = False
+    ref.compile(optimizer=sgd(), loss="mse")
+    ref.train_on_batch(x[12:], y[12:])
+
+    model = build(FG, accumulation_steps=3)
+    model.compile(optimizer=sgd(), loss="mse")
+    for i in range(5):
+        model.train_on_batch(x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4])
+    first_layer(model).trainable = False
+    model.compile(optimizer=sgd(), loss="mse")
+    model.train_on_batch(x[20:], y[20:])
+    assert_same_training(ref, model)
+    assert model.telemetry_counters()["updates"] == 2.0  # lifetime, not restarted
+    assert model.apply_partial_window() is None
+
+
+def test_unfreezing_a_layer_mid_window_gives_it_the_micro_batches_since():
+    # The layer trains again for the window's last micro-batch only: its
+    # window gradient is that micro-batch's, weighted by its share of the
+    # window (4 of 12 rows); the other layers get the big batch's. By hand
+    # with a tape on a plain Keras model, SGD without momentum.
+    x, y = data_for(mlp, 12)
+    lr = 0.1
+    ref = mlp(keras.Model)
+    mse = keras.losses.MeanSquaredError()
+    kernel, bias = first_layer(ref).trainable_weights
+    with tf.GradientTape(persistent=True) as tape:
+        big = mse(y, ref(x))
+        last = mse(y[8:], ref(x[8:]))
+    expected = []
+    for v in ref.trainable_weights:
+        own = v is kernel or v is bias
+        g = tape.gradient(last, v) * (4 / 12) if own else tape.gradient(big, v)
+        expected.append(v.numpy() - lr * g.numpy())
+
+    model = mlp(FG, accumulation_steps=3)
+    first_layer(model).trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+    model.train_on_batch(x[:4], y[:4])
+    model.train_on_batch(x[4:8], y[4:8])
+    first_layer(model).trainable = True
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+    model.train_on_batch(x[8:], y[8:])
+    assert int(model.optimizer.iterations.numpy()) == 1
+    for want, got in zip(expected, [v.numpy() for v in model.trainable_weights]):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
