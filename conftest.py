@@ -7,6 +7,9 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 
+# Before Keras: keras_fastgrad imports TensorFlow and holds the notices it
+# prints while imported to TF_CPP_MIN_LOG_LEVEL (keras_fastgrad/_tf_startup.py).
+import keras_fastgrad  # noqa: E402, I001
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -31,8 +34,6 @@ def clean_keras_state():
 @pytest.fixture(autouse=True)
 def doctest_namespace_setup(doctest_namespace):
     import tensorflow as tf
-
-    import keras_fastgrad
 
     doctest_namespace.update({"np": np, "keras": keras, "tf": tf, "keras_fastgrad": keras_fastgrad})
 

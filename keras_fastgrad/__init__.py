@@ -4,6 +4,9 @@ Swap `keras.Model` for `keras_fastgrad.FastGradModel` and train with the
 usual `compile` / `fit`.
 """
 
+# Imports TensorFlow first, its start-up notices held to TF_CPP_MIN_LOG_LEVEL.
+from keras_fastgrad import _tf_startup  # noqa: F401, I001
+
 from keras_fastgrad import callbacks
 from keras_fastgrad.models.adapt import fastgrad
 from keras_fastgrad.models.model import FastGradModel

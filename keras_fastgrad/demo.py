@@ -12,6 +12,9 @@ with batches of 128, and Keras' own `gradient_accumulation_steps=4`.
 import argparse
 import os
 
+# TensorFlow's C++ logs. (The notices TensorFlow prints while it is
+# imported, before it reads this, are held back by the package's import,
+# keras_fastgrad/_tf_startup.py: `python -m` imports the package first.)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
