@@ -35,7 +35,7 @@ over the measured ones and `t = sum_i a_i^2 / n_i` over all, so
 
 which is the paper's pair for `k` equal micro-batches (`s = 1/B_small`,
 `t = 1/B_big`) and stays unbiased for uneven ones (the epoch's last,
-partial batch; a padded last slice). A "batch size" counts rows: the
+partial batch; the slices of an uneven split). A "batch size" counts rows: the
 estimate assumes each row weighs alike in the loss (true for Keras' mean
 reductions without sample weights; with per-timestep or per-pixel losses
 a row is still one sample). Sample weights are refused (`check_batch`),
