@@ -356,7 +356,7 @@ def test_state_saved_in_the_earlier_layout_still_resumes():
     train_batches(source, x, y, 3)
     store = {}
     source.fastgrad_step_state.save_own_variables(store)
-    values = [store[str(i)] for i in range(len(store))]
+    values = [store[str(i)] for i in range(sum(k.isdigit() for k in store))]
     del values[9]  # the streak, which that layout did not have
     legacy = {f"fastgrad_{i}": v for i, v in enumerate(values)}
     resumed = fast(accumulation_steps=2)
