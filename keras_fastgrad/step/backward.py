@@ -23,7 +23,8 @@ from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import (
     num_replicas,
 )
-from keras_fastgrad.step.slicing import first_input, sliced_gradients
+from keras_fastgrad.step.slicing import sliced_gradients
+from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.weighting import LossShares
 
 

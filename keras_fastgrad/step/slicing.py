@@ -18,10 +18,9 @@ and Adam, XLA). Weight regularisation enters every slice's loss once; what
 the slices' shares add beyond the batch's normaliser is taken back after
 the loop (`reduction="sum"`: each slice's share is 1).
 
-Slices of different sizes have different shapes. Outside XLA one loop
-slices the batch with a dynamic first dimension; XLA needs static shapes,
-so there two loops run, one over the `ceil` slices and one over the
-`floor` slices, each of one static shape (the model is traced twice).
+Slices of different sizes have different shapes: outside XLA one loop
+takes them with a dynamic first dimension; under XLA two loops run, one
+per slice size (`keras_fastgrad.step.splitting`; the model is traced twice).
 
 The predictions keep their masks, so the metrics see what they would on
 the whole batch. BatchNormalization normalises each slice by the slice's
@@ -34,8 +33,6 @@ output losses are weighted by the slice's share of the loss normaliser
 docs/concepts/exactness.md).
 """
 
-import collections
-
 import tensorflow as tf
 from keras import tree
 
@@ -44,43 +41,8 @@ from keras_fastgrad._compat import get_keras_mask, set_keras_mask
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import num_replicas
+from keras_fastgrad.step.splitting import first_input, groups, split
 from keras_fastgrad.step.weighting import LossShares, Share
-
-
-def first_input(x):
-    """The first input tensor of `x`: the step reads the batch size from it.
-
-    Raises:
-        ValueError: when `x` holds no tensor (`fit([None], y)`): without
-            this, the lookup's `StopIteration` would end the epoch silently
-            after zero steps. `keras.Model` raises `ValueError` here too.
-    """
-    for t in tree.flatten(x):
-        if t is not None:
-            return t
-    raise ValueError(
-        "`x` must hold at least one input tensor: the train step reads the "
-        "batch size from the first input that is not None. Received: "
-        f"x={x!r} (no tensor). Fix: pass the input data, e.g. "
-        "`model.fit(x_train, y_train)` with `x_train` an array, or a "
-        "list/dict of arrays with one per model input."
-    )
-
-
-def slice_sizes(n, slices):
-    """The rows of each slice of a batch of `n` rows split `slices` ways:
-    those of `numpy.array_split`, with no empty slice unless `n` is 0.
-
-    Example:
-
-    >>> slice_sizes(22, 3), slice_sizes(7, 4), slice_sizes(1, 2)
-    ([8, 7, 7], [2, 2, 2, 1], [1])
-    >>> [len(part) for part in np.array_split(np.arange(22), 3)]
-    [8, 7, 7]
-    """
-    count = max(min(slices, n), 1)
-    small, big = divmod(n, count)
-    return [small + 1] * big + [small] * (count - big)
 
 
 def sliced_gradients(
@@ -94,7 +56,7 @@ def sliced_gradients(
         variables: The trainable variables the tape watches.
         scaling: The step's `LossScaling` unit.
         slices: Python int >= 2 (a batch with fewer rows runs one slice
-            per row, `slice_sizes`).
+            per row, `splitting.slice_sizes`).
         merger: The model's `multitask.TaskMerger`, or `None`. With one,
             each task's gradient is summed over the slices on its own, and
             the sums (the task gradients of the whole batch) are merged once
@@ -115,13 +77,13 @@ def sliced_gradients(
         `share.mean` whether the window divides by it). With `measure`, a
         fifth item: the sum of its vectors.
     """
-    batch = _split(x, y, sample_weight, slices)
+    batch = split(x, y, sample_weight, slices)
     out_spec = model.compute_output_spec(x)
     facts = {}  # trace-time facts of the body, the same for every slice
     step = _slice_step(model, batch, variables, scaling, merger, facts, measure)
     totals = _zero_totals(model, y, out_spec, variables, merger, measure)
     outputs, masks = [], []
-    for group in _groups(batch):
+    for group in groups(batch):
         totals, group_outputs, group_masks = _run_group(group, step, totals, out_spec)
         outputs.append(group_outputs)
         masks.append(group_masks)
@@ -149,85 +111,6 @@ def sliced_gradients(
     y_pred = _whole_batch_predictions(outputs, masks, facts["shapes"], rows, out_spec)
     share = Share(real, real, facts["mean"])
     return (loss_sum / tf.maximum(real, 1e-30), y_pred, grads, share, *measured)
-
-
-class _Split(
-    collections.namedtuple("_Split", ["n", "count", "small", "big", "x", "y", "sample_weight"])
-):
-    """One batch and how it is split (`slice_sizes`, as int32 tensors):
-    `count` slices, the first `big` of `small + 1` rows, the others of
-    `small`; `x`, `y`, `sample_weight` the whole batch's structures
-    (`None` where the batch has none)."""
-
-    def start(self, i):
-        """The first row of slice `i`."""
-        return i * self.small + tf.minimum(i, self.big)
-
-    def size(self, i):
-        """The rows of slice `i`."""
-        return self.small + tf.cast(i < self.big, tf.int32)
-
-    def structures(self):
-        return (self.x, self.y, self.sample_weight)
-
-
-def _split(x, y, sample_weight, slices):
-    """The batch and its split (`slice_sizes`, traced)."""
-    n = tf.shape(first_input(x))[0]
-    count = tf.maximum(tf.minimum(n, slices), 1)
-    return _Split(n, count, n // count, n % count, x, y, sample_weight)
-
-
-def _map(fn, structures):
-    """`fn` over every tensor of the `(x, y, sample_weight)` structures."""
-    return tuple(None if s is None else tree.map_structure(fn, s) for s in structures)
-
-
-class _Group(collections.namedtuple("_Group", ["first", "end", "take"])):
-    """Slices `first` to `end - 1`; `take(i)` gives slice `i`'s `(x, y,
-    sample_weight, rows)`."""
-
-
-def _groups(batch):
-    """The loops to run: outside XLA one over every slice (dynamic
-    shapes); under XLA one per slice size, each slice of a static shape."""
-    if not compat.in_xla_context():
-
-        def take(i):
-            start, size = batch.start(i), batch.size(i)
-            parts = _map(lambda t: t[start : start + size], batch.structures())
-            return (*parts, size)
-
-        return [_Group(tf.constant(0), batch.count, take)]
-    groups = []
-    for first, end, size in (
-        (tf.constant(0), batch.big, batch.small + 1),
-        (batch.big, batch.count, batch.small),
-    ):
-        groups.append(_Group(first, end, _static_take(batch, first, end, size)))
-    return groups
-
-
-def _static_take(batch, first, end, size):
-    """`take` for slices `first` to `end - 1`, all of `size` rows: the
-    rows reshaped to `[end - first, size, ...]` before the loop. An empty
-    group is given one slice of the batch's rows that the loop never
-    reaches: XLA compiles the body for it, and indexing an empty axis
-    does not compile."""
-    count = tf.maximum(end - first, 1)
-    rows = batch.start(first) + tf.range(count * size)
-    rows = tf.minimum(rows, tf.maximum(batch.n - 1, 0))
-
-    def grouped(t):
-        t = tf.gather(tf.convert_to_tensor(t), rows)
-        return tf.reshape(t, tf.concat([[count, size], tf.shape(t)[1:]], 0))
-
-    parts = _map(grouped, batch.structures())
-
-    def take(i):
-        return (*_map(lambda t: t[i - first], parts), size)
-
-    return take
 
 
 def _zero_totals(model, y, out_spec, variables, merger, measure):

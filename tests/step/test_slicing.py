@@ -193,7 +193,7 @@ def test_micro_batches_with_multitask_equal_the_unsplit_merge(method, regularize
 @pytest.mark.parametrize("n", [0, 1, 2, 5, 7, 22, 24])
 @pytest.mark.parametrize("slices", [2, 3, 4])
 def test_slice_sizes_are_numpy_array_split_without_empty_slices(n, slices):
-    from keras_fastgrad.step.slicing import slice_sizes
+    from keras_fastgrad.step.splitting import slice_sizes
 
     expected = [len(p) for p in np.array_split(np.arange(n), slices) if len(p)] or [0]
     assert slice_sizes(n, slices) == expected
