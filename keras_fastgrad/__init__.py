@@ -2,10 +2,28 @@
 
 Swap `keras.Model` for `keras_fastgrad.FastGradModel` and train with the
 usual `compile` / `fit`.
+
+Needs Keras' TensorFlow backend: importing it under another one (`jax`,
+`torch`, `numpy`, `openvino`) raises `ImportError`, naming the backend in
+use and how to select TensorFlow (`KERAS_BACKEND=tensorflow`), rather than
+failing later in `fit`.
 """
 
 # Imports TensorFlow first, its start-up notices held to TF_CPP_MIN_LOG_LEVEL.
 from keras_fastgrad import _tf_startup  # noqa: F401, I001
+
+import keras as _keras
+
+if _keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "keras_fastgrad needs Keras' TensorFlow backend (the only one it "
+        "supports; its train step is TensorFlow code). Received: "
+        f"keras.backend.backend()={_keras.backend.backend()!r}. Fix: set the "
+        "environment variable `KERAS_BACKEND=tensorflow` before Python "
+        'starts (or `os.environ["KERAS_BACKEND"] = "tensorflow"` before the '
+        'first `import keras`), or `"backend": "tensorflow"` in '
+        "~/.keras/keras.json."
+    )
 
 from keras_fastgrad import callbacks
 from keras_fastgrad.models.adapt import fastgrad

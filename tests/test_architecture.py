@@ -100,6 +100,7 @@ MODEL_ATTRIBUTES = {
     "fastgrad_step_state": "the step's one state object (its own saved entry)",
     "__class__": "the functional variant, `fastgrad`, and the callbacks' attachment",
     "train_function": "Keras' own: reset so the step is traced again",
+    "compiled": "Keras' own: False after a refused `compile`, so `fit` asks for one that passes",
     "make_train_function": "the callbacks' attachment on a plain model (never saved)",
     "_fg_attachment": "the callbacks' attachment on a plain model (never saved)",
     "_fg_cloned_options": "a clone's options, from `__new__` to `__init__` (popped there)",

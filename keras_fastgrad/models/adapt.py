@@ -27,7 +27,12 @@ import keras
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad.models._keras_hooks import functional_variant
-from keras_fastgrad.models.model import OPTION_NAMES, FastGradModel, _checked_options
+from keras_fastgrad.models.model import (
+    OPTION_NAMES,
+    FastGradModel,
+    _checked_options,
+    check_compiled,
+)
 from keras_fastgrad.models.sequential import FastGradSequential
 
 _ADAPTER_NAME = "keras_fastgrad>FastGradAdapter"
@@ -100,8 +105,13 @@ def fastgrad(model, **options):
                 "these options, or call `fastgrad` on the plain model."
             )
         return model
+    # Everything checked before anything changes: a refusal leaves the
+    # model as it was (class, config, step).
+    checked = _checked_options(**options)
+    if model.compiled:
+        check_compiled(model, checked)
     detach(model)  # what a `fit` with our callbacks that raised left
-    _give_step(model, _checked_options(**options))
+    _give_step(model, checked)
     if model.compiled:
         model._fg_after_compile()
     return model

@@ -25,6 +25,7 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import options as _options
+from keras_fastgrad.models import own_step
 from keras_fastgrad.multitask.merger import check_task_count
 from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import check_synchronized_slices
@@ -220,22 +221,37 @@ class FastGradModel(keras.Model):
         if self.telemetry and self.clip_adaptive is not None:
             self.fastgrad_step_state.log_keys.add(AGC_CLIPPED_FRACTION)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A `train_step` of the subclass's own that never calls this one
+        # would silently ignore the options: refused (see `own_step`).
+        step = vars(cls).get("train_step")
+        if step is not None and not getattr(step, "_fg_guarded", False):
+            cls.train_step = own_step.guard(step, _DEFAULT_OPTIONS)
+
     # ------------------------------------------------------------ compile/fit
-    def compile(self, *args, **kwargs):
-        super().compile(*args, **kwargs)
-        self._fg_after_compile()
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        # Refused before Keras compiles: a refusal leaves the model as it was.
+        optimizer = keras.optimizers.get(optimizer)
+        _options.check_optimizer_ownership(optimizer, self.accumulation_steps, self.clip_norm)
+        super().compile(optimizer, *args, **kwargs)
+        try:
+            self._fg_after_compile()
+        except Exception:
+            # Refused after Keras compiled (the task count needs the
+            # compiled losses): `fit` asks for a `compile` that passes.
+            self.compiled = False
+            raise
 
     def _fg_after_compile(self):
         """What the step needs of a compiled model (also for a model
         compiled before `fastgrad` gave it the step)."""
+        check_compiled(self, self._fg_options())
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
         compat.set_loss_tracker(
             self, TrainingLoss(name="loss", streak=self.fastgrad_step_state.streak)
         )
-        _options.check_optimizer_ownership(self.optimizer, self.accumulation_steps, self.clip_norm)
-        if self.multitask is not None:
-            check_task_count(self)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -313,6 +329,7 @@ class FastGradModel(keras.Model):
         micro-batch whose loss or gradient is not finite is dropped (with
         `skip_nonfinite`, or under loss scaling) and counted instead.
         """
+        own_step.note_base_step(self)  # a subclass's own step called this one
         state = self.fastgrad_step_state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = _step.gradients(self, state, x, y, sample_weight)
@@ -551,6 +568,18 @@ def _keras_keywords(cls):
                 if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
             )
     return tuple(sorted(names))
+
+
+def check_compiled(model, options):
+    """Refuses `options` (`FastGradModel`'s, checked) that do not fit the
+    compiled `model`: a concern its optimizer owns too, a multi-task
+    method without two task losses. Reads the model only, so `fastgrad`
+    refuses before it changes anything."""
+    _options.check_optimizer_ownership(
+        model.optimizer, options["accumulation_steps"], options["clip_norm"]
+    )
+    if options["multitask"] is not None:
+        check_task_count(model, aggregators.get(options["multitask"]))
 
 
 def _checked_options(**options):

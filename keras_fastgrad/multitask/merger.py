@@ -153,8 +153,9 @@ def regularization_loss(model):
     return losses[0] if len(losses) == 1 else keras.ops.sum(losses)
 
 
-def check_task_count(model):
-    """Raises at `compile` if `model.multitask` cannot apply.
+def check_task_count(model, aggregator=None):
+    """Raises at `compile` if `model.multitask` (or `aggregator`, for a
+    model not yet given it: `fastgrad`) cannot apply.
 
     The count is known at compile time for functional models; otherwise the
     first trace of the train step checks it (`task_losses`).
@@ -165,7 +166,7 @@ def check_task_count(model):
     """
     if type(model).compute_loss is not keras.Model.compute_loss:
         raise ValueError(
-            f"`multitask={_method(model)}` merges the compiled output losses, "
+            f"`multitask={_method(model, aggregator)}` merges the compiled output losses, "
             f"but `{type(model).__name__}` overrides `compute_loss`, which "
             "the multi-task step does not call. Fix: compile one loss per "
             "output instead of overriding `compute_loss`, or use "
@@ -173,7 +174,7 @@ def check_task_count(model):
         )
     compile_loss = compat.compile_loss(model)
     if compile_loss is None:
-        _raise_too_few(model, 0)
+        _raise_too_few(model, 0, aggregator)
     outputs = getattr(model, "outputs", None)
     if not outputs:
         return  # not known before the first call (subclassed model)
@@ -186,20 +187,20 @@ def check_task_count(model):
     else:
         count = len([x for x in tree.flatten(loss) if x is not None])
     if count < 2:
-        _raise_too_few(model, count)
+        _raise_too_few(model, count, aggregator)
 
 
-def _method(model):
-    aggregator = model.multitask
+def _method(model, aggregator=None):
+    aggregator = model.multitask if aggregator is None else aggregator
     return repr(aggregator.name) if aggregator.name else repr(aggregator)
 
 
-def _raise_too_few(model, count):
+def _raise_too_few(model, count, aggregator=None):
     names = list(getattr(model, "output_names", None) or [])
     compile_loss = compat.compile_loss(model)
     loss = None if compile_loss is None else compat.user_loss(compile_loss)
     raise ValueError(
-        f"`multitask={_method(model)}`: a multi-task method needs at least two "
+        f"`multitask={_method(model, aggregator)}`: a multi-task method needs at least two "
         "task losses (one compiled loss per model output). This model has "
         f"{count} task loss{'es' if count != 1 else ''} (outputs: {names}, "
         f"compiled loss: {loss!r}). Fix: give the model several outputs and "
