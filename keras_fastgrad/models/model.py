@@ -281,11 +281,17 @@ class FastGradModel(keras.Model):
 
         `fit` calls this at the end of every epoch. Call it yourself after a
         loop of `train_on_batch` calls. Does nothing without accumulation or
-        when the window is empty.
+        when the window is empty. A window saved pending (`model.save`,
+        `save_weights`) is applied after loading as it would have been
+        before saving, with the model's optimizer now.
 
         Returns:
             The telemetry logs (Python floats) after the flush, or `None`
             when nothing was pending.
+
+        Raises:
+            ValueError: when a window is pending and the model has no
+                optimizer (loaded with `compile=False`).
         """
         state = self.fastgrad_step_state
         acc = state.accumulator
