@@ -40,7 +40,10 @@ class FastGradCallback(keras.callbacks.Callback):
     Raises:
         ValueError: from `set_model` (at the start of `fit`) when the
             model's class overrides `train_step` (there is no step of ours
-            to measure in), or when `check_model` refuses the model.
+            to measure in), or when `check_model` refuses the model; when
+            `fit` traces the step of a `FastGradModel` subclass whose own
+            `train_step` never calls `FastGradModel.train_step` (no step of
+            ours to measure in either).
 
     Example:
 

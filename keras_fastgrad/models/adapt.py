@@ -65,8 +65,11 @@ def fastgrad(model, **options):
             option name.
         ValueError: if the model's class overrides `train_step` (its own
             step would silently stop running), for an invalid option value,
-            or for different options on a model that already is a
-            `FastGradModel`.
+            for an option the compiled optimizer already owns
+            (`gradient_accumulation_steps`, `clipnorm`, ...), for
+            `multitask` on a compiled model with fewer than two task
+            losses, or for different options on a model that already is a
+            `FastGradModel`. A refusal leaves the model as it was.
 
     Example:
 

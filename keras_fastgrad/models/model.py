@@ -130,7 +130,11 @@ class FastGradModel(keras.Model):
     Raises:
         ValueError, TypeError: on invalid options, naming the option, the
             rule and the value received. `compile` raises `ValueError` if
-            the optimizer also accumulates or clips while the model does.
+            the optimizer also accumulates or clips while the model does
+            (before Keras compiles). `fit` raises `ValueError` when a
+            subclass's own `train_step` never calls this class's (which is
+            where the options act) while an option is set: see
+            `keras_fastgrad.models.own_step`.
 
     Example:
 
