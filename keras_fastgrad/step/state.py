@@ -35,7 +35,6 @@ import collections
 import weakref
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
@@ -46,10 +45,9 @@ from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools
 from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
-# The optional units, by attribute name: saved under keys of their own.
-# The units with state only some models have, saved under keys of their
-# own (`state_files`), in this order.
-OPTIONAL = ("batchnorm", "noise_scale")
+# The units with state only some models have, by attribute name: saved
+# under keys of their own (`state_files`), in this order.
+OPTIONAL = state_files.OPTIONAL
 
 
 class TraceFacts(
@@ -143,7 +141,7 @@ class StepState(compat.KerasSaveable):
         key = (tuple(id(v) for v in variables), tuple(optional), pooled)
         if self._built_for == key:
             return
-        old = self._held_values()
+        old = state_files.held_values(self, self._built_for and self._built_for[0])
         with model.distribute_strategy.scope(), keras.name_scope("fastgrad"):
             telemetry = StepTelemetry()
             telemetry.build([v.path for v in variables], optional)
@@ -166,55 +164,7 @@ class StepState(compat.KerasSaveable):
         self.accumulator, self.batchnorm, self.noise_scale = accumulator, batchnorm, noise
         self._built_for = key
         if old is not None:
-            self._carry(old, key[0])
-
-    def _held_values(self):
-        """The built units' values (numpy) by unit, and the variables they
-        were built for (`None` before `build`): what a rebuild carries."""
-        if self._built_for is None:
-            return None
-        held = {"ids": self._built_for[0], "facts": self.facts}
-        for name in ("telemetry", "divergence", "accumulator") + OPTIONAL:
-            unit = getattr(self, name)
-            held[name] = None if unit is None else [v.numpy() for v in unit.variables]
-        if self.accumulator is not None:
-            held["mean_reduction"] = self.accumulator.mean_reduction
-        return held
-
-    def _carry(self, old, ids):
-        """Carries the state over a rebuild, so that nothing the user
-        trained is lost when the trainable variables change (a layer frozen
-        or unfrozen, then recompiled): the counters, the divergence streak,
-        the optional units (where their shapes are unchanged), and the
-        pending window. A variable that keeps training keeps its window
-        sum; one that stops training loses its own (freezing it means its
-        pending gradient is not applied); one that starts training starts
-        from zero: its window gradient holds the micro-batches since, each
-        weighted by its share of the whole window."""
-        for name in ("telemetry", "divergence") + OPTIONAL:
-            unit, values = getattr(self, name), old[name]
-            if unit is None or values is None:
-                continue
-            if [tuple(v.shape) for v in unit.variables] == [np.shape(x) for x in values]:
-                for v, value in zip(unit.variables, values):
-                    v.assign(value)
-        acc, values = self.accumulator, old["accumulator"]
-        if acc is None or values is None:
-            return
-        old_sums, scalars = values[: len(old["ids"])], values[len(old["ids"]) :]
-        by_id = dict(zip(old["ids"], old_sums))
-        for total, i in zip(acc.sums, ids):
-            if i in by_id:
-                total.assign(by_id[i])
-        for v, value in zip(acc.variables[len(acc.sums) :], scalars):
-            v.assign(value)
-        acc.mean_reduction = old["mean_reduction"]
-        facts = old["facts"]
-        if facts is not None and tuple(old["ids"]) != tuple(ids):
-            # Until the next trace: a variable that starts training has
-            # nothing in the window (no gradient), the others as traced.
-            none_by_id = dict(zip(old["ids"], facts.grad_is_none))
-            self.facts = facts._replace(grad_is_none=[none_by_id.get(i, True) for i in ids])
+            state_files.carry(self, old, key[0])
 
     @property
     def variables(self):

@@ -1,4 +1,5 @@
-"""`StepState` in files: its entry of `.keras` / `.weights.h5` files.
+"""`StepState`'s values restored: from its entry of `.keras` / `.weights.h5`
+files, and across a rebuild of its units (`carry`).
 
 The core state (the telemetry, divergence and accumulation variables, in
 `StepState.variables` order) is saved as `"0"`, `"1"`, ... (the layout
@@ -17,6 +18,10 @@ the whole step state fresh, the weights loaded either way.
 import warnings
 
 import numpy as np
+
+# The units with state only some models have (`StepState`'s attributes),
+# saved under keys of their own, in this order.
+OPTIONAL = ("batchnorm", "noise_scale")
 
 # What the traced step knew of a pending window, saved beside it so that a
 # loaded model can apply it before any step is traced (`window_facts`).
@@ -109,3 +114,54 @@ def _without_included_count(store, size):
     normaliser held at least one (what was decided by then)."""
     normaliser = store[str(size - 3)]  # ..., normaliser, micro_step
     return {**store, str(size - 1): int(float(normaliser) > 0.0)}
+
+
+# ------------------------------------------------------- across a rebuild
+def held_values(state, ids):
+    """The built units' values (numpy) by unit, and the variables they
+    were built for (`None` before `build`): what a rebuild carries."""
+    if ids is None:
+        return None
+    held = {"ids": ids, "facts": state.facts}
+    for name in ("telemetry", "divergence", "accumulator") + OPTIONAL:
+        unit = getattr(state, name)
+        held[name] = None if unit is None else [v.numpy() for v in unit.variables]
+    if state.accumulator is not None:
+        held["mean_reduction"] = state.accumulator.mean_reduction
+    return held
+
+
+def carry(state, old, ids):
+    """Carries the state over a rebuild, so that nothing the user
+    trained is lost when the trainable variables change (a layer frozen
+    or unfrozen, then recompiled): the counters, the divergence streak,
+    the optional units (where their shapes are unchanged), and the
+    pending window. A variable that keeps training keeps its window
+    sum; one that stops training loses its own (freezing it means its
+    pending gradient is not applied); one that starts training starts
+    from zero: its window gradient holds the micro-batches since, each
+    weighted by its share of the whole window."""
+    for name in ("telemetry", "divergence") + OPTIONAL:
+        unit, values = getattr(state, name), old[name]
+        if unit is None or values is None:
+            continue
+        if [tuple(v.shape) for v in unit.variables] == [np.shape(x) for x in values]:
+            for v, value in zip(unit.variables, values):
+                v.assign(value)
+    acc, values = state.accumulator, old["accumulator"]
+    if acc is None or values is None:
+        return
+    old_sums, scalars = values[: len(old["ids"])], values[len(old["ids"]) :]
+    by_id = dict(zip(old["ids"], old_sums))
+    for total, i in zip(acc.sums, ids):
+        if i in by_id:
+            total.assign(by_id[i])
+    for v, value in zip(acc.variables[len(acc.sums) :], scalars):
+        v.assign(value)
+    acc.mean_reduction = old["mean_reduction"]
+    facts = old["facts"]
+    if facts is not None and tuple(old["ids"]) != tuple(ids):
+        # Until the next trace: a variable that starts training has
+        # nothing in the window (no gradient), the others as traced.
+        none_by_id = dict(zip(old["ids"], facts.grad_is_none))
+        state.facts = facts._replace(grad_is_none=[none_by_id.get(i, True) for i in ids])
