@@ -17,6 +17,7 @@ import keras_fastgrad  # noqa: E402, I001
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import tiers  # noqa: E402  (tests/tiers.py: which tests are in the full tier)
 
 
 @pytest.fixture(autouse=True)
@@ -66,11 +67,53 @@ def pytest_xdist_make_scheduler(config, log):
     return Scheduling(config, log)
 
 
+@pytest.hookimpl(tryfirst=True)  # the tiers' marks, before `-m` selects by them
 def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n 2`, the `slow` tests (whole programs in fresh
+    """The `full` mark on the tests of the full tier (tests/tiers.py; the
+    README's command, `addopts`' `-m "not full"`, leaves them out). Files
+    or tests named on the command line run whatever their tier, unless
+    `-m` says otherwise.
+
+    Under `pytest -n 2`, the `slow` tests (whole programs in fresh
     processes, each seconds to minutes) first: they start while the short
     tests fill the other worker, and the run does not end with one worker
     on a long test while the other idles. A run without workers keeps the
     files' order."""
+    if config.args_source == pytest.Config.ArgsSource.ARGS and not _m_given(config):
+        return  # files or tests named on the command line run, whatever their tier
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        name = getattr(item, "originalname", item.name)
+        if tiers.is_full(path, name, slow=item.get_closest_marker("slow") is not None):
+            item.add_marker(pytest.mark.full)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def _m_given(config):
+    """Whether the command line (not `addopts`) has `-m`."""
+    return any(a.startswith("-m") for a in config.invocation_params.args)
+
+
+def _selects_the_full_tier(config):
+    return config.getoption("markexpr", "").strip() == "full"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In the full tier (`-m full`), a test that skips itself (a module it
+    needs is missing, `pytest.importorskip`) fails, naming the fix: that
+    tier runs everything it selects. A skip declared by a `skip` or
+    `skipif` mark (the installed versions) stays a skip."""
+    report = yield
+    declared = item.get_closest_marker("skip") or item.get_closest_marker("skipif")
+    if report.skipped and _selects_the_full_tier(item.config) and not declared:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} skipped in the full tier, which runs every test it "
+            f"selects. Received: {reason}. Fix: install what it needs (README, "
+            "Tests: the full tier's line installs KerasHub), or declare the "
+            "skip with a `skipif` mark on the versions it needs."
+        )
+    return report

@@ -1,0 +1,95 @@
+"""The two test tiers (tests/tiers.py): every entry names a test that
+exists, the README's and CI's commands select complementary sets, and the
+fast tier still touches every option, callback, aggregator, `fastgrad()`
+and saving (read from the test functions' source: one that names it)."""
+
+import ast
+import pathlib
+import re
+
+import keras
+import tiers
+
+import keras_fastgrad
+from keras_fastgrad import aggregators
+from keras_fastgrad.models.model import OPTION_NAMES
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _is_slow(decorators):
+    return any("mark.slow" in ast.unparse(d) for d in decorators)
+
+
+def _test_functions():
+    """`(path, name, source, slow)` of every test function under tests/,
+    `source` with its decorators (the parametrizations)."""
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        module_slow = any(
+            isinstance(node, ast.Assign)
+            and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+            and "mark.slow" in ast.unparse(node.value)
+            for node in tree.body
+        )
+        nodes = list(tree.body)
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            nodes += [n for n in cls.body]
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith(
+                "test"
+            ):
+                source = "\n".join(ast.unparse(d) for d in node.decorator_list)
+                source += "\n" + ast.get_source_segment(text, node)
+                slow = module_slow or _is_slow(node.decorator_list)
+                yield path.relative_to(REPO).as_posix(), node.name, source, slow
+
+
+def test_every_full_tier_entry_names_a_test_that_exists():
+    found = {(path, name) for path, name, _, _ in _test_functions()}
+    files = {path for path, _ in found}
+    missing = [p for p in tiers.FULL_FILES if p not in files]
+    missing += [f"{p}::{n}" for p, n in tiers.FULL_TESTS if (p, n) not in found]
+    assert not missing, (
+        f"tests/tiers.py names tests that do not exist: {missing}. Fix: update "
+        "the entry to the test's new file or name (a stale entry moves its "
+        "test to the fast tier, which then takes longer than the README says)."
+    )
+
+
+def test_the_commands_select_complementary_tiers(pytestconfig):
+    # The fast tier is `-m "not full"` (addopts), the full tier `-m full`:
+    # together every test, each once.
+    assert pytestconfig.getini("addopts")[-2:] == ["-m", "not full"]
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    for text, where in ((readme, "README.md"), (ci, ".ci/run")):
+        assert ".venv/bin/python -m pytest -q -n 2\n" in text, where
+        assert ".venv/bin/python -m pytest -q -n 2 -m full" in text, where
+
+
+def test_the_fast_tier_touches_every_option_callback_and_aggregator():
+    fast = "\n".join(
+        source
+        for path, name, source, slow in _test_functions()
+        if not tiers.is_full(path, name, slow)
+    )
+    callbacks = [
+        n
+        for n in keras_fastgrad.callbacks.__all__
+        if isinstance(getattr(keras_fastgrad.callbacks, n), type)
+        and issubclass(getattr(keras_fastgrad.callbacks, n), keras.callbacks.Callback)
+        and n != "FastGradCallback"
+    ]
+    names = list(OPTION_NAMES) + callbacks
+    names += ["fastgrad", "FastGradSequential", "profile_step", "load_model", "save_weights"]
+    untouched = [n for n in names if not re.search(rf"\b{n}\b", fast)]
+    for name in aggregators.NAMES:
+        cls = type(aggregators.get(name)).__name__
+        if f'"{name}"' not in fast and not re.search(rf"\b{cls}\b", fast):
+            untouched.append(f"aggregator {name!r} ({cls})")
+    assert callbacks and not untouched, (
+        f"No test of the fast tier names {untouched}. Fix: keep (or write) one "
+        "short test of it out of tests/tiers.py's lists."
+    )
