@@ -308,13 +308,7 @@ def code_blocks(page):
 BLOCKS = [block for page in site_pages() for block in code_blocks(page)]
 # Pages whose code, as shown, fails because of a library bug (not the page):
 # the test expects the failure (strict), so the fix must remove the entry.
-KNOWN_BUGS = {
-    os.path.join("docs", "how-to", "distributed.md"): (
-        "FastGradModel under a MirroredStrategy of ONE device (a single GPU, "
-        "or a CPU) fails in fit: `merge_call` RuntimeError from "
-        "step/variables.py `increment` (two devices work)"
-    ),
-}
+KNOWN_BUGS = {}
 RUN_PAGES = [
     pytest.param(page, marks=pytest.mark.xfail(reason=KNOWN_BUGS[page], strict=True))
     if page in KNOWN_BUGS

@@ -14,8 +14,8 @@ model) and the step divides once, at the update. A micro-batch left out
 a zero gradient, as Keras does on the big batch (its loss is
 `divide_no_nan(S, D)`): the window counts its included micro-batches, and
 only a window without any (all dropped, or empty) is not applied. Sparse gradients
-(`tf.IndexedSlices`) are added to their rows only (on one replica; under a
-strategy the per-replica sums support no `scatter_add`: added densely).
+(`tf.IndexedSlices`) are added to their rows only (without a strategy; under
+one the per-replica sums support no `scatter_add`: added densely).
 
 Under a `tf.distribute` strategy each replica adds its own share to
 sync-on-read sums: micro-steps do not all-reduce gradients; the update sums
@@ -97,15 +97,15 @@ class WindowAccumulator:
                 its sums divided by the normaliser (`False`: a `"sum"`
                 loss, the sums themselves).
             otherwise: Optional callable run (no arguments) in the `cond`
-                branch of a left-out micro-batch: bookkeeping for free. One
-                replica only: under a strategy, state written there would
-                need a `merge_call` inside the `cond`.
+                branch of a left-out micro-batch: bookkeeping for free.
+                Without a strategy only: under one (one replica too), state
+                written there would need a `merge_call` inside the `cond`.
 
         Returns:
             Boolean scalar: `True` on the window's last micro-batch.
         """
 
-        sparse_ok = tf.distribute.get_strategy().num_replicas_in_sync == 1
+        sparse_ok = not tf.distribute.has_strategy()  # sums are plain variables
         self.mean_reduction = mean_reduction
 
         def add():

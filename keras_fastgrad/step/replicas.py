@@ -1,7 +1,16 @@
-"""The few cross-replica operations the step needs, as no-ops on one device.
+"""The few cross-replica operations the step needs, as no-ops without a
+strategy.
 
 The step keeps every decision global (the same on every replica) by summing
 small vectors across replicas; gradients are summed only at an update.
+
+Two questions, kept apart. Control flow asks `distributed()`: under any
+strategy but the default one, one replica included (`MirroredStrategy()`
+on one GPU or a CPU-only machine), an optimizer update or a write of
+mirrored state inside a `cond` in replica context is a `merge_call`, which
+TensorFlow refuses there. The arithmetic (dividing by the replicas, summing
+over them) asks `num_replicas()`: a sum over one replica is the value
+itself.
 """
 
 import tensorflow as tf
@@ -10,8 +19,19 @@ from keras_fastgrad._compat import in_multi_worker_mode
 
 
 def num_replicas():
-    """Number of replicas in sync of the current strategy (1 without one)."""
+    """Number of replicas in sync of the current strategy (1 without one).
+
+    For arithmetic only; whether the step may update inside a `cond` in
+    replica context is `distributed()`, also true with one replica.
+    """
     return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def distributed():
+    """Whether a strategy other than the default one is active, with any
+    number of replicas: then updates and writes of mirrored state leave
+    replica context through a `merge_call` before any `cond`."""
+    return tf.distribute.has_strategy()
 
 
 def replica_sum(values):
@@ -44,7 +64,7 @@ def in_cross_replica_context(fn, *args):
     that is not mirrored per replica, like the loss scale). `args` must be
     identical on every replica; `fn` sees replica 0's copy."""
     context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
+    if context is None or not distributed():
         return fn(*args)
 
     def merged(distribution, *args):

@@ -29,6 +29,7 @@ from keras_fastgrad.step.backward import Batch, gradients
 from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
 from keras_fastgrad.step.gradients import scale
 from keras_fastgrad.step.replicas import (
+    distributed,
     for_keras_reduction,
     global_metric_results,
     num_replicas,
@@ -106,7 +107,7 @@ def accumulate_or_apply(model, state, batch, verdict):
             apply_if(verdict.keep, apply, args=update_args)
         return
     otherwise = None
-    if verdict.drops_nonfinite and num_replicas() == 1:
+    if verdict.drops_nonfinite and not distributed():  # (state written in a `cond`)
         otherwise = functools.partial(drop, *drop_args)
     else:
         apply_if(not_finite, drop, args=drop_args)

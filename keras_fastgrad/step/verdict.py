@@ -17,6 +17,7 @@ from keras_fastgrad.step import finite
 from keras_fastgrad.step.clipping import fits_clip, scaled_norm
 from keras_fastgrad.step.divergence import failed
 from keras_fastgrad.step.replicas import (
+    distributed,
     num_replicas,
     replica_sum,
 )
@@ -165,11 +166,13 @@ def record_drop(model, state, marks, counts=None):
 
 
 def single_cond(model, state):
-    """One replica, no accumulation, default metrics: the update and the
-    metrics share one `cond` (`update_or_drop`)."""
+    """No strategy, no accumulation, default metrics: the update and the
+    metrics share one `cond` (`update_or_drop`). Under a strategy, one
+    replica too, the optimizer cannot update inside a `cond` in replica
+    context (`applying.apply_if`)."""
     return (
         state.accumulator is None
         and (model.skip_nonfinite or state.scaling.active)
-        and num_replicas() == 1
+        and not distributed()
         and type(model).compute_metrics is keras.Model.compute_metrics
     )
