@@ -15,10 +15,10 @@ import warnings
 
 import tensorflow as tf
 
-from keras_fastgrad import _compat as compat
 from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step import noise_scale
+from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import (
     num_replicas,
@@ -94,6 +94,7 @@ def _gradients(model, state, x, y, sample_weight):
             model.micro_batches,
             merger=state.merger,
             measure=noise_scale.slice_measure() if measure else None,
+            options=_combining(model, state),
         )
     else:
         loss, y_pred, grads, share = _batch_gradients(
@@ -122,6 +123,18 @@ def _small_batch(grads, num_rows, share):
     return noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)
 
 
+def _combining(model, state):
+    """The options that combine micro-batches into one update, as set
+    (for `compile_loss.check_extra_terms`' messages); replicas alone do
+    not count (Keras itself combines those)."""
+    options = []
+    if state.accumulator is not None:
+        options.append(f"accumulation_steps={model.accumulation_steps}")
+    if model.micro_batches > 1:
+        options.append(f"micro_batches={model.micro_batches}")
+    return options
+
+
 def _recording_batchnorm(state):
     """While the forward pass is traced: BatchNorm moments recorded, the
     moving statistics held (`batchnorm.WindowMoments`), when pooled."""
@@ -147,8 +160,11 @@ def _loss_gradients(model, state, x, y, sample_weight, variables, shares):
     with watching(variables) as tape:
         y_pred = call_for_training(model, x)
         with shares or contextlib.nullcontext():
-            loss = compat.compute_loss(model, x, y, y_pred, sample_weight)
+            terms = loss_terms(model, x, y, y_pred, sample_weight)
+        loss = terms.total
         share = None if shares is None else shares.share()
+        if share is not None and state.accumulator is not None:
+            check_extra_terms(model, share, _combining(model, state), terms)
         weight = None if share is None else share.loss_weight(num_replicas())
         scaled_loss = scaling.scale(loss, weight)
     grads = tape.gradient(scaled_loss, [v.value for v in variables])
@@ -168,6 +184,10 @@ def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares)
             regularization = regularization_loss(model)
             loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
         share = None if shares is None else shares.share()
+        if share is not None and state.accumulator is not None:
+            check_extra_terms(
+                model, share, _combining(model, state), present_terms(model), merged=True
+            )
         weight = None if share is None else share.loss_weight(num_replicas())
         scaled_tasks = [scaling.scale(t, weight) for t in tasks]
         if regularization is not None:

@@ -39,6 +39,7 @@ from keras import tree
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._compat import get_keras_mask, set_keras_mask
 from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
+from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import num_replicas
 from keras_fastgrad.step.splitting import first_input, groups, split
@@ -46,7 +47,7 @@ from keras_fastgrad.step.weighting import LossShares, Share
 
 
 def sliced_gradients(
-    model, x, y, sample_weight, variables, scaling, slices, merger=None, measure=None
+    model, x, y, sample_weight, variables, scaling, slices, merger=None, measure=None, options=()
 ):
     """Forward and backward of `model` on `slices` slices of one batch.
 
@@ -66,6 +67,10 @@ def sliced_gradients(
             each slice's (weighted) gradients, rows, normaliser and index;
             the vectors are summed over the slices
             (`noise_scale.slice_measure`: slices are small batches).
+        options: The options that combine micro-batches, as set (e.g.
+            `["micro_batches=3"]`), named where the loss's terms beyond
+            the output losses cannot be weighted exactly
+            (`compile_loss.check_extra_terms`).
 
     Returns:
         `(loss, y_pred, grads, share)`: the batch loss as Keras would
@@ -80,7 +85,8 @@ def sliced_gradients(
     batch = split(x, y, sample_weight, slices)
     out_spec = model.compute_output_spec(x)
     facts = {}  # trace-time facts of the body, the same for every slice
-    step = _slice_step(model, batch, variables, scaling, merger, facts, measure)
+    context = _Context(options or [f"micro_batches={slices}"], tf.shape(first_input(x))[0])
+    step = _slice_step(model, batch, variables, scaling, merger, facts, measure, context)
     totals = _zero_totals(model, y, out_spec, variables, merger, measure)
     outputs, masks = [], []
     for group in groups(batch):
@@ -158,7 +164,7 @@ def _run_group(group, step, totals, out_spec):
     return totals, outputs, masks
 
 
-def _slice_step(model, batch, variables, scaling, merger, facts, measure=None):
+def _slice_step(model, batch, variables, scaling, merger, facts, measure=None, context=None):
     """One slice forward and backward: `step(i, (x, y, sample_weight,
     rows), totals)` adds its gradients to the sums and its loss, shares
     (and, with `measure`, its measures) to the totals; returns them with
@@ -169,7 +175,7 @@ def _slice_step(model, batch, variables, scaling, merger, facts, measure=None):
         x, y, sample_weight, rows = piece
         sums, loss_sum, actual_sum, real_sum, *measured = totals
         losses, share, grads, y_pred = _slice_gradients(
-            model, x, y, sample_weight, rows, variables, scaling, merger
+            model, x, y, sample_weight, rows, variables, scaling, merger, context
         )
         flat_pred = tree.flatten(y_pred)
         if not facts:
@@ -205,14 +211,32 @@ def _slice_step(model, batch, variables, scaling, merger, facts, measure=None):
     return step
 
 
-def _slice_gradients(model, x, y, sample_weight, rows, variables, scaling, merger):
+class _Context:
+    """What every slice's loss needs: the combining options (named by
+    refusals) and the batch's rows."""
+
+    def __init__(self, options, batch_rows):
+        self.options, self.batch_rows = list(options), batch_rows
+
+
+def _slice_gradients(model, x, y, sample_weight, rows, variables, scaling, merger, context):
     """The slice's losses, share, gradients (one row per loss, unscaled,
     times the share) and predictions."""
     with watching(variables, persistent=merger is not None) as tape:
         y_pred = call_for_training(model, x)
         with LossShares(model, rows) as shares:
-            losses = _slice_losses(model, x, y, y_pred, sample_weight, merger)
+            losses, terms = _slice_losses(model, x, y, y_pred, sample_weight, merger)
         share = shares.share()
+        check_extra_terms(model, share, context.options, terms, merged=merger is not None)
+        if merger is None and not share.mean and terms.rows is not None:
+            # `"sum"`: the batch's per-row means are the slices' weighted
+            # by their share of the rows (the slices' weight is 1).
+            fraction = tf.math.divide_no_nan(
+                tf.cast(rows, tf.float32), tf.cast(context.batch_rows, tf.float32)
+            )
+            weights = terms.weights if terms.weights is not None else 0.0
+            dtype = terms.total.dtype
+            losses = [terms.compiled + weights + terms.rows * tf.cast(fraction, dtype)]
         weight = share.loss_weight(num_replicas())
         scaled = [scaling.scale(loss, weight) for loss in losses]
     sources = [v.value for v in variables]
@@ -254,12 +278,13 @@ def _slice_losses(model, x, y, y_pred, sample_weight, merger):
     """The slice's losses: the model's loss, or (multi-task) one per task
     and the regularisation (`model.losses`)."""
     if merger is None:
-        return [compat.compute_loss(model, x, y, y_pred, sample_weight)]
+        terms = loss_terms(model, x, y, y_pred, sample_weight)
+        return [terms.total], terms
     regularization = regularization_loss(model)  # (a constant if none:
     # no variable gets a gradient from it)
     return task_losses(model, y, y_pred, sample_weight) + [
         tf.constant(0.0) if regularization is None else regularization
-    ]
+    ], present_terms(model)
 
 
 def _take_back_extra_regularization(model, variables, grads, loss_sum, extra, factor):

@@ -90,10 +90,12 @@ def normaliser(losses, sample_weight, mask, reduction):
 
 
 class _Recorded:
-    """What one output loss call contributes: `(actual, real, kind)`."""
+    """What one output loss call contributes: `(actual, real, kind)`, and
+    its reduction and masking in words (`describe`)."""
 
-    def __init__(self, actual, real, kind):
+    def __init__(self, actual, real, kind, describe=None):
         self.actual, self.real, self.kind = actual, real, kind
+        self.describe = describe
 
 
 class _Measuring:
@@ -174,7 +176,12 @@ class _Measuring:
             )
         )
         kind = "sum" if reduction == "sum" else ("rows" if by_rows else "data")
-        return _Recorded(actual, real, kind)
+        describe = f"reduction={reduction!r}"
+        if user_mask is not None:
+            describe += " with a mask"
+        elif sample_weight is not None and reduction == "mean_with_sample_weight":
+            describe += " with sample weights"
+        return _Recorded(actual, real, kind, describe)
 
 
 def _standard(fn):
@@ -251,9 +258,11 @@ class LossShares:
         kinds = {r.kind for r in recorded}
         if len(recorded) == 1 and recorded[0].actual is not None:
             only = recorded[0]
-            return Share(only.actual, only.real, only.kind != "sum")
+            return Share(
+                only.actual, only.real, only.kind != "sum", only.kind == "rows", only.describe
+            )
         if recorded and kinds == {"sum"}:
-            return Share(tf.constant(1.0), tf.constant(1.0), False)
+            return Share(tf.constant(1.0), tf.constant(1.0), False, describe='reduction="sum"')
         if kinds - {"rows"}:
             warnings.warn(
                 "FastGradModel: the model's output losses have different "
@@ -278,12 +287,17 @@ class Share:
         real: float32 scalar, what it adds to the window's normaliser.
         mean: Python bool, whether the window's sum is divided by its
             normaliser (`False` for `reduction="sum"`).
+        by_rows: Python bool, whether the normaliser counts rows (times a
+            constant): then per-row means weigh as the output losses.
+        describe: The reduction (and mask or weights) in words.
     """
 
-    def __init__(self, actual, real, mean):
+    def __init__(self, actual, real, mean, by_rows=True, describe="the compiled loss"):
         self.actual = tf.stop_gradient(actual)
         self.real = tf.stop_gradient(real)
         self.mean = mean
+        self.by_rows = by_rows
+        self.describe = describe
 
     def loss_weight(self, replicas):
         """What to multiply the micro-batch's loss by: `actual`, and the
