@@ -5,6 +5,13 @@ calls one loss object per output (`compat.output_losses`). The step needs to see
 each of those calls (the per-task values for multi-task merging, the loss
 normalisers for exact weighting) without re-implementing the matching: it
 swaps the loss objects for wrappers while the model computes its loss.
+
+It also tells the loss's other terms apart (`loss_terms`: the weight
+regularisation, the layers' own losses), which the step weights on their
+own where micro-batches are combined, or refuses where it cannot weight
+them exactly (`check_extra_terms`; docs/concepts/exactness.md). This reads
+Keras' private `Layer._get_own_losses` and `_flatten_layers`, as
+`Layer.losses` does.
 """
 
 import collections

@@ -16,7 +16,8 @@ gives exactly the gradient of the un-split batch, masks and sample weights
 included (tests: uneven splits, masked sequences, per-pixel losses, SGD
 and Adam, XLA). Weight regularisation enters every slice's loss once; what
 the slices' shares add beyond the batch's normaliser is taken back after
-the loop (`reduction="sum"`: each slice's share is 1).
+the loop (`reduction="sum"`: each slice's share is 1, and the layers'
+per-row losses are weighted by the slice's share of the rows).
 
 Slices of different sizes have different shapes: outside XLA one loop
 takes them with a dynamic first dimension; under XLA two loops run, one
@@ -26,12 +27,12 @@ The predictions keep their masks, so the metrics see what they would on
 the whole batch. BatchNormalization normalises each slice by the slice's
 moments (ghost batch norm); its moving statistics take one step per batch
 from the moments pooled over the slices (`keras_fastgrad.step.batchnorm`;
-`batchnorm_statistics="micro_batch"`: one step per slice). Limits: other
-layers that mix samples see slices, not the batch; terms beyond the
-output losses are weighted by the slice's share of the loss normaliser
-(exact for per-sample means when the normaliser counts rows: see
-docs/concepts/exactness.md).
+`batchnorm_statistics="micro_batch"`: one step per slice). Other layers
+that mix samples see slices, not the batch. Terms beyond the output
+losses: exact or refused (`compile_loss.check_extra_terms`).
 """
+
+import collections
 
 import tensorflow as tf
 from keras import tree
@@ -211,12 +212,9 @@ def _slice_step(model, batch, variables, scaling, merger, facts, measure=None, c
     return step
 
 
-class _Context:
-    """What every slice's loss needs: the combining options (named by
-    refusals) and the batch's rows."""
-
-    def __init__(self, options, batch_rows):
-        self.options, self.batch_rows = list(options), batch_rows
+# What every slice's loss needs: the combining options (named by refusals)
+# and the batch's rows.
+_Context = collections.namedtuple("_Context", ["options", "batch_rows"])
 
 
 def _slice_gradients(model, x, y, sample_weight, rows, variables, scaling, merger, context):
