@@ -112,6 +112,14 @@ def own_distribute_strategy(model):
     return model._distribute_strategy
 
 
+def is_default_strategy(strategy):
+    """Whether `strategy` is TensorFlow's default (no) strategy, the one
+    `tf.distribute.get_strategy()` returns outside every scope."""
+    from tensorflow.python.distribute import distribute_lib
+
+    return strategy is distribute_lib._get_default_strategy()
+
+
 def flatten_layers(model):
     """Every layer of the model, itself included, recursively."""
     return model._flatten_layers()

@@ -363,8 +363,10 @@ def test_private_methods_that_shadow_keras_are_declared_overrides():
 
 
 # ------------------------------------------------------- version branches
-def test_several_replicas_refused_before_keras_3_10(monkeypatch):
+def test_a_strategy_refused_before_keras_3_10(monkeypatch):
     from types import SimpleNamespace
+
+    import tensorflow as tf
 
     from keras_fastgrad.models import options as _validation
 
@@ -372,16 +374,19 @@ def test_several_replicas_refused_before_keras_3_10(monkeypatch):
         pass
 
     two = MirroredStrategy(num_replicas_in_sync=2)
+    one = MirroredStrategy(num_replicas_in_sync=1)  # one GPU, or none
     monkeypatch.setattr(compat, "MULTI_REPLICA_SUPPORTED", False)
-    with pytest.raises(
-        ValueError,
-        match=r"needs Keras >= 3\.10.*Received: keras==.*`MirroredStrategy` "
-        r"with 2 replicas\. Fix: `pip install \"keras>=3\.10\"`",
-    ):
-        _validation.check_keras_supports_replicas(two)
-    _validation.check_keras_supports_replicas(MirroredStrategy(num_replicas_in_sync=1))
+    for strategy, count in ((two, 2), (one, 1)):
+        with pytest.raises(
+            ValueError,
+            match=r"needs Keras >= 3\.10.*Received: keras==.*`MirroredStrategy` "
+            rf"with {count} replica\(s\)\. Fix: `pip install \"keras>=3\.10\"`",
+        ):
+            _validation.check_keras_supports_replicas(strategy)
+    _validation.check_keras_supports_replicas(tf.distribute.get_strategy())  # none
     monkeypatch.setattr(compat, "MULTI_REPLICA_SUPPORTED", True)
     _validation.check_keras_supports_replicas(two)
+    _validation.check_keras_supports_replicas(one)
 
 
 _TWO_REPLICAS_SCRIPT = """

@@ -261,23 +261,26 @@ def check_multitask_space(space, features, multitask):
 
 
 def check_keras_supports_replicas(strategy):
-    """Refuses several replicas on Keras < 3.10.
+    """Refuses a distribution strategy on Keras < 3.10.
 
     Before 3.10 Keras creates metric variables mirrored on write: every
     metric update is a `merge_call`, which the step cannot run inside its
     conditional update (TensorFlow: "`merge_call` called while defining a
-    new graph or a tf.function"). From 3.10 they are sync-on-read.
+    new graph or a tf.function"). From 3.10 they are sync-on-read. This
+    holds for a strategy of one replica too (a `MirroredStrategy` on a
+    machine with one GPU, or none): only the default strategy is free of it.
     """
+    if compat.MULTI_REPLICA_SUPPORTED or compat.is_default_strategy(strategy):
+        return
     replicas = strategy.num_replicas_in_sync
-    if replicas > 1 and not compat.MULTI_REPLICA_SUPPORTED:
-        raise ValueError(
-            "Training a FastGradModel on several replicas needs Keras >= "
-            "3.10: older Keras updates metrics with a `merge_call`, which "
-            "the step cannot run inside its conditional update. Received: "
-            f"keras=={keras.__version__}, `{type(strategy).__name__}` with "
-            f'{replicas} replicas. Fix: `pip install "keras>=3.10"`, or '
-            "train on one device (no strategy)."
-        )
+    raise ValueError(
+        "Training a FastGradModel under a distribution strategy needs Keras "
+        ">= 3.10: older Keras updates metrics with a `merge_call`, which "
+        "the step cannot run inside its conditional update. Received: "
+        f"keras=={keras.__version__}, `{type(strategy).__name__}` with "
+        f'{replicas} replica(s). Fix: `pip install "keras>=3.10"`, or '
+        "train without a strategy."
+    )
 
 
 def check_keyword_names(kwargs, option_names, keras_names, owner="FastGradModel"):
