@@ -266,10 +266,10 @@ def _tracked(loss, num_samples):
     nothing to Keras' mean (weight 0, and its logged mean of nothing is
     0.0); here it adds 0 with the smallest normal float32 weight, which
     leaves every other mean as it is but marks the period as having kept
-    something (`TrainingLoss`: a period with nothing kept logs NaN)."""
-    empty = num_samples <= 0.0
-    tiny = tf.constant(np.finfo(np.float32).tiny, num_samples.dtype)
-    return tf.where(empty, tf.zeros_like(loss), loss), tf.where(empty, tiny, num_samples)
+    something (`TrainingLoss`: a period with nothing kept logs NaN). Its
+    loss is already 0 (Keras' reductions divide by a zero normaliser as
+    `divide_no_nan`), so one `maximum` does it (an op on every step)."""
+    return loss, tf.maximum(num_samples, np.finfo(np.float32).tiny)
 
 
 def _update_metrics(model, batch, loss, num_samples=None):
