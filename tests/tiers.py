@@ -87,6 +87,9 @@ _BY_FILE = {
         "test_outputs_with_the_same_rows_normaliser_are_exact_without_warning": _REPEAT,
         "test_per_pixel_loss_with_pixel_weights_and_accumulation": _REPEAT,
     },
+    "tests/end_to_end/test_extra_loss_terms.py": {
+        "test_terms_equal_the_big_batch_sweep": _SWEEP,
+    },
     "tests/end_to_end/test_micro_batch_padding.py": {
         "test_every_term_equals_the_unsplit_step": _SWEEP,
         "test_xla_and_steps_per_execution": _XLA,
