@@ -232,9 +232,13 @@ def _slice_gradients(model, x, y, sample_weight, rows, variables, scaling, merge
             fraction = tf.math.divide_no_nan(
                 tf.cast(rows, tf.float32), tf.cast(context.batch_rows, tf.float32)
             )
-            weights = terms.weights if terms.weights is not None else 0.0
             dtype = terms.total.dtype
-            losses = [terms.compiled + weights + terms.rows * tf.cast(fraction, dtype)]
+            parts = [
+                terms.compiled,
+                terms.weights,
+                terms.rows * tf.cast(fraction, terms.rows.dtype),
+            ]
+            losses = [tf.add_n([tf.cast(p, dtype) for p in parts if p is not None])]
         weight = share.loss_weight(num_replicas())
         scaled = [scaling.scale(loss, weight) for loss in losses]
     sources = [v.value for v in variables]
