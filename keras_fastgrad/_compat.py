@@ -120,9 +120,21 @@ def is_default_strategy(strategy):
     return strategy is distribute_lib._get_default_strategy()
 
 
-def flatten_layers(model):
-    """Every layer of the model, itself included, recursively."""
-    return model._flatten_layers()
+def flatten_layers(model, include_self=True):
+    """Every layer of the model, itself included unless `include_self` is
+    `False`, recursively."""
+    return model._flatten_layers(include_self=include_self)
+
+
+def own_losses(layer):
+    """The losses `layer` itself added (`add_loss`, its activity
+    regulariser), without its sublayers' or any weight regulariser's."""
+    return layer._get_own_losses()
+
+
+def losses_overridden(model):
+    """Whether `model.losses` was replaced (Keras' `_losses_override`)."""
+    return bool(getattr(model, "_losses_override", None))
 
 
 def first_batch(iterator):
@@ -496,6 +508,9 @@ PRIVATE_NAMES = (
     ("keras.Model", "_aggregate_additional_loss"),
     ("keras.Model", "_symbolic_build"),
     ("keras.Model", "_flatten_layers"),
+    ("keras.Model", "_get_own_losses"),
+    ("keras.Model", "_losses_override"),
+    ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy"),
     ("keras.layers.BatchNormalization", "_moments"),
     ("keras.Model", "_loss_tracker"),
     ("keras.Model", "_distribute_strategy"),

@@ -77,17 +77,17 @@ class LossTerms(
 
 def default_compute_loss(model):
     """Whether `model` computes its loss with Keras' own `compute_loss`."""
-    return type(model).compute_loss is keras.Model.compute_loss and not getattr(
-        model, "_losses_override", None
+    return type(model).compute_loss is keras.Model.compute_loss and not compat.losses_overridden(
+        model
     )
 
 
 def layer_losses(model):
     """The layers' own losses (`add_loss`, activity regularisers), in the
     order of `model.losses`. Call after the forward pass."""
-    losses = list(model._get_own_losses())
-    for layer in model._flatten_layers(include_self=False):
-        losses.extend(layer._get_own_losses())
+    losses = list(compat.own_losses(model))
+    for layer in compat.flatten_layers(model, include_self=False):
+        losses.extend(compat.own_losses(layer))
     return losses
 
 
@@ -193,8 +193,8 @@ def check_extra_terms(model, share, options, terms, merged=False):
 
 def _row_terms(model):
     names = []
-    for layer in [model] + list(model._flatten_layers(include_self=False)):
-        if layer._get_own_losses():
+    for layer in compat.flatten_layers(model):
+        if compat.own_losses(layer):
             regularizer = getattr(layer, "activity_regularizer", None)
             kind = "activity regulariser" if regularizer is not None else "add_loss"
             names.append(f"{kind} of layer '{layer.name}'")
