@@ -194,6 +194,66 @@ _BY_FILE = {
         "test_an_empty_multitask_features_is_refused_at_construction": _SWEEP,
     },
 }
+# Moved on 2026-12-02 (the fast tier measured 336 s on 2 idle cores after
+# issue 27's new tests): each repeats on another model or setting what a
+# fast test still checks once.
+_TIME = "a repeat of a fast test's check, moved to keep the fast tier within 5 minutes"
+_MOVED_FOR_TIME = {
+    "tests/end_to_end/test_one_device_strategy.py": [
+        "test_accumulation_with_an_uneven_last_batch_and_sparse_gradients",
+        "test_micro_batches_on_a_per_pixel_loss",
+        "test_clip_norm_clips_alike",
+        "test_a_nonfinite_micro_batch_is_dropped",
+        "test_mixed_float16_loss_scaling",
+        "test_batchnorm_window_statistics",
+        "test_multitask_pcgrad",
+        "test_callback_on_a_plain_keras_model",
+    ],
+    "tests/end_to_end/test_extra_loss_terms.py": ["test_terms_equal_the_big_batch"],
+    "tests/step/test_batchnorm.py": [
+        "test_moving_statistics_equal_keras_on_the_concatenated_batch"
+    ],
+    "tests/end_to_end/test_exactness.py": [
+        "test_masked_rnn_accumulation_equals_the_big_batch",
+        "test_per_pixel_loss_micro_batches",
+    ],
+    "tests/end_to_end/test_saved_fixtures.py": ["test_weights_file_loads_bit_exact"],
+    "tests/end_to_end/test_safety.py": [
+        "test_evaluate_inside_fit_does_not_change_training",
+        "test_isolated_bad_batches_train_on_without_alarm",
+        "test_clipping_never_makes_a_silently_zero_update",
+        "test_max_consecutive_nonfinite_is_validated",
+    ],
+    "tests/multitask/test_merger.py": [
+        "test_accumulation_merges_each_micro_batch_then_accumulates",
+        "test_clipping_applies_to_the_merged_gradient",
+        "test_save_load_round_trip_restores_the_aggregator",
+    ],
+    "tests/multitask/test_feature_space.py": ["test_save_load_keeps_the_options"],
+    "tests/multitask/test_multitask_models.py": [
+        "test_features_space_on_a_conv_trunk_with_per_pixel_losses"
+    ],
+    "tests/models/test_refusals.py": [
+        "test_own_step_with_honoured_options_trains_like_keras_model"
+    ],
+    "tests/end_to_end/test_micro_batch_padding.py": [
+        "test_batchnorm_micro_batch_statistics_move_per_real_slice"
+    ],
+    "tests/end_to_end/test_edges.py": [
+        "test_window_of_padding_only_in_a_masked_rnn_makes_keras_zero_step"
+    ],
+    "tests/end_to_end/test_adaptive_clipping_fit.py": [
+        "test_unit_norm_beyond_float32_drops_the_update_loudly"
+    ],
+    "tests/models/test_model.py": ["test_partial_window_applied_at_epoch_end_with_adam"],
+    "tests/profiling/test_profiling.py": [
+        "test_keras_tape_watches_frozen_variables_fastgrad_does_not"
+    ],
+}
+for _path, _names in _MOVED_FOR_TIME.items():
+    for _name in _names:
+        _BY_FILE.setdefault(_path, {}).setdefault(_name, _TIME)
+
 FULL_TESTS = {(path, name): why for path, tests in _BY_FILE.items() for name, why in tests.items()}
 
 
