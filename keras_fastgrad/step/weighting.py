@@ -26,10 +26,6 @@ at the update (`mean=True`), or does not divide (`mean=False`, `"sum"`).
 common to all of them; the number of rows is used, exact when each output's
 normaliser is its rows times a constant (no masks, no data-dependent
 weights); otherwise a warning says the window is weighted by rows.
-
-Slices of a padded batch (`keras_fastgrad.step.slicing`) pass `rows`, a
-validity vector: padded rows are masked out of every output loss, whatever
-its rank, and the share counts only the real rows.
 """
 
 import warnings
@@ -102,8 +98,8 @@ class _Measuring:
     """Stands in for one `CompileLoss` output loss: the same value as
     `Loss.__call__`, and the loss's normaliser recorded on the side."""
 
-    def __init__(self, loss_fn, rows, sink):
-        self.loss_fn, self.rows, self.sink = loss_fn, rows, sink
+    def __init__(self, loss_fn, sink):
+        self.loss_fn, self.sink = loss_fn, sink
         self.name = getattr(loss_fn, "name", None)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
@@ -117,11 +113,7 @@ class _Measuring:
             losses = fn.call(
                 tf.nest.map_structure(to_tensor, y_true), tf.nest.map_structure(to_tensor, y_pred)
             )
-            user_mask = _combined(in_mask, get_keras_mask(losses))
-            mask = user_mask
-            if self.rows is not None:  # padded rows out, whatever the rank
-                rows = tf.reshape(self.rows, [-1] + [1] * (len(losses.shape) - 1))
-                mask = rows if mask is None else tf.logical_and(tf.cast(mask, tf.bool), rows)
+            mask = _combined(in_mask, get_keras_mask(losses))
             value = reduce_weighted_values(
                 losses,
                 sample_weight=sample_weight,
@@ -132,56 +124,34 @@ class _Measuring:
             if tuple(losses.shape) == ():  # Keras does not reduce a scalar
                 self.sink.append(_Recorded(None, None, "rows"))
             else:
-                self.sink.append(self._recorded(losses, sample_weight, mask, user_mask))
+                self.sink.append(self._recorded(losses, sample_weight, mask))
         return value
 
     def _unknown_normaliser(self, y_true, y_pred, sample_weight):
         """A loss whose normaliser is unknown: as Keras computes it,
-        weighted by rows (refused when slicing, which must mask rows)."""
-        fn = self.loss_fn
-        if self.rows is not None:
-            raise ValueError(
-                "`micro_batches` needs output losses built on "
-                "`keras.losses.Loss` with a standard reduction (sum, "
-                "mean, sum_over_batch_size or mean_with_sample_weight). "
-                f"Received: loss={fn!r} with reduction={getattr(fn, 'reduction', None)!r}. "
-                "Fix: subclass `keras.losses.Loss` and implement `call`, "
-                "or use `micro_batches=1`."
-            )
-        value = fn(y_true, y_pred, sample_weight)
+        weighted by rows."""
+        value = self.loss_fn(y_true, y_pred, sample_weight)
         self.sink.append(_Recorded(None, None, "rows"))
         return value
 
-    def _recorded(self, losses, sample_weight, mask, user_mask):
-        """This output's `_Recorded`: its normaliser on the slice (`actual`),
-        what it adds to the batch's (`real`), and its kind."""
+    def _recorded(self, losses, sample_weight, mask):
+        """This output's `_Recorded`: its normaliser (`actual`, also what it
+        adds to the batch's: `real`), and its kind."""
         reduction = self.loss_fn.reduction
         actual = normaliser(losses, sample_weight, mask, reduction)
-        real = actual
-        if (
-            self.rows is not None
-            and reduction == "mean_with_sample_weight"
-            and sample_weight is None
-            and user_mask is None
-        ):  # the un-split batch would divide by its number of elements
-            per_row = _size(losses) / tf.cast(tf.shape(losses)[0], tf.float32)
-            real = per_row * tf.reduce_sum(tf.cast(self.rows, tf.float32))
         # D = rows x a constant (what the several-output case needs)
         by_rows = (
-            user_mask is None
+            mask is None
             and losses.shape[1:].is_fully_defined()
-            and (
-                reduction in ("sum_over_batch_size", "mean")
-                or (sample_weight is None and self.rows is None)
-            )
+            and (reduction in ("sum_over_batch_size", "mean") or sample_weight is None)
         )
         kind = "sum" if reduction == "sum" else ("rows" if by_rows else "data")
         describe = f"reduction={reduction!r}"
-        if user_mask is not None:
+        if mask is not None:
             describe += " with a mask"
         elif sample_weight is not None and reduction == "mean_with_sample_weight":
             describe += " with sample weights"
-        return _Recorded(actual, real, kind, describe)
+        return _Recorded(actual, actual, kind, describe)
 
 
 def _standard(fn):
@@ -210,8 +180,6 @@ class LossShares:
     Args:
         model: A compiled `keras.Model`.
         num_rows: int or int32 scalar, the rows of the (slice of the) batch.
-        rows: Optional boolean `[num_rows]` vector: `False` marks padded
-            rows, masked out of every output loss.
 
     Example:
 
@@ -226,16 +194,15 @@ class LossShares:
     (20.0, 20.0, True)
     """
 
-    def __init__(self, model, num_rows, rows=None):
+    def __init__(self, model, num_rows):
         self.model = model
         self.num_rows = num_rows
-        self.rows = rows
         self.recorded = []
         self._context = None
 
     def __enter__(self):
         self._context = wrapped_output_losses(
-            self.model, lambda entry: _Measuring(entry.loss, self.rows, self.recorded)
+            self.model, lambda entry: _Measuring(entry.loss, self.recorded)
         )
         self._context.__enter__()
         return self
@@ -247,14 +214,10 @@ class LossShares:
         """The micro-batch's share (a trace-time decision, tensors inside).
 
         Returns:
-            A `Share`; its `real` differs from `actual` only for padded
-            slices.
+            A `Share` (its `real` equals `actual`: a slice has no padded rows).
         """
         recorded = self.recorded
-        # Padded rows are masked out of each loss's normaliser too.
-        real_rows = tf.cast(self.num_rows, tf.float32)
-        if self.rows is not None:
-            real_rows = tf.reduce_sum(tf.cast(self.rows, tf.float32))
+        rows = tf.cast(self.num_rows, tf.float32)
         kinds = {r.kind for r in recorded}
         if len(recorded) == 1 and recorded[0].actual is not None:
             only = recorded[0]
@@ -275,7 +238,7 @@ class LossShares:
                 "`accumulation_steps=1` with `micro_batches=1`.",
                 stacklevel=2,
             )
-        return Share(real_rows, real_rows, True)
+        return Share(rows, rows, True)
 
 
 class Share:
