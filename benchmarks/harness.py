@@ -22,7 +22,7 @@ def machine():
     )
 
 
-def command_line(doc, quick, full, models=None, quick_models=None):
+def command_line(doc, quick, full, models=None, quick_models=None, argv=None, extra=None):
     """The command line every benchmark takes: `--quick`, `--rounds N`
     and, where it has `models` (names), `--models a,b`.
 
@@ -31,6 +31,10 @@ def command_line(doc, quick, full, models=None, quick_models=None):
         quick, full: `(rounds, steps)` of each mode.
         models: Optional list of model names, all run by default.
         quick_models: Optional list, the models `--quick` runs by default.
+        argv: The arguments (`main(argv)`; `None`: `sys.argv[1:]`), so
+            that `run_all` can call every script's `main` in one process.
+        extra: Optional function adding a script's own options to the
+            parser.
 
     Returns:
         `(args, rounds, steps, names)`: `names` the models to run (`[]`
@@ -45,7 +49,9 @@ def command_line(doc, quick, full, models=None, quick_models=None):
     parser.add_argument("--rounds", type=int, default=None)
     if models is not None:
         parser.add_argument("--models", default=None, help=f"comma-separated, of {models}")
-    args = parser.parse_args()
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
     rounds, steps = quick if args.quick else full
     names = []
     if models is not None:
@@ -116,15 +122,22 @@ def _summaries(measured, sum_of):
     return results
 
 
-def step_fn(model, dataset, steps):
+def step_fn(model, dataset, steps, callbacks=()):
     """A zero-argument function that runs `steps` train steps of `model`
     (its compiled `train_function`, as `fit` calls it, without `fit`'s own
     per-epoch and per-batch Python work) on batches of the repeating
     `dataset` and returns each step's seconds. Built by one `fit` epoch
-    of two batches, traced here (warm-up)."""
-    model.fit(dataset.take(2), epochs=1, verbose=0)
+    of two batches with `callbacks` (what they put into the compiled step
+    is timed; their per-batch Python work in `fit` is not), traced here
+    (warm-up). Under a distribution strategy the batches are distributed
+    as `fit` does."""
+    model.fit(dataset.take(2), epochs=1, verbose=0, callbacks=list(callbacks))
     function = model.train_function  # what that `fit` made
-    iterator = iter(dataset.repeat())
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync > 1:
+        iterator = iter(strategy.experimental_distribute_dataset(dataset.repeat()))
+    else:
+        iterator = iter(dataset.repeat())
     for _ in range(steps):
         function(iterator)
 
