@@ -4,14 +4,18 @@
 
 With `accumulation_steps=k` each replica adds its micro-batch gradient to
 sync-on-read accumulators: the gradients are all-reduced once per update,
-not once per micro-batch. Ratios per batch (median, min, max over rounds,
-interleaved, one process):
+not once per micro-batch. Step-time ratios (`harness.step_fn`: each
+side's compiled train function, batches distributed as `fit` does;
+`harness.interleaved_step_ratios`), one process:
 - FastGradModel(acc=4) / FastGradModel(acc=1): the all-reduce saved on 3 of
   4 micro-steps, minus the accumulation work;
 - FastGradModel(acc=1) / keras.Model: the step's cost under a strategy
   (global finite check, global metrics, update in cross-replica context).
 On logical CPU devices an all-reduce is a memory copy; on GPUs over a link
 it costs more, so the saving measured here is a lower bound.
+
+Runs in its own process under `run_all` (`OWN_PROCESS`): the two logical
+devices must be configured before TensorFlow initialises.
 """
 
 import argparse
@@ -23,28 +27,37 @@ import tensorflow as tf  # noqa: E402
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+OWN_PROCESS = True
 
 import keras  # noqa: E402
 from bench_core import compiled, mlp  # noqa: E402
-from harness import fit_fn, interleaved_ratios, report, synthetic  # noqa: E402
+from harness import (  # noqa: E402
+    dataset_of,
+    interleaved_step_ratios,
+    report,
+    step_fn,
+    synthetic,
+)
 
 import keras_fastgrad  # noqa: E402
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rounds, steps = (5, 8) if args.quick else (12, 16)
     batch = 256
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    x, y = synthetic((784,), 10, batch * steps)
+    data = dataset_of(*synthetic((784,), 10, batch * steps), batch)
     fg = keras_fastgrad.FastGradModel
     with strategy.scope():
-        plain = fit_fn(compiled(mlp(keras.Model), keras.optimizers.Adam()), x, y, batch)
-        acc1 = fit_fn(compiled(mlp(fg), keras.optimizers.Adam()), x, y, batch)
-        acc4 = fit_fn(compiled(mlp(fg, accumulation_steps=4), keras.optimizers.Adam()), x, y, batch)
-    results = interleaved_ratios(
+        plain = step_fn(compiled(mlp(keras.Model), keras.optimizers.Adam()), data, steps)
+        acc1 = step_fn(compiled(mlp(fg), keras.optimizers.Adam()), data, steps)
+        acc4 = step_fn(
+            compiled(mlp(fg, accumulation_steps=4), keras.optimizers.Adam()), data, steps
+        )
+    results = interleaved_step_ratios(
         [
             ("mirrored x2, mlp: FastGradModel(acc=4) / FastGradModel(acc=1)", acc4, acc1),
             ("mirrored x2, mlp: FastGradModel(acc=1) / keras.Model", acc1, plain),
@@ -52,7 +65,7 @@ def main():
         rounds,
     )
     report(
-        f"MirroredStrategy (2 logical CPU devices), per-batch time ratios ({rounds} rounds x {steps} steps)",
+        f"MirroredStrategy (2 logical CPU devices), step-time ratios ({rounds} rounds x {steps} steps)",
         results,
         {},
         "distributed",

@@ -18,9 +18,10 @@ own step has them):
   the gradients the same way).
 Ratios `loss / plain` and `grads / plain` (`harness.step_fn`: the compiled
 `train_function` timed step by step, interleaved; median, min, max, best
-round and `p25`), on the two MLPs of `bench_steps` (64 -> 3 x 256 -> 10 and
+round and `p25`), on the two MLPs of `bench_targets` (64 -> 3 x 256 -> 10 and
 256 -> 3 x 1024 -> 10, batch 64, Adam). No target: it explains the
-`default / keras.Model` ratio of `bench_steps` on update-heavy models.
+`default / ungated keras.Model` rows of `bench_targets` on update-heavy
+models.
 
 Writes benchmarks/out/gate.json.
 """
@@ -89,8 +90,8 @@ def mlp(features, width, gate):
 MODELS = {"mlp_64x256_b64": (64, 256), "mlp_256x1024_b64": (256, 1024)}
 
 
-def main():
-    args, rounds, steps, _ = command_line(__doc__, (6, 24), (16, 48))
+def main(argv=None):
+    args, rounds, steps, _ = command_line(__doc__, (6, 24), (16, 48), argv=argv)
     pairs = []
     # Quick mode: the larger MLP, where the gate shows.
     names = ["mlp_256x1024_b64"] if args.quick else list(MODELS)

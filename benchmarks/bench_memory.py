@@ -71,11 +71,11 @@ def measure(name):
     return json.loads(out.strip().splitlines()[-1])["peak_mb"]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         return child(args.child)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +96,7 @@ def main():
             "min": min(values),
             "max": max(values),
             "rounds": len(values),
+            "kind": "peak memory (not a time)",
         }
 
     results = {

@@ -8,7 +8,8 @@ Ratios (median, min, max, best over rounds, and `p25`, the ratio of the
 `GradientNoiseScale` on / off, for `accumulation_steps=4` and for
 `micro_batches=4`, on the core MLP (784 -> 3 x 1024 -> 10, batch 256) and a
 Conv2D + BatchNorm model (28x28x1, Conv 32 / 64 each followed by
-BatchNormalization, batch 128). Target (issue 22): <= 1.03. What it adds
+BatchNormalization, batch 128; `--quick`: the MLP only). Target (issue
+22): <= 1.03. What it adds
 per micro-batch is one squared norm of the gradient it has (per slice with
 `micro_batches`) and a 5-vector `assign_add`; per update one squared norm
 and scalar maths.
@@ -49,8 +50,10 @@ MODELS = {"mlp": (mlp, (784,), 256), "cnn_batchnorm": (cnn_batchnorm, (28, 28, 1
 OPTIONS = {"acc=4": {"accumulation_steps": 4}, "micro_batches=4": {"micro_batches": 4}}
 
 
-def main():
-    _, rounds, steps, names = command_line(__doc__, (6, 16), (16, 32), list(MODELS))
+def main(argv=None):
+    _, rounds, steps, names = command_line(
+        __doc__, (6, 16), (16, 32), list(MODELS), quick_models=["mlp"], argv=argv
+    )
     fg = keras_fastgrad.FastGradModel
     pairs = []
     for name in names:

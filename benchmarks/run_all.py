@@ -1,51 +1,70 @@
 """Runs every benchmark of the project and writes the report.
 
-    python benchmarks/run_all.py [--quick] [--only core,callbacks] [--timeout S]
+    python benchmarks/run_all.py [--quick] [--processes N] [--only a,b] [--timeout S]
+    python benchmarks/run_all.py --sync-docs
 
-Every `benchmarks/bench_*.py` runs in its own subprocess, one after the
-other (never two at once: they would time each other), with `--quick` when
-given. Each writes one JSON to `benchmarks/out/` (`harness.report`); the
-files a script wrote during its run are its results. Then this script
-writes:
+One method: every time ratio is step-level, each side's compiled train
+function timed step by step (`harness.step_fn`), interleaved round by
+round (`harness.interleaved_step_ratios`). Rows that are not step time
+(op counts, peak memory, a norm alone) say what they measure.
 
-- `benchmarks/RESULTS.md`: per benchmark a table of its ratios (median,
-  min, max, rounds, target, pass/fail of the median against the target),
-  the machine, the date, the command and the wall times;
-- `benchmarks/results.png`: the medians as horizontal bars with min-max
-  whiskers and the targets as marks, one panel per benchmark.
+Running. `--processes N` (default 1; the published run uses 3) runs the
+whole set N times, in N fresh Python processes one after another (never
+two at once: they would time each other). Each process imports TensorFlow
+once, then imports every `benchmarks/bench_*.py` as a module and calls its
+`main(argv)` (`["--quick"]` with `--quick`), with
+`keras.backend.clear_session()` after each. A script whose source sets
+`OWN_PROCESS = True` (it must configure TensorFlow before it initialises,
+or measures its process) runs as its own subprocess instead. A script
+that raises, exits non-zero, runs past `--timeout` or writes no JSON is
+recorded with the reason, and the next one runs. A script without
+`--quick` in its source is not run in quick mode.
 
-A script without `--quick` is not run in quick mode (it could not keep the
-quick budget); one that writes no JSON, fails or times out is listed in
-RESULTS.md with the reason. Targets are the strings the scripts give:
-`"<= 1.05"`, `"< 1 to switch"`, `"<= 1.05 at T=4"` (checked only on rows
-whose name holds `T=4`) are checked; others (`"lower is better"`, `"about
-2"`) are shown as information.
+Verdicts. Each script writes JSON to `benchmarks/out/` (`harness.report`):
+per row its statistics and target (`"<= 1.05"`; `"<= 1.05 at T=4"` bounds
+only rows named `T=4`; `"about 2"` and other words are information). The
+statistic judged is the median of the per-round ratios. Per target row:
+"met" when it meets the target in every process, "not met" when in none,
+"noisy" when the processes disagree (each process's figure is shown).
+
+Writes `benchmarks/RESULTS.md` (header: date, machine, code, command,
+processes, statistic; the "Speed targets" table; the short speed table;
+each script's detail), `benchmarks/results.png`,
+`benchmarks/out/speed_table.md` (bench_targets' rows: pair, target,
+figure, verdict) and copies that table between the
+`<!-- speed-table:start -->` / `<!-- speed-table:end -->` markers of
+README.md and docs/index.md, so that no page shows a figure the latest
+run does not (`--sync-docs` copies it again from RESULTS.md).
 """
 
 import argparse
 import ast
-import datetime
+import contextlib
 import glob
+import importlib.util
 import json
 import os
 import platform
-import re
+import signal
 import subprocess
 import sys
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(HERE, "out")
+DOCS_ROOT = ROOT  # where README.md and docs/index.md are
 QUICK_BUDGET_S = 300
-TARGET = re.compile(r"^\s*(<=|>=|<|>)\s*([0-9]*\.?[0-9]+)(.*)$")
-QUALIFIER = re.compile(r"\bat\s+([A-Za-z_]+\s*=\s*[^\s,;)]+)")
-MEMORY_WORDS = ("micro", "memory")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_page  # noqa: E402
 
 
-# ----------------------------------------------------------------- running
+# ----------------------------------------------------------------- one process
 def discover(only=None):
-    scripts = sorted(glob.glob(os.path.join(HERE, "bench_*.py")))
+    """The benchmarks: `bench_*.py` that define `main` (others are modules
+    of models the benchmarks share)."""
+    scripts = [s for s in sorted(glob.glob(os.path.join(HERE, "bench_*.py"))) if has_main(s)]
     if only:
         scripts = [s for s in scripts if name_of(s) in only]
     return scripts
@@ -55,64 +74,146 @@ def name_of(script):
     return os.path.basename(script)[len("bench_") : -len(".py")]
 
 
+def has_main(script):
+    with open(script) as f:
+        tree = ast.parse(f.read())
+    return any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+
+
 def describe(script):
-    """The first line of the script's docstring, and whether it has --quick."""
+    """From the source, without importing it: the docstring's first line,
+    whether it has `--quick`, and whether it sets `OWN_PROCESS = True`."""
     with open(script) as f:
         source = f.read()
-    doc = ast.get_docstring(ast.parse(source)) or ""
-    return (doc.strip().splitlines() or [""])[0], "--quick" in source
+    tree = ast.parse(source)
+    own = any(
+        isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "OWN_PROCESS" for t in node.targets)
+        and getattr(node.value, "value", None) is True
+        for node in tree.body
+    )
+    doc = ast.get_docstring(tree) or ""
+    return (doc.strip().splitlines() or [""])[0], "--quick" in source, own
 
 
-def json_stamps():
-    return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(OUT, "*.json"))}
+def json_stamps(out):
+    return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(out, "*.json"))}
 
 
-def run_script(script, quick, timeout):
-    """Runs one benchmark; returns its record (status, wall time, outputs)."""
-    title, has_quick = describe(script)
-    record = {
-        "script": os.path.basename(script),
-        "name": name_of(script),
-        "title": title,
-        "outputs": {},
-        "wall_s": 0.0,
-    }
-    if quick and not has_quick:
-        record["status"] = "not run: the script has no `--quick` option"
-        return record
-    command = [sys.executable, script] + (["--quick"] if quick else [])
+class ScriptTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    def expire(signum, frame):
+        raise ScriptTimeout(f"timed out after {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def in_process(script, argv, log, timeout):
+    """Calls the script's `main(argv)` here; returns `None` or the reason
+    it failed."""
+    name = os.path.basename(script)[: -len(".py")]
+    module = sys.modules.get(name)
+    if getattr(module, "__file__", None) != script:  # not imported yet (or a namesake)
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    if not hasattr(module, "main"):
+        return "not run: the script has no `main(argv)`"
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            with time_limit(timeout):
+                code = module.main(argv)
+    except ScriptTimeout as error:
+        return str(error)
+    except SystemExit as error:
+        code = error.code
+    except Exception:
+        traceback.print_exc(file=log)
+        log.flush()
+        return f"failed: {tail(log.name)}"
+    finally:
+        if "keras" in sys.modules:
+            sys.modules["keras"].backend.clear_session()
+    if code not in (None, 0):
+        log.flush()
+        return f"failed (exit {code}): {tail(log.name)}"
+    return None
+
+
+def own_process(script, argv, log, timeout):
     env = {
         **os.environ,
         "TF_CPP_MIN_LOG_LEVEL": "3",
         "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
     }
-    os.makedirs(OUT, exist_ok=True)
-    before = json_stamps()
-    log_path = os.path.join(OUT, f"{record['name']}.log")
+    try:
+        done = subprocess.run(
+            [sys.executable, script, *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    log.flush()
+    return None if done.returncode == 0 else f"failed (exit {done.returncode}): {tail(log.name)}"
+
+
+def run_script(script, quick, timeout):
+    """Runs one benchmark; returns its record (status, wall time, outputs)."""
+    title, has_quick, own = describe(script)
+    record = {
+        "name": name_of(script),
+        "title": title,
+        "outputs": {},
+        "wall_s": 0.0,
+        "own_process": own,
+    }
+    if quick and not has_quick:
+        record["status"] = "not run: the script has no `--quick` option"
+        return record
+    out = os.path.join(os.path.dirname(script), "out")
+    os.makedirs(out, exist_ok=True)
+    before = json_stamps(out)
     start = time.perf_counter()
-    with open(log_path, "w") as log:
-        try:
-            done = subprocess.run(
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
-            )
-            code = done.returncode
-        except subprocess.TimeoutExpired:
-            code = None
+    with open(os.path.join(out, f"{record['name']}.log"), "w") as log:
+        run = own_process if own else in_process
+        failure = run(script, ["--quick"] if quick else [], log, timeout)
     record["wall_s"] = time.perf_counter() - start
-    written = [p for p, stamp in json_stamps().items() if before.get(p) != stamp]
+    written = [p for p, stamp in json_stamps(out).items() if before.get(p) != stamp]
     for path in sorted(written):
         with open(path) as f:
             record["outputs"][os.path.basename(path)] = json.load(f)
-    if code is None:
-        record["status"] = f"timed out after {timeout} s"
-    elif code != 0:
-        record["status"] = f"failed (exit {code}): {tail(log_path)}"
+    if failure:
+        record["status"] = failure
     elif not written:
         record["status"] = "ran, but wrote no JSON to benchmarks/out/"
     else:
         record["status"] = "ok"
-    print(f"{record['script']}: {record['status']} ({record['wall_s']:.0f} s)", flush=True)
+    print(f"bench_{record['name']}.py: {record['status']} ({record['wall_s']:.0f} s)", flush=True)
     return record
+
+
+def run_set(scripts, quick, timeout):
+    """Every script in this process, one after another."""
+    for folder in {os.path.dirname(s) for s in scripts}:
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    return [run_script(s, quick, timeout) for s in scripts]
 
 
 def tail(path, lines=3):
@@ -121,258 +222,116 @@ def tail(path, lines=3):
     return " / ".join(last)[-400:]
 
 
-# ----------------------------------------------------------------- targets
-def check(name, median, target):
-    """`"pass"`, `"fail"`, or `""` when the target is not a checkable bound
-    for this row."""
-    match = TARGET.match(target or "")
-    if match is None:
-        return ""
-    op, bound, rest = match.group(1), float(match.group(2)), match.group(3)
-    qualifier = QUALIFIER.search(rest)
-    if qualifier and qualifier.group(1).replace(" ", "") not in name.replace(" ", ""):
-        return ""  # the bound is for another row (e.g. "at T=4" on a T=2 row)
-    ok = {"<=": median <= bound, "<": median < bound, ">=": median >= bound, ">": median > bound}[
-        op
+# ----------------------------------------------------------------- N processes
+def run_processes(n, quick, only, timeout):
+    """`n` fresh processes, one after another; returns `(runs, wall_s)`."""
+    runs, walls = [], []
+    for p in range(n):
+        path = os.path.join(OUT, f"process_{p + 1}.json")
+        command = [sys.executable, os.path.abspath(__file__), "--child", path, "--dir", HERE]
+        command += ["--timeout", str(timeout)] + (["--quick"] if quick else [])
+        command += ["--only", ",".join(sorted(only))] if only else []
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        print(f"process {p + 1} of {n}", flush=True)
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, env=env)
+        walls.append(time.perf_counter() - start)
+        if done.returncode != 0 or not os.path.exists(path):
+            runs.append(
+                [
+                    {
+                        "name": "run_all",
+                        "title": "the process itself",
+                        "outputs": {},
+                        "wall_s": walls[-1],
+                        "status": f"process {p + 1} failed (exit {done.returncode})",
+                    }
+                ]
+            )
+            continue
+        with open(path) as f:
+            runs.append(json.load(f))
+    return runs, walls
+
+
+def machine_line(runs):
+    described = [
+        out.get("machine") for records in runs for r in records for out in r["outputs"].values()
     ]
-    return "pass" if ok else "fail"
-
-
-def rows_of(output):
-    """(name, stats, target, verdict) per result of one JSON."""
-    targets = output.get("targets", {})
-    rows = []
-    for name, stats in output.get("results", {}).items():
-        target = targets.get(name, "")
-        verdict = ""
-        if isinstance(stats, dict) and isinstance(stats.get("median"), (int, float)):
-            verdict = check(name, stats["median"], target)
-        rows.append((name, stats, target, verdict))
-    return rows
-
-
-# ----------------------------------------------------------------- report
-def markdown(records, command, total_s, quick, machine, load):
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        "# Benchmark results",
-        "",
-        f"Written by `{command}` on {date}. All benchmarks took "
-        f"**{total_s:.0f} s** of wall time"
-        + (
-            f" in quick mode (budget: under {QUICK_BUDGET_S} s on 2 cores: "
-            f"{'met' if total_s < QUICK_BUDGET_S else 'NOT met'})."
-            if quick
-            else "."
-        ),
-        "",
-        f"Machine: {machine}. Code: {git_state()}.",
-        "",
-        "**These figures are from a shared 2-core CPU machine** (no GPU; other "
-        f"jobs ran at the same time: load average {load[0]:.1f} at the start, "
-        f"{load[1]:.1f} at the end), so single rounds are noisy. Each ratio "
-        "is the time of the first configuration over the second, measured "
-        "side by side in one process, interleaved round by round "
-        "(`harness.interleaved_ratios`), which cancels slow moments that hit "
-        "both sides; min and max show the spread. A result passes when its "
-        "median meets the target; rows without a bound are for information."
-        + (" Quick mode runs fewer rounds and steps than a full run." if quick else ""),
-        "",
-        "![medians with min-max whiskers and targets](results.png)",
-        "",
-        "| benchmark | script | ratios | pass | fail | wall time | status |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
-    for r in records:
-        rows = [row for out in r["outputs"].values() for row in rows_of(out)]
-        verdicts = [row[3] for row in rows]
-        lines.append(
-            f"| {r['name']} | `{r['script']}` | {len(rows)} | {verdicts.count('pass')} "
-            f"| {verdicts.count('fail')} | {r['wall_s']:.0f} s | {r['status']} |"
-        )
-    for r in records:
-        lines += ["", f"## {r['name']}: {r['title']}", ""]
-        if r["status"] != "ok":
-            lines += [f"Status: {r['status']}.", ""]
-        for file_name, out in r["outputs"].items():
-            lines += table(file_name, out)
-    if not any(any(w in r["name"] for w in MEMORY_WORDS) for r in records):
-        lines += [
-            "",
-            "## Micro-batching memory (issue 6, part 1)",
-            "",
-            "No benchmark script for it yet (`benchmarks/bench_micro*.py` or "
-            "`bench_memory*.py`); its table of peak memory per configuration "
-            "will appear here once it exists.",
-            "",
-        ]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def table(file_name, out):
-    if "results" not in out:  # not written by `harness.report`: show its values
-        lines = [f"From `benchmarks/out/{file_name}`:", "", "| name | values |", "|---|---:|"]
-        for name, value in out.items():
-            values = value if isinstance(value, list) else [value]
-            lines.append(f"| {name} | {', '.join(fmt(v) for v in values)} |")
-        return lines + [""]
-    rows = rows_of(out)
-    extra = []
-    for _, stats, _, _ in rows:
-        if isinstance(stats, dict):
-            extra += [
-                k for k in stats if k not in ("median", "min", "max", "rounds") and k not in extra
-            ]
-    header = ["ratio", "median", "min", "max", "rounds"] + extra + ["target", "result"]
-    lines = [
-        f"From `benchmarks/out/{file_name}`:",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|---|" + "---:|" * (len(header) - 3) + "---|---|",
-    ]
-    for name, stats, target, verdict in rows:
-        stats = stats if isinstance(stats, dict) else {"median": stats}
-        cells = [name] + [fmt(stats.get(k)) for k in header[1:-2]]
-        cells += [target or "", {"pass": "pass", "fail": "**FAIL**"}.get(verdict, "")]
-        lines.append("| " + " | ".join(cells) + " |")
-    others = {k: v for k, v in out.items() if k not in ("machine", "results", "targets")}
-    if others:
-        lines += [
-            "",
-            "Also in the JSON:",
-            "",
-            "```json",
-            json.dumps(others, indent=1, default=str)[:3000],
-            "```",
-        ]
-    if out.get("machine"):
-        lines += ["", f"Measured on: {out['machine']}."]
-    return lines + [""]
-
-
-def fmt(value):
-    if isinstance(value, bool) or value is None:
-        return "" if value is None else str(value)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
-
-
-def plot(records, path):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    panels = []
-    for r in records:
-        rows = [
-            row
-            for out in r["outputs"].values()
-            for row in rows_of(out)
-            if isinstance(row[1], dict) and {"median", "min", "max"} <= set(row[1])
-        ]
-        if rows:
-            panels.append((f"{r['name']} ({r['script']})", rows))
-    if not panels:
-        return None
-    heights = [len(rows) + 1.2 for _, rows in panels]
-    fig = Figure(figsize=(11, 0.32 * sum(heights) + 0.6))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
-    colors = {"pass": "tab:green", "fail": "tab:red", "": "tab:gray"}
-    for ax, (title, rows) in zip(axes, panels):
-        y = list(range(len(rows)))
-        medians = [s["median"] for _, s, _, _ in rows]
-        errors = [
-            [m - s["min"] for m, (_, s, _, _) in zip(medians, rows)],
-            [s["max"] - m for m, (_, s, _, _) in zip(medians, rows)],
-        ]
-        ax.barh(
-            y,
-            medians,
-            xerr=errors,
-            color=[colors[v] for *_, v in rows],
-            alpha=0.8,
-            error_kw={"elinewidth": 1, "capsize": 2},
-        )
-        for i, (name, _, target, verdict) in enumerate(rows):
-            match = TARGET.match(target or "")
-            if match and verdict:
-                bound = float(match.group(2))
-                ax.plot([bound, bound], [i - 0.45, i + 0.45], color="black", lw=2)
-        ax.axvline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_yticks(y, [name for name, *_ in rows], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_title(title, fontsize=9, loc="left")
-        ax.tick_params(axis="x", labelsize=7)
-    axes[-1].set_xlabel(
-        "ratio (median, whiskers min-max; black mark = target; "
-        "green pass, red fail, gray no bound)",
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return path
-
-
-def machine_line(records):
-    described = [out.get("machine") for r in records for out in r["outputs"].values()]
     base = next((m for m in described if m), f"{platform.machine()}, {os.cpu_count()} CPU cores")
-    cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
-            )
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
-        pass
+        cpu = ""
     return f"{base}; {cpu}; Python {platform.python_version()}" if cpu else base
 
 
 def git_state():
     def git(*args):
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--untracked-files=no")
-    return f"git {head}" + (" plus uncommitted changes in the working tree" if dirty else "")
+    return f"git {head}" + (" plus uncommitted changes" if dirty else "")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"each script's quick mode (all in under {QUICK_BUDGET_S} s)",
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", default="", help="comma-separated names (bench_<name>.py) to run")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds per script (default 300 quick, 1800 full)",
-    )
+    parser.add_argument("--quick", action="store_true", help="each script's quick mode")
+    parser.add_argument("--processes", type=int, default=1, help="fresh processes (default 1)")
+    parser.add_argument("--only", default="", help="comma-separated names (bench_<name>.py)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per script")
+    parser.add_argument("--sync-docs", action="store_true", help="copy RESULTS.md's speed table")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one process's records, as JSON
+    parser.add_argument("--dir", help=argparse.SUPPRESS)  # where the bench_*.py are
     args = parser.parse_args(argv)
+    if args.sync_docs:
+        return results_page.main()
     only = {n.strip() for n in args.only.split(",") if n.strip()}
     timeout = args.timeout or (300 if args.quick else 1800)
+    if args.child:
+        global HERE, OUT
+        HERE, OUT = args.dir or HERE, os.path.join(args.dir or HERE, "out")
+        records = run_set(discover(only), args.quick, timeout)
+        with open(args.child, "w") as f:
+            json.dump(records, f)
+        return 0
+    if args.processes < 1:
+        parser.error(f"`--processes` must be >= 1. Received: --processes {args.processes}")
+    os.makedirs(OUT, exist_ok=True)
     load_start = os.getloadavg()[0]
-    start = time.perf_counter()
-    records = [run_script(s, args.quick, timeout) for s in discover(only)]
-    total = time.perf_counter() - start
-    command = "python benchmarks/run_all.py" + " ".join(
-        [""] + (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if only else [])
+    runs, walls = run_processes(args.processes, args.quick, only, timeout)
+    command = "python benchmarks/run_all.py" + "".join(
+        (" --quick" if args.quick else "")
+        + (f" --processes {args.processes}" if args.processes > 1 else "")
+        + (f" --only {args.only}" if only else "")
     )
-    text = markdown(
-        records, command, total, args.quick, machine_line(records), (load_start, os.getloadavg()[0])
+    text = results_page.markdown(
+        runs,
+        command,
+        walls,
+        args.quick,
+        machine_line(runs),
+        git_state(),
+        (load_start, os.getloadavg()[0]),
+        QUICK_BUDGET_S,
     )
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write(text)
-    png = plot(records, os.path.join(HERE, "results.png"))
-    print(f"Wrote benchmarks/RESULTS.md{' and ' + png if png else ''} after {total:.0f} s.")
-    return 0 if all(r["status"] == "ok" for r in records) else 1
+    table = results_page.between_markers(text)
+    results_page.write_speed_table(table + "\n", os.path.join(OUT, "speed_table.md"))
+    changed = results_page.sync_docs(table, root=DOCS_ROOT)
+    png = results_page.plot(runs, os.path.join(HERE, "results.png"))
+    print(
+        f"Wrote benchmarks/RESULTS.md{', ' + png if png else ''} and the speed table"
+        f"{' (copied into ' + ', '.join(changed) + ')' if changed else ''} after "
+        f"{sum(walls):.0f} s ({', '.join(f'{w:.0f} s' for w in walls)} per process)."
+    )
+    return 0 if all(r["status"] == "ok" for records in runs for r in records) else 1
 
 
 if __name__ == "__main__":
