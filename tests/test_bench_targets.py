@@ -1,0 +1,152 @@
+"""benchmarks/anchors.py: the gated `keras.Model` the target table measures
+against takes the same steps as `keras.Model` itself (the reference) on
+finite batches, dense, BatchNorm and sparse-embedding models and with the
+optimizer's own accumulation, and leaves weights and optimizer untouched
+on a non-finite gradient."""
+
+import importlib.util
+import os
+
+import keras
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def anchors():
+    spec = importlib.util.spec_from_file_location(
+        "anchors_under_test", os.path.join(ROOT, "benchmarks", "anchors.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def fresh_session():
+    keras.backend.clear_session()
+    yield
+    keras.backend.clear_session()
+
+
+def dense(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu")(inputs)
+    return cls(inputs, keras.layers.Dense(3)(h))
+
+
+def batchnorm(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 1))
+    h = keras.layers.Conv2D(4, 3)(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Flatten()(keras.layers.ReLU()(h))
+    return cls(inputs, keras.layers.Dense(3)(h))
+
+
+def embedding(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(50, 4)(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return cls(inputs, keras.layers.Dense(3)(h))
+
+
+def batches(model_name, n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    if model_name == "embedding":
+        x = rng.integers(0, 50, size=(n * 8, 5)).astype("int32")
+    elif model_name == "batchnorm":
+        x = rng.normal(size=(n * 8, 6, 6, 1)).astype("float32")
+    else:
+        x = rng.normal(size=(n * 8, 6)).astype("float32")
+    return x, rng.integers(0, 3, size=(n * 8,)).astype("int32")
+
+
+BUILDERS = {"dense": dense, "batchnorm": batchnorm, "embedding": embedding}
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def trained(anchors, build, cls_is_gated, x, y, **optimizer_options):
+    model = anchors.keras_model(
+        build, cls_is_gated, keras.optimizers.Adam(1e-2, **optimizer_options), LOSS
+    )
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model, history.history["loss"][0]
+
+
+def check_trains_like_keras_model(anchors, name, accumulation):
+    x, y = batches(name)
+    options = {"gradient_accumulation_steps": accumulation} if accumulation else {}
+    reference, reference_loss = trained(anchors, BUILDERS[name], False, x, y, **options)
+    assert type(reference).__name__ == "Functional"  # plain keras.Model
+    gated, gated_loss = trained(anchors, BUILDERS[name], True, x, y, **options)
+    assert isinstance(gated, anchors.GatedModel)
+    np.testing.assert_allclose(gated_loss, reference_loss, rtol=1e-6)
+    assert len(gated.variables) == len(reference.variables)
+    for mine, theirs in zip(gated.variables, reference.variables):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-6)
+    assert int(gated.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_gated_anchor_trains_like_keras_model_on_finite_batches(anchors, name):
+    check_trains_like_keras_model(anchors, name, None)
+
+
+def test_gated_anchor_with_accumulation(anchors):
+    check_trains_like_keras_model(anchors, "dense", 2)
+    check_skips_a_nonfinite_gradient(anchors, "dense", 2)
+
+
+@pytest.mark.parametrize("name", ["batchnorm", "embedding"])
+def test_gated_anchor_with_accumulation_on_batchnorm_and_sparse_models(anchors, name):
+    check_trains_like_keras_model(anchors, name, 2)
+    check_skips_a_nonfinite_gradient(anchors, name, 2)
+
+
+def test_ungated_copy_is_keras_step(anchors):
+    x, y = batches("dense")
+    x[3, 0] = np.nan  # Keras' own step lets the NaN through; so must the copy
+    reference = anchors.keras_model(dense, False, keras.optimizers.SGD(0.1), LOSS)
+    copy = dense(lambda i, o: anchors.GatedModel(i, o, gate=False))
+    copy.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+    for model in (reference, copy):
+        model.fit(x[:8], y[:8], batch_size=8, verbose=0)
+    for mine, theirs in zip(copy.trainable_variables, reference.trainable_variables):
+        np.testing.assert_array_equal(np.isnan(mine.numpy()), np.isnan(theirs.numpy()))
+    assert np.isnan(reference.trainable_variables[0].numpy()).any()
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_gated_anchor_skips_a_nonfinite_gradient(anchors, name):
+    check_skips_a_nonfinite_gradient(anchors, name, None)
+
+
+def check_skips_a_nonfinite_gradient(anchors, name, accumulation):
+    x, y = batches(name, n=1)
+    options = {"gradient_accumulation_steps": accumulation} if accumulation else {}
+    model = anchors.keras_model(BUILDERS[name], True, keras.optimizers.Adam(1e-2, **options), LOSS)
+    model.fit(x, y, batch_size=8, verbose=0)  # one finite step: state exists
+    before = [v.numpy().copy() for v in model.variables]
+    optimizer_before = [v.numpy().copy() for v in model.optimizer.variables]
+    if name == "embedding":
+        # A NaN row reached by the batch makes the sparse gradient NaN.
+        table = model.layers[1].embeddings
+        values = table.numpy()
+        values[x[0, 0]] = np.nan
+        table.assign(values)
+        before = [v.numpy().copy() for v in model.variables]
+    else:
+        x = x.copy()
+        x[0].flat[0] = np.nan
+    model.fit(x, y, batch_size=8, verbose=0)
+    for old, variable in zip(before, model.variables):
+        if "moving" in variable.path:  # BatchNorm statistics move in the forward pass
+            continue
+        np.testing.assert_array_equal(variable.numpy(), old)
+    for old, variable in zip(optimizer_before, model.optimizer.variables):
+        np.testing.assert_array_equal(variable.numpy(), old)
