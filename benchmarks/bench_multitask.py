@@ -5,10 +5,10 @@
 
 Model: 784 -> 3 x 1024 Dense relu (shared trunk) -> T heads Dense(10),
 sparse categorical cross-entropy per head, Adam, batch 256, synthetic data
-from a fixed seed, T = 2 and 4. A round times one epoch of `steps` batches
-through `fit(verbose=0)` for each side, the sides alternating their order
-from round to round, after a warm-up fit (tracing is not timed). Ratios
-(median, min, max over rounds):
+from a fixed seed, T = 2 and 4. Step-time ratios: each side's compiled
+train function timed step by step (`harness.step_fn`), interleaved round
+by round, the order alternating (`harness.interleaved_step_ratios`: the
+median judged, `p25` and `best` beside it):
 
 - floor / keras.Model: a step that computes the T task gradients from one
   persistent tape (T backward passes) and sums them / `keras.Model`'s
@@ -17,8 +17,9 @@ from round to round, after a warm-up fit (tracing is not timed). Ratios
   Target <= 1.05 at T=4 (the merge is nearly free).
 - merge alone / sum alone: `TaskMerger("pcgrad").merge` (Gram matrix,
   weights, `w^T J`) / `tf.add_n` per variable, both in a `tf.function` on
-  the same fixed T task gradients of this model (public API only). Printed
-  with it: the merge's extra time as a share of the floor's step,
+  the same fixed T task gradients of this model (public API only; a call
+  of each is a "step" here, not a train step). Printed with it: the
+  merge's extra time as a share of the floor's step,
   `(median merge - median sum) / median floor step`; the rest of
   `PCGrad / floor - 1` is FastGradModel's step around the backward passes
   (finite check, `cond`, telemetry, ...).
@@ -41,17 +42,14 @@ parameter space (T trunk backward passes) and PCGrad with
 - parameters PCGrad / keras.Model, features / parameters PCGrad.
 
 `--target`: only the rows of the T=4 target (floor, PCGrad, merge and sum
-alone), 16 rounds of 24-step epochs (about 2 minutes on 2 cores). Epochs
-of 4 steps (`--quick`) are short against `fit`'s own per-epoch work and
-the noise of a shared machine: their per-round PCGrad / floor ratios
-spread from ~0.75 to ~2. Writes
-benchmarks/out/multitask.json (`--space`: multitask_space.json).
+alone), 16 rounds of 24 steps. `--quick`: the same rows, 6 rounds of 8
+steps. Writes benchmarks/out/multitask.json (`--space`:
+multitask_space.json).
 """
 
 import argparse
 import json
 import os
-import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -59,10 +57,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from harness import interleaved_ratios, report  # noqa: E402
+from harness import dataset_of, interleaved_step_ratios, report, step_fn  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
-from keras_fastgrad.multitask.merger import TaskMerger, task_losses  # noqa: E402
+from keras_fastgrad.multitask import TaskMerger, task_losses  # noqa: E402
 
 BATCH = 256
 
@@ -208,20 +206,21 @@ def merge_fns(num_tasks, x, y, steps):
 
     def timed(fn):
         def run():
-            start = time.perf_counter()
+            seconds = []
             for _ in range(steps):
+                start = time.perf_counter()
                 fn(per_task)
-            run.times.append(time.perf_counter() - start)
+                seconds.append(time.perf_counter() - start)
+            return seconds
 
-        run.times = []
         run()  # trace
-        run.times.clear()
         return run
 
     return timed(merge), timed(total)
 
 
-def fit_fn(model, x, y):
+def timed_steps(model, data, steps):
+    """`harness.step_fn` of `model`, compiled with one loss per head."""
     model.compile(
         optimizer=keras.optimizers.Adam(1e-4),
         loss={
@@ -229,31 +228,28 @@ def fit_fn(model, x, y):
             for name in model.output_names
         },
     )
+    return step_fn(model, data, steps)
 
-    def run():
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        run.times.append(time.perf_counter() - start)
 
-    run.times = []
-    run()  # warm-up: trace outside the timed rounds
-    run.times.clear()
-    return run
+def task_data(num_tasks, steps):
+    """`(x, y, dataset)`: `steps` batches of synthetic data, T labels."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * steps, 784)).astype("float32")
+    y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32") for t in range(num_tasks)}
+    return x, y, dataset_of(x, y, BATCH)
 
 
 def spaces(rounds, steps, task_counts=(2, 4, 8)):
     """Features- vs parameter-space PCGrad vs keras.Model, interleaved."""
-    results, targets, best_ms = {}, {}, {}
+    results, targets = {}, {}
     for num_tasks in task_counts:
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(BATCH * steps, 784)).astype("float32")
-        y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32") for t in range(num_tasks)}
+        _, _, data = task_data(num_tasks, 8)
         fast = keras_fastgrad.FastGradModel
         run = {
-            "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
-            "parameters": fit_fn(mlp(fast, num_tasks, multitask="pcgrad"), x, y),
-            "features": fit_fn(
-                mlp(fast, num_tasks, multitask="pcgrad", multitask_space="features"), x, y
+            "keras": timed_steps(mlp(keras.Model, num_tasks), data, steps),
+            "parameters": timed_steps(mlp(fast, num_tasks, multitask="pcgrad"), data, steps),
+            "features": timed_steps(
+                mlp(fast, num_tasks, multitask="pcgrad", multitask_space="features"), data, steps
             ),
         }
         pairs = [
@@ -262,16 +258,13 @@ def spaces(rounds, steps, task_counts=(2, 4, 8)):
             ("features PCGrad / parameters PCGrad", "features", "parameters", "< 1"),
         ]
         named = [(f"T={num_tasks}: {name}", run[a], run[b]) for name, a, b, _ in pairs]
-        ratios = interleaved_ratios(named, rounds)
-        for name, numerator, denominator in named:
-            ratios[name]["best_epoch_ratio"] = min(numerator.times) / min(denominator.times)
-        results.update(ratios)
+        results.update(interleaved_step_ratios(named, rounds))
         targets.update({f"T={num_tasks}: {name}": t for name, _, _, t in pairs})
-        best_ms[num_tasks] = {k: 1000 * min(f.times) / steps for k, f in run.items()}
-    _report(rounds, steps, results, targets, best_ms, "multitask_space")
+        keras.backend.clear_session()
+    _report(rounds, steps, results, targets, "multitask_space")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
@@ -281,9 +274,9 @@ def main():
         "--target", action="store_true", help="only the PCGrad / floor target's rows, at T=4"
     )
     parser.add_argument("--rounds", type=int, help="override the round count")
-    parser.add_argument("--steps", type=int, help="override the steps per epoch")
-    args = parser.parse_args()
-    rounds, steps = (5, 4) if args.quick else (12, 8)
+    parser.add_argument("--steps", type=int, help="override the steps per round")
+    args = parser.parse_args(argv)
+    rounds, steps = (6, 8) if args.quick else (12, 16)
     if args.target:  # long epochs: fit's per-epoch overhead and noise shrink
         rounds, steps = 16, 24
     rounds, steps = args.rounds or rounds, args.steps or steps
@@ -291,24 +284,25 @@ def main():
         return spaces(rounds, steps)
     # Quick and target modes measure the issue's target case only (T=4).
     task_counts = (4,) if args.quick or args.target else (2, 4)
-    results, targets, best_ms, extra = {}, {}, {}, {}
+    results, targets, extra = {}, {}, {}
     for num_tasks in task_counts:
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(BATCH * steps, 784)).astype("float32")
-        y = {f"t{t}": rng.integers(0, 10, BATCH * steps).astype("int32") for t in range(num_tasks)}
+        x, y, data = task_data(num_tasks, 8)
         run = {
-            "floor": fit_fn(mlp(Floor, num_tasks), x, y),
-            "pcgrad": fit_fn(
-                mlp(keras_fastgrad.FastGradModel, num_tasks, multitask="pcgrad"), x, y
+            "floor": timed_steps(mlp(Floor, num_tasks), data, steps),
+            "pcgrad": timed_steps(
+                mlp(keras_fastgrad.FastGradModel, num_tasks, multitask="pcgrad"), data, steps
             ),
         }
-        if not args.target:
+        if not (args.target or args.quick):
             run.update(
                 {
-                    "keras": fit_fn(mlp(keras.Model, num_tasks), x, y),
-                    "naive": fit_fn(mlp(NaivePCGrad, num_tasks), x, y),
-                    "jacobian": fit_fn(mlp(JacobianFloor, num_tasks), x, y),
-                    "batched": fit_fn(mlp(BatchedCotangentFloor, num_tasks), x, y),
+                    name: timed_steps(mlp(cls, num_tasks), data, steps)
+                    for name, cls in (
+                        ("keras", keras.Model),
+                        ("naive", NaivePCGrad),
+                        ("jacobian", JacobianFloor),
+                        ("batched", BatchedCotangentFloor),
+                    )
                 }
             )
         run["merge"], run["sum"] = merge_fns(num_tasks, x, y, steps)
@@ -323,47 +317,33 @@ def main():
         ]
         pairs = [p for p in pairs if p[1] in run and p[2] in run]
         named = [(f"T={num_tasks}: {name}", run[a], run[b]) for name, a, b, _ in pairs]
-        ratios = interleaved_ratios(named, rounds)
-        # On a shared machine bursts of other work hit single rounds; the
-        # ratio of each side's best epoch is the least disturbed estimate.
-        for name, numerator, denominator in named:
-            ratios[name]["best_epoch_ratio"] = min(numerator.times) / min(denominator.times)
+        ratios = interleaved_step_ratios(named, rounds)
+        merge_row = f"T={num_tasks}: merge alone / sum alone (fixed gradients)"
+        ratios[merge_row]["kind"] = "the merge alone (not a train step)"
         results.update(ratios)
         targets.update({f"T={num_tasks}: {name}": t for name, _, _, t in pairs})
-        best_ms[num_tasks] = {k: 1000 * min(f.times) / steps for k, f in run.items()}
-        median = {k: statistics.median(f.times) for k, f in run.items()}
-        extra[f"T={num_tasks}: merge's extra time / floor step"] = (
-            median["merge"] - median["sum"]
-        ) / median["floor"]
-    _report(rounds, steps, results, targets, best_ms, extra=extra)
+        merge_ms, sum_ms = ratios[merge_row]["step_ms"]
+        floor_ms = ratios[f"T={num_tasks}: PCGrad / floor"]["step_ms"][1]
+        extra[f"T={num_tasks}: merge's extra time / floor step"] = (merge_ms - sum_ms) / floor_ms
+        keras.backend.clear_session()
+    _report(rounds, steps, results, targets, extra=extra)
 
 
-def _report(rounds, steps, results, targets, best_ms, out_name="multitask", extra=None):
+def _report(rounds, steps, results, targets, out_name="multitask", extra=None):
     report(
         f"Multi-task step-time ratios ({rounds} rounds x {steps} steps, batch {BATCH})",
         results,
         targets,
         out_name,
     )
-    print(f"\n{'ratio of best epoch times':58s} {'best':>7s}")
-    for name, r in results.items():
-        print(f"{name:58s} {r['best_epoch_ratio']:7.3f}")
     for name, value in (extra or {}).items():
         print(
             f"{name:58s} {value:7.3f}  (medians; PCGrad / floor - 1 - this "
             "= FastGradModel's step around the backward passes)"
         )
-    print(
-        "\nbest ms per step: "
-        + "; ".join(
-            f"T={t}: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
-            for t, ms in best_ms.items()
-        )
-    )
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"{out_name}.json")
     with open(path) as f:
         saved = json.load(f)
-    saved["best_ms_per_step"] = {f"T={t}": ms for t, ms in best_ms.items()}
     saved.update(extra or {})
     with open(path, "w") as f:
         json.dump(saved, f, indent=2)

@@ -203,10 +203,15 @@ def test_tests_benchmarks_and_notebooks_use_no_private_step_names():
 
 # The layers of the package, bottom up: a module may import its own layer
 # and those below, never one above (the step does not know the models that
-# run it; callbacks read what the step measured).
+# run it; callbacks read what the step measured). `multitask` sits above the
+# step: it builds on the step's units (replicas, finite check, telemetry
+# keys) and the step is handed its `TaskMerger` as an object (made by the
+# model), computing the task losses itself (`step/task_losses.py`).
 LAYERS = [
     {"keras_fastgrad._compat", "keras_fastgrad._validation"},
-    {"keras_fastgrad.aggregators", "keras_fastgrad.step", "keras_fastgrad.multitask"},
+    {"keras_fastgrad.aggregators"},
+    {"keras_fastgrad.step"},
+    {"keras_fastgrad.multitask"},
     {"keras_fastgrad.models"},
     {"keras_fastgrad.callbacks", "keras_fastgrad.profiling"},
     {"keras_fastgrad", "keras_fastgrad.demo", "keras_fastgrad.profile"},

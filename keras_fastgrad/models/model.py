@@ -26,12 +26,13 @@ from keras_fastgrad import aggregators
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step
-from keras_fastgrad.multitask.merger import check_task_count
+from keras_fastgrad.multitask import TaskMerger
 from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import check_synchronized_slices
 from keras_fastgrad.step.divergence import TrainingLoss
 from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.state import StepState
+from keras_fastgrad.step.task_losses import check_task_count
 from keras_fastgrad.step.telemetry import (
     AGC_CLIPPED_FRACTION,
     LOG_KEYS,
@@ -221,7 +222,8 @@ class FastGradModel(keras.Model):
         """Sets the (checked) constructor options on the model."""
         for name, value in options.items():
             setattr(self, name, value)
-        self.fastgrad_step_state.configure(self.multitask, self.telemetry)
+        merger = None if self.multitask is None else TaskMerger(self.multitask)
+        self.fastgrad_step_state.configure(merger, self.telemetry)
         if self.telemetry and self.clip_adaptive is not None:
             self.fastgrad_step_state.log_keys.add(AGC_CLIPPED_FRACTION)
 

@@ -63,21 +63,30 @@ from keras_fastgrad.step.replicas import num_replicas, replica_sum
 SPACES = ("parameters", "features")
 
 
-def capture(model, tape):
-    """`Capture(model, tape)` in features space, else a no-op context."""
+def capture(model, tape, task_merger):
+    """The context around the forward pass (`Capture(model, tape)` in
+    features space, else a no-op); its `merge` has `TaskMerger.__call__`'s
+    signature and merges in the space chosen (`task_merger` itself in
+    parameter space)."""
     if getattr(model, "multitask_space", "parameters") != "features":
-        return _NoCapture()
-    return _Step(model, tape)
+        return _NoCapture(task_merger)
+    return _Step(model, tape, task_merger)
 
 
 class _NoCapture(contextlib.nullcontext):
-    active = False
+    def __init__(self, task_merger):
+        super().__init__()
+        self.merge = task_merger
 
 
 class _Step(Capture):
-    def merger(self, task_merger):
-        """A callable with `TaskMerger.__call__`'s signature (see `merge`)."""
-        return lambda *args, **kwargs: merge(self, task_merger, *args, **kwargs)
+    def __init__(self, model, tape, task_merger):
+        super().__init__(model, tape)
+        self.task_merger = task_merger
+
+    def merge(self, *args, **kwargs):
+        """`TaskMerger.__call__` in `Z` space (see `merge`)."""
+        return merge(self, self.task_merger, *args, **kwargs)
 
 
 # ------------------------------------------------------------------ merge

@@ -155,8 +155,6 @@ class Capture:
         tape: The step's `tf.GradientTape`, recording the forward pass.
     """
 
-    active = True
-
     def __init__(self, model, tape):
         self.model, self.tape = model, tape
         name = model.multitask_features

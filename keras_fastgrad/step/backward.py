@@ -5,7 +5,9 @@ or `micro_batches` slices: `slicing`), the loss (weighted by the
 micro-batch's share of the window where micro-batches are combined:
 `weighting`), the gradients of exactly the trainable variables
 (`forward.watching`), unscaled (`loss_scaling`), with `multitask` the task
-gradients merged (`multitask`); BatchNorm moments recorded (`batchnorm`)
+gradients merged (the task losses: `task_losses`; the merge: `state.merger`,
+an object the step is handed, `keras_fastgrad.multitask.TaskMerger`: the
+step never imports `multitask`); BatchNorm moments recorded (`batchnorm`)
 and the noise scale's small-batch measures taken (`noise_scale`) when on.
 """
 
@@ -15,8 +17,6 @@ import warnings
 
 import tensorflow as tf
 
-from keras_fastgrad.multitask import feature_space
-from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
 from keras_fastgrad.step.forward import call_for_training, watching
@@ -25,6 +25,7 @@ from keras_fastgrad.step.replicas import (
 )
 from keras_fastgrad.step.slicing import sliced_gradients
 from keras_fastgrad.step.splitting import first_input
+from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
 from keras_fastgrad.step.weighting import LossShares
 
 
@@ -176,7 +177,7 @@ def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares)
     gradient unscaled once, then merged (see `_batch_gradients`)."""
     scaling, merger = state.scaling, state.merger
     with watching(variables, persistent=True) as tape:
-        features = feature_space.capture(model, tape)  # no-op unless "features"
+        features = merger.capture(model, tape)  # a no-op unless in features space
         with features:
             y_pred = call_for_training(model, x)
         with shares or contextlib.nullcontext():
@@ -192,8 +193,7 @@ def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares)
         scaled_tasks = [scaling.scale(t, weight) for t in tasks]
         if regularization is not None:
             regularization = scaling.scale(regularization, weight)
-    merge = features.merger(merger) if features.active else merger
-    grads, _ = merge(
+    grads, _ = features.merge(
         tape,
         scaled_tasks,
         regularization,

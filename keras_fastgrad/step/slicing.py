@@ -39,11 +39,11 @@ from keras import tree
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._compat import get_keras_mask, set_keras_mask
-from keras_fastgrad.multitask.merger import regularization_loss, task_losses, task_names
 from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import num_replicas
 from keras_fastgrad.step.splitting import first_input, groups, split
+from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
 from keras_fastgrad.step.weighting import LossShares, Share
 
 

@@ -38,7 +38,6 @@ import keras
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.multitask.merger import TaskMerger
 from keras_fastgrad.step import noise_scale, state_files
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
@@ -115,10 +114,12 @@ class StepState(compat.KerasSaveable):
         self._built_for = None
         self._loaded_window_facts = None
 
-    def configure(self, multitask, telemetry):
-        """The units the options choose: the task merger (`None` without
-        `multitask`) and the telemetry keys (all with `telemetry`)."""
-        self.merger = None if multitask is None else TaskMerger(multitask)
+    def configure(self, merger, telemetry):
+        """The units the options choose: the task merger (a
+        `keras_fastgrad.multitask.TaskMerger` the model makes: the step
+        does not import `multitask`; `None` without `multitask`) and the
+        telemetry keys (all with `telemetry`)."""
+        self.merger = merger
         self.log_keys = set(LOG_KEYS) if telemetry else set()
         self._all_telemetry = bool(telemetry)
 

@@ -33,7 +33,7 @@ from multitask_helpers import (  # noqa: F401 (mirrored_multitask.py reads them 
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
-from keras_fastgrad.multitask.merger import regularization_loss, task_losses
+from keras_fastgrad.step.task_losses import regularization_loss, task_losses
 
 
 # ------------------------------------------------------------------ losses
