@@ -13,7 +13,8 @@ the best of 3 rounds). Not a step ratio: it leaves out what the step adds
 around AGC, but is robust to the load. Target: <= 0.03. Models: the
 benchmark MLP of bench_core (784 -> 3 x 1024 -> 10, batch 256), its
 short-step case (64 -> 3 x 256 -> 10, batch 64) and a Conv2D + BatchNorm
-model (32x32x3, three Conv-BN-ReLU blocks of 32/64/64 channels, batch 64).
+model (32x32x3, three Conv-BN-ReLU blocks of 32/64/64 channels, batch 64);
+`--quick`: the last two.
 
 Writes benchmarks/out/adaptive_clipping.json.
 """
@@ -82,7 +83,14 @@ MODELS = {
 
 
 def main(argv=None):
-    _, _, steps, names = command_line(__doc__, (1, 16), (1, 32), list(MODELS), argv=argv)
+    _, _, steps, names = command_line(
+        __doc__,
+        (1, 8),
+        (1, 32),
+        list(MODELS),
+        quick_models=["mlp_64x256_b64", "conv_bn"],
+        argv=argv,
+    )
     fg = keras_fastgrad.FastGradModel
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     results = {}
