@@ -28,7 +28,7 @@ from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step
 from keras_fastgrad.multitask import TaskMerger
 from keras_fastgrad.step import train_step as _step
-from keras_fastgrad.step.batchnorm import check_synchronized_slices
+from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
 from keras_fastgrad.step.divergence import TrainingLoss
 from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.state import StepState
@@ -267,7 +267,9 @@ class FastGradModel(keras.Model):
             self.steps_per_execution, self.distribute_strategy
         )
         _options.check_keras_supports_replicas(self.distribute_strategy)
-        check_synchronized_slices(self)
+        check_synchronized_slices(
+            batchnorm_layers(self), self.micro_batches, self.distribute_strategy
+        )
         self._fg_prepare_state()
         return super().make_train_function(force=force)
 

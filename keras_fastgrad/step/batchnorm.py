@@ -269,7 +269,7 @@ def _pooled_over_replicas(local):
     return tf.stack([total, global_mean, spread])
 
 
-def check_synchronized_slices(model):
+def check_synchronized_slices(layers, micro_batches, strategy):
     """Refuses `micro_batches` with a `BatchNormalization(synchronized=True)`
     layer under a distribution strategy, before the step is traced.
 
@@ -279,21 +279,23 @@ def check_synchronized_slices(model):
     a new graph"), with one replica too. Without a strategy, and with
     `accumulation_steps` (no loop), the layer runs.
 
+    Args:
+        layers: The model's BatchNorm layers (`batchnorm_layers`).
+        micro_batches: The `micro_batches` option.
+        strategy: The model's `distribute_strategy`.
+
     Raises:
         ValueError: naming the layer and both fixes.
     """
-    if model.micro_batches <= 1:
+    if micro_batches <= 1:
         return
-    synchronized = [
-        layer for layer in batchnorm_layers(model) if getattr(layer, "synchronized", False)
-    ]
+    synchronized = [layer for layer in layers if getattr(layer, "synchronized", False)]
     if not synchronized:
         return
-    strategy = model.distribute_strategy
     with strategy.scope():  # (the default strategy's scope is no strategy)
         if not tf.distribute.has_strategy():
             return
-    m = model.micro_batches
+    m = micro_batches
     raise ValueError(
         f"`micro_batches` cannot run the BatchNormalization layer "
         f"`{synchronized[0].name}` with `synchronized=True` under "

@@ -103,7 +103,6 @@ def sliced_gradients(
     real = real_sum if facts["mean"] else tf.constant(1.0)
     # Regularisation: in the plain loss, or the last of the task losses.
     loss_sum, regularized = _take_back_extra_regularization(
-        model,
         variables,
         sums[-1],
         loss_sum,
@@ -113,7 +112,8 @@ def sliced_gradients(
     if merger is None:
         grads = regularized
     else:  # the whole batch's task gradients, merged once
-        grads = _merged_tasks(model, merger, sums, regularized, actual_sum, loss_sum)
+        names = task_names(model)
+        grads = _merged_tasks(names, merger, sums, regularized, actual_sum, loss_sum)
     rows = first_input(x).shape[:1]
     y_pred = _whole_batch_predictions(outputs, masks, facts["shapes"], rows, out_spec)
     share = Share(real, real, facts["mean"])
@@ -246,10 +246,11 @@ def _slice_gradients(model, x, y, sample_weight, rows, variables, scaling, merge
     return losses, share, grads, y_pred
 
 
-def _merged_tasks(model, merger, sums, regularized, actual_sum, loss_sum):
-    """The whole batch's task gradients (the sums), merged once."""
-    num_tasks = len(task_names(model))
-    merger.build(task_names(model))
+def _merged_tasks(names, merger, sums, regularized, actual_sum, loss_sum):
+    """The whole batch's task gradients (the sums, the tasks `names`),
+    merged once."""
+    num_tasks = len(names)
+    merger.build(names)
     has_regularization = any(g is not None for g in regularized)
     grads, _ = merger.merge(
         sums[:num_tasks],
@@ -289,7 +290,7 @@ def _slice_losses(model, x, y, y_pred, sample_weight, merger):
     ], present_terms(model)
 
 
-def _take_back_extra_regularization(model, variables, grads, loss_sum, extra, factor):
+def _take_back_extra_regularization(variables, grads, loss_sum, extra, factor):
     """Each slice's loss held the weight regularisation once, and its
     gradient was multiplied by the slice's share: `extra` (the shares'
     total beyond the batch's normaliser, times `factor`) is too much."""
