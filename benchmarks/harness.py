@@ -131,7 +131,7 @@ def step_fn(model, dataset, steps, callbacks=()):
     is timed; their per-batch Python work in `fit` is not), traced here
     (warm-up). Under a distribution strategy the batches are distributed
     as `fit` does."""
-    model.fit(dataset.take(2), epochs=1, verbose=0, callbacks=list(callbacks))
+    model.fit(dataset.take(2), epochs=1, verbose=0, shuffle=False, callbacks=list(callbacks))
     function = model.train_function  # what that `fit` made
     strategy = model.distribute_strategy
     if strategy.num_replicas_in_sync > 1:
