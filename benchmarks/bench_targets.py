@@ -1,0 +1,373 @@
+"""Issue 28's target table: FastGradModel's step against the keras.Model that does the same work.
+
+    python benchmarks/bench_targets.py [--quick] [--models a,b] [--rows a,b] [--rounds N]
+                                       [--xla] [--mixed] [--cpu] [--markdown FILE]
+
+Every ratio is step-level (`harness.step_fn`: each side's compiled
+`train_function` timed step by step on a repeating `tf.data` pipeline;
+`harness.interleaved_step_ratios`: rounds interleaved, the order of the
+two sides alternating; per row the median, min and max of the per-round
+ratios, the ratio of each side's best round and `p25`, the ratio of each
+side's 25th-percentile step). Each model is built once per side, and a
+side that appears in two rows is one step function timed in both.
+
+Rows (`--rows`, keys in brackets) and targets:
+- [gated] default (safe) / keras.Model with its update gated on every
+  gradient finite (`anchors.GatedModel`)                         <= 1.03
+- [ungated] default / keras.Model: reported beside it (the gate's cost,
+  `bench_gate.py`); on the 1M-row Embedding                      <= 1.05
+- [unsafe] skip_nonfinite=False / keras.Model                     <= 1.03
+- [acc_unsafe] accumulation_steps=4, skip_nonfinite=False /
+  optimizer(gradient_accumulation_steps=4)                        <= 1.02
+- [acc] accumulation_steps=4 (safe) / the same Keras accumulation
+  with the gate of `gated`                                       <= 1.03
+- [clip] clip_norm=1 / optimizer(global_clipnorm=1)               <= 1.05
+- [callbacks] clip_norm=1 with GradientNormLogger, NonFiniteGuard and
+  TapeVariableCounter / optimizer(global_clipnorm=1): the callbacks
+  are attached to the `fit` that builds the train function, so the
+  telemetry they switch on is in the timed step (their per-batch
+  Python work in `fit` is not)                                   <= 1.06
+- [agc] clip_adaptive=0.01 / default: <= 1.03 on Conv2D+BN and the
+  Transformer, <= 1.06 on the MLPs (their memory-traffic floor)
+
+Models (`--models`): `mlp_64x256_b64` (64 -> 3 x 256 -> 10, batch 64,
+Adam, ~1.5 ms a step on 2 cores), `mlp_256x1024_b64` (256 -> 3 x 1024
+-> 10, batch 64, Adam, ~14 ms), `cnn_bn` (bench_core's Conv2D +
+BatchNorm, 28x28x1, batch 128, Adam), `transformer` (token + position
+embeddings, vocab 1000, sequence 32, 2 blocks of 4-head attention +
+LayerNorm + FFN 64 -> 128 -> 64, mean-pooled, 10 classes, batch 32,
+Adam) and `embedding_1m` (bench_embedding's recommender: a 1M x 32 table,
+sparse gradients, SGD, "mse", batch 32). The full mode runs every row on
+every model (no `agc` on the 1M-row table: the issue sets no target
+there). `--quick` (about 2 minutes on 2 idle cores): every row on
+`mlp_64x256_b64`, `gated` and `ungated` on `embedding_1m`, 6 rounds of
+half the steps.
+
+GPU (`gpu_check.sh`): `--xla` compiles both sides with
+`jit_compile=True`; `--mixed` runs both under the `mixed_float16` policy,
+the Keras side with `keras.optimizers.LossScaleOptimizer` (which gates its
+own update on finite gradients, so there the `gated` and `acc` anchors
+are keras.Model with it) and FastGradModel with its own loss scaling;
+rows `gated`, `acc`, `clip` only (the others need `float32` to mean the
+same). With a GPU each timed step ends by reading the loss (the step has
+finished, as when `fit` hands logs to a callback). `--cpu` runs on the CPU
+even with a GPU present and refuses `--mixed` (a GPU-only mode).
+`--markdown FILE` appends the table to FILE.
+
+Writes benchmarks/out/targets.json (`targets_xla`, `targets_mixed`,
+`targets_xla_mixed` for the GPU modes).
+"""
+
+import contextlib
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from anchors import keras_model  # noqa: E402
+from bench_core import cnn_bn, dense_stack  # noqa: E402
+from bench_embedding import data as embedding_data  # noqa: E402
+from bench_embedding import recommender  # noqa: E402
+from harness import (  # noqa: E402
+    command_line,
+    dataset_of,
+    interleaved_step_ratios,
+    machine,
+    report,
+    step_fn,
+    synthetic,
+)
+
+import keras_fastgrad  # noqa: E402
+from keras_fastgrad import callbacks as fg_callbacks  # noqa: E402
+
+VOCAB, LENGTH, WIDTH = 1000, 32, 32
+STEPS = 48  # whole windows of 4
+
+
+class TokenAndPosition(keras.layers.Layer):
+    def __init__(self, vocab, length, width, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(vocab, width)
+        self.positions = keras.layers.Embedding(length, width)
+
+    def call(self, ids):
+        return self.tokens(ids) + self.positions(keras.ops.arange(keras.ops.shape(ids)[-1]))
+
+
+def transformer(cls, **options):
+    """A small Transformer encoder classifier (2 blocks)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    h = TokenAndPosition(VOCAB, LENGTH, WIDTH)(inputs)
+    for _ in range(2):
+        attended = keras.layers.MultiHeadAttention(4, WIDTH // 4)(h, h)
+        h = keras.layers.LayerNormalization()(h + attended)
+        fed = keras.layers.Dense(2 * WIDTH, activation="relu")(h)
+        h = keras.layers.LayerNormalization()(h + keras.layers.Dense(WIDTH)(fed))
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return cls(inputs, keras.layers.Dense(10)(h), **options)
+
+
+def classes(shape, dtype="float32"):
+    def data(n):
+        if dtype == "int32":
+            rng = np.random.default_rng(0)
+            x = rng.integers(0, VOCAB, size=(n, *shape)).astype("int32")
+            return x, rng.integers(0, 10, size=(n,)).astype("int32")
+        return synthetic(shape, 10, n)
+
+    return data
+
+
+def sce():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def adam(**options):
+    return keras.optimizers.Adam(**options)
+
+
+def sgd(**options):
+    return keras.optimizers.SGD(0.01, **options)
+
+
+# name: (label, build, data(n), batch, loss(), optimizer(**options), steps
+# as a multiple of STEPS: about the same time per round on every model)
+MODELS = {
+    "mlp_64x256_b64": ("MLP 64-3x256-10", dense_stack(64, 256), classes((64,)), 64, sce, adam, 2),
+    "mlp_256x1024_b64": (
+        "MLP 256-3x1024-10",
+        dense_stack(256, 1024),
+        classes((256,)),
+        64,
+        sce,
+        adam,
+        0.5,
+    ),
+    "cnn_bn": ("Conv2D+BN", cnn_bn, classes((28, 28, 1)), 128, sce, adam, 0.25),
+    "transformer": ("Transformer", transformer, classes((LENGTH,), "int32"), 32, sce, adam, 1),
+    "embedding_1m": ("1M-row Embedding", recommender, embedding_data, 32, lambda: "mse", sgd, 1),
+}
+
+# side: ("fg" or "gated" or "keras", model options, optimizer options, callbacks)
+SIDES = {
+    "default": ("fg", {}, {}, False),
+    "unsafe": ("fg", {"skip_nonfinite": False}, {}, False),
+    "acc": ("fg", {"accumulation_steps": 4}, {}, False),
+    "acc_unsafe": ("fg", {"accumulation_steps": 4, "skip_nonfinite": False}, {}, False),
+    "clip": ("fg", {"clip_norm": 1.0}, {}, False),
+    "clip_callbacks": ("fg", {"clip_norm": 1.0}, {}, True),
+    "agc": ("fg", {"clip_adaptive": 0.01}, {}, False),
+    "keras": ("keras", {}, {}, False),
+    "keras_gated": ("gated", {}, {}, False),
+    "keras_acc": ("keras", {}, {"gradient_accumulation_steps": 4}, False),
+    "keras_acc_gated": ("gated", {}, {"gradient_accumulation_steps": 4}, False),
+    "keras_clip": ("keras", {}, {"global_clipnorm": 1.0}, False),
+}
+
+# row: (pair, numerator side, denominator side, target(model name))
+ROWS = {
+    "gated": (
+        "default / keras.Model gated on finite gradients",
+        "default",
+        "keras_gated",
+        lambda m: "<= 1.03",
+    ),
+    "ungated": (
+        "default / keras.Model (not gated)",
+        "default",
+        "keras",
+        lambda m: "<= 1.05" if m == "embedding_1m" else None,
+    ),
+    "unsafe": ("skip_nonfinite=False / keras.Model", "unsafe", "keras", lambda m: "<= 1.03"),
+    "acc_unsafe": (
+        "accumulation_steps=4, skip_nonfinite=False / gradient_accumulation_steps=4",
+        "acc_unsafe",
+        "keras_acc",
+        lambda m: "<= 1.02",
+    ),
+    "acc": (
+        "accumulation_steps=4 / gradient_accumulation_steps=4 gated",
+        "acc",
+        "keras_acc_gated",
+        lambda m: "<= 1.03",
+    ),
+    "clip": ("clip_norm=1 / global_clipnorm=1", "clip", "keras_clip", lambda m: "<= 1.05"),
+    "callbacks": (
+        "clip_norm=1 + 3 callbacks / global_clipnorm=1",
+        "clip_callbacks",
+        "keras_clip",
+        lambda m: "<= 1.06",
+    ),
+    "agc": (
+        "clip_adaptive=0.01 / default",
+        "agc",
+        "default",
+        lambda m: "<= 1.06" if m.startswith("mlp") else "<= 1.03",
+    ),
+}
+MIXED_ROWS = ("gated", "acc", "clip")
+QUICK = {
+    "mlp_64x256_b64": list(ROWS),
+    "transformer": ["gated", "agc"],
+    "embedding_1m": ["gated", "ungated"],
+}
+
+
+def rows_of(model, args):
+    if args.rows:
+        keys = args.rows.split(",")
+    elif args.quick and not args.models:
+        keys = QUICK[model]
+    else:
+        keys = [k for k in ROWS if not (k == "agc" and model == "embedding_1m")]
+    unknown = sorted(set(keys) - set(ROWS))
+    if unknown:
+        raise ValueError(
+            f"`--rows` must name rows of {list(ROWS)}. Received: {unknown}. "
+            "Fix: pick from that list."
+        )
+    return [k for k in keys if k in MIXED_ROWS] if args.mixed else keys
+
+
+def three_callbacks():
+    return [
+        fg_callbacks.GradientNormLogger(),
+        fg_callbacks.NonFiniteGuard("raise"),
+        fg_callbacks.TapeVariableCounter(),
+    ]
+
+
+def synced(function):
+    """`function`, returning only once the step has run on the device."""
+
+    def run(iterator):
+        logs = function(iterator)
+        tf.nest.flatten(logs)[0].numpy()
+        return logs
+
+    return run
+
+
+def timed_side(side, model_name, args, steps, data):
+    """`step_fn` of one side on one model, built and compiled here."""
+    _, build, _, _, loss, optimizer, _ = MODELS[model_name]
+    kind, options, optimizer_options, with_callbacks = SIDES[side]
+    if args.mixed and kind == "gated":  # LossScaleOptimizer gates already
+        kind = "keras"
+    if kind == "fg":
+        model = build(keras_fastgrad.FastGradModel, **options)
+        model.compile(optimizer=optimizer(), loss=loss(), jit_compile=args.xla)
+    else:
+        model = keras_model(
+            build, kind == "gated", optimizer(**optimizer_options), loss(), args.xla, args.mixed
+        )
+    callbacks = three_callbacks() if with_callbacks else []
+    model.fit(data.take(2), epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    if not args.cpu and tf.config.list_physical_devices("GPU"):
+        model.train_function = synced(model.train_function)
+    return step_fn(model, data, steps, callbacks=callbacks)
+
+
+def mode_suffix(args):
+    return ("_xla" if args.xla else "") + ("_mixed" if args.mixed else "")
+
+
+def measure(model_name, args, rounds, steps):
+    """Every selected row on one model: `(results, targets)`."""
+    label, _, data_of, batch, _, _, scale = MODELS[model_name]
+    steps = max(4, int(steps * scale) // 4 * 4)
+    data = dataset_of(*data_of(batch * 16), batch)
+    keys = rows_of(model_name, args)
+    sides = {}
+    for key in keys:
+        for side in ROWS[key][1:3]:
+            if side not in sides:
+                sides[side] = timed_side(side, model_name, args, steps, data)
+    mode = {"_xla": " (XLA)", "_mixed": " (mixed_float16)", "_xla_mixed": " (XLA, mixed_float16)"}
+    pairs, targets = [], {}
+    for key in keys:
+        pair, numerator, denominator, target = ROWS[key]
+        name = f"{label}: {pair}{mode.get(mode_suffix(args), '')}"
+        pairs.append((name, sides[numerator], sides[denominator]))
+        if target(model_name):
+            targets[name] = target(model_name)
+    return interleaved_step_ratios(pairs, rounds), targets
+
+
+def markdown(title, results, targets):
+    lines = [
+        f"### {title}",
+        "",
+        f"{machine()}{gpu_names()}",
+        "",
+        "| pair | target | median | min | max | best | p25 | step ms (ours / Keras) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in results.items():
+        ms = " / ".join(f"{t:.2f}" for t in s["step_ms"])
+        lines.append(
+            f"| {name} | {targets.get(name, '')} | {s['median']:.3f} | {s['min']:.3f} | "
+            f"{s['max']:.3f} | {s['best']:.3f} | {s['step_p25']:.3f} | {ms} |"
+        )
+    return "\n".join(lines) + "\n\n"
+
+
+def gpu_names():
+    names = [
+        tf.config.experimental.get_device_details(g).get("device_name", "GPU")
+        for g in tf.config.list_physical_devices("GPU")
+    ]
+    return f" ({', '.join(names)})" if names else ""
+
+
+def options(parser):
+    parser.add_argument("--rows", default=None, help=f"comma-separated, of {list(ROWS)}")
+    parser.add_argument("--xla", action="store_true", help="jit_compile=True on both sides")
+    parser.add_argument("--mixed", action="store_true", help="mixed_float16 on both sides")
+    parser.add_argument("--cpu", action="store_true", help="on the CPU; refuses --mixed")
+    parser.add_argument("--markdown", default=None, help="append the table to this file")
+
+
+def main(argv=None):
+    args, rounds, steps, names = command_line(
+        __doc__,
+        (6, STEPS // 2),
+        (16, STEPS),
+        list(MODELS),
+        quick_models=list(QUICK),
+        argv=argv,
+        extra=options,
+    )
+    if args.mixed and args.cpu:
+        raise ValueError(
+            "`--mixed` is a GPU-only mode (mixed_float16 on a CPU measures nothing a user "
+            "would run). Received: --mixed --cpu. Fix: drop one of them."
+        )
+    results, targets = {}, {}
+    device = tf.device("/CPU:0") if args.cpu else contextlib.nullcontext()
+    try:
+        if args.mixed:
+            keras.mixed_precision.set_global_policy("mixed_float16")
+        for name in names:
+            with device:
+                measured, wanted = measure(name, args, rounds, steps)
+            results.update(measured)
+            targets.update(wanted)
+            keras.backend.clear_session()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    title = (
+        f"Issue 28's targets, step-time ratios ({rounds} rounds x {steps} steps{mode_suffix(args)})"
+    )
+    report(title, results, targets, "targets" + mode_suffix(args))
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(markdown(title, results, targets))
+
+
+if __name__ == "__main__":
+    main()
