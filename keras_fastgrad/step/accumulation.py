@@ -92,7 +92,8 @@ class WindowAccumulator:
             normaliser: float32 scalar, the micro-batch's `D_j` summed over
                 all replicas.
             include: boolean scalar, the same on every replica; `False`
-                leaves the micro-batch out.
+                leaves the micro-batch out; the Python `True` (nothing is
+                ever left out) adds it without a `cond`.
             mean_reduction: Python bool, whether the window's gradient is
                 its sums divided by the normaliser (`False`: a `"sum"`
                 loss, the sums themselves).
@@ -124,9 +125,14 @@ class WindowAccumulator:
             if otherwise is not None:
                 otherwise()
 
-        tf.cond(include, add, leave_out)
-        increment(self.normaliser, tf.where(include, normaliser, 0.0))
-        increment(self.included, tf.cast(include, tf.int64))
+        if include is True:
+            add()
+            increment(self.normaliser, normaliser)
+            increment(self.included, tf.constant(1, tf.int64))
+        else:
+            tf.cond(include, add, leave_out)
+            increment(self.normaliser, tf.where(include, normaliser, 0.0))
+            increment(self.included, tf.cast(include, tf.int64))
         # The count moves only once the micro-batch exists. On data of
         # unknown size Keras' train function asks the iterator for one batch
         # more than it has (`get_next` fails with `OutOfRange`, which ends the

@@ -25,7 +25,7 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
 
     Args:
         should_apply: Boolean scalar (tensor or Python bool), identical on
-            every replica.
+            every replica; the Python `True` applies without a `cond`.
         update_fn: Callable that applies the optimizer and updates state;
             returns nothing. It must not run collectives (read sync-on-read
             variables instead, which reduce when read there).
@@ -46,6 +46,7 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
     """
 
     num_args = len(args)
+    always = should_apply is True  # known when traced: no `cond`
     if isinstance(should_apply, (bool, np.bool_)):  # `tf.cond` wants a tensor
         should_apply = tf.constant(bool(should_apply))
 
@@ -65,7 +66,10 @@ def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()
             if otherwise is not None:
                 otherwise(*other_args)
 
-        tf.cond(first_replica(distribution, should_apply), apply, skip)
+        if always:
+            apply()
+        else:
+            tf.cond(first_replica(distribution, should_apply), apply, skip)
 
     replica_context = tf.distribute.get_replica_context()
     if replica_context is None:  # already in cross-replica context

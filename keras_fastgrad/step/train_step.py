@@ -245,9 +245,14 @@ def metrics_logs(model, keep, batch):
     if type(model).compute_metrics is not keras.Model.compute_metrics:
         # A user override may return other keys: call it as Keras does.
         loss, weight = _tracked(loss, batch.num_samples)
-        logs = _update_metrics(model, batch, tf.where(keep, loss, 0.0), tf.where(keep, weight, 0.0))
+        if keep is not True:  # a dropped micro-batch adds nothing
+            loss, weight = tf.where(keep, loss, 0.0), tf.where(keep, weight, 0.0)
+        logs = _update_metrics(model, batch, loss, weight)
     else:
-        tf.cond(keep, lambda: _update_metric_states(model, batch), lambda: None)
+        if keep is True:  # nothing is ever dropped: no `cond`
+            _update_metric_states(model, batch)
+        else:
+            tf.cond(keep, lambda: _update_metric_states(model, batch), lambda: None)
         logs = model.get_metrics_result()
     return global_metric_results(model.metrics, logs)
 

@@ -43,8 +43,9 @@ class Verdict(
         marks: The `finite.marks` vector (where the check failed), or
             `None` when the check was the gradient's norm (`norm`).
         all_finite: Boolean scalar: loss and gradients finite everywhere.
-        keep: Boolean scalar: the gradient goes on (`all_finite`, or always
-            when non-finite gradients are applied, as `keras.Model` does).
+        keep: Boolean scalar: the gradient goes on (`all_finite`); the
+            Python `True` when non-finite gradients are applied, as
+            `keras.Model` does (no `cond` on it: nothing waits for it).
         drops_nonfinite: Python bool: a non-finite micro-batch is dropped
             (`skip_nonfinite`, or loss scaling).
         counts_towards_streak: Boolean scalar, whether a drop counts towards
@@ -76,7 +77,7 @@ def finite_check(model, state, batch):
     return Verdict(
         marks=marks,
         all_finite=all_finite,
-        keep=all_finite if drops else tf.constant(True),
+        keep=all_finite if drops else True,
         drops_nonfinite=drops,
         # At the scale the micro-batch was checked at (before the update).
         counts_towards_streak=failed(all_finite, scaling) if scaling.active else None,

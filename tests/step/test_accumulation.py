@@ -250,6 +250,35 @@ class TestWindowAccumulator:
         for got, want in zip(acc.window_sums(), sums):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
 
+    def test_python_true_includes_every_micro_batch_without_a_cond(self):
+        # `skip_nonfinite=False`: nothing is left out, known when traced.
+        variables = three_variables()
+        acc = WindowAccumulator(steps=3)
+        acc.build(variables)
+
+        @tf.function
+        def add(kernel, bias, values, indices, d):
+            table = tf.IndexedSlices(values, indices, tf.constant([4, 2], tf.int64))
+            return acc.add([kernel, bias, table], d, True)
+
+        sums = [np.zeros((2, 3)), np.zeros((3,)), np.zeros((4, 2))]
+        done = []
+        for (kernel, bias), table, table_dense, d in micro_batches(seed=3):
+            done.append(bool(add(kernel * d, bias * d, table.values * d, table.indices, d)))
+            sums = [s + w for s, w in zip(sums, [kernel * d, bias * d, table_dense * d])]
+        graph = add.get_concrete_function(
+            *(tf.TensorSpec(s, t) for s, t in [((2, 3), tf.float32), ((3,), tf.float32)]),
+            tf.TensorSpec((None, 2), tf.float32),
+            tf.TensorSpec((None,), tf.int64),
+            tf.TensorSpec((), tf.float32),
+        ).graph
+        assert not [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+        assert done == [False, False, True]
+        assert float(acc.normaliser.numpy()) == 12.0  # 4 + 2 + 6
+        assert int(acc.included.numpy()) == 3
+        for got, want in zip(acc.window_sums(), sums):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
+
     def test_under_xla_with_a_sparse_gradient(self):
         table = keras.Variable(np.zeros((4, 2), np.float32))
         acc = WindowAccumulator(steps=2)

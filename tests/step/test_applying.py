@@ -118,3 +118,37 @@ class TestApplyIf:
                 otherwise=lambda: skipped.assign(1.0),
             )
         assert (float(applied.numpy()), float(skipped.numpy())) == (3.0, 0.0)
+
+    def test_python_true_traces_no_cond(self):
+        # A condition known when traced (`skip_nonfinite=False`: every
+        # gradient goes on) costs no `cond`: no `If` op in the graph.
+        applied, skipped = branch_variables()
+
+        @tf.function
+        def step(g):
+            apply_if(True, lambda x: applied.assign_add(x), args=(g,), otherwise=skipped.assign)
+
+        graph = step.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
+        assert not [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+        step(tf.constant(2.0))
+        step(tf.constant(3.0))
+        assert (float(applied.numpy()), float(skipped.numpy())) == (5.0, 0.0)  # 2 + 3
+
+    def test_python_true_optimizer_update_under_one_device_strategy(self):
+        strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+        with strategy.scope():
+            v = keras.Variable([1.0, 2.0])
+            optimizer = keras.optimizers.SGD(1.0)
+            optimizer.build([v])
+
+        @tf.function
+        def step(g):
+            strategy.run(
+                lambda g: apply_if(True, lambda grads: optimizer.apply(grads, [v]), args=([g],)),
+                args=(g,),
+            )
+
+        step(tf.constant([0.5, 0.25]))
+        # SGD(1.0): [1, 2] - [0.5, 0.25]
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(v), [0.5, 1.75])
+        assert int(optimizer.iterations.numpy()) == 1

@@ -1,0 +1,82 @@
+"""`skip_nonfinite=False` (no loss scaling): every micro-batch goes on, a
+fact known when the step is traced, so the step puts no `cond` on it (the
+update, the window's addition and the metrics run unconditionally); only
+the bookkeeping of a non-finite micro-batch stays in a `cond`.
+
+References: `keras.Model` and Keras' own `gradient_accumulation_steps`
+trained on the same data; the count of a NaN micro-batch by hand.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_fastgrad
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    keras.backend.clear_session()
+    yield
+    keras.backend.clear_session()
+
+
+def mlp(cls, **options):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    return cls(inputs, keras.layers.Dense(2)(h), **options)
+
+
+def data(n=16):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 5)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
+
+
+def traced_conds(model, x, y):
+    """The `If` ops of `train_step` traced on one batch (nested ones too)."""
+    spec = (tf.TensorSpec((4, 5), tf.float32), tf.TensorSpec((4, 2), tf.float32))
+    graph = tf.function(model.train_step).get_concrete_function(spec).graph
+    found, seen = 0, set()
+
+    def walk(g):
+        nonlocal found
+        found += sum(op.type in ("If", "StatelessIf") for op in g.get_operations())
+        for name, fn in getattr(g, "_functions", {}).items():
+            if name not in seen:
+                seen.add(name)
+                walk(fn.graph)
+
+    walk(graph)
+    return found
+
+
+@pytest.mark.parametrize("steps", [None, 2])
+def test_skip_nonfinite_false_trains_like_keras_with_one_cond(steps):
+    x, y = data()
+    options = {} if steps is None else {"accumulation_steps": steps}
+    model = mlp(keras_fastgrad.FastGradModel, skip_nonfinite=False, **options)
+    ref = mlp(keras.Model)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=steps), loss="mse")
+    h = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    r = ref.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h.history["loss"], r.history["loss"], rtol=1e-5)
+    # The drop's bookkeeping; with accumulation also the window's update
+    # and its check (a window's sum can overflow).
+    assert traced_conds(model, x, y) == (1 if steps is None else 3)
+
+
+def test_skip_nonfinite_false_still_counts_a_nan_micro_batch():
+    x, y = data(n=8)
+    x[1, 0] = np.nan  # the first batch of 4
+    model = mlp(keras_fastgrad.FastGradModel, skip_nonfinite=False, telemetry=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    h = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    # Applied, as keras.Model does: the weights are NaN from then on, so
+    # the second batch's gradient is NaN too: both counted.
+    assert np.isnan(model.get_weights()[0]).any()
+    assert h.history["nonfinite_count"] == [2.0]
