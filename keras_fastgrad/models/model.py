@@ -11,21 +11,22 @@ calling the module that does its maths:
 
 and records what it measured in `telemetry`. Its state is one object,
 `StepState` (`model.fastgrad_step_state`), passed to every unit. This
-module holds the options, `train_step` (it orchestrates; no maths), the
-Keras hooks (each delegating to `models/_keras_hooks.py`) and the config.
+module holds the class: the options (checked by `models/options.py`),
+`train_step` (it orchestrates; no maths) and the Keras hooks, each method
+delegating to the module of its concern: `models/_keras_hooks.py` (Keras'
+building, compiling, cloning and flushing), `models/config.py` (the
+options in the config), `models/readouts.py` (what the step measured),
+`models/partial_window.py` (`apply_partial_window`).
 """
 
-import functools
-import inspect
-
 import keras
-import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad.models import _keras_hooks as integration
+from keras_fastgrad.models import config as model_config
 from keras_fastgrad.models import options as _options
-from keras_fastgrad.models import own_step
+from keras_fastgrad.models import own_step, partial_window, readouts
 from keras_fastgrad.multitask import TaskMerger
 from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
@@ -33,12 +34,7 @@ from keras_fastgrad.step.divergence import TrainingLoss
 from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.state import StepState
 from keras_fastgrad.step.task_losses import check_task_count
-from keras_fastgrad.step.telemetry import (
-    AGC_CLIPPED_FRACTION,
-    LOG_KEYS,
-    is_optional_key,
-    layer_key,
-)
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")
@@ -175,7 +171,7 @@ class FastGradModel(keras.Model):
         _options.check_keyword_names(
             kwargs,
             OPTION_NAMES,
-            _keras_keywords(type(self)),
+            model_config.keras_keywords(type(self), FastGradModel),
             owner=type(self).__name__,
         )
         given = {
@@ -301,33 +297,7 @@ class FastGradModel(keras.Model):
             ValueError: when a window is pending and the model has no
                 optimizer (loaded with `compile=False`).
         """
-        state = self.fastgrad_step_state
-        acc = state.accumulator
-        if acc is None or int(acc.micro_step.numpy()) % acc.steps == 0:
-            return None
-        if self.train_function is None:  # loaded, or recompiled: not made yet
-            if getattr(self, "optimizer", None) is None:
-                raise ValueError(
-                    "`apply_partial_window` applies the pending window with the "
-                    "model's optimizer, and the model is not compiled. Received: "
-                    f"a model with {int(acc.micro_step.numpy()) % acc.steps} "
-                    "micro-batches pending and no optimizer. Fix: `compile` it "
-                    "first (`keras.saving.load_model` compiles a saved model "
-                    "unless `compile=False`)."
-                )
-            self._fg_prepare_state()
-        if state.flush_function is None:
-            # A `partial`, not a lambda: TF keys its retracing warning on a
-            # function's code, shared by every model's lambda.
-            state.flush_function = tf.function(
-                functools.partial(self.distribute_strategy.run, _step.flush, args=(self, state)),
-                jit_compile=bool(self.jit_compile),
-            )
-        state.flush_function()
-        logs = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables or 0)
-        if state.noise_scale is not None:  # the partial window's estimate
-            logs.update(state.noise_scale.logs())
-        return {k: float(v) for k, v in logs.items()}
+        return partial_window.apply_partial_window(self)
 
     # ------------------------------------------------------------- the step
     def train_step(self, data):
@@ -444,7 +414,7 @@ class FastGradModel(keras.Model):
 
     def layer_norm_keys(self):
         """The `grad_norm/<layer>` keys this model's layers would log."""
-        return list(dict.fromkeys(layer_key(v.path) for v in self.trainable_variables))
+        return readouts.layer_norm_keys(self)
 
     def enable_telemetry(self, keys=LOG_KEYS):
         """Adds telemetry keys to the step's logs (used by the callbacks).
@@ -458,26 +428,7 @@ class FastGradModel(keras.Model):
         The train function is rebuilt (retraced) on the next `fit` when the
         set of keys grows.
         """
-        keys = set(keys)
-        unknown = {k for k in keys if k not in LOG_KEYS and not is_optional_key(k)}
-        if unknown:
-            raise ValueError(
-                f"`keys` must be names from {list(LOG_KEYS)}, "
-                "`update_ratio`, `agc_clipped_fraction` or `grad_norm/<layer>` (multi-task models: "
-                "`task_grad_norm/<task>`, `task_cosine/<a>/<b>`, "
-                f"`task_conflicts`). Received unknown names: {sorted(unknown)}"
-            )
-        if AGC_CLIPPED_FRACTION in keys and self.clip_adaptive is None:
-            raise ValueError(
-                f"`keys` holds `{AGC_CLIPPED_FRACTION}`, which needs adaptive "
-                "gradient clipping, but the model has clip_adaptive=None. "
-                f"Received: keys={sorted(keys)}. Fix: build the model with "
-                f"`clip_adaptive=...`, or leave `{AGC_CLIPPED_FRACTION}` out."
-            )
-        state = self.fastgrad_step_state
-        if not keys <= state.log_keys:
-            state.log_keys |= keys
-            self.train_function = None
+        readouts.enable_telemetry(self, keys)
 
     def telemetry_counters(self):
         """The step's cumulative counters now, as Python floats.
@@ -494,30 +445,20 @@ class FastGradModel(keras.Model):
         >>> model.telemetry_counters()
         {'updates': 0.0, 'clipped_updates': 0.0, 'nonfinite_count': 0.0}
         """
-        names = ("updates", "clipped_updates", "nonfinite_count")
-        telemetry = self.fastgrad_step_state.telemetry
-        if telemetry is None:
-            return dict.fromkeys(names, 0.0)
-        return {name: float(getattr(telemetry, name).numpy()) for name in names}
+        return readouts.telemetry_counters(self)
 
     # ---------------------------------------------------------------- config
     @compat.keras_default  # Keras' automatic config of a subclass's own arguments
     def get_config(self):
-        config = super().get_config()
-        if _takes_options(type(self)):
-            config.update(self._fg_options())
-        else:  # a subclass with its own `__init__`: applied by `from_config`
-            config["fastgrad_options"] = self._fg_options()
-        return config
+        return model_config.with_options(
+            super().get_config(), type(self), FastGradModel, self._fg_options()
+        )
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         # The options are set after Keras has built the model from the rest
         # (a subclass's `__init__`, a `Sequential`'s layers, ...).
-        config = dict(config)
-        options = config.pop("fastgrad_options", None) or {}
-        if _takes_options(cls):
-            options.update({k: config.pop(k) for k in OPTION_NAMES if k in config})
+        config, options = model_config.pop_options(config, cls, FastGradModel, OPTION_NAMES)
         model = super().from_config(config, custom_objects=custom_objects)
         if options and isinstance(model, FastGradModel):
             model._fg_set_options(_checked_options(**{**model._fg_options(), **options}))
@@ -525,63 +466,12 @@ class FastGradModel(keras.Model):
 
     def _fg_options(self):
         """The constructor's options, serializable (`get_config`, clones)."""
-        return {
-            "accumulation_steps": self.accumulation_steps,
-            "clip_norm": self.clip_norm,
-            "clip_adaptive": self.clip_adaptive,
-            "clip_adaptive_eps": self.clip_adaptive_eps,
-            "multitask": (
-                None if self.multitask is None else aggregators.serialize(self.multitask)
-            ),
-            "skip_nonfinite": self.skip_nonfinite,
-            "telemetry": self.telemetry,
-            "micro_batches": self.micro_batches,
-            "max_consecutive_nonfinite": self.max_consecutive_nonfinite,
-            "multitask_space": self.multitask_space,
-            "multitask_features": self.multitask_features,
-            "batchnorm_statistics": self.batchnorm_statistics,
-        }
+        return model_config.serializable_options(self, OPTION_NAMES)
 
 
 # The constructor's options and their defaults, read off its signature.
-_DEFAULT_OPTIONS = {
-    name: p.default
-    for name, p in inspect.signature(FastGradModel.__init__).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY
-}
+_DEFAULT_OPTIONS = model_config.default_options(FastGradModel)
 OPTION_NAMES = tuple(_DEFAULT_OPTIONS)
-
-# The keywords `keras.Model` accepts besides ours: the functional form's
-# (`Functional.__init__`: `inputs`, `outputs`, `name`, `trainable`) and the
-# subclassed form's (`keras.layers.Layer.__init__`'s, with the `input_dim` /
-# `input_shape` it reads from its `**kwargs`).
-KERAS_KEYWORDS = tuple(
-    sorted(
-        {"inputs", "outputs", "input_dim", "input_shape"}
-        | {
-            name
-            for function in (keras.layers.Layer.__init__, compat.Functional.__init__)
-            for name, p in inspect.signature(function).parameters.items()
-            if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
-        }
-    )
-)
-
-
-@functools.lru_cache(maxsize=None)
-def _keras_keywords(cls):
-    """`KERAS_KEYWORDS` and those of the `__init__`s that `FastGradModel`'s
-    `super().__init__` reaches in `cls` (`keras.Sequential`'s `layers`)."""
-    mro = cls.__mro__
-    names = set(KERAS_KEYWORDS)
-    for klass in mro[mro.index(FastGradModel) + 1 :]:
-        if "__init__" in vars(klass) and klass is not object:
-            names.update(
-                name
-                for name, p in inspect.signature(vars(klass)["__init__"]).parameters.items()
-                if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            )
-    return tuple(sorted(names))
 
 
 def check_compiled(model, options):
@@ -600,14 +490,6 @@ def _checked_options(**options):
     """The constructor's options (defaults for those not given),
     validated (Keras-style errors)."""
     return _options.check_options({**_DEFAULT_OPTIONS, **options})
-
-
-def _takes_options(cls):
-    """Whether `cls(**config)` reaches `FastGradModel.__init__` with the
-    options as keywords (no `__init__` of the subclass's own)."""
-    return all(
-        "__init__" not in vars(klass) for klass in cls.__mro__[: cls.__mro__.index(FastGradModel)]
-    )
 
 
 # Legacy `.h5` files name a model by its bare class name (Keras'
