@@ -103,18 +103,42 @@ def per_process(row, key, processes):
 
 
 def speed_table(runs, header):
-    """The short table for README/docs: bench_targets' rows (pair, target,
-    figure, verdict), with the line that says where they come from."""
-    table = {k: r for k, r in rows(runs).items() if k[0] == TARGETS_SCRIPT}
+    """The short table for README/docs: bench_targets' rows as one line per
+    pair and one column per model (rows are named "<model>: <pair>"); a
+    cell holds the figure (the median over processes, their range) and the
+    verdict, and its target where it differs from the pair's. Then the line
+    that says where the figures come from."""
+    table = {
+        k: r for k, r in rows(runs).items() if k[0] == TARGETS_SCRIPT and r["kind"] == "step time"
+    }
     if not table:
         return f"No speed table: `bench_{TARGETS_SCRIPT}.py` did not run.\n"
-    lines = ["| pair | target | step-time ratio | verdict |", "|---|---|---:|---|"]
+    pairs, models = {}, {}
     for (_, _, name), row in table.items():
-        figures = row["figures"]
-        figure = fmt(statistics.median(figures), 2) if figures else "-"
-        if len(figures) > 1:
-            figure += f" ({fmt(min(figures), 2)}-{fmt(max(figures), 2)})"
-        lines.append(f"| {name} | {row['target']} | {figure} | {row['verdict'] or 'reported'} |")
+        model, pair = name.split(": ", 1) if ": " in name else ("figure", name)
+        pairs.setdefault(pair, {})[model] = row
+        models[model] = None
+    lines = [
+        "| pair | target | " + " | ".join(models) + " |",
+        "|---|---|" + "---:|" * len(models),
+    ]
+    for pair, cells in pairs.items():
+        targets = [row["target"] or "" for row in cells.values()]
+        common = max(dict.fromkeys(targets), key=targets.count)
+        shown = []
+        for model in models:
+            row = cells.get(model)
+            if row is None or not row["figures"]:
+                shown.append("-" if row is None else "not measured")
+                continue
+            figures = row["figures"]
+            cell = fmt(statistics.median(figures), 2)
+            if len(figures) > 1:
+                cell += f" ({fmt(min(figures), 2)}-{fmt(max(figures), 2)})"
+            cell += f" {row['verdict']}" if row["verdict"] else ""
+            cell += f" ({row['target']})" if (row["target"] or "") != common else ""
+            shown.append(cell)
+        lines.append(f"| {pair} | {common or 'reported'} | " + " | ".join(shown) + " |")
     return "\n".join(lines) + "\n\n" + header + "\n"
 
 
@@ -151,11 +175,15 @@ def sync_docs(table_text, root=ROOT, pages=DOCS):
     return changed
 
 
-def markdown(runs, command, wall_s, quick, machine, code, load, budget_s):
+def now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def markdown(runs, command, wall_s, quick, machine, code, load, budget_s, date=None):
     """`RESULTS.md`: header, the speed targets over processes, then each
     script's detail."""
     n = len(runs)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = date or now()
     table = rows(runs)
     header = (
         f"Measured {date} on {machine}, code {code}, by `{command}` "

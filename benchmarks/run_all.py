@@ -1,7 +1,7 @@
 """Runs every benchmark of the project and writes the report.
 
     python benchmarks/run_all.py [--quick] [--processes N] [--only a,b] [--timeout S]
-    python benchmarks/run_all.py --sync-docs
+    python benchmarks/run_all.py --sync-docs | --render
 
 One method: every time ratio is step-level, each side's compiled train
 function timed step by step (`harness.step_fn`), interleaved round by
@@ -34,7 +34,18 @@ each script's detail), `benchmarks/results.png`,
 figure, verdict) and copies that table between the
 `<!-- speed-table:start -->` / `<!-- speed-table:end -->` markers of
 README.md and docs/index.md, so that no page shows a figure the latest
-run does not (`--sync-docs` copies it again from RESULTS.md).
+run does not (`--sync-docs` copies it again from RESULTS.md; `--render`
+writes every page again from the last run's `benchmarks/out/run.json`).
+
+Which script measures what (issue 28): `bench_targets` holds the issue's
+table (FastGradModel against the keras.Model doing the same work, on five
+models); the comparisons with keras.Model that `bench_core`, `bench_steps`,
+`bench_embedding` (default), `bench_callbacks` (clip_norm with three
+callbacks) and `bench_adaptive_clipping` (on / off) timed before are its
+rows now, and `bench_steps` is a module of models without `main`. The
+others time what that table does not hold (telemetry, BatchNorm
+statistics, callbacks, the noise scale, multi-task merging, the gate,
+MirroredStrategy), all step by step.
 """
 
 import argparse
@@ -281,6 +292,7 @@ def git_state():
 
 
 def main(argv=None):
+    global HERE, OUT  # --child: the folder it is given
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -289,15 +301,21 @@ def main(argv=None):
     parser.add_argument("--only", default="", help="comma-separated names (bench_<name>.py)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per script")
     parser.add_argument("--sync-docs", action="store_true", help="copy RESULTS.md's speed table")
+    parser.add_argument(
+        "--render", action="store_true", help="write the pages again from out/run.json"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one process's records, as JSON
     parser.add_argument("--dir", help=argparse.SUPPRESS)  # where the bench_*.py are
     args = parser.parse_args(argv)
     if args.sync_docs:
         return results_page.main()
+    if args.render:
+        with open(os.path.join(OUT, "run.json")) as f:
+            write_pages(json.load(f))
+        return 0
     only = {n.strip() for n in args.only.split(",") if n.strip()}
     timeout = args.timeout or (300 if args.quick else 1800)
     if args.child:
-        global HERE, OUT
         HERE, OUT = args.dir or HERE, os.path.join(args.dir or HERE, "out")
         records = run_set(discover(only), args.quick, timeout)
         with open(args.child, "w") as f:
@@ -313,15 +331,36 @@ def main(argv=None):
         + (f" --processes {args.processes}" if args.processes > 1 else "")
         + (f" --only {args.only}" if only else "")
     )
+    run = {
+        "runs": runs,
+        "command": command,
+        "wall_s": walls,
+        "quick": args.quick,
+        "machine": machine_line(runs),
+        "code": git_state(),
+        "load": (load_start, os.getloadavg()[0]),
+        "date": results_page.now(),
+    }
+    with open(os.path.join(OUT, "run.json"), "w") as f:
+        json.dump(run, f)
+    write_pages(run)
+    return 0 if all(r["status"] == "ok" for records in runs for r in records) else 1
+
+
+def write_pages(run):
+    """RESULTS.md, the speed table (copied into the docs) and the plot, from
+    a run's records (`--render`: again from `benchmarks/out/run.json`)."""
+    runs, walls = run["runs"], run["wall_s"]
     text = results_page.markdown(
         runs,
-        command,
+        run["command"],
         walls,
-        args.quick,
-        machine_line(runs),
-        git_state(),
-        (load_start, os.getloadavg()[0]),
+        run["quick"],
+        run["machine"],
+        run["code"],
+        run["load"],
         QUICK_BUDGET_S,
+        run["date"],
     )
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write(text)
@@ -331,10 +370,9 @@ def main(argv=None):
     png = results_page.plot(runs, os.path.join(HERE, "results.png"))
     print(
         f"Wrote benchmarks/RESULTS.md{', ' + png if png else ''} and the speed table"
-        f"{' (copied into ' + ', '.join(changed) + ')' if changed else ''} after "
+        f"{' (copied into ' + ', '.join(changed) + ')' if changed else ''}: "
         f"{sum(walls):.0f} s ({', '.join(f'{w:.0f} s' for w in walls)} per process)."
     )
-    return 0 if all(r["status"] == "ok" for records in runs for r in records) else 1
 
 
 if __name__ == "__main__":
