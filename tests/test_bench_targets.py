@@ -150,3 +150,58 @@ def check_skips_a_nonfinite_gradient(anchors, name, accumulation):
         np.testing.assert_array_equal(variable.numpy(), old)
     for old, variable in zip(optimizer_before, model.optimizer.variables):
         np.testing.assert_array_equal(variable.numpy(), old)
+
+
+@pytest.fixture
+def bench_targets(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_targets
+
+    reported = {}
+    monkeypatch.setattr(  # leaves benchmarks/out/ alone
+        bench_targets, "report", lambda title, results, targets, out: reported.update(locals())
+    )
+    return bench_targets, reported
+
+
+def test_bench_targets_main_times_a_row_against_its_anchor(bench_targets, tmp_path):
+    module, reported = bench_targets
+    table = tmp_path / "table.md"
+    argv = ["--quick", "--rounds", "1", "--models", "mlp_64x256_b64", "--rows", "gated,agc"]
+    module.main([*argv, "--cpu", "--markdown", str(table)])
+    names = [
+        "MLP 64-3x256-10: default / keras.Model gated on finite gradients",
+        "MLP 64-3x256-10: clip_adaptive=0.01 / default",
+    ]
+    assert list(reported["results"]) == names
+    assert reported["targets"] == {names[0]: "<= 1.03", names[1]: "<= 1.06"}
+    assert reported["out"] == "targets"
+    for stats in reported["results"].values():
+        assert stats["rounds"] == 1 and stats["median"] > 0 and len(stats["step_ms"]) == 2
+    assert all(name in table.read_text() for name in names)
+    with pytest.raises(ValueError, match="`--rows` must name rows"):
+        module.main(["--rows", "nope", "--models", "mlp_64x256_b64"])
+    with pytest.raises(ValueError, match="`--mixed` is a GPU-only mode"):
+        module.main(["--mixed", "--cpu"])
+
+
+@pytest.mark.slow  # two fresh processes, each timing 7 models
+def test_gpu_check_runs_on_the_cpu(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("OUT", None)
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--cpu", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "- graph: ok" in table and "- XLA: ok" in table
+    assert "mixed_float16" not in table.split("Phases:")[1]  # GPU-only: left out
+    assert "default / keras.Model gated on finite gradients [XLA] | <= 1.03 |" in table
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["targets.json", "targets_xla.json"]
