@@ -42,7 +42,7 @@ parameter space (T trunk backward passes) and PCGrad with
 - parameters PCGrad / keras.Model, features / parameters PCGrad.
 
 `--target`: only the rows of the T=4 target (floor, PCGrad, merge and sum
-alone), 16 rounds of 24 steps. `--quick`: the same rows, 6 rounds of 8
+alone), 16 rounds of 24 steps. `--quick`: the same rows, 4 rounds of 8
 steps. Writes benchmarks/out/multitask.json (`--space`:
 multitask_space.json).
 """
@@ -276,7 +276,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, help="override the round count")
     parser.add_argument("--steps", type=int, help="override the steps per round")
     args = parser.parse_args(argv)
-    rounds, steps = (6, 8) if args.quick else (12, 16)
+    rounds, steps = (4, 8) if args.quick else (12, 16)
     if args.target:  # long epochs: fit's per-epoch overhead and noise shrink
         rounds, steps = 16, 24
     rounds, steps = args.rounds or rounds, args.steps or steps

@@ -80,7 +80,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    rounds = 7 if args.quick else 15
+    rounds = 5 if args.quick else 15
     pairs = []
     for model, shapes in SHAPES.items():
         fns = norms(shapes)
