@@ -61,14 +61,17 @@ def scaled_norm(grads):
     return unit, tf.sqrt(2.0 * halves)
 
 
-def clip_factor(clip_norm, unit, root):
+def clip_factor(clip_norm, unit, root, checked=False):
     """`min(1, clip_norm / norm)` for a norm given as `unit * root`
     (`scaled_norm`), and whether it clips: finite for every finite
-    gradient, NaN for a non-finite `root` (a non-finite gradient)."""
+    gradient, NaN for a non-finite `root` (a non-finite gradient) unless
+    `checked` (the caller uses the factor only when the norm is finite:
+    then no op goes to that case)."""
     norm = unit * root
     was_clipped = norm > clip_norm
     factor = tf.where(was_clipped, (clip_norm / unit) / root, 1.0)
-    factor = tf.where(tf.math.is_finite(root), factor, float("nan"))
+    if not checked:
+        factor = tf.where(tf.math.is_finite(root), factor, float("nan"))
     return factor, was_clipped
 
 
@@ -89,7 +92,7 @@ def fits_clip(clip_norm, unit, root):
     return unit * root <= clip_norm / float(np.finfo(np.float32).tiny)
 
 
-def clip_by_global_norm(grads, clip_norm, norm):
+def clip_by_global_norm(grads, clip_norm, norm, checked=False):
     """Scales `grads` so that their global norm is at most `clip_norm`.
 
     Args:
@@ -98,10 +101,14 @@ def clip_by_global_norm(grads, clip_norm, norm):
         norm: float32 scalar, the global norm of `grads` (computed once by
             the caller, which also logs it), or a pair `(unit, root)` from
             `scaled_norm` (then the factor never overflows).
+        checked: Python bool, whether the caller applies the result only
+            when the norm is finite (the step gates its update on that):
+            then a non-finite norm needs no guard here.
 
     Returns:
         Tuple `(clipped_grads, was_clipped)`. A NaN norm gives non-finite
-        gradients, which the step's check before the update drops.
+        gradients (unless `checked`), which the step's check before the
+        update drops.
 
     Example:
 
@@ -111,5 +118,5 @@ def clip_by_global_norm(grads, clip_norm, norm):
     ([0.6000000238418579, 0.800000011920929], True)
     """
     unit, root = norm if isinstance(norm, tuple) else (tf.constant(1.0), norm)
-    factor, was_clipped = clip_factor(clip_norm, unit, root)
+    factor, was_clipped = clip_factor(clip_norm, unit, root, checked)
     return [scale(g, factor) for g in grads], was_clipped

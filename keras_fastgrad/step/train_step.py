@@ -194,7 +194,9 @@ def _clipped(model, state, grads, scaled=None):
         norm = unit * root
     state.telemetry.record_layer_norms(grads)
     if model.clip_norm is not None:
-        grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, (unit, root))
+        # Applied only with a finite norm: the verdict's `keep` when the
+        # norm was the check, `_finite_update` otherwise.
+        grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, (unit, root), checked=True)
     return grads, norm, was_clipped
 
 

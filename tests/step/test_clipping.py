@@ -177,6 +177,23 @@ class TestClipByGlobalNorm:
         clipped, _ = clip_by_global_norm([tf.zeros([2])], 1.0, tf.constant(INF))
         assert not bool(finite.all_finite(clipped))
 
+    def test_checked_norm_clips_alike_without_the_nan_guard(self):
+        # `checked`: the step applies the result only with a finite norm
+        # (its verdict or its check before the update): no guard traced.
+        grads = [tf.constant([3.0, 0.0]), tf.constant([[4.0]])]
+
+        @tf.function
+        def clip(norm):
+            return clip_by_global_norm(grads, 2.0, norm, checked=True)
+
+        clipped, was_clipped = clip(tf.constant(5.0))
+        assert bool(was_clipped)
+        # factor 2/5 = 0.4 by hand
+        np.testing.assert_allclose(clipped[0].numpy(), [1.2, 0.0], rtol=1e-6)
+        np.testing.assert_allclose(clipped[1].numpy(), [[1.6]], rtol=1e-6)
+        graph = clip.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
+        assert "IsFinite" not in {op.type for op in graph.get_operations()}
+
     def test_under_xla(self):
         @tf.function(jit_compile=True)
         def clip(g):
