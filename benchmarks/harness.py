@@ -75,6 +75,7 @@ def load_average():
 
 
 LOAD_AT_START = load_average()
+WRITTEN = []  # the JSON files `report` wrote in this process (for run_all)
 
 
 def interleaved_ratios(pairs, rounds):
@@ -190,7 +191,8 @@ def report(title, results, targets, out_name):
         )
     out_dir = os.path.join(os.path.dirname(__file__), "out")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{out_name}.json"), "w") as f:
+    WRITTEN.append(os.path.join(out_dir, f"{out_name}.json"))
+    with open(WRITTEN[-1], "w") as f:
         json.dump(
             {"machine": machine(), "load_average": load, "results": results, "targets": targets},
             f,

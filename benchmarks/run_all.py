@@ -21,7 +21,10 @@ recorded with the reason, and the next one runs (and the exit status is
 1). A script without `--quick` in its source is not run in quick mode
 (`bench_distributed`: its own process's start takes much of the budget).
 
-Verdicts. Each script writes JSON to `benchmarks/out/` (`harness.report`):
+Verdicts. Each script writes JSON to `benchmarks/out/` (`harness.report`;
+a script's results are the files it reported, with their companions
+named after them, or, for a script that does not report through the
+harness in this process, the JSON files written while it ran):
 per row its statistics and target (`"<= 1.05"`; `"<= 1.05 at T=4"` bounds
 only rows named `T=4`; `"about 2"` and other words are information). The
 statistic judged is the median of the per-round ratios. Per target row:
@@ -202,12 +205,17 @@ def run_script(script, quick, timeout):
     out = os.path.join(os.path.dirname(script), "out")
     os.makedirs(out, exist_ok=True)
     before = json_stamps(out)
+    reported = len(getattr(sys.modules.get("harness"), "WRITTEN", []))
     start = time.perf_counter()
     with open(os.path.join(out, f"{record['name']}.log"), "w") as log:
         run = own_process if own else in_process
         failure = run(script, ["--quick"] if quick else [], log, timeout)
     record["wall_s"] = time.perf_counter() - start
     written = [p for p, stamp in json_stamps(out).items() if before.get(p) != stamp]
+    mine = getattr(sys.modules.get("harness"), "WRITTEN", [])[reported:]
+    if mine:  # what this script reported, and its companions (`memory_peaks.json`)
+        stems = tuple(os.path.basename(p)[: -len(".json")] for p in mine)
+        written = [p for p in written if os.path.basename(p).startswith(stems)]
     for path in sorted(written):
         with open(path) as f:
             record["outputs"][os.path.basename(path)] = json.load(f)
