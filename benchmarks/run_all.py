@@ -73,6 +73,7 @@ DOCS_ROOT = ROOT  # where README.md and docs/index.md are
 QUICK_BUDGET_S = 300
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import results_page  # noqa: E402
+import speed_table  # noqa: E402
 
 
 # ----------------------------------------------------------------- one process
@@ -145,7 +146,7 @@ def in_process(script, argv, log, timeout):
     if not hasattr(module, "main"):
         return "not run: the script has no `main(argv)`"
     harness = sys.modules.get("harness")
-    if harness is not None:  # the load when this script starts, not the first
+    if hasattr(harness, "load_average"):  # the load when this script starts, not the first
         harness.LOAD_AT_START = harness.load_average()
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -317,7 +318,7 @@ def main(argv=None):
     parser.add_argument("--dir", help=argparse.SUPPRESS)  # where the bench_*.py are
     args = parser.parse_args(argv)
     if args.sync_docs:
-        return results_page.main()
+        return speed_table.main()
     if args.render:
         with open(os.path.join(OUT, "run.json")) as f:
             write_pages(json.load(f))
@@ -376,9 +377,9 @@ def write_pages(run):
     )
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write(text)
-    table = results_page.between_markers(text)
-    results_page.write_speed_table(table + "\n", os.path.join(OUT, "speed_table.md"))
-    changed = results_page.sync_docs(table, root=DOCS_ROOT)
+    table = speed_table.between_markers(text)
+    speed_table.write_speed_table(table + "\n", os.path.join(OUT, "speed_table.md"))
+    changed = speed_table.sync_docs(table, root=DOCS_ROOT)
     png = results_page.plot(runs, os.path.join(HERE, "results.png"))
     print(
         f"Wrote benchmarks/RESULTS.md{', ' + png if png else ''} and the speed table"
