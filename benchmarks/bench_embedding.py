@@ -62,7 +62,7 @@ def compiled(model, optimizer):
 
 
 def main(argv=None):
-    _, rounds, steps = command_line(__doc__, (6, 16), (16, 48), argv=argv)[:3]
+    _, rounds, steps = command_line(__doc__, (4, 8), (16, 48), argv=argv)[:3]
     fg = keras_fastgrad.FastGradModel
     sgd = keras.optimizers.SGD
     batches = dataset_of(*data(BATCH * 16), BATCH)

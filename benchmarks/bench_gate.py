@@ -91,7 +91,7 @@ MODELS = {"mlp_64x256_b64": (64, 256), "mlp_256x1024_b64": (256, 1024)}
 
 
 def main(argv=None):
-    args, rounds, steps, _ = command_line(__doc__, (6, 24), (16, 48), argv=argv)
+    args, rounds, steps, _ = command_line(__doc__, (4, 16), (16, 48), argv=argv)
     pairs = []
     # Quick mode: the larger MLP, where the gate shows.
     names = ["mlp_256x1024_b64"] if args.quick else list(MODELS)
