@@ -185,7 +185,7 @@ def _reduction(x, axes):
     return {"axis": axes, "keepdims": True}
 
 
-def adaptive_clip(model, state, grads):
+def adaptive_clip(model, state, grads, clipped=None):
     """The step's unit: the update's gradient clipped by
     `model.clip_adaptive` (unchanged when it is `None`), and whether the
     clipped update may be applied (`None`: AGC is off).
@@ -193,12 +193,41 @@ def adaptive_clip(model, state, grads):
     Runs in the update branch, after accumulation, unscaling and the
     replica sum, on the global gradient; the weights are read as they are
     before this update. Records `agc_clipped_fraction` when requested.
+    `clipped`: the `Clipped` of `before_gate`, computed before the update's
+    `cond`.
     """
     if model.clip_adaptive is None:
         return grads, None
+    out = _clipped(model, state, grads) if clipped is None else clipped
+    if out.clipped_units is not None:
+        state.telemetry.record_adaptive_clipping(out.clipped_units / max(out.num_units, 1))
+    return out.grads, out.all_finite
+
+
+def before_gate(model, state, grads, divisor):
+    """AGC computed before the update's `cond` (a `Clipped`), where the
+    update's gradient is the micro-batch's own as it is: one replica, no
+    accumulation (the step's single `cond`), no `divisor` (`micro_batches`),
+    no noise scale or BatchNorm window in the update. Only its result is
+    applied in the update's `cond` (its check too, as before), but its work
+    on the last layers' gradients no longer waits for the whole gradient's
+    verdict: it can overlap the backward pass of the first ones. The
+    weights are read before the update, as in it. `None` otherwise, or
+    with AGC off."""
+    if (
+        model.clip_adaptive is None
+        or divisor is not None
+        or state.noise_scale is not None
+        or state.batchnorm is not None
+    ):
+        return None
+    return _clipped(model, state, grads)
+
+
+def _clipped(model, state, grads):
     variables = model.trainable_variables
     tables = row_unit_variables(model)
-    out = clip_unitwise(
+    return clip_unitwise(
         grads,
         [v.value for v in variables],
         [id(v) in tables for v in variables],
@@ -206,9 +235,6 @@ def adaptive_clip(model, state, grads):
         model.clip_adaptive_eps,
         count=AGC_CLIPPED_FRACTION in state.log_keys,
     )
-    if out.clipped_units is not None:
-        state.telemetry.record_adaptive_clipping(out.clipped_units / max(out.num_units, 1))
-    return out.grads, out.all_finite
 
 
 def both_finite(finite_update, agc_finite):

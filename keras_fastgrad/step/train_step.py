@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.step import finite
-from keras_fastgrad.step.adaptive_clipping import adaptive_clip, both_finite
+from keras_fastgrad.step.adaptive_clipping import adaptive_clip, before_gate, both_finite
 from keras_fastgrad.step.applying import apply_if
 from keras_fastgrad.step.backward import Batch, gradients
 from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
@@ -72,8 +72,11 @@ def update_or_drop(model, state, batch, verdict):
     few ops per step, which shows on short steps); the metrics' results
     are read once, after it. Returns the metrics' logs."""
 
+    divisor = _divisor(batch, verdict)
+    agc = before_gate(model, state, batch.grads, divisor)  # None: in `update`
+
     def apply():
-        update(model, state, batch.grads, _divisor(batch, verdict), norm=verdict.norm)
+        update(model, state, batch.grads, divisor, norm=verdict.norm, agc=agc)
         _update_metric_states(model, batch)
 
     def drop():
@@ -143,7 +146,7 @@ def flush(model, state):
     state.accumulator.restart()
 
 
-def update(model, state, grads, normaliser=None, norm=None):
+def update(model, state, grads, normaliser=None, norm=None, agc=None):
     """[BatchNorm statistics] -> normalise -> adaptive clip -> clip -> check
     -> apply -> record.
 
@@ -152,7 +155,8 @@ def update(model, state, grads, normaliser=None, norm=None):
     `divide_no_nan`, as Keras reduces a loss: a normaliser of 0, every
     sample weight 0 or every position masked, gives a zero gradient).
     `norm`: the gradient's norm as `(unit, root)` when the finite check
-    was made on it (`Verdict.norm`): nothing left to check.
+    was made on it (`Verdict.norm`): nothing left to check. `agc`: AGC
+    computed before the update's `cond` (`adaptive_clipping.before_gate`).
     """
     if state.batchnorm is not None:  # the window's one step of the statistics
         state.batchnorm.apply()
@@ -163,7 +167,7 @@ def update(model, state, grads, normaliser=None, norm=None):
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     if state.noise_scale is not None:  # the big batch: unscaled, unclipped
         state.noise_scale.record_window(grads)
-    grads, agc_finite = adaptive_clip(model, state, grads)  # (grads, None) when off
+    grads, agc_finite = adaptive_clip(model, state, grads, agc)  # (grads, None) when off
     grads, norm, was_clipped = _clipped(model, state, grads, norm)
     checked = checked or (agc_finite is not None and model.clip_norm is None)
     finite_update = None if checked else _finite_update(model, state, grads, norm)

@@ -1,10 +1,15 @@
-"""`skip_nonfinite=False` (no loss scaling): every micro-batch goes on, a
+"""What the step puts inside its `cond`s (issue 28: work that waits for the
+verdict cannot overlap the backward pass).
+
+`skip_nonfinite=False` (no loss scaling): every micro-batch goes on, a
 fact known when the step is traced, so the step puts no `cond` on it (the
 update, the window's addition and the metrics run unconditionally); only
-the bookkeeping of a non-finite micro-batch stays in a `cond`.
+the bookkeeping of a non-finite micro-batch stays in a `cond`. Adaptive
+clipping on the step's single `cond` is computed before it.
 
 References: `keras.Model` and Keras' own `gradient_accumulation_steps`
-trained on the same data; the count of a NaN micro-batch by hand.
+trained on the same data; the count of a NaN micro-batch by hand; AGC's
+update against `optax`-style numpy in `test_adaptive_clipping_fit.py`.
 """
 
 import keras
@@ -34,22 +39,28 @@ def data(n=16):
     return rng.normal(size=(n, 5)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
 
 
-def traced_conds(model, x, y):
-    """The `If` ops of `train_step` traced on one batch (nested ones too)."""
+def traced_ops(model):
+    """`(top, nested)`: the op types of `train_step` traced on one batch,
+    outside any function, and in its functions (`cond` branches)."""
     spec = (tf.TensorSpec((4, 5), tf.float32), tf.TensorSpec((4, 2), tf.float32))
     graph = tf.function(model.train_step).get_concrete_function(spec).graph
-    found, seen = 0, set()
+    top = [op.type for op in graph.get_operations()]
+    nested, seen = [], set()
 
     def walk(g):
-        nonlocal found
-        found += sum(op.type in ("If", "StatelessIf") for op in g.get_operations())
         for name, fn in getattr(g, "_functions", {}).items():
             if name not in seen:
                 seen.add(name)
+                nested.extend(op.type for op in fn.graph.get_operations())
                 walk(fn.graph)
 
     walk(graph)
-    return found
+    return top, nested
+
+
+def traced_conds(model, x, y):
+    """The `If` ops of `train_step` traced on one batch (nested ones too)."""
+    return sum(t in ("If", "StatelessIf") for t in sum(traced_ops(model), []))
 
 
 @pytest.mark.parametrize("steps", [None, 2])
@@ -80,3 +91,15 @@ def test_skip_nonfinite_false_still_counts_a_nan_micro_batch():
     # the second batch's gradient is NaN too: both counted.
     assert np.isnan(model.get_weights()[0]).any()
     assert h.history["nonfinite_count"] == [2.0]
+
+
+def test_adaptive_clipping_is_computed_before_the_single_cond():
+    x, y = data()
+    model = mlp(keras_fastgrad.FastGradModel, clip_adaptive=0.01)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    top, nested = traced_ops(model)
+    # AGC's unit norms (one `EuclideanNorm` per weight and per gradient)
+    # wait for no verdict; the update and its check stay in the `cond`.
+    assert top.count("EuclideanNorm") == 2 * len(model.trainable_variables)
+    assert "EuclideanNorm" not in nested
