@@ -22,8 +22,8 @@ recorded with the reason, and the next one runs (and the exit status is
 (`bench_distributed`: its own process's start takes much of the budget).
 
 Verdicts. Each script writes JSON to `benchmarks/out/` (`harness.report`;
-a script's results are the files it reported, with their companions
-named after them, or, for a script that does not report through the
+a script's results are the files it reported, or added to
+`harness.WRITTEN`, or, for a script that does not report through the
 harness in this process, the JSON files written while it ran):
 per row its statistics and target (`"<= 1.05"`; `"<= 1.05 at T=4"` bounds
 only rows named `T=4`; `"about 2"` and other words are information). The
@@ -214,9 +214,8 @@ def run_script(script, quick, timeout):
     record["wall_s"] = time.perf_counter() - start
     written = [p for p, stamp in json_stamps(out).items() if before.get(p) != stamp]
     mine = getattr(sys.modules.get("harness"), "WRITTEN", [])[reported:]
-    if mine:  # what this script reported, and its companions (`memory_peaks.json`)
-        stems = tuple(os.path.basename(p)[: -len(".json")] for p in mine)
-        written = [p for p in written if os.path.basename(p).startswith(stems)]
+    if mine:  # what this script reported (or added to `harness.WRITTEN`)
+        written = [p for p in written if p in mine]
     for path in sorted(written):
         with open(path) as f:
             record["outputs"][os.path.basename(path)] = json.load(f)
