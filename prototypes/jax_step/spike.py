@@ -10,7 +10,11 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
+try:  # the TensorFlow venv times keras.Model and NormRecorder only (`tf time`)
+    import jax
+except ImportError:
+    jax = None
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
@@ -45,34 +49,48 @@ class SpikeModel(keras.Model):
 
     # ---- units: backend-neutral, Keras variables and keras.ops only ----
     def _units(self, grads, n, new_layer_ntv):
+        opt = self.optimizer
+        inner = getattr(opt, "inner_optimizer", opt)  # LossScaleOptimizer: unscale here
+        if inner is not opt:
+            grads = [g / opt.dynamic_scale.value for g in grads]
         finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
         for v, new in zip(self._layer_ntv, new_layer_ntv):  # BN stats etc.
             v.assign(ops.where(finite, new, v.value))
-        for acc, g in zip(self._fg_acc, grads):
-            acc.assign(acc.value + ops.where(finite, g * n, ops.zeros_like(g)))
-        self._fg_samples.assign(self._fg_samples.value + ops.where(finite, n, 0.0))
-        self._fg_count.assign(self._fg_count.value + 1.0)
-        at_end = ops.greater_equal(self._fg_count.value, float(self.accum))
-        do_apply = ops.logical_and(at_end, ops.greater(self._fg_samples.value, 0.0))
-        mean = [acc.value / ops.maximum(self._fg_samples.value, 1.0) for acc in self._fg_acc]
-        if self.clip_norm is not None:
-            norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in mean))
-            scale = ops.minimum(1.0, self.clip_norm / ops.maximum(norm, 1e-12))
-            mean = [g * scale for g in mean]
+        if inner is not opt:  # the scale's rule, per micro-batch, without a cond
+            grow = ops.equal(opt.step_counter.value, opt.dynamic_growth_steps - 1)
+            s, c = opt.dynamic_scale.value, opt.step_counter.value
+            opt.dynamic_scale.assign(ops.where(finite, ops.where(grow, s * 2, s), s / 2))
+            opt.step_counter.assign(ops.where(finite, ops.where(grow, 0, c + 1), 0))
+        if self.accum == 1:  # the default step: finite gate only, no accumulators
+            do_apply, at_end, mean = finite, None, grads
+        else:
+            for acc, g in zip(self._fg_acc, grads):
+                acc.assign(acc.value + ops.where(finite, g * n, ops.zeros_like(g)))
+            self._fg_samples.assign(self._fg_samples.value + ops.where(finite, n, 0.0))
+            self._fg_count.assign(self._fg_count.value + 1.0)
+            at_end = ops.greater_equal(self._fg_count.value, float(self.accum))
+            do_apply = ops.logical_and(at_end, ops.greater(self._fg_samples.value, 0.0))
+            mean = [acc.value / ops.maximum(self._fg_samples.value, 1.0) for acc in self._fg_acc]
+        mean = self._clip(mean)
         if self.mode == "where":
-            old = [v.value for v in [*self.trainable_variables, *self.optimizer.variables]]
-            self.optimizer.apply(mean, self.trainable_variables)
-            for v, o in zip([*self.trainable_variables, *self.optimizer.variables], old):
+            old = [v.value for v in [*self.trainable_variables, *inner.variables]]
+            inner.apply(mean, self.trainable_variables)
+            for v, o in zip([*self.trainable_variables, *inner.variables], old):
                 v.assign(ops.where(do_apply, v.value, o))
         elif self.mode == "cond":
-            ops.cond(
-                do_apply, lambda: self.optimizer.apply(mean, self.trainable_variables), lambda: None
-            )
-        for acc in self._fg_acc:
-            acc.assign(ops.where(at_end, ops.zeros_like(acc.value), acc.value))
-        self._fg_samples.assign(ops.where(at_end, 0.0, self._fg_samples.value))
-        self._fg_count.assign(ops.where(at_end, 0.0, self._fg_count.value))
+            ops.cond(do_apply, lambda: inner.apply(mean, self.trainable_variables), lambda: None)
+        if at_end is not None:
+            for acc in self._fg_acc:
+                acc.assign(ops.where(at_end, ops.zeros_like(acc.value), acc.value))
+            self._fg_samples.assign(ops.where(at_end, 0.0, self._fg_samples.value))
+            self._fg_count.assign(ops.where(at_end, 0.0, self._fg_count.value))
         return do_apply, mean
+
+    def _clip(self, grads):
+        if self.clip_norm is None:
+            return grads
+        norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))
+        return [g * ops.minimum(1.0, self.clip_norm / ops.maximum(norm, 1e-12)) for g in grads]
 
     # ---- adapter: JAX-specific ----
     def train_step(self, state, data):
@@ -98,14 +116,18 @@ class SpikeModel(keras.Model):
             get(self.optimizer.variables),
         )
         if self.mode == "lax":
-            tv, ov = jax.lax.cond(
+            inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+            ids = {id(v) for v in inner.variables}
+            own = [v for v in self.optimizer.variables if id(v) not in ids]
+            tv, ov_inner = jax.lax.cond(
                 do_apply,
-                lambda t, o, g: self.optimizer.stateless_apply(o, g, t),
+                lambda t, o, g: inner.stateless_apply(o, g, t),
                 lambda t, o, g: (t, o),
                 tv,
-                ov,
+                get(inner.variables),
                 mean,
             )
+            ov = get(own) + list(ov_inner)
         # Private in Keras 3.15 (`_update_metrics_variables`): goes behind _compat.py.
         logs, mv = self._update_metrics_variables(mv, unscaled_loss, x, y, y_pred, sw)
         return logs, (tv, ntv, ov, mv)
@@ -163,21 +185,24 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(u.value) - np.asarray(v.value)))) for u, v in pairs)
 
 
-def check(name, build, x, y, keep, mode="where", clip=None, epochs=2, **fit_kw):
+def check(name, build, x, y, keep, mode="where", clip=None, epochs=2, lso=False, **fit_kw):
     """Spike on batches of 16 (58 samples: 16,16,16,10) vs keras.Model on batch `keep`."""
     ref = build(keras.Model)
     ref.compile(keras.optimizers.Adam(1e-2, global_clipnorm=clip), "mse")
     ref.fit(x[keep], y[keep], batch_size=len(keep), epochs=epochs, shuffle=False, verbose=0)
     m = build(SpikeModel, clip_norm=clip, mode=mode)
     m.build_step_state()
-    m.compile(keras.optimizers.Adam(1e-2), "mse", **{k: fit_kw.pop(k) for k in list(fit_kw)})
+    opt = keras.optimizers.Adam(1e-2)
+    opt = keras.optimizers.LossScaleOptimizer(opt) if lso else opt
+    m.compile(opt, "mse", **{k: fit_kw.pop(k) for k in list(fit_kw)})
     try:
         m.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     except Exception as e:  # noqa: BLE001
         print(f"{name:44s} FAILS: {type(e).__name__}: {str(e).splitlines()[0][:110]}")
         return
     d = max_diff(ref, m)
-    print(f"{name:44s} max|w - w_ref| = {d:.2e}  {'OK' if d < 1e-5 else 'MISMATCH'}")
+    extra = f" scale {float(opt.dynamic_scale.numpy()):g}" if lso else ""
+    print(f"{name:44s} max|w - w_ref| = {d:.2e}  {'OK' if d < 1e-5 else 'MISMATCH'}{extra}")
 
 
 def correctness():
@@ -195,6 +220,10 @@ def correctness():
     xn[20, 3] = np.nan  # poisons micro-batch 2 (rows 16..31)
     keep = np.r_[0:16, 32:58]
     check("MLP finite gate (batch 2 NaN) + clip", mlp, xn, y, keep, clip=0.05)
+    check("MLP gate + clip + LossScaleOptimizer (where)", mlp, xn, y, keep, clip=0.05, lso=True)
+    check(
+        "MLP gate + clip + LossScaleOptimizer (lax)", mlp, xn, y, keep, "lax", clip=0.05, lso=True
+    )
     ti = rng.integers(1, 20, size=(58, 7))
     lengths = rng.integers(2, 8, size=58)
     ti[np.arange(7)[None, :] >= lengths[:, None]] = 0  # right padding, masked
@@ -236,23 +265,31 @@ def _bn_spike(**kw):
     return SpikeModel(inp, keras.layers.Dense(3)(h), **kw)
 
 
-def timing(rounds=5, steps=30):
-    """Step time, MLP 256 -> 3x1024 -> 10, batch 64, Adam: spike (accum=1) vs keras.Model."""
+def timing(rounds=5, steps=32):
+    """Step ms, MLP 256 -> 3x1024 -> 10, batch 64, Adam; interleaved rounds of one fit epoch."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64 * steps, 256)).astype("float32")
     y = rng.integers(0, 10, size=(64 * steps,))
     models = {}
-    for name, cls, kw in [
-        ("keras", keras.Model, {}),
-        ("spike", SpikeModel, {"accum": 1}),
-        ("spike4", SpikeModel, {"accum": 4}),
+    for name, cls, kw, ga in [
+        ("keras", keras.Model, {}, None),
+        ("keras_ga4", keras.Model, {}, 4),  # Keras' own gradient_accumulation_steps
+        ("spike1_where", SpikeModel, {"accum": 1}, None),
+        ("spike1_lax", SpikeModel, {"accum": 1, "mode": "lax"}, None),
+        ("spike4_where", SpikeModel, {"accum": 4}, None),
+        ("spike4_lax", SpikeModel, {"accum": 4, "mode": "lax"}, None),
+        ("normrec", keras.Model, {}, "rec"),
     ]:
+        if jax is None and cls is SpikeModel:
+            continue
         m = _big(cls, **kw)
         if cls is SpikeModel:
             m.build_step_state()
+        opt = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=ga if ga == 4 else None)
+        opt = NormRecorder(opt) if ga == "rec" else opt
+        jit = True if "xla" in sys.argv else "auto"
         m.compile(
-            keras.optimizers.Adam(1e-3),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=jit
         )
         m.fit(x[:128], y[:128], batch_size=64, epochs=1, verbose=0)  # compile
         models[name] = m
@@ -263,11 +300,11 @@ def timing(rounds=5, steps=30):
             m.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False)
             times[k].append((time.perf_counter() - t) / steps * 1e3)
     for k, ts in times.items():
-        print(f"{k:8s} ms/step median {np.median(ts):.2f} best {min(ts):.2f}")
-    for k in ("spike", "spike4"):
-        r = [a / b for a, b in zip(times[k], times["keras"])]
+        base = "keras_ga4" if k.startswith("spike4") else "keras"
+        r = [a / b for a, b in zip(ts, times[base])]
         print(
-            f"{k}/keras ratio: median {np.median(r):.3f}  best-of-best {min(times[k]) / min(times['keras']):.3f}"
+            f"{k:13s} ms/step median {np.median(ts):6.2f} best {min(ts):6.2f}   / {base}: "
+            f"median ratio {np.median(r):.3f}, best/best {min(ts) / min(times[base]):.3f}"
         )
 
 
