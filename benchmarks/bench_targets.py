@@ -34,14 +34,16 @@ Models (`--models`): `mlp_64x256_b64` (64 -> 3 x 256 -> 10, batch 64,
 Adam, ~1.5 ms a step on 2 cores), `mlp_256x1024_b64` (256 -> 3 x 1024
 -> 10, batch 64, Adam, ~14 ms), `cnn_bn` (bench_core's Conv2D +
 BatchNorm, 28x28x1, batch 128, Adam), `transformer` (token + position
-embeddings, vocab 1000, sequence 32, 2 blocks of 4-head attention +
-LayerNorm + FFN 64 -> 128 -> 64, mean-pooled, 10 classes, batch 32,
-Adam) and `embedding_1m` (bench_embedding's recommender: a 1M x 32 table,
-sparse gradients, SGD, "mse", batch 32). The full mode runs every row on
-every model (no `agc` on the 1M-row table: the issue sets no target
-there). `--quick` (about 2 minutes on 2 idle cores): every row on
-`mlp_64x256_b64`, `gated` and `ungated` on `embedding_1m`, 6 rounds of
-half the steps.
+embeddings, vocab 1000, sequence 32, width 32, 2 blocks of 4-head
+attention + LayerNorm + FFN 32 -> 64 -> 32, mean-pooled, 10 classes,
+batch 32, Adam) and `embedding_1m` (bench_embedding's recommender: a 1M x
+32 table, sparse gradients, SGD, "mse", batch 32). A round is 48 steps
+times the model's scale (2, 0.5, 0.25, 1, 1: about the same time on
+each). The full mode runs every row on every model (no `agc` on the
+1M-row table: the issue sets no target there), 16 rounds. `--quick`
+(about 90 s of CPU time: 2 minutes on 2 idle cores): every row on
+`mlp_64x256_b64`, `gated` and `agc` on `transformer`, `gated` and
+`ungated` on `embedding_1m`, 6 rounds of half the steps.
 
 GPU (`gpu_check.sh`): `--xla` compiles both sides with
 `jit_compile=True`; `--mixed` runs both under the `mixed_float16` policy,
@@ -60,6 +62,7 @@ Writes benchmarks/out/targets.json (`targets_xla`, `targets_mixed`,
 
 import contextlib
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -247,7 +250,8 @@ def synced(function):
 
     def run(iterator):
         logs = function(iterator)
-        tf.nest.flatten(logs)[0].numpy()
+        loss = logs.get("loss") if isinstance(logs, dict) else None
+        (tf.nest.flatten(logs)[0] if loss is None else loss).numpy()
         return logs
 
     return run
@@ -283,11 +287,12 @@ def measure(model_name, args, rounds, steps):
     steps = max(4, int(steps * scale) // 4 * 4)
     data = dataset_of(*data_of(batch * 16), batch)
     keys = rows_of(model_name, args)
-    sides = {}
+    sides, start = {}, time.perf_counter()
     for key in keys:
         for side in ROWS[key][1:3]:
             if side not in sides:
                 sides[side] = timed_side(side, model_name, args, steps, data)
+    print(f"{label}: {len(sides)} sides built in {time.perf_counter() - start:.0f} s", flush=True)
     mode = {"_xla": " [XLA]", "_mixed": " [mixed_float16]", "_xla_mixed": " [XLA, mixed_float16]"}
     pairs, targets = [], {}
     for key in keys:
@@ -302,12 +307,9 @@ def measure(model_name, args, rounds, steps):
     return results, targets
 
 
-def markdown(title, results, targets):
+def markdown(results, targets):
+    """One model's rows as a markdown table."""
     lines = [
-        f"### {title}",
-        "",
-        f"{machine()}{gpu_names()}",
-        "",
         "| pair | target | median | min | max | best | p25 | step ms (ours / Keras) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -318,6 +320,12 @@ def markdown(title, results, targets):
             f"{s['max']:.3f} | {s['best']:.3f} | {s['step_p25']:.3f} | {ms} |"
         )
     return "\n".join(lines) + "\n\n"
+
+
+def append(path, text):
+    if path:
+        with open(path, "a") as f:
+            f.write(text)
 
 
 def gpu_names():
@@ -351,6 +359,13 @@ def main(argv=None):
             "`--mixed` is a GPU-only mode (mixed_float16 on a CPU measures nothing a user "
             "would run). Received: --mixed --cpu. Fix: drop one of them."
         )
+    mode = {"_xla": ", XLA", "_mixed": ", mixed_float16", "_xla_mixed": ", XLA, mixed_float16"}
+    title = (
+        f"Issue 28's targets, step-time ratios ({rounds} rounds of {steps} steps "
+        f"x each model's scale{mode.get(mode_suffix(args), '')})"
+    )
+    # Model by model: a run cut short (gpu_check's time limit) keeps its tables.
+    append(args.markdown, f"### {title}\n\n{machine()}{gpu_names()}\n\n")
     results, targets = {}, {}
     device = tf.device("/CPU:0") if args.cpu else contextlib.nullcontext()
     try:
@@ -359,20 +374,13 @@ def main(argv=None):
         for name in names:
             with device:
                 measured, wanted = measure(name, args, rounds, steps)
+            append(args.markdown, markdown(measured, wanted))
             results.update(measured)
             targets.update(wanted)
             keras.backend.clear_session()
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    mode = {"_xla": ", XLA", "_mixed": ", mixed_float16", "_xla_mixed": ", XLA, mixed_float16"}
-    title = (
-        f"Issue 28's targets, step-time ratios ({rounds} rounds of {steps} steps "
-        f"x each model's scale{mode.get(mode_suffix(args), '')})"
-    )
     report(title, results, targets, "targets" + mode_suffix(args))
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write(markdown(title, results, targets))
 
 
 if __name__ == "__main__":
