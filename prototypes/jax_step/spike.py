@@ -35,17 +35,24 @@ class SpikeModel(keras.Model):
         super().__init__(*args, **kwargs)
         self.accum, self.clip_norm, self.mode = accum, clip_norm, mode
 
-    def build_step_state(self):
-        # Model-tracked non-trainable variables: Keras threads them through
-        # `non_trainable_variables` in the state tuple and saves them.
-        self._fg_acc = [
-            self.add_weight(shape=v.shape, initializer="zeros", trainable=False, name="fg_acc")
-            for v in self.trainable_variables
-        ]
-        self._fg_samples = self.add_weight(shape=(), initializer="zeros", trainable=False)
-        self._fg_count = self.add_weight(shape=(), initializer="zeros", trainable=False)
-        own = {id(v) for v in [*self._fg_acc, self._fg_samples, self._fg_count]}
-        self._layer_ntv = [v for v in self.non_trainable_variables if id(v) not in own]
+    def build_step_state(self, in_weights=True):
+        # in_weights: `add_weight`, model-tracked, so Keras threads them through the
+        # state tuple, but they join `model.weights`. Else: untracked `keras.Variable`s
+        # threaded by the `non_trainable_variables` override below; weights unchanged.
+        if in_weights:
+            new = lambda s: self.add_weight(shape=s, initializer="zeros", trainable=False)  # noqa: E731
+        else:
+            new = lambda s: keras.Variable(np.zeros(s, "float32"), trainable=False)  # noqa: E731
+        own = [*(new(v.shape) for v in self.trainable_variables), new(()), new(())]
+        object.__setattr__(self, "_fg_acc", own[:-2])  # not tracked by Keras
+        object.__setattr__(self, "_fg_samples", own[-2])
+        object.__setattr__(self, "_fg_count", own[-1])
+        self._layer_ntv = [v for v in self.non_trainable_variables if id(v) not in map(id, own)]
+        object.__setattr__(self, "_fg_extra", [] if in_weights else own)
+
+    @property
+    def non_trainable_variables(self):
+        return super().non_trainable_variables + getattr(self, "_fg_extra", [])
 
     # ---- units: backend-neutral, Keras variables and keras.ops only ----
     def _units(self, grads, n, new_layer_ntv):
@@ -140,16 +147,19 @@ class NormRecorder(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, **kwargs)
         self.inner_optimizer = inner
 
-    def build(self, var_list):
-        super().build(var_list)
-        self.inner_optimizer.build(var_list)
+    def build(self, var_list):  # the order of LossScaleOptimizer.build
         self.grad_norm = self.add_variable(shape=(), initializer="zeros", name="grad_norm")
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
 
     @property
     def variables(self):
         return self._variables + self.inner_optimizer.variables
 
     def apply(self, grads, trainable_variables=None):
+        if not self.built:  # TF's trainer leaves the build to the first apply
+            self.build(trainable_variables)
+            self.built = True
         self.grad_norm.assign(ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads)))
         self.inner_optimizer.apply(grads, trainable_variables)
 
@@ -185,13 +195,13 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(u.value) - np.asarray(v.value)))) for u, v in pairs)
 
 
-def check(name, build, x, y, keep, mode="where", clip=None, epochs=2, lso=False, **fit_kw):
+def check(name, build, x, y, keep, mode="where", clip=None, epochs=2, lso=False, iw=True, **fit_kw):
     """Spike on batches of 16 (58 samples: 16,16,16,10) vs keras.Model on batch `keep`."""
     ref = build(keras.Model)
     ref.compile(keras.optimizers.Adam(1e-2, global_clipnorm=clip), "mse")
     ref.fit(x[keep], y[keep], batch_size=len(keep), epochs=epochs, shuffle=False, verbose=0)
     m = build(SpikeModel, clip_norm=clip, mode=mode)
-    m.build_step_state()
+    m.build_step_state(in_weights=iw)
     opt = keras.optimizers.Adam(1e-2)
     opt = keras.optimizers.LossScaleOptimizer(opt) if lso else opt
     m.compile(opt, "mse", **{k: fit_kw.pop(k) for k in list(fit_kw)})
@@ -202,6 +212,7 @@ def check(name, build, x, y, keep, mode="where", clip=None, epochs=2, lso=False,
         return
     d = max_diff(ref, m)
     extra = f" scale {float(opt.dynamic_scale.numpy()):g}" if lso else ""
+    extra += "" if iw else f" weights {len(m.weights)} vs {len(ref.weights)}"
     print(f"{name:44s} max|w - w_ref| = {d:.2e}  {'OK' if d < 1e-5 else 'MISMATCH'}{extra}")
 
 
@@ -213,6 +224,7 @@ def correctness():
     check("MLP accum 4, uneven last (where)", mlp, x, y, every)
     check("MLP accum 4 + clip_norm 0.05 (where)", mlp, x, y, every, clip=0.05)
     check("MLP accum 4 (lax.cond adapter)", mlp, x, y, every, mode="lax")
+    check("MLP accum 4, state outside weights (lax)", mlp, x, y, every, mode="lax", iw=False)
     check("MLP accum 4 (ops.cond + assign inside)", mlp, x, y, every, mode="cond")
     check("MLP accum 4, steps_per_execution=4", mlp, x, y, every, steps_per_execution=4)
     check("MLP accum 4, jit_compile=False", mlp, x, y, every, jit_compile=False)
