@@ -40,7 +40,8 @@ batch 32, Adam) and `embedding_1m` (bench_embedding's recommender: a 1M x
 32 table, sparse gradients, SGD, "mse", batch 32). A round is 48 steps
 times the model's scale (2, 0.5, 0.25, 1, 1: about the same time on
 each). The full mode runs every row on every model (no `agc` on the
-1M-row table: the issue sets no target there), 16 rounds. `--quick`
+1M-row table: the issue sets no target there), 12 rounds (16 rounds took
+1270 s of CPU time, 32 minutes on a busy 2-core machine). `--quick`
 (about 90 s of CPU time: 2 minutes on 2 idle cores): every row on
 `mlp_64x256_b64`, `gated` and `agc` on `transformer`, `gated` and
 `ungated` on `embedding_1m`, 6 rounds of half the steps.
@@ -348,7 +349,7 @@ def main(argv=None):
     args, rounds, steps, names = command_line(
         __doc__,
         (6, STEPS // 2),
-        (16, STEPS),
+        (12, STEPS),
         list(MODELS),
         quick_models=list(QUICK),
         argv=argv,
