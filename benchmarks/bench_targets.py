@@ -22,11 +22,19 @@ Rows (`--rows`, keys in brackets) and targets:
 - [acc] accumulation_steps=4 (safe) / the same Keras accumulation
   with the gate of `gated`                                       <= 1.03
 - [clip] clip_norm=1 / optimizer(global_clipnorm=1)               <= 1.05
+- [clip_gated] clip_norm=1 / the same Keras clipping with the gate of
+  `gated` (the like-for-like anchor: `clip` against ungated Keras
+  pays the gate too)                                              <= 1.05
 - [callbacks] clip_norm=1 with GradientNormLogger, NonFiniteGuard and
   TapeVariableCounter / optimizer(global_clipnorm=1): the callbacks
   are attached to the `fit` that builds the train function, so the
   telemetry they switch on is in the timed step (their per-batch
   Python work in `fit` is not)                                   <= 1.06
+- [callbacks_gated] the same / the gated Keras clipping           <= 1.06
+- [callbacks_own] clip_norm=1 with the three callbacks / clip_norm=1
+  alone: what the callbacks add to the step (reported; `step ms`
+  shows it in milliseconds, a fixed cost per step: five more outputs
+  and a few variable reads)
 - [agc] clip_adaptive=0.01 / default: <= 1.03 on Conv2D+BN and the
   Transformer, <= 1.06 on the MLPs (their memory-traffic floor)
 
@@ -170,6 +178,7 @@ SIDES = {
     "keras_acc": ("keras", {}, {"gradient_accumulation_steps": 4}, False),
     "keras_acc_gated": ("gated", {}, {"gradient_accumulation_steps": 4}, False),
     "keras_clip": ("keras", {}, {"global_clipnorm": 1.0}, False),
+    "keras_clip_gated": ("gated", {}, {"global_clipnorm": 1.0}, False),
 }
 
 # row: (pair, numerator side, denominator side, target; `target_of` for
@@ -196,12 +205,25 @@ ROWS = {
         "<= 1.03",
     ),
     "clip": ("clip_norm=1 / global_clipnorm=1", "clip", "keras_clip", "<= 1.05"),
+    "clip_gated": (
+        "clip_norm=1 / global_clipnorm=1 gated",
+        "clip",
+        "keras_clip_gated",
+        "<= 1.05",
+    ),
     "callbacks": (
         "clip_norm=1 + 3 callbacks / global_clipnorm=1",
         "clip_callbacks",
         "keras_clip",
         "<= 1.06",
     ),
+    "callbacks_gated": (
+        "clip_norm=1 + 3 callbacks / global_clipnorm=1 gated",
+        "clip_callbacks",
+        "keras_clip_gated",
+        "<= 1.06",
+    ),
+    "callbacks_own": ("clip_norm=1 + 3 callbacks / clip_norm=1", "clip_callbacks", "clip", None),
     "agc": ("clip_adaptive=0.01 / default", "agc", "default", "<= 1.03"),
 }
 

@@ -43,10 +43,10 @@ writes every page again from the last run's `benchmarks/out/run.json`).
 
 Which script measures what (issue 28): `bench_targets` holds the issue's
 table (FastGradModel against the keras.Model doing the same work, on five
-models); the comparisons with keras.Model that `bench_core`, `bench_steps`,
-`bench_embedding` (default), `bench_callbacks` (clip_norm with three
-callbacks) and `bench_adaptive_clipping` (on / off) timed before are its
-rows now, and `bench_steps` is a module of models without `main`. The
+models); the comparisons with keras.Model that `bench_core`, `bench_steps`
+(removed), `bench_embedding` (default), `bench_callbacks` (clip_norm with
+three callbacks) and `bench_adaptive_clipping` (on / off) timed before are
+its rows now. The
 others time what that table does not hold (telemetry, BatchNorm
 statistics, callbacks, the noise scale, multi-task merging, the gate,
 MirroredStrategy), all step by step.

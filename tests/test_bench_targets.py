@@ -78,9 +78,10 @@ def trained(anchors, build, cls_is_gated, x, y, **optimizer_options):
     return model, history.history["loss"][0]
 
 
-def check_trains_like_keras_model(anchors, name, accumulation):
+def check_trains_like_keras_model(anchors, name, accumulation, **options):
     x, y = batches(name)
-    options = {"gradient_accumulation_steps": accumulation} if accumulation else {}
+    if accumulation:
+        options["gradient_accumulation_steps"] = accumulation
     reference, reference_loss = trained(anchors, BUILDERS[name], False, x, y, **options)
     assert type(reference).__name__ == "Functional"  # plain keras.Model
     gated, gated_loss = trained(anchors, BUILDERS[name], True, x, y, **options)
@@ -100,6 +101,12 @@ def test_gated_anchor_trains_like_keras_model_on_finite_batches(anchors, name):
 def test_gated_anchor_with_accumulation(anchors):
     check_trains_like_keras_model(anchors, "dense", 2)
     check_skips_a_nonfinite_gradient(anchors, "dense", 2)
+
+
+def test_gated_anchor_with_global_clipnorm(anchors):
+    # (the `clip_gated` rows' anchor: Keras' clipping inside the gated update;
+    # 0.05 is below these batches' gradient norms, so it clips)
+    check_trains_like_keras_model(anchors, "dense", None, global_clipnorm=0.05)
 
 
 @pytest.mark.parametrize("name", ["batchnorm", "embedding"])
