@@ -3,10 +3,11 @@
 Swap `keras.Model` for `keras_fastgrad.FastGradModel` and train with the
 usual `compile` / `fit`.
 
-Needs Keras' TensorFlow backend: importing it under another one (`jax`,
-`torch`, `numpy`, `openvino`) raises `ImportError`, naming the backend in
-use and how to select TensorFlow (`KERAS_BACKEND=tensorflow`), rather than
-failing later in `fit`.
+Runs on Keras' TensorFlow backend, and on its JAX backend for a first set
+of options (`keras_fastgrad.backend`: the others refuse there, by name).
+Importing it under another backend (`torch`, `numpy`, `openvino`) raises
+`ImportError`, naming the backend in use and the supported ones, rather
+than failing later in `fit`. (On JAX, TensorFlow is still imported.)
 """
 
 # Imports TensorFlow first, its start-up notices held to TF_CPP_MIN_LOG_LEVEL.
@@ -14,14 +15,14 @@ from keras_fastgrad import _tf_startup  # noqa: F401, I001
 
 import keras as _keras
 
-if _keras.backend.backend() != "tensorflow":
+if _keras.backend.backend() not in ("tensorflow", "jax"):
     raise ImportError(
-        "keras_fastgrad needs Keras' TensorFlow backend (the only one it "
-        "supports; its train step is TensorFlow code). Received: "
+        "keras_fastgrad supports Keras' TensorFlow and JAX backends "
+        "(`tensorflow`, `jax`). Received: "
         f"keras.backend.backend()={_keras.backend.backend()!r}. Fix: set the "
-        "environment variable `KERAS_BACKEND=tensorflow` before Python "
-        'starts (or `os.environ["KERAS_BACKEND"] = "tensorflow"` before the '
-        'first `import keras`), or `"backend": "tensorflow"` in '
+        "environment variable `KERAS_BACKEND=tensorflow` (or `jax`) before "
+        'Python starts (or `os.environ["KERAS_BACKEND"] = "tensorflow"` '
+        'before the first `import keras`), or `"backend": "tensorflow"` in '
         "~/.keras/keras.json."
     )
 

@@ -23,6 +23,8 @@ import keras
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
+from keras_fastgrad import backend as _backend
+from keras_fastgrad.backend import jax_state
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
 from keras_fastgrad.models import options as _options
@@ -189,6 +191,7 @@ class FastGradModel(keras.Model):
             "batchnorm_statistics": batchnorm_statistics,
         }
         options = _checked_options(**{**given, **(restored or {})})
+        _backend.check_options(options, _DEFAULT_OPTIONS)
         if compat.functional_init_arguments(args, kwargs) and not isinstance(
             self, keras.Sequential
         ):
@@ -251,13 +254,18 @@ class FastGradModel(keras.Model):
         check_compiled(self, self._fg_options())
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
-        compat.set_loss_tracker(
-            self, TrainingLoss(name="loss", streak=self.fastgrad_step_state.streak)
-        )
+        tracker = TrainingLoss
+        if _backend.is_jax():
+            tracker = jax_state.JaxTrainingLoss
+        compat.set_loss_tracker(self, tracker(name="loss", streak=self.fastgrad_step_state.streak))
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
+        if _backend.is_jax():  # no `tf.distribute` there
+            self._fg_prepare_state()
+            _backend.check_model(self)
+            return super().make_train_function(force=force)
         _options.check_jit_compile_under_strategy(self.jit_compile, self.distribute_strategy)
         _options.check_steps_per_execution_under_strategy(
             self.steps_per_execution, self.distribute_strategy
@@ -297,10 +305,14 @@ class FastGradModel(keras.Model):
             ValueError: when a window is pending and the model has no
                 optimizer (loaded with `compile=False`).
         """
+        if _backend.is_jax():
+            from keras_fastgrad.backend import jax_step  # imports jax
+
+            return jax_step.apply_partial_window(self)
         return partial_window.apply_partial_window(self)
 
     # ------------------------------------------------------------- the step
-    def train_step(self, data):
+    def train_step(self, data, *jax_batch):
         """One micro-batch through the chain (`keras_fastgrad.step.train_step`):
 
         gradients (forward, backward, unscale, task merge) -> finite check
@@ -312,8 +324,15 @@ class FastGradModel(keras.Model):
         then Keras' loss tracker and metrics, and the telemetry keys. A
         micro-batch whose loss or gradient is not finite is dropped (with
         `skip_nonfinite`, or under loss scaling) and counted instead.
+
+        On Keras' JAX backend Keras calls `train_step(state, data)`: the
+        same chain on the state tuple (`keras_fastgrad.backend.jax_step`).
         """
         own_step.note_base_step(self)  # a subclass's own step called this one
+        if jax_batch:  # `(state, data)`: Keras' JAX trainer
+            from keras_fastgrad.backend import jax_step  # imports jax
+
+            return jax_step.train_step(self, data, *jax_batch)
         state = self.fastgrad_step_state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = _step.gradients(self, state, x, y, sample_weight)
@@ -362,7 +381,10 @@ class FastGradModel(keras.Model):
         integration.build_for_training(self, iterator, data_batch)
 
     def fit(self, *args, **kwargs):
-        args, kwargs = integration.with_divergence_stop(self, args, kwargs)
+        if _backend.is_jax():
+            args, kwargs = jax_state.with_divergence_stop(self, args, kwargs)
+        else:
+            args, kwargs = integration.with_divergence_stop(self, args, kwargs)
         state = self.fastgrad_step_state
         state.in_fit = True
         try:
@@ -392,6 +414,16 @@ class FastGradModel(keras.Model):
         legacy = [store[f"fastgrad_{i}"] for i in range(len(keys)) if f"fastgrad_{i}" in store]
         if legacy and self.built:
             self.fastgrad_step_state.load_legacy(legacy)
+
+    @property
+    def non_trainable_variables(self):
+        # On JAX, Keras threads these (and only the four lists) through its
+        # stateless step: the step's own variables ride here once built
+        # (`model.weights` and the files' layout stay those of TF).
+        variables = super().non_trainable_variables
+        if _backend.is_jax():
+            variables = variables + jax_state.step_variables(self)
+        return variables
 
     # ------------------------------------------------ what the step measured
     @property

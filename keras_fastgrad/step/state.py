@@ -32,6 +32,7 @@ exactly, a plain `keras.Model` of the same architecture loads a
 """
 
 import collections
+import contextlib
 import weakref
 
 import keras
@@ -143,7 +144,10 @@ class StepState(compat.KerasSaveable):
         if self._built_for == key:
             return
         old = state_files.held_values(self, self._built_for and self._built_for[0])
-        with model.distribute_strategy.scope(), keras.name_scope("fastgrad"):
+        # (Keras' JAX trainer has no `distribute_strategy`: no scope there.)
+        strategy = getattr(model, "distribute_strategy", None)
+        scope = contextlib.nullcontext() if strategy is None else strategy.scope()
+        with scope, keras.name_scope("fastgrad"):
             telemetry = StepTelemetry()
             telemetry.build([v.path for v in variables], optional)
             divergence = DivergenceWatch(model.max_consecutive_nonfinite)

@@ -1,0 +1,120 @@
+"""How the JAX step finds its state in Keras' state tuple.
+
+Keras' JAX trainer threads four lists through `train_step(state, data)`:
+the trainable, non-trainable, optimizer and metrics variables' values. The
+step's own variables (`StepState`'s: the window, the counters, the
+divergence streak) ride in the model's `non_trainable_variables` (the
+model's property adds them after the layers' own; `model.weights` and the
+files' layout stay those of TensorFlow). `Slots` finds each variable the
+step reads by position, once per trace, so the step works on plain values
+(no assignment inside a traced branch, which JAX cannot do).
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss
+
+
+class Slots:
+    """Positions of the step's variables in the state tuple's lists.
+
+    Args:
+        model: The `FastGradModel` (its `StepState` built).
+    """
+
+    def __init__(self, model):
+        state = model.fastgrad_step_state
+        ntv = model.non_trainable_variables
+        where = {id(v): i for i, v in enumerate(ntv)}
+        own = {id(v) for v in state.variables}
+        self.layer_ntv = [i for i, v in enumerate(ntv) if id(v) not in own]
+        tel, acc = state.telemetry, state.accumulator
+        self.ntv = {
+            "updates": where[id(tel.updates)],
+            "clipped_updates": where[id(tel.clipped_updates)],
+            "grad_norm": where[id(tel.grad_norm)],
+            "nonfinite_count": where[id(tel.nonfinite_count)],
+            "streak": where[id(state.divergence.streak)],
+        }
+        self.sums = []
+        if acc is not None:
+            self.sums = [where[id(v)] for v in acc.sums]
+            self.ntv.update(
+                normaliser=where[id(acc.normaliser)],
+                micro_step=where[id(acc.micro_step)],
+                included=where[id(acc.included)],
+            )
+        optimizer = model.optimizer
+        self.inner = getattr(optimizer, "inner_optimizer", optimizer)
+        self.scaler = optimizer if self.inner is not optimizer else None
+        ov = {id(v): i for i, v in enumerate(optimizer.variables)}
+        self.inner_ov = [ov[id(v)] for v in self.inner.variables]
+        self.ov = {}
+        if self.scaler is not None:
+            self.ov = {
+                "scale": ov[id(self.scaler.dynamic_scale)],
+                "counter": ov[id(self.scaler.step_counter)],
+            }
+
+
+def step_variables(model):
+    """The step's variables once its state is built (`[]` before): what
+    the model's `non_trainable_variables` adds on JAX."""
+    state = vars(model).get("fastgrad_step_state")
+    if state is None or state._built_for is None:
+        return []
+    return state.variables
+
+
+class JaxTrainingLoss(TrainingLoss):
+    """`TrainingLoss` in `keras.ops` (its `result` is NaN for a period with
+    nothing kept, or while micro-batches are being dropped)."""
+
+    def result(self):
+        mean = self.total / self.count
+        streak = None if self._streak is None else self._streak()
+        if streak is None:
+            return mean
+        return ops.where(streak > 0.0, ops.full_like(mean, float("nan")), mean)
+
+
+class JaxDivergenceStop(DivergenceStop):
+    """`DivergenceStop` on JAX: the model's state is synced to its
+    variables (`Callback.model` does) before the streak is read, which it
+    is only when the logged `loss` is not finite; not run on Keras'
+    asynchronous callback thread (the sync must not race the step)."""
+
+    async_safe = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if self.stopped or (isinstance(loss, float) and math.isfinite(loss)):
+            return
+        self.model  # noqa: B018 (JAX: syncs the state into the variables)
+        super().on_train_batch_end(batch, logs)
+
+
+def with_divergence_stop(model, args, kwargs):
+    """`fit`'s arguments with a `JaxDivergenceStop` added (as
+    `_keras_hooks.with_divergence_stop` does on TF); refuses the
+    keras_fastgrad callbacks, not ported to JAX yet."""
+    from keras_fastgrad.backend import check_callback
+    from keras_fastgrad.callbacks._base import FastGradCallback
+
+    position = len(args) > 5
+    given = args[5] if position else kwargs.get("callbacks")
+    if isinstance(given, keras.callbacks.CallbackList):
+        given = list(given.callbacks)
+    callbacks = list(given or [])
+    for callback in callbacks:
+        if isinstance(callback, FastGradCallback):
+            check_callback(callback)
+    if model.max_consecutive_nonfinite is not None:
+        state = model.fastgrad_step_state
+        callbacks.append(JaxDivergenceStop(lambda: state.divergence))
+    if position:
+        return args[:5] + (callbacks,) + args[6:], kwargs
+    return args, {**kwargs, "callbacks": callbacks}

@@ -1,0 +1,343 @@
+"""`FastGradModel`'s step on Keras' JAX backend (`train_step(state, data)`).
+
+The same chain and contract as the TensorFlow step
+(`keras_fastgrad.step.train_step`), for the options the JAX backend supports
+(`keras_fastgrad.backend`):
+
+    gradient (`jax.value_and_grad` of Keras' `compute_loss_and_updates`,
+      the micro-batch's loss times its share `D_j` when accumulating)
+      -> unscale -> finite check -> loss-scale rule -> [accumulate]
+      -> [window complete] divide by the window's normaliser -> clip
+      -> gated update: `jax.lax.cond` over the optimizer's `stateless_apply`
+    then the loss tracker and metrics (left as they were by a dropped
+    micro-batch) and the step's counters.
+
+Keras' JAX step is stateless: values come in through the state tuple and go
+out in it, and a traced branch cannot assign. So the step works on values:
+each unit returns new values, which are selected (`where`) or branched
+(`lax.cond`) and written back into the tuple (`jax_state.Slots`). The
+maths follows the TensorFlow units; the counting of dropped micro-batches
+and updates (`nonfinite_count`, `updates`, `clipped_updates`, the divergence
+streak) is theirs, variable for variable.
+"""
+
+import jax
+import keras
+import numpy as np
+from keras import ops
+
+from keras_fastgrad import _compat as compat
+from keras_fastgrad.backend import jax_weighting
+from keras_fastgrad.backend.jax_state import Slots
+
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def train_step(model, state, data):
+    """One micro-batch (see the module docstring); Keras' JAX signature.
+
+    Args:
+        model: The `FastGradModel`.
+        state: `(trainable, non_trainable, optimizer, metrics)` values.
+        data: The batch, as Keras' JAX trainer passes it.
+
+    Returns:
+        `(logs, state)`, as Keras' `JAXTrainer.train_step`.
+    """
+    tv, ntv, ov, mv = (list(s) for s in state)
+    slots = Slots(model)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    accumulating = model.fastgrad_step_state.accumulator is not None
+    grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
+    unscaled_loss, y_pred, new_ntv, new_mv = aux
+    if accumulating:  # a trace-time fact of the loss (the flush reads it)
+        model.fastgrad_step_state.accumulator.mean_reduction = mean
+    new = dict((k, ntv[i]) for k, i in slots.ntv.items())
+    finite = _all_finite(grads) & ops.all(ops.isfinite(unscaled_loss))
+    drops = bool(model.skip_nonfinite) or slots.scaler is not None
+    scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
+    failed = ~finite if scale is None else (~finite & (scale <= 1.0))
+    if accumulating:
+        keep = finite if drops else True
+        new["nonfinite_count"] += ops.cast(~finite, "float32")
+        if drops:
+            new["streak"] += ops.cast(failed, "float32")
+        _update_scale(slots, ov, finite, counts_growth=False)
+        tv, ov = _accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep)
+    else:
+        keep, tv, ov = _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops)
+    mv, logs = _metrics(
+        model, mv, new_mv, unscaled_loss, new["streak"], keep, (x, y, y_pred, sample_weight)
+    )
+    out_ntv = list(new_ntv)  # the layers' updates (BatchNorm, seeds): as Keras' forward
+    for key, i in slots.ntv.items():
+        out_ntv[i] = ops.cast(new[key], ntv[i].dtype)
+    for i, total in zip(slots.sums, new.get("sums", [])):
+        out_ntv[i] = total
+    return logs, (tv, out_ntv, ov, mv)
+
+
+def _gradients(model, slots, state, x, y, sample_weight, accumulating):
+    """`(grads, D, mean, aux)`: the unscaled gradient (times the share `D`
+    when accumulating), the share, whether the window divides by its sum,
+    and Keras' `aux` (`unscaled_loss, y_pred, non_trainable, metrics`)."""
+    tv, ntv, ov, mv = state
+    rows = keras.tree.flatten(x)[0].shape[0]
+    found = {"mean": True}
+
+    def loss_fn(trainable):
+        shares = jax_weighting.LossShares(model, rows) if accumulating else None
+        if shares is not None:
+            shares.__enter__()
+        try:
+            loss, aux = model.compute_loss_and_updates(
+                trainable, ntv, mv, x, y, sample_weight, training=True, optimizer_variables=ov
+            )
+        finally:
+            if shares is not None:
+                shares.__exit__(None, None, None)
+        d = ops.convert_to_tensor(1.0)
+        if shares is not None:
+            d, found["mean"], by_rows = shares.share()
+            _check_extra_terms(model, found["mean"], by_rows)
+            if slots.scaler is None:  # folded into the unscaling otherwise
+                loss = loss * ops.cast(d, loss.dtype)
+        return loss, (aux, d)
+
+    (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+    grads = [ops.cast(g, "float32") for g in grads]
+    if slots.scaler is not None:
+        factor = d / ops.cast(ov[slots.ov["scale"]], "float32")
+        grads = [g * factor for g in grads]
+    return grads, d, found["mean"], aux
+
+
+def _check_extra_terms(model, mean, by_rows):
+    """Refuses (trace time) loss terms beyond the output losses that a
+    window cannot weight exactly (`compile_loss.check_extra_terms` on TF)."""
+    from keras_fastgrad.backend import not_on_jax
+    from keras_fastgrad.step.compile_loss import (
+        default_compute_loss,
+        layer_losses,
+        regularized_variables,
+    )
+
+    extra = not default_compute_loss(model) or layer_losses(model)
+    extra = extra or regularized_variables(model)
+    if extra and not (mean and by_rows):
+        raise not_on_jax(
+            "Accumulating a loss with terms beyond the output losses (regularisers, "
+            "`add_loss`, an overridden `compute_loss`) under a masked, weighted or "
+            '`reduction="sum"` output loss',
+            f"accumulation_steps={model.accumulation_steps}",
+        )
+
+
+def _all_finite(grads):
+    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
+
+
+def _norm(grads):
+    return ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))
+
+
+def _update_scale(slots, ov, finite, counts_growth):
+    """`LossScaleOptimizer`'s rule on `ov` (`loss_scaling.LossScaling`)."""
+    if slots.scaler is None:
+        return
+    i, j = slots.ov["scale"], slots.ov["counter"]
+    scale, counter = ov[i], ov[j]
+    zero = ops.zeros_like(counter)
+    if counts_growth:
+        grow = finite & ops.equal(counter, slots.scaler.dynamic_growth_steps - 1)
+        ov[i] = ops.where(finite, ops.where(grow, scale * 2.0, scale), scale * 0.5)
+        ov[j] = ops.where(finite, ops.where(grow, zero, counter + 1), zero)
+    else:
+        ov[i] = ops.where(finite, scale, scale * 0.5)
+        ov[j] = ops.where(finite, counter, zero)
+
+
+def _clip(model, grads):
+    """`(grads, norm, was_clipped, ok)`: clipped to `clip_norm`; `ok`:
+    the norm is finite and its clip factor a normal float (else the update
+    is dropped, `clipping.fits_clip`); `norm`/`was_clipped` `None` without."""
+    if model.clip_norm is None:
+        return grads, None, None, None
+    norm = _norm(grads)
+    was_clipped = norm > model.clip_norm
+    factor = ops.where(was_clipped, model.clip_norm / ops.maximum(norm, _TINY), 1.0)
+    ok = ops.isfinite(norm) & (norm <= model.clip_norm / _TINY)
+    return [g * factor for g in grads], norm, was_clipped, ok
+
+
+def _apply(slots, tv, ov, grads, do_apply):
+    """The optimizer's update where `do_apply` (a `lax.cond`: the optimizer
+    runs only then); returns the new `(tv, ov)`."""
+    inner_ov = [ov[i] for i in slots.inner_ov]
+
+    def update(t, o, g):
+        return slots.inner.stateless_apply(o, g, t)
+
+    new_tv, new_inner = jax.lax.cond(do_apply, update, lambda t, o, g: (t, o), tv, inner_ov, grads)
+    ov = list(ov)
+    for i, value in zip(slots.inner_ov, new_inner):
+        ov[i] = value
+    return list(new_tv), ov
+
+
+def _record_update(new, applied, norm, was_clipped):
+    """The counters of an applied update (`applied`: boolean scalar)."""
+    new["updates"] += ops.cast(applied, "float32")
+    if was_clipped is not None:
+        new["clipped_updates"] += ops.cast(applied & was_clipped, "float32")
+        new["grad_norm"] = ops.where(applied, norm, new["grad_norm"])
+    new["streak"] = ops.where(applied, 0.0, new["streak"])
+
+
+def _record_dropped_update(new, dropped):
+    """A finite micro-batch (or window) whose update overflowed: counted."""
+    new["nonfinite_count"] += ops.cast(dropped, "float32")
+    new["streak"] += ops.cast(dropped, "float32")
+
+
+def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
+    """No accumulation: the micro-batch's update, or its drop."""
+    _update_scale(slots, ov, finite, counts_growth=True)
+    grads, norm, was_clipped, ok = _clip(model, grads)
+    if drops:
+        keep = finite if ok is None else finite & ok
+        new["nonfinite_count"] += ops.cast(~keep, "float32")
+        counts = failed | (finite & ~keep)
+        new["streak"] += ops.cast(~keep & counts, "float32")
+        update_ok = True
+    else:  # non-finite gradients are applied, as keras.Model does (counted)
+        keep = True
+        new["nonfinite_count"] += ops.cast(~finite, "float32")
+        update_ok = True if ok is None else ok
+        if ok is not None:
+            _record_dropped_update(new, ~ok)
+    do_apply = keep & update_ok if keep is not True else update_ok
+    do_apply = ops.convert_to_tensor(do_apply)
+    tv, ov = _apply(slots, tv, ov, grads, do_apply)
+    _record_update(new, do_apply, norm, was_clipped)
+    return keep, tv, ov
+
+
+def _accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep):
+    """Adds the micro-batch to the window; applies a complete window."""
+    steps = model.accumulation_steps
+    sums = [ntv[i] for i in slots.sums]
+    if keep is True:
+        sums = [s + g for s, g in zip(sums, grads)]
+        new["normaliser"] += d
+        new["included"] += 1
+    else:
+        sums = [s + ops.where(keep, g, 0.0) for s, g in zip(sums, grads)]
+        new["normaliser"] += ops.where(keep, d, 0.0)
+        new["included"] += ops.cast(keep, new["included"].dtype)
+    new["micro_step"] += 1
+    complete = ops.equal(new["micro_step"] % steps, 0)
+    do_window = complete & (new["included"] > 0)
+    tv, ov = window_update(model, slots, tv, ov, new, sums, mean, do_window)
+    new["sums"] = [ops.where(complete, 0.0, s) for s in sums]
+    new["normaliser"] = ops.where(complete, 0.0, new["normaliser"])
+    new["included"] = ops.where(complete, ops.zeros_like(new["included"]), new["included"])
+    return tv, ov
+
+
+def window_update(model, slots, tv, ov, new, sums, mean, do_window):
+    """The window's update where `do_window`: its gradient (the sums over
+    the normaliser, `divide_no_nan`), clipped, applied when finite;
+    the counters and the loss scale's growth updated. Returns `(tv, ov)`."""
+    grads = sums
+    if mean:
+        inverse = ops.divide_no_nan(1.0, new["normaliser"])
+        grads = [g * inverse for g in sums]
+    grads, norm, was_clipped, ok = _clip(model, grads)
+    update_ok = _all_finite(grads) if ok is None else ok
+    applied = do_window & update_ok
+    tv, ov = _apply(slots, tv, ov, grads, applied)
+    _record_update(new, applied, norm, was_clipped)
+    _record_dropped_update(new, do_window & ~update_ok)
+    if slots.scaler is not None:  # growth counts applied updates
+        grown = list(ov)
+        _update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)
+        for i in slots.ov.values():
+            ov[i] = ops.where(applied, grown[i], ov[i])
+    return tv, ov
+
+
+def _metrics(model, mv, new_mv, unscaled_loss, streak, keep, batch):
+    """Keras' loss tracker and compiled metrics (`new_mv`: as the loss
+    computation left them), left as they were (`mv`) by a dropped
+    micro-batch; the logs read with the step's new streak (the `loss`
+    tracker logs NaN while micro-batches are being dropped). Returns
+    `(metrics_variables, logs)`."""
+    x, y, y_pred, sample_weight = batch
+    metrics = model.metrics_variables
+    with_streak = [(model.fastgrad_step_state.divergence.streak, streak)]
+    rows = keras.tree.flatten(x)[0].shape[0]
+    with keras.StatelessScope(state_mapping=[*zip(metrics, new_mv), *with_streak]) as scope:
+        compat.loss_tracker(model).update_state(unscaled_loss, sample_weight=rows)
+        logs = model.compute_metrics(x, y, y_pred, sample_weight)
+    updated = [_current(scope, v) for v in metrics]
+    if keep is True:
+        return updated, logs
+    selected = [ops.where(keep, u, old) for u, old in zip(updated, mv)]
+    if type(model).compute_metrics is keras.Model.compute_metrics:
+        with keras.StatelessScope(state_mapping=[*zip(metrics, selected), *with_streak]):
+            logs = model.get_metrics_result()
+    return selected, logs
+
+
+def _current(scope, variable):
+    value = scope.get_current_value(variable)
+    return variable.value if value is None else value
+
+
+def apply_partial_window(model):
+    """`FastGradModel.apply_partial_window` on JAX: the pending window's
+    update on the model's variables (outside `fit`'s loop, where Keras has
+    synced them), then the window restarted. Returns the step's counters
+    as Python floats, or `None` when nothing was pending."""
+    state = model.fastgrad_step_state
+    acc = state.accumulator
+    if acc is None or int(acc.micro_step.numpy()) % acc.steps == 0:
+        return None
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            "`apply_partial_window` applies the pending window with the "
+            "model's optimizer, and the model is not compiled. Received: "
+            f"a model with {int(acc.micro_step.numpy()) % acc.steps} "
+            "micro-batches pending and no optimizer. Fix: `compile` it "
+            "first (`keras.saving.load_model` compiles a saved model "
+            "unless `compile=False`)."
+        )
+    if model.train_function is None:  # loaded, or recompiled
+        model._fg_prepare_state()
+    if state.flush_function is None:
+        flush = lambda *values: _flush(model, *values)  # noqa: E731
+        state.flush_function = jax.jit(flush) if model.jit_compile else flush
+    groups = (model.trainable_variables, model.non_trainable_variables, model.optimizer.variables)
+    values = state.flush_function(*([v.value for v in group] for group in groups))
+    for group, new_values in zip(groups, values):
+        for variable, value in zip(group, new_values):
+            variable.assign(value)
+    return model.telemetry_counters()
+
+
+def _flush(model, tv, ntv, ov):
+    """The pending window applied, on values (see `apply_partial_window`)."""
+    slots = Slots(model)
+    new = dict((k, ntv[i]) for k, i in slots.ntv.items())
+    sums = [ntv[i] for i in slots.sums]
+    mean = model.fastgrad_step_state.accumulator.mean_reduction
+    tv, ov = window_update(model, slots, list(tv), list(ov), new, sums, mean, new["included"] > 0)
+    ntv = list(ntv)
+    for key, i in slots.ntv.items():
+        ntv[i] = ops.cast(new[key], ntv[i].dtype)
+    for key in ("normaliser", "micro_step", "included"):
+        ntv[slots.ntv[key]] = ops.zeros_like(ntv[slots.ntv[key]])
+    for i in slots.sums:
+        ntv[i] = ops.zeros_like(ntv[i])
+    return tv, ntv, ov
