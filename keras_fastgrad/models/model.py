@@ -93,8 +93,10 @@ class FastGradModel(keras.Model):
             or gradient holds NaN/Inf is dropped: it never touches the
             weights or the optimizer state, it is left out of its window's
             normalisation and counted (`nonfinite_count`). `False` applies
-            such gradients like `keras.Model` does (a loss-scaled model still
-            drops them: loss scaling needs it).
+            such gradients like `keras.Model` does, without a check (counted
+            only while a `nonfinite_*` key is requested: `telemetry=True`,
+            `NonFiniteGuard`); a loss-scaled model still drops them: loss
+            scaling needs it.
         micro_batches: Integer >= 1, defaults to `1`. Splits each batch into
             this many slices inside the step (a `tf.while_loop`): one update
             per batch, equal to the un-split step, with the activation

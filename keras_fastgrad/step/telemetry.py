@@ -15,7 +15,9 @@ Log keys (fixed, all float scalars):
 - `nonfinite_count`: micro-batches dropped because their loss or gradient
   held NaN/Inf, plus updates dropped because the sum of a window's (or the
   replicas') finite gradients overflowed (cumulative over the model's
-  life; saved with the model).
+  life; saved with the model). With `skip_nonfinite=False` (no loss
+  scaling) nothing is dropped: non-finite micro-batches are counted only
+  while a `nonfinite_*` key is requested (no check otherwise).
 - `nonfinite_first_index`: index into `model.trainable_variables` (as
   watched by the tape) of the first non-finite gradient of the most recent
   dropped micro-batch, -1 if none or if only the loss was non-finite.

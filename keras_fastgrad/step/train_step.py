@@ -97,7 +97,7 @@ def accumulate_or_apply(model, state, batch, verdict):
     acc = state.accumulator
     drop = functools.partial(record_drop, model, state)
     drop_args = (verdict.marks, verdict.counts_towards_streak)
-    not_finite = tf.logical_not(verdict.all_finite)
+    not_finite = None if verdict.all_finite is True else tf.logical_not(verdict.all_finite)
     if acc is None:
         apply = functools.partial(update, model, state)
         update_args = (replica_sum(batch.grads), _divisor(batch, verdict))
@@ -106,13 +106,14 @@ def accumulate_or_apply(model, state, batch, verdict):
                 verdict.keep, apply, args=update_args, otherwise=drop, otherwise_args=drop_args
             )
         else:  # non-finite gradients are applied, as keras.Model does
-            apply_if(not_finite, drop, args=drop_args)
+            if verdict.all_finite is not True:  # (counted only when asked)
+                apply_if(not_finite, drop, args=drop_args)
             apply_if(verdict.keep, apply, args=update_args)
         return
     otherwise = None
     if verdict.drops_nonfinite and not distributed():  # (state written in a `cond`)
         otherwise = functools.partial(drop, *drop_args)
-    else:
+    elif verdict.all_finite is not True:  # (`True`: not checked, nothing to count)
         apply_if(not_finite, drop, args=drop_args)
     window_complete = acc.add(
         batch.grads,

@@ -42,7 +42,9 @@ class Verdict(
     Fields:
         marks: The `finite.marks` vector (where the check failed), or
             `None` when the check was the gradient's norm (`norm`).
-        all_finite: Boolean scalar: loss and gradients finite everywhere.
+        all_finite: Boolean scalar: loss and gradients finite everywhere;
+            the Python `True` when nothing asked (`skip_nonfinite=False`,
+            no loss scaling, no `nonfinite_*` key requested: not checked).
         keep: Boolean scalar: the gradient goes on (`all_finite`); the
             Python `True` when non-finite gradients are applied, as
             `keras.Model` does (no `cond` on it: nothing waits for it).
@@ -67,8 +69,15 @@ def finite_check(model, state, batch):
     if _checks_norm(model, state, batch):
         return _norm_check(model, state, batch)
     scaling = state.scaling
-    marks = finite.marks(batch.grads, batch.loss)
     total = batch.normaliser
+    if not (model.skip_nonfinite or scaling.active or state.log_keys & _COUNT_KEYS):
+        # Nothing is dropped and no key reads the count (`nonfinite_*`: as
+        # `keras.Model`, no check at all; `telemetry=True` or NonFiniteGuard
+        # switch the count on).
+        if num_replicas() > 1:
+            (total,) = replica_sum([total])
+        return Verdict(None, True, True, False, None, total, None)
+    marks = finite.marks(batch.grads, batch.loss)
     if num_replicas() > 1:
         flags, total = replica_sum([finite.to_flags(marks), total])
         marks = finite.from_flags(flags)
@@ -144,6 +153,8 @@ def update_loss_scale(state, verdict):
 
 # The telemetry keys that say where a dropped micro-batch went bad.
 _WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
+# The keys that read the count of non-finite micro-batches.
+_COUNT_KEYS = _WHERE_KEYS | {"nonfinite_count"}
 
 
 def record_drop(model, state, marks, counts=None):

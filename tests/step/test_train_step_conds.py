@@ -63,11 +63,14 @@ def traced_conds(model, x, y):
     return sum(t in ("If", "StatelessIf") for t in sum(traced_ops(model), []))
 
 
+@pytest.mark.parametrize("telemetry", [False, True])
 @pytest.mark.parametrize("steps", [None, 2])
-def test_skip_nonfinite_false_trains_like_keras_with_one_cond(steps):
+def test_skip_nonfinite_false_trains_like_keras_without_a_check(steps, telemetry):
     x, y = data()
     options = {} if steps is None else {"accumulation_steps": steps}
-    model = mlp(keras_fastgrad.FastGradModel, skip_nonfinite=False, **options)
+    model = mlp(
+        keras_fastgrad.FastGradModel, skip_nonfinite=False, telemetry=telemetry, **options
+    )
     ref = mlp(keras.Model)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     ref.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=steps), loss="mse")
@@ -76,9 +79,20 @@ def test_skip_nonfinite_false_trains_like_keras_with_one_cond(steps):
     for a, b in zip(model.get_weights(), ref.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(h.history["loss"], r.history["loss"], rtol=1e-5)
-    # The drop's bookkeeping; with accumulation also the window's update
-    # and its check (a window's sum can overflow).
-    assert traced_conds(model, x, y) == (1 if steps is None else 3)
+    # No finite check unless a key reads its count (`telemetry=True`,
+    # NonFiniteGuard: then the count's bookkeeping, a `cond` with one of
+    # its own for where it went bad); with accumulation, the window's update.
+    assert traced_conds(model, x, y) == 2 * int(telemetry) + (0 if steps is None else 1)
+
+
+def test_skip_nonfinite_false_counts_nothing_unless_asked():
+    x, y = data(n=8)
+    x[1, 0] = np.nan
+    model = mlp(keras_fastgrad.FastGradModel, skip_nonfinite=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert np.isnan(model.get_weights()[0]).any()  # applied, as keras.Model does
+    assert model.telemetry_counters()["nonfinite_count"] == 0.0  # not checked
 
 
 def test_skip_nonfinite_false_still_counts_a_nan_micro_batch():
