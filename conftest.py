@@ -8,7 +8,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # The only backend keras_fastgrad supports (its import refuses the others):
 # chosen here, before Keras loads, for the tests and every subprocess they
 # start, whatever the shell or ~/.keras/keras.json selects.
-os.environ["KERAS_BACKEND"] = "tensorflow"
+# `KERAS_BACKEND=jax` is kept: tests/jax run under it (their conftest skips
+# them on any other backend).
+if os.environ.get("KERAS_BACKEND") != "jax":
+    os.environ["KERAS_BACKEND"] = "tensorflow"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 
 # Before Keras: keras_fastgrad imports TensorFlow and holds the notices it

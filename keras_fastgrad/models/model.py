@@ -193,7 +193,6 @@ class FastGradModel(keras.Model):
             "batchnorm_statistics": batchnorm_statistics,
         }
         options = _checked_options(**{**given, **(restored or {})})
-        _backend.check_options(options, _DEFAULT_OPTIONS)
         if compat.functional_init_arguments(args, kwargs) and not isinstance(
             self, keras.Sequential
         ):
@@ -523,7 +522,9 @@ def check_compiled(model, options):
 def _checked_options(**options):
     """The constructor's options (defaults for those not given),
     validated (Keras-style errors)."""
-    return _options.check_options({**_DEFAULT_OPTIONS, **options})
+    options = _options.check_options({**_DEFAULT_OPTIONS, **options})
+    _backend.check_options(options, _DEFAULT_OPTIONS)  # JAX: the supported set
+    return options
 
 
 # Legacy `.h5` files name a model by its bare class name (Keras'

@@ -1,0 +1,56 @@
+"""On JAX, what the JAX step does not implement yet is refused by name."""
+
+import keras
+import numpy as np
+import pytest
+from jax_helpers import data, mlp
+
+import keras_fastgrad as kf
+
+NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"clip_adaptive": 0.01},
+        {"multitask": "pcgrad"},
+        {"micro_batches": 2},
+        {"telemetry": True},
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_options_refused_at_construction(option):
+    name = next(iter(option))
+    with pytest.raises(NotImplementedError, match=f"`{name}`.*{NOT_YET}"):
+        mlp(kf.FastGradModel, **option)
+    with pytest.raises(NotImplementedError, match=f"`{name}`"):
+        kf.fastgrad(mlp(), **option)
+    with pytest.raises(NotImplementedError, match=f"`{name}`"):
+        kf.FastGradSequential([keras.Input((3,)), keras.layers.Dense(1)], **option)
+
+
+def test_batchnorm_window_statistics_refused_when_training():
+    inputs = keras.Input((8,))
+    h = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    model = kf.FastGradModel(inputs, keras.layers.Dense(3)(h), accumulation_steps=2)
+    model.compile("adam", "mse")
+    x, y = data()
+    with pytest.raises(NotImplementedError, match=r"batchnorm_statistics='micro_batch'"):
+        model.fit(x, y, batch_size=16, verbose=0)
+    assert model.telemetry_counters()["updates"] == 0.0
+
+
+def test_fastgrad_callbacks_refused():
+    model = mlp(kf.FastGradModel)
+    model.compile("adam", "mse")
+    x, y = data()
+    with pytest.raises(NotImplementedError, match=f"`GradientNormLogger`.*{NOT_YET}"):
+        model.fit(x, y, verbose=0, callbacks=[kf.callbacks.GradientNormLogger()])
+
+
+def test_fixed_loss_scale_factor_refused():
+    model = mlp(kf.FastGradModel)
+    model.compile(keras.optimizers.SGD(loss_scale_factor=8.0), "mse")
+    with pytest.raises(NotImplementedError, match="loss_scale_factor"):
+        model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
