@@ -7,7 +7,7 @@ import datetime
 import json
 import statistics
 
-from speed_table import END, START, speed_table
+from speed_table import markers, speed_table
 from verdicts import STATISTIC, TARGET, fmt, per_process, rows
 
 
@@ -15,9 +15,12 @@ def now():
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def markdown(runs, command, wall_s, quick, machine, code, load, budget_s, date=None):
-    """`RESULTS.md`: header, the speed targets over processes, then each
-    script's detail."""
+def markdown(
+    runs, command, wall_s, quick, machine, code, load, budget_s, date=None, page="RESULTS"
+):
+    """`RESULTS.md` (or `<page>.md`): header, the speed targets over
+    processes, then each script's detail."""
+    start, end = markers(page)
     n = len(runs)
     date = date or now()
     table = rows(runs)
@@ -85,12 +88,15 @@ def markdown(runs, command, wall_s, quick, machine, code, load, budget_s, date=N
         "",
         "## Speed table (README and docs/index.md)",
         "",
-        START,
+        start,
         speed_table(runs, header).strip("\n"),
-        END,
+        end,
         "",
-        "![medians with min-max whiskers and targets](results.png)",
-        "",
+        *(
+            ["![medians with min-max whiskers and targets](results.png)", ""]
+            if page == "RESULTS"
+            else []
+        ),
         "## Scripts",
         "",
         "| script | status per process | wall time per process |",

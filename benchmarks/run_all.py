@@ -1,6 +1,7 @@
 """Runs every benchmark of the project and writes the report.
 
     python benchmarks/run_all.py [--quick] [--processes N] [--only a,b] [--timeout S]
+                                 [--args "..." --page NAME]
     python benchmarks/run_all.py --sync-docs | --render
 
 One method: every time ratio is step-level, each side's compiled train
@@ -20,6 +21,14 @@ that raises, exits non-zero, runs past `--timeout` or writes no JSON is
 recorded with the reason, and the next one runs (and the exit status is
 1). A script without `--quick` in its source is not run in quick mode
 (`bench_distributed`: its own process's start takes much of the budget).
+
+`--args "..."` adds arguments to every script's `argv` (e.g.
+`--only targets --args "--models mlp_256x1024_b64,cnn_bn" --page
+RESULTS-large`: issue 28's table on the larger models, judged the same
+way); `--page NAME` writes `benchmarks/NAME.md` and `out/NAME.json`
+instead of RESULTS.md and `out/run.json` (no plot), its speed table
+between `<!-- speed-table-NAME:start/end -->` markers, copied into the
+docs that have them.
 
 Verdicts. Each script writes JSON to `benchmarks/out/` (`harness.report`;
 a script's results are the files it reported, or added to
@@ -60,6 +69,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -71,6 +81,7 @@ ROOT = os.path.dirname(HERE)
 OUT = os.path.join(HERE, "out")
 DOCS_ROOT = ROOT  # where README.md and docs/index.md are
 QUICK_BUDGET_S = 300
+EXTRA_ARGV = []  # `--args`, split: added to every script's argv
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import results_page  # noqa: E402
 import speed_table  # noqa: E402
@@ -210,7 +221,7 @@ def run_script(script, quick, timeout):
     start = time.perf_counter()
     with open(os.path.join(out, f"{record['name']}.log"), "w") as log:
         run = own_process if own else in_process
-        failure = run(script, ["--quick"] if quick else [], log, timeout)
+        failure = run(script, (["--quick"] if quick else []) + EXTRA_ARGV, log, timeout)
     record["wall_s"] = time.perf_counter() - start
     written = [p for p, stamp in json_stamps(out).items() if before.get(p) != stamp]
     mine = getattr(sys.modules.get("harness"), "WRITTEN", [])[reported:]
@@ -254,6 +265,7 @@ def run_processes(n, quick, only, timeout):
         command = [sys.executable, os.path.abspath(__file__), "--child", path, "--dir", HERE]
         command += ["--timeout", str(timeout)] + (["--quick"] if quick else [])
         command += ["--only", ",".join(sorted(only))] if only else []
+        command += ["--args", shlex.join(EXTRA_ARGV)] if EXTRA_ARGV else []
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
         print(f"process {p + 1} of {n}", flush=True)
         start = time.perf_counter()
@@ -313,13 +325,17 @@ def main(argv=None):
     parser.add_argument(
         "--render", action="store_true", help="write the pages again from out/run.json"
     )
+    parser.add_argument("--args", default="", help="more arguments for every script")
+    parser.add_argument("--page", default="RESULTS", help="benchmarks/<PAGE>.md (default RESULTS)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one process's records, as JSON
     parser.add_argument("--dir", help=argparse.SUPPRESS)  # where the bench_*.py are
     args = parser.parse_args(argv)
+    EXTRA_ARGV[:] = shlex.split(args.args)
+    run_json = "run.json" if args.page == "RESULTS" else f"{args.page}.json"
     if args.sync_docs:
         return speed_table.main()
     if args.render:
-        with open(os.path.join(OUT, "run.json")) as f:
+        with open(os.path.join(OUT, run_json)) as f:
             write_pages(json.load(f))
         return 0
     only = {n.strip() for n in args.only.split(",") if n.strip()}
@@ -339,6 +355,8 @@ def main(argv=None):
         (" --quick" if args.quick else "")
         + (f" --processes {args.processes}" if args.processes > 1 else "")
         + (f" --only {args.only}" if only else "")
+        + (f" --args {shlex.quote(args.args)}" if EXTRA_ARGV else "")
+        + (f" --page {args.page}" if args.page != "RESULTS" else "")
     )
     run = {
         "runs": runs,
@@ -349,8 +367,9 @@ def main(argv=None):
         "code": git_state(),
         "load": (load_start, os.getloadavg()[0]),
         "date": results_page.now(),
+        "page": args.page,
     }
-    with open(os.path.join(OUT, "run.json"), "w") as f:
+    with open(os.path.join(OUT, run_json), "w") as f:
         json.dump(run, f)
     write_pages(run)
     ran = [
@@ -362,7 +381,7 @@ def main(argv=None):
 def write_pages(run):
     """RESULTS.md, the speed table (copied into the docs) and the plot, from
     a run's records (`--render`: again from `benchmarks/out/run.json`)."""
-    runs, walls = run["runs"], run["wall_s"]
+    runs, walls, page = run["runs"], run["wall_s"], run.get("page", "RESULTS")
     text = results_page.markdown(
         runs,
         run["command"],
@@ -373,15 +392,17 @@ def write_pages(run):
         run["load"],
         QUICK_BUDGET_S,
         run["date"],
+        page,
     )
-    with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
+    with open(os.path.join(HERE, f"{page}.md"), "w") as f:
         f.write(text)
-    table = speed_table.between_markers(text)
-    speed_table.write_speed_table(table + "\n", os.path.join(OUT, "speed_table.md"))
-    changed = speed_table.sync_docs(table, root=DOCS_ROOT)
-    png = results_page.plot(runs, os.path.join(HERE, "results.png"))
+    table = speed_table.between_markers(text, page)
+    name = "speed_table.md" if page == "RESULTS" else f"speed_table_{page}.md"
+    speed_table.write_speed_table(table + "\n", os.path.join(OUT, name))
+    changed = speed_table.sync_docs(table, root=DOCS_ROOT, page=page)
+    png = results_page.plot(runs, os.path.join(HERE, "results.png")) if page == "RESULTS" else None
     print(
-        f"Wrote benchmarks/RESULTS.md{', ' + png if png else ''} and the speed table"
+        f"Wrote benchmarks/{page}.md{', ' + png if png else ''} and the speed table"
         f"{' (copied into ' + ', '.join(changed) + ')' if changed else ''}: "
         f"{sum(walls):.0f} s ({', '.join(f'{w:.0f} s' for w in walls)} per process)."
     )

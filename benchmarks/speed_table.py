@@ -17,7 +17,16 @@ from verdicts import fmt, rows
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DOCS = ("README.md", os.path.join("docs", "index.md"))
-START, END = "<!-- speed-table:start -->", "<!-- speed-table:end -->"
+
+
+def markers(page="RESULTS"):
+    """The markers of a page's speed table: `speed-table` for RESULTS.md,
+    `speed-table-<page>` for another page of `run_all.py --page`."""
+    tag = "speed-table" if page == "RESULTS" else f"speed-table-{page}"
+    return f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
+
+
+START, END = markers()
 TARGETS_SCRIPT = "targets"  # bench_targets.py: issue 28's table
 
 
@@ -67,40 +76,57 @@ def write_speed_table(text, path):
         f.write(text)
 
 
-def between_markers(text):
-    """The text between the speed-table markers, or None without them."""
-    if START not in text or END not in text:
+def between_markers(text, page="RESULTS"):
+    """The text between `page`'s speed-table markers, or None without them."""
+    start, end = markers(page)
+    if start not in text or end not in text:
         return None
-    return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
 
 
-def sync_docs(table_text, root=ROOT, pages=DOCS):
-    """Puts `table_text` between the markers of each page that has them;
-    returns the pages changed."""
+def sync_docs(table_text, root=ROOT, pages=DOCS, page="RESULTS"):
+    """Puts `table_text` between `page`'s markers in each of `pages` that
+    has them; returns the pages changed."""
+    start, end = markers(page)
     changed = []
-    for page in pages:
-        path = os.path.join(root, page)
+    for doc in pages:
+        path = os.path.join(root, doc)
         if not os.path.exists(path):
             continue
         with open(path) as f:
             text = f.read()
-        if between_markers(text) is None or between_markers(text) == table_text.strip("\n"):
+        shown = between_markers(text, page)
+        if shown is None or shown == table_text.strip("\n"):
             continue
-        before, rest = text.split(START, 1)
-        after = rest.split(END, 1)[1]
+        before, rest = text.split(start, 1)
+        after = rest.split(end, 1)[1]
         with open(path, "w") as f:
-            f.write(f"{before}{START}\n{table_text.strip(chr(10))}\n{END}{after}")
-        changed.append(page)
+            f.write(f"{before}{start}\n{table_text.strip(chr(10))}\n{end}{after}")
+        changed.append(doc)
     return changed
+
+
+def pages_with_tables():
+    """RESULTS and every other benchmarks/<page>.md that has its markers."""
+    found = []
+    for name in sorted(os.listdir(HERE)):
+        page = name[: -len(".md")] if name.endswith(".md") else None
+        if page and os.path.isfile(os.path.join(HERE, name)):
+            with open(os.path.join(HERE, name)) as f:
+                if between_markers(f.read(), page) is not None:
+                    found.append(page)
+    return found
 
 
 def main():
     with open(os.path.join(HERE, "RESULTS.md")) as f:
-        table = between_markers(f.read())
-    if table is None:
-        sys.exit(f"benchmarks/RESULTS.md has no {START} ... {END}: run benchmarks/run_all.py")
-    changed = sync_docs(table)
-    print(f"Speed table copied into {', '.join(changed) or 'nothing (already equal)'}.")
+        if between_markers(f.read()) is None:
+            sys.exit(f"benchmarks/RESULTS.md has no {START} ... {END}: run benchmarks/run_all.py")
+    changed = []
+    for page in pages_with_tables():
+        with open(os.path.join(HERE, f"{page}.md")) as f:
+            changed += sync_docs(between_markers(f.read(), page), page=page)
+    print(f"Speed tables copied into {', '.join(changed) or 'nothing (already equal)'}.")
 
 
 if __name__ == "__main__":

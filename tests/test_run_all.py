@@ -221,14 +221,32 @@ def test_sync_docs_copies_the_table_between_the_markers(tmp_path, page):
 
 def test_the_docs_show_the_latest_run(page):
     """No page claims a number the latest run does not show: the speed
-    tables of README.md and docs/index.md are RESULTS.md's."""
+    tables of README.md and docs/index.md are RESULTS.md's (and those of
+    every other page `run_all.py --page` wrote, where the docs show one)."""
     with open(os.path.join(BENCHMARKS, "RESULTS.md")) as f:
-        latest = page.between_markers(f.read())
-    assert latest is not None, "benchmarks/RESULTS.md has no speed table: run run_all.py"
-    for doc in page.DOCS:
-        with open(os.path.join(ROOT, doc)) as f:
-            shown = page.between_markers(f.read())
-        assert shown == latest, f"{doc}: run `python benchmarks/run_all.py --sync-docs`"
+        assert page.between_markers(f.read()) is not None, (
+            "benchmarks/RESULTS.md has no speed table: run run_all.py"
+        )
+    for results in page.pages_with_tables():
+        with open(os.path.join(BENCHMARKS, f"{results}.md")) as f:
+            latest = page.between_markers(f.read(), results)
+        for doc in page.DOCS:
+            with open(os.path.join(ROOT, doc)) as f:
+                shown = page.between_markers(f.read(), results)
+            if results == "RESULTS" or shown is not None:
+                assert shown == latest, f"{doc}: run `python benchmarks/run_all.py --sync-docs`"
+
+
+def test_a_named_page_has_its_own_markers_and_leaves_the_others(page, tmp_path):
+    readme = "a\n<!-- speed-table:start -->\nquick\n<!-- speed-table:end -->\n"
+    readme += (
+        "<!-- speed-table-RESULTS-large:start -->\nold\n<!-- speed-table-RESULTS-large:end -->\n"
+    )
+    (tmp_path / "README.md").write_text(readme)
+    assert page.sync_docs("| big |\n", root=str(tmp_path), page="RESULTS-large") == ["README.md"]
+    text = (tmp_path / "README.md").read_text()
+    assert page.between_markers(text) == "quick"
+    assert page.between_markers(text, "RESULTS-large") == "| big |"
 
 
 @pytest.mark.slow  # two fresh processes
@@ -323,3 +341,31 @@ def test_a_script_s_results_are_the_files_it_reported(tmp_path, run_all, monkeyp
     (record,) = run_all.run_set(run_all.discover(), True, 60)
     monkeypatch.delitem(sys.modules, "harness", raising=False)
     assert sorted(record["outputs"]) == ["a.json", "a_peaks.json"]
+
+
+def test_args_reach_every_script_and_page_names_the_output(tmp_path, run_all, monkeypatch):
+    script = '"""--quick"""\nimport json, os\nHERE = os.path.dirname(os.path.abspath(__file__))\n'
+    script += "def main(argv=None):\n    os.makedirs(os.path.join(HERE, 'out'), exist_ok=True)\n"
+    script += "    json.dump({'results': {}, 'argv': argv},"
+    script += " open(os.path.join(HERE, 'out', 'echo.json'), 'w'))\n"
+    write(tmp_path, "bench_echo.py", script)
+    child = str(tmp_path / "records.json")
+    monkeypatch.setattr(run_all, "EXTRA_ARGV", [])
+    argv = ["--quick", "--args", "--models a,b --rows 'x y'", "--child", child]
+    assert run_all.main(argv + ["--dir", str(tmp_path)]) == 0
+    with open(child) as f:
+        (record,) = json.load(f)
+    assert record["outputs"]["echo.json"]["argv"] == ["--quick", "--models", "a,b", "--rows", "x y"]
+    # `--page`: its own file, its own run record, the docs' RESULTS table untouched
+    written = {}
+    monkeypatch.setattr(
+        run_all, "run_processes", lambda n, quick, only, timeout: ([[record]], [1.0])
+    )
+    monkeypatch.setattr(run_all.speed_table, "sync_docs", lambda *a, **k: written.update(k) or [])
+    assert run_all.main(["--page", "RESULTS-large", "--args", "--models a"]) == 0
+    assert (tmp_path / "RESULTS-large.md").exists() and not (tmp_path / "RESULTS.md").exists()
+    assert (tmp_path / "out" / "RESULTS-large.json").exists()
+    assert written["page"] == "RESULTS-large"
+    text = (tmp_path / "RESULTS-large.md").read_text()
+    assert "--args '--models a' --page RESULTS-large" in text
+    assert "<!-- speed-table-RESULTS-large:start -->" in text and "results.png" not in text
