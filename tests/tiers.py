@@ -189,6 +189,11 @@ _BY_FILE = {
         "test_a_nonfinite_loss_with_finite_gradients_is_dropped": _REPEAT,
         "test_many_models_do_not_warn_about_retracing_the_flush": _REPEAT,
     },
+    "tests/end_to_end/test_unchecked_paths.py": {
+        "test_clip_norm_applies_a_nonfinite_batch_like_keras_sweep": _SWEEP,
+        "test_loss_scaling_still_drops_a_nan_batch_sweep": _SWEEP,
+        "test_no_cond_path_is_exact_on_every_model": _SWEEP,
+    },
     "tests/models/test_options.py": {
         "test_optimizer_options_alone_stay_allowed": _REPEAT,
         "test_an_empty_multitask_features_is_refused_at_construction": _SWEEP,

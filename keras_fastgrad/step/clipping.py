@@ -64,14 +64,16 @@ def scaled_norm(grads):
 def clip_factor(clip_norm, unit, root, checked=False):
     """`min(1, clip_norm / norm)` for a norm given as `unit * root`
     (`scaled_norm`), and whether it clips: finite for every finite
-    gradient, NaN for a non-finite `root` (a non-finite gradient) unless
-    `checked` (the caller uses the factor only when the norm is finite:
-    then no op goes to that case)."""
+    gradient, NaN for a non-finite norm (a non-finite gradient) or one
+    beyond `fits_clip` (a factor the CPU would flush to 0: a silently zero
+    update) unless `checked` (the caller uses the factor only when the norm
+    is finite and fits: then no op goes to that case)."""
     norm = unit * root
     was_clipped = norm > clip_norm
     factor = tf.where(was_clipped, (clip_norm / unit) / root, 1.0)
-    if not checked:
-        factor = tf.where(tf.math.is_finite(root), factor, float("nan"))
+    if not checked:  # `fits_clip`, on the norm computed here
+        fits = norm <= clip_norm / float(np.finfo(np.float32).tiny)
+        factor = tf.where(fits, factor, float("nan"))
     return factor, was_clipped
 
 

@@ -161,15 +161,21 @@ def update(model, state, grads, normaliser=None, norm=None, agc=None):
     """
     if state.batchnorm is not None:  # the window's one step of the statistics
         state.batchnorm.apply()
-    checked = norm is not None or (
-        normaliser is None and model.clip_norm is None and _checked_as_is(model, state)
+    # Without the gate (`skip_nonfinite=False`, no loss scaling) a
+    # non-finite update is applied, as keras.Model does: no check, and
+    # clipping keeps its guard (every gradient NaN, as Keras' clipping).
+    gated = model.skip_nonfinite or state.scaling.active
+    checked = (
+        not gated
+        or norm is not None
+        or (normaliser is None and model.clip_norm is None and _checked_as_is(model, state))
     )
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     if state.noise_scale is not None:  # the big batch: unscaled, unclipped
         state.noise_scale.record_window(grads)
     grads, agc_finite = adaptive_clip(model, state, grads, agc)  # (grads, None) when off
-    grads, norm, was_clipped = _clipped(model, state, grads, norm)
+    grads, norm, was_clipped = _clipped(model, state, grads, norm, gated)
     checked = checked or (agc_finite is not None and model.clip_norm is None)
     finite_update = None if checked else _finite_update(model, state, grads, norm)
     finite_update = both_finite(finite_update, agc_finite)
@@ -189,19 +195,22 @@ def _checked_as_is(model, state):
     )
 
 
-def _clipped(model, state, grads, scaled=None):
+def _clipped(model, state, grads, scaled=None, gated=True):
     """The gradient clipped to `clip_norm` (if set) and its norm before
     (`None` when neither clipping nor `grad_norm` needs it); `scaled`: the
-    norm as `(unit, root)`, when already computed."""
+    norm as `(unit, root)`, when already computed; `gated`: the update is
+    applied only with a finite norm."""
     norm = was_clipped = None
     if "grad_norm" in state.log_keys or model.clip_norm is not None:
         unit, root = scaled or scaled_norm(grads)
         norm = unit * root
     state.telemetry.record_layer_norms(grads)
     if model.clip_norm is not None:
-        # Applied only with a finite norm: the verdict's `keep` when the
-        # norm was the check, `_finite_update` otherwise.
-        grads, was_clipped = clip_by_global_norm(grads, model.clip_norm, (unit, root), checked=True)
+        # Gated: applied only with a finite norm (the verdict's `keep` when
+        # the norm was the check, `_finite_update` otherwise): no guard.
+        grads, was_clipped = clip_by_global_norm(
+            grads, model.clip_norm, (unit, root), checked=gated
+        )
     return grads, norm, was_clipped
 
 
