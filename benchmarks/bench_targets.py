@@ -268,18 +268,6 @@ def three_callbacks():
     ]
 
 
-def synced(function):
-    """`function`, returning only once the step has run on the device."""
-
-    def run(iterator):
-        logs = function(iterator)
-        loss = logs.get("loss") if isinstance(logs, dict) else None
-        (tf.nest.flatten(logs)[0] if loss is None else loss).numpy()
-        return logs
-
-    return run
-
-
 def timed_side(side, model_name, args, steps, data):
     """`step_fn` of one side on one model, built and compiled here."""
     _, build, _, _, loss, optimizer, _ = MODELS[model_name]
@@ -294,9 +282,7 @@ def timed_side(side, model_name, args, steps, data):
             build, kind == "gated", optimizer(**optimizer_options), loss(), args.xla, args.mixed
         )
     callbacks = three_callbacks() if with_callbacks else []
-    model.fit(data.take(2), epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
-    if not args.cpu and tf.config.list_physical_devices("GPU"):
-        model.train_function = synced(model.train_function)
+    # (`step_fn` reads each step's loss when a GPU is present: timed to its end)
     return step_fn(model, data, steps, callbacks=callbacks)
 
 
