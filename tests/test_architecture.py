@@ -211,7 +211,7 @@ LAYERS = [
     {"keras_fastgrad._compat", "keras_fastgrad._validation"},
     {"keras_fastgrad.aggregators"},
     {"keras_fastgrad.step"},
-    {"keras_fastgrad.multitask"},
+    {"keras_fastgrad.multitask", "keras_fastgrad.backend"},
     {"keras_fastgrad.models"},
     {"keras_fastgrad.callbacks", "keras_fastgrad.profiling"},
     {"keras_fastgrad", "keras_fastgrad.demo", "keras_fastgrad.profile"},
