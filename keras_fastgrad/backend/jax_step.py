@@ -23,14 +23,12 @@ streak) is theirs, variable for variable.
 
 import jax
 import keras
-import numpy as np
 from keras import ops
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.backend import jax_units as units
 from keras_fastgrad.backend import jax_weighting
 from keras_fastgrad.backend.jax_state import Slots
-
-_TINY = float(np.finfo(np.float32).tiny)
 
 
 def train_step(model, state, data):
@@ -53,16 +51,16 @@ def train_step(model, state, data):
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
         model.fastgrad_step_state.accumulator.mean_reduction = mean
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
-    finite = _all_finite(grads) & ops.all(ops.isfinite(unscaled_loss))
+    finite = units.all_finite(grads) & ops.all(ops.isfinite(unscaled_loss))
     drops = bool(model.skip_nonfinite) or slots.scaler is not None
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
     failed = ~finite if scale is None else (~finite & (scale <= 1.0))
     if accumulating:
         keep = finite if drops else True
-        new["nonfinite_count"] += ops.cast(~finite, "float32")
-        if drops:
+        if drops:  # ungated: nothing is checked or counted, as on TF
+            new["nonfinite_count"] += ops.cast(~finite, "float32")
             new["streak"] += ops.cast(failed, "float32")
-        _update_scale(slots, ov, finite, counts_growth=False)
+        units.update_scale(slots, ov, finite, counts_growth=False)
         tv, ov = _accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep)
     else:
         keep, tv, ov = _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops)
@@ -133,93 +131,21 @@ def _check_extra_terms(model, mean, by_rows):
         )
 
 
-def _all_finite(grads):
-    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
-
-
-def _norm(grads):
-    return ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))
-
-
-def _update_scale(slots, ov, finite, counts_growth):
-    """`LossScaleOptimizer`'s rule on `ov` (`loss_scaling.LossScaling`)."""
-    if slots.scaler is None:
-        return
-    i, j = slots.ov["scale"], slots.ov["counter"]
-    scale, counter = ov[i], ov[j]
-    zero = ops.zeros_like(counter)
-    if counts_growth:
-        grow = finite & ops.equal(counter, slots.scaler.dynamic_growth_steps - 1)
-        ov[i] = ops.where(finite, ops.where(grow, scale * 2.0, scale), scale * 0.5)
-        ov[j] = ops.where(finite, ops.where(grow, zero, counter + 1), zero)
-    else:
-        ov[i] = ops.where(finite, scale, scale * 0.5)
-        ov[j] = ops.where(finite, counter, zero)
-
-
-def _clip(model, grads):
-    """`(grads, norm, was_clipped, ok)`: clipped to `clip_norm`; `ok`:
-    the norm is finite and its clip factor a normal float (else the update
-    is dropped, `clipping.fits_clip`); `norm`/`was_clipped` `None` without."""
-    if model.clip_norm is None:
-        return grads, None, None, None
-    norm = _norm(grads)
-    was_clipped = norm > model.clip_norm
-    factor = ops.where(was_clipped, model.clip_norm / ops.maximum(norm, _TINY), 1.0)
-    ok = ops.isfinite(norm) & (norm <= model.clip_norm / _TINY)
-    return [g * factor for g in grads], norm, was_clipped, ok
-
-
-def _apply(slots, tv, ov, grads, do_apply):
-    """The optimizer's update where `do_apply` (a `lax.cond`: the optimizer
-    runs only then); returns the new `(tv, ov)`."""
-    inner_ov = [ov[i] for i in slots.inner_ov]
-
-    def update(t, o, g):
-        return slots.inner.stateless_apply(o, g, t)
-
-    new_tv, new_inner = jax.lax.cond(do_apply, update, lambda t, o, g: (t, o), tv, inner_ov, grads)
-    ov = list(ov)
-    for i, value in zip(slots.inner_ov, new_inner):
-        ov[i] = value
-    return list(new_tv), ov
-
-
-def _record_update(new, applied, norm, was_clipped):
-    """The counters of an applied update (`applied`: boolean scalar)."""
-    new["updates"] += ops.cast(applied, "float32")
-    if was_clipped is not None:
-        new["clipped_updates"] += ops.cast(applied & was_clipped, "float32")
-        new["grad_norm"] = ops.where(applied, norm, new["grad_norm"])
-    new["streak"] = ops.where(applied, 0.0, new["streak"])
-
-
-def _record_dropped_update(new, dropped):
-    """A finite micro-batch (or window) whose update overflowed: counted."""
-    new["nonfinite_count"] += ops.cast(dropped, "float32")
-    new["streak"] += ops.cast(dropped, "float32")
-
-
 def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
     """No accumulation: the micro-batch's update, or its drop."""
-    _update_scale(slots, ov, finite, counts_growth=True)
-    grads, norm, was_clipped, ok = _clip(model, grads)
+    units.update_scale(slots, ov, finite, counts_growth=True)
+    grads, norm, was_clipped, ok = units.clip(model, grads, drops)
     if drops:
         keep = finite if ok is None else finite & ok
         new["nonfinite_count"] += ops.cast(~keep, "float32")
         counts = failed | (finite & ~keep)
         new["streak"] += ops.cast(~keep & counts, "float32")
-        update_ok = True
-    else:  # non-finite gradients are applied, as keras.Model does (counted)
+        do_apply = keep
+    else:  # ungated: applied as keras.Model does (no check, no count, as on TF)
         keep = True
-        new["nonfinite_count"] += ops.cast(~finite, "float32")
-        update_ok = True if ok is None else ok
-        if ok is not None:
-            _record_dropped_update(new, ~ok)
-    do_apply = keep & update_ok if keep is not True else update_ok
-    do_apply = ops.convert_to_tensor(do_apply)
-    tv, ov = _apply(slots, tv, ov, grads, do_apply)
-    _record_update(new, do_apply, norm, was_clipped)
+        do_apply = ops.convert_to_tensor(True)
+    tv, ov = units.apply_if(slots, tv, ov, grads, do_apply)
+    units.record_update(new, do_apply, norm, was_clipped)
     return keep, tv, ov
 
 
@@ -238,30 +164,34 @@ def _accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep):
     new["micro_step"] += 1
     complete = ops.equal(new["micro_step"] % steps, 0)
     do_window = complete & (new["included"] > 0)
-    tv, ov = window_update(model, slots, tv, ov, new, sums, mean, do_window)
+    gated = keep is not True
+    tv, ov = window_update(model, slots, tv, ov, new, sums, mean, do_window, gated)
     new["sums"] = [ops.where(complete, 0.0, s) for s in sums]
     new["normaliser"] = ops.where(complete, 0.0, new["normaliser"])
     new["included"] = ops.where(complete, ops.zeros_like(new["included"]), new["included"])
     return tv, ov
 
 
-def window_update(model, slots, tv, ov, new, sums, mean, do_window):
+def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
     """The window's update where `do_window`: its gradient (the sums over
-    the normaliser, `divide_no_nan`), clipped, applied when finite;
-    the counters and the loss scale's growth updated. Returns `(tv, ov)`."""
+    the normaliser, `divide_no_nan`), clipped, applied when finite (always
+    when not `gated`: `skip_nonfinite=False` without loss scaling); the
+    counters and the loss scale's growth updated. Returns `(tv, ov)`."""
     grads = sums
     if mean:
         inverse = ops.divide_no_nan(1.0, new["normaliser"])
         grads = [g * inverse for g in sums]
-    grads, norm, was_clipped, ok = _clip(model, grads)
-    update_ok = _all_finite(grads) if ok is None else ok
-    applied = do_window & update_ok
-    tv, ov = _apply(slots, tv, ov, grads, applied)
-    _record_update(new, applied, norm, was_clipped)
-    _record_dropped_update(new, do_window & ~update_ok)
+    grads, norm, was_clipped, ok = units.clip(model, grads, gated)
+    applied = do_window
+    if gated:
+        update_ok = units.all_finite(grads) if ok is None else ok
+        applied = do_window & update_ok
+        units.record_dropped_update(new, do_window & ~update_ok)
+    tv, ov = units.apply_if(slots, tv, ov, grads, applied)
+    units.record_update(new, applied, norm, was_clipped)
     if slots.scaler is not None:  # growth counts applied updates
         grown = list(ov)
-        _update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)
+        units.update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)
         for i in slots.ov.values():
             ov[i] = ops.where(applied, grown[i], ov[i])
     return tv, ov
@@ -332,7 +262,9 @@ def _flush(model, tv, ntv, ov):
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     sums = [ntv[i] for i in slots.sums]
     mean = model.fastgrad_step_state.accumulator.mean_reduction
-    tv, ov = window_update(model, slots, list(tv), list(ov), new, sums, mean, new["included"] > 0)
+    gated = bool(model.skip_nonfinite) or slots.scaler is not None
+    pending = new["included"] > 0
+    tv, ov = window_update(model, slots, list(tv), list(ov), new, sums, mean, pending, gated)
     ntv = list(ntv)
     for key, i in slots.ntv.items():
         ntv[i] = ops.cast(new[key], ntv[i].dtype)

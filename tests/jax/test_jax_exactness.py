@@ -177,11 +177,13 @@ def test_nonfinite_micro_batch_is_dropped_and_counted(accumulation_steps):
     assert all(np.isfinite(history.history["loss"]))  # the dropped batch is not in the mean
 
 
-def test_loss_scale_optimizer_drops_and_halves():
+@pytest.mark.parametrize("accumulation_steps", [1, 4])
+def test_loss_scale_optimizer_drops_and_halves(accumulation_steps):
     x, y, kept = _poisoned()
-    ref = reference(mlp, x[kept], y[kept], batch_size=len(kept))
+    batch = 16 if accumulation_steps == 1 else len(kept)
+    ref = reference(mlp, x[kept], y[kept], batch_size=batch)
     optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
-    model, _ = fastgrad_run(mlp, x, y, optimizer=optimizer, accumulation_steps=4)
+    model, _ = fastgrad_run(mlp, x, y, optimizer=optimizer, accumulation_steps=accumulation_steps)
     assert max_diff(ref, model) < TOL
     assert float(optimizer.dynamic_scale.numpy()) == 2.0**15 / 4  # halved twice
     assert model.telemetry_counters()["nonfinite_count"] == 2.0
@@ -198,18 +200,24 @@ def test_mixed_float16_trains_with_dropped_micro_batches():
     assert all(np.isfinite(history.history["loss"]))
 
 
-def test_skip_nonfinite_false_applies_like_keras():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"clip_norm": 0.05}, {"accumulation_steps": 2}],
+    ids=["plain", "clip", "acc2"],
+)
+def test_skip_nonfinite_false_applies_like_keras(options):
     x, y, _ = _poisoned()
-    ref = reference(mlp, x, y, batch_size=16, epochs=1)
-    model, _ = fastgrad_run(mlp, x, y, epochs=1, skip_nonfinite=False)
-    assert np.isnan(ref.get_weights()[0]).all()  # Keras applies the NaN gradient
-    assert np.isnan(model.get_weights()[0]).all()
-    # Batches 2, 3 and 4 (NaN weights from batch 2 on) counted, not dropped.
-    assert model.telemetry_counters() == {
-        "updates": 4.0,
-        "clipped_updates": 0.0,
-        "nonfinite_count": 3.0,
-    }
+    batch = 32 if "accumulation_steps" in options else 16
+    clip = {"global_clipnorm": options["clip_norm"]} if "clip_norm" in options else {}
+    ref = reference(mlp, x, y, batch_size=batch, epochs=1, **clip)
+    model, _ = fastgrad_run(mlp, x, y, epochs=1, skip_nonfinite=False, **options)
+    for got, want in zip(model.get_weights(), ref.get_weights(), strict=True):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(model.get_weights()[0]).all()  # Keras applies the NaN gradient
+    # Nothing is dropped, nothing checked or counted (as on TensorFlow).
+    counters = model.telemetry_counters()
+    assert counters["nonfinite_count"] == 0.0
+    assert counters["updates"] == (2.0 if "accumulation_steps" in options else 4.0)
 
 
 def test_train_on_batch_apply_partial_window_and_evaluate():
@@ -257,3 +265,14 @@ def test_batchnorm_without_split_is_keras_and_micro_batch_statistics_train():
         _batchnorm, x, y, accumulation_steps=4, batchnorm_statistics="micro_batch"
     )
     assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("accumulation_steps, doublings", [(1, 4), (2, 2)])
+def test_loss_scale_grows_per_applied_update(accumulation_steps, doublings):
+    # 8 batches over 2 epochs: 8 updates, or 4 windows of 2; growth every 2.
+    x, y = data()
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(1e-2), dynamic_growth_steps=2
+    )
+    fastgrad_run(mlp, x, y, optimizer=optimizer, accumulation_steps=accumulation_steps)
+    assert float(optimizer.dynamic_scale.numpy()) == 2.0 ** (15 + doublings)
