@@ -76,9 +76,21 @@ class JaxTrainingLoss(TrainingLoss):
     def result(self):
         mean = self.total / self.count
         streak = None if self._streak is None else self._streak()
+        if streak is not None:
+            streak = _value_or_none(streak)
         if streak is None:
             return mean
         return ops.where(streak > 0.0, ops.full_like(mean, float("nan")), mean)
+
+
+def _value_or_none(variable):
+    """The variable's value: mapped in the step's scope, or synced after
+    it; `None` inside a step that does not map it (a subclass's own step:
+    Keras' JAX trainer has detached the value, and reading fails)."""
+    try:
+        return variable.value
+    except TypeError:
+        return None
 
 
 class JaxDivergenceStop(DivergenceStop):

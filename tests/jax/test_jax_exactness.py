@@ -276,3 +276,54 @@ def test_loss_scale_grows_per_applied_update(accumulation_steps, doublings):
     )
     fastgrad_run(mlp, x, y, optimizer=optimizer, accumulation_steps=accumulation_steps)
     assert float(optimizer.dynamic_scale.numpy()) == 2.0 ** (15 + doublings)
+
+
+def test_class_weights_are_exact():
+    x, _ = data()
+    labels = np.random.default_rng(5).integers(0, 3, size=ROWS)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    weights = {0: 1.0, 1: 3.0, 2: 0.5}
+    ref = mlp()
+    ref.compile(keras.optimizers.Adam(1e-2), loss)
+    ref.fit(x, labels, class_weight=weights, batch_size=ROWS, epochs=2, shuffle=False, verbose=0)
+    model = mlp(kf.FastGradModel, accumulation_steps=4)
+    model.compile(keras.optimizers.Adam(1e-2), loss)
+    model.fit(x, labels, class_weight=weights, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert max_diff(ref, model) < TOL
+
+
+def test_batchnorm_micro_batch_statistics_equal_keras_own_accumulation():
+    # Equal micro-batches (64 rows, 16 each) and SGD: Keras' own
+    # `gradient_accumulation_steps` is then the same step, BatchNorm's
+    # moving statistics moved by every micro-batch in both.
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    ref = _batchnorm()
+    ref.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), "mse")
+    ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = _batchnorm(kf.FastGradModel, accumulation_steps=4, batchnorm_statistics="micro_batch")
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert max_diff(ref, model) < TOL
+
+
+class _OwnStep(kf.FastGradModel):
+    def train_step(self, state, data):  # Keras' JAX signature
+        return super().train_step(state, data)
+
+
+class _IgnoresTheOptions(kf.FastGradModel):
+    def train_step(self, state, data):
+        return keras.Model.train_step(self, state, data)
+
+
+def test_a_subclass_step_calling_the_base_step_and_one_that_does_not():
+    x, y = data()
+    ref = reference(mlp, x, y)
+    model, _ = fastgrad_run(lambda cls=None, **o: mlp(_OwnStep, **o), x, y, accumulation_steps=4)
+    assert max_diff(ref, model) < TOL
+    model = mlp(_IgnoresTheOptions, accumulation_steps=4)
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    with pytest.raises(ValueError, match="did not call `FastGradModel.train_step`"):
+        model.fit(x, y, batch_size=16, verbose=0)
