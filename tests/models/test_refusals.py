@@ -362,7 +362,7 @@ def _import_under(backend, patch=""):
 
 
 REFUSAL = (
-    r"ImportError: keras_fastgrad needs Keras' TensorFlow backend.*Received: "
+    r"ImportError: keras_fastgrad supports Keras' TensorFlow and JAX backends.*Received: "
     r"keras.backend.backend\(\)='{}'.*Fix: set the environment variable "
     r"`KERAS_BACKEND=tensorflow`"
 )
@@ -379,7 +379,6 @@ def _needs(module):
     [
         # Keras' numpy backend imports jax too (`keras.src.backend.numpy.math`).
         pytest.param("numpy", marks=_needs("jax")),
-        pytest.param("jax", marks=_needs("jax")),
         pytest.param("torch", marks=_needs("torch")),
     ],
 )
@@ -390,10 +389,17 @@ def test_another_backend_is_refused_at_import(backend):
 
 
 def test_the_backend_check_names_what_keras_reports():
-    # Runs everywhere (no other backend installed): Keras reports "jax".
-    done = _import_under("tensorflow", patch='keras.backend.backend = lambda: "jax"')
+    # Runs everywhere (no other backend installed): Keras reports "torch".
+    done = _import_under("tensorflow", patch='keras.backend.backend = lambda: "torch"')
     assert done.returncode != 0 and "imported" not in done.stdout
-    assert re.search(REFUSAL.format("jax"), done.stderr, flags=re.DOTALL)
+    assert re.search(REFUSAL.format("torch"), done.stderr, flags=re.DOTALL)
+
+
+@_needs("jax")
+def test_the_jax_backend_imports():
+    # Supported (a first set of options: tests/jax); the others refuse there.
+    done = _import_under("jax")
+    assert done.returncode == 0 and "imported jax" in done.stdout, done.stderr[-2000:]
 
 
 def test_the_tests_run_under_tensorflow():
