@@ -57,7 +57,7 @@ def train_step(model, state, data):
     failed = ~finite if scale is None else (~finite & (scale <= 1.0))
     if accumulating:
         keep = finite if drops else True
-        if drops:  # ungated: nothing is checked or counted, as on TF
+        if drops:  # (ungated: nothing is counted, as on TF)
             new["nonfinite_count"] += ops.cast(~finite, "float32")
             new["streak"] += ops.cast(failed, "float32")
         units.update_scale(slots, ov, finite, counts_growth=False)
@@ -173,28 +173,51 @@ def _accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep):
 
 
 def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
-    """The window's update where `do_window`: its gradient (the sums over
-    the normaliser, `divide_no_nan`), clipped, applied when finite (always
-    when not `gated`: `skip_nonfinite=False` without loss scaling); the
-    counters and the loss scale's growth updated. Returns `(tv, ov)`."""
-    grads = sums
-    if mean:
-        inverse = ops.divide_no_nan(1.0, new["normaliser"])
-        grads = [g * inverse for g in sums]
-    grads, norm, was_clipped, ok = units.clip(model, grads, gated)
-    applied = do_window
+    """The window's update where `do_window`, in one `lax.cond` (nothing of
+    it runs on the other micro-steps): its gradient (the sums over the
+    normaliser, `divide_no_nan`), clipped, applied when finite (always when
+    not `gated`: `skip_nonfinite=False` without loss scaling); then the
+    counters and the loss scale's growth. Returns `(tv, ov)`."""
+    clipping = model.clip_norm is not None
+
+    def window(t, o, s, normaliser):
+        grads = s
+        if mean:
+            inverse = ops.divide_no_nan(1.0, normaliser)
+            grads = [g * inverse for g in s]
+        grads, norm, was_clipped, ok = units.clip(model, grads, gated)
+        update_ok = True
+        if gated:
+            update_ok = units.all_finite(grads) if ok is None else ok
+        t, o = units.stateless_apply_if(slots.inner, t, o, grads, update_ok)
+        if not clipping:
+            norm, was_clipped = ops.zeros((), "float32"), ops.convert_to_tensor(False)
+        return t, o, ops.convert_to_tensor(update_ok), norm, was_clipped
+
+    def pending(t, o, s, normaliser):
+        no = ops.convert_to_tensor(False)
+        return t, o, no, ops.zeros((), "float32"), no
+
+    inner_ov = [ov[i] for i in slots.inner_ov]
+    tv, inner_ov, update_ok, norm, was_clipped = jax.lax.cond(
+        do_window, window, pending, tv, inner_ov, sums, new["normaliser"]
+    )
+    ov = list(ov)
+    for i, value in zip(slots.inner_ov, inner_ov):
+        ov[i] = value
+    applied = do_window & update_ok
     if gated:
-        update_ok = units.all_finite(grads) if ok is None else ok
-        applied = do_window & update_ok
         units.record_dropped_update(new, do_window & ~update_ok)
-    tv, ov = units.apply_if(slots, tv, ov, grads, applied)
-    units.record_update(new, applied, norm, was_clipped)
+    if clipping:
+        units.record_update(new, applied, norm, was_clipped)
+    else:
+        units.record_update(new, applied, None, None)
     if slots.scaler is not None:  # growth counts applied updates
         grown = list(ov)
         units.update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)
         for i in slots.ov.values():
             ov[i] = ops.where(applied, grown[i], ov[i])
-    return tv, ov
+    return list(tv), ov
 
 
 def _metrics(model, mv, new_mv, unscaled_loss, streak, keep, batch):

@@ -57,16 +57,25 @@ def clip(model, grads, gated):
 def apply_if(slots, tv, ov, grads, do_apply):
     """The optimizer's update where `do_apply` (a `lax.cond`: the optimizer
     runs only then); returns the new `(tv, ov)`."""
-    inner_ov = [ov[i] for i in slots.inner_ov]
-
-    def update(t, o, g):
-        return slots.inner.stateless_apply(o, g, t)
-
-    new_tv, new_inner = jax.lax.cond(do_apply, update, lambda t, o, g: (t, o), tv, inner_ov, grads)
+    new_tv, new_inner = stateless_apply_if(
+        slots.inner, tv, [ov[i] for i in slots.inner_ov], grads, do_apply
+    )
     ov = list(ov)
     for i, value in zip(slots.inner_ov, new_inner):
         ov[i] = value
     return list(new_tv), ov
+
+
+def stateless_apply_if(optimizer, tv, ov, grads, do_apply):
+    """`optimizer.stateless_apply(ov, grads, tv)` where `do_apply` (a
+    `lax.cond`; called directly for the Python `True`); `(tv, ov)` else."""
+
+    def update(t, o, g):
+        return optimizer.stateless_apply(o, g, t)
+
+    if do_apply is True:
+        return update(tv, ov, grads)
+    return jax.lax.cond(do_apply, update, lambda t, o, g: (t, o), tv, ov, grads)
 
 
 def record_update(new, applied, norm, was_clipped):
