@@ -113,6 +113,9 @@ def check_model(model):
             "pass `batchnorm_statistics='micro_batch'` (each micro-batch moves "
             "the moving statistics, as Keras' own accumulation does), or ",
         )
+    keys = sorted(model.fastgrad_step_state.log_keys)
+    if keys:  # `enable_telemetry`, the callbacks: their keys are not measured here
+        raise not_on_jax("Telemetry keys in the step's logs", f"keys {keys}")
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if getattr(inner, "loss_scale_factor", None) is not None:

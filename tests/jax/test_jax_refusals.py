@@ -54,3 +54,13 @@ def test_fixed_loss_scale_factor_refused():
     model.compile(keras.optimizers.SGD(loss_scale_factor=8.0), "mse")
     with pytest.raises(NotImplementedError, match="loss_scale_factor"):
         model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
+
+
+def test_telemetry_keys_refused():
+    model = mlp(kf.FastGradModel)
+    with pytest.raises(NotImplementedError, match=f"`enable_telemetry`.*{NOT_YET}"):
+        model.enable_telemetry(["grad_norm"])
+    model.fastgrad_step_state.log_keys.add("grad_norm")  # however they got there
+    model.compile("adam", "mse")
+    with pytest.raises(NotImplementedError, match=r"Telemetry keys.*'grad_norm'"):
+        model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
