@@ -77,9 +77,12 @@ class FastGradCallback(keras.callbacks.Callback):
         return self.telemetry_keys
 
     def set_model(self, model):
+        from keras_fastgrad import backend
         from keras_fastgrad.models import (
             adapt,  # A plain Keras model gets the step for this `fit` (`adapt.attach`:
         )
+
+        backend.check_callback(self, model)  # on JAX: refused, by name
 
         # default options, exactly `keras.Model`'s updates), until
         # `on_train_end`.

@@ -153,6 +153,7 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     Raises:
         TypeError, ValueError: for invalid arguments, an uncompiled model,
             an empty dataset or a model under a multi-device strategy.
+        NotImplementedError: on Keras' JAX backend (not ported yet).
 
     Example:
 
@@ -168,6 +169,10 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     >>> print(profile.table())  # doctest: +ELLIPSIS
     Step profile of Functional 'functional...' (batch 8; ...
     """
+    from keras_fastgrad import backend
+
+    if backend.is_jax():
+        raise backend.not_on_jax("`profile_step`", "profile_step(model, ...)")
     modes, repeats, warmup, batch_size, verbose = _report.check_arguments(
         model, modes, repeats, warmup, batch_size, verbose, data
     )

@@ -64,3 +64,20 @@ def test_telemetry_keys_refused():
     model.compile("adam", "mse")
     with pytest.raises(NotImplementedError, match=r"Telemetry keys.*'grad_norm'"):
         model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
+
+
+def test_callbacks_on_a_plain_models_fit_refused():
+    model = mlp()  # a plain keras.Model
+    model.compile("adam", "mse")
+    x, y = data()
+    with pytest.raises(NotImplementedError, match=f"`NonFiniteGuard`.*{NOT_YET}"):
+        model.fit(x, y, verbose=0, callbacks=[kf.callbacks.NonFiniteGuard()])
+    assert type(model) is keras.Model or type(model).__name__ == "Functional"  # left as it was
+    model.fit(x, y, verbose=0)  # and it still trains
+
+
+def test_profile_step_refused():
+    model = mlp(kf.FastGradModel)
+    model.compile("adam", "mse")
+    with pytest.raises(NotImplementedError, match=f"`profile_step`.*{NOT_YET}"):
+        kf.profile_step(model, data(), verbose=0)
