@@ -238,7 +238,11 @@ def test_docstrings_that_list_options_and_aggregators_list_them_all():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Markdown pages the site shows from elsewhere (tools/mkdocs_hooks.py).
-EXTERNAL_PAGES = ("CHANGELOG.md", os.path.join("benchmarks", "RESULTS.md"))
+EXTERNAL_PAGES = (
+    "CHANGELOG.md",
+    os.path.join("benchmarks", "RESULTS.md"),
+    os.path.join("benchmarks", "RESULTS-large.md"),
+)
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(?P<why>.+?)\s*-->\s*$")
 # Languages that are not Python, and what a block in them is.

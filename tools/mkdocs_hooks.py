@@ -4,8 +4,8 @@ The site shows files that live outside `docs/`, without copying them there
 (one copy each, so they cannot go stale):
 
 - `CHANGELOG.md` as the Changelog page;
-- `benchmarks/RESULTS.md` and `benchmarks/results.png` as the Benchmarks'
-  latest results;
+- `benchmarks/RESULTS.md`, `benchmarks/RESULTS-large.md` and
+  `benchmarks/results.png` as the Benchmarks' latest results;
 - the four notebooks of `notebooks/`, executed: the site renders the copy
   that `tests/run_notebook.py` wrote, with its outputs and plots, into
   `KFG_EXECUTED_NOTEBOOKS` (default `build/executed-notebooks`; `.ci/run`'s
@@ -51,6 +51,7 @@ log = logging.getLogger("mkdocs.hooks.keras_fastgrad")
 EXTERNAL = {
     "changelog.md": "CHANGELOG.md",
     "benchmarks/RESULTS.md": "benchmarks/RESULTS.md",
+    "benchmarks/RESULTS-large.md": "benchmarks/RESULTS-large.md",
     "benchmarks/results.png": "benchmarks/results.png",
 }
 

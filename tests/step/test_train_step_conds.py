@@ -68,9 +68,7 @@ def traced_conds(model, x, y):
 def test_skip_nonfinite_false_trains_like_keras_without_a_check(steps, telemetry):
     x, y = data()
     options = {} if steps is None else {"accumulation_steps": steps}
-    model = mlp(
-        keras_fastgrad.FastGradModel, skip_nonfinite=False, telemetry=telemetry, **options
-    )
+    model = mlp(keras_fastgrad.FastGradModel, skip_nonfinite=False, telemetry=telemetry, **options)
     ref = mlp(keras.Model)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     ref.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=steps), loss="mse")
