@@ -13,7 +13,11 @@ weights, masked and per-pixel losses, the partial window at an epoch's end,
 `apply_partial_window`), `clip_norm`, `skip_nonfinite`,
 `max_consecutive_nonfinite`, `LossScaleOptimizer` / `mixed_float16`,
 `batchnorm_statistics="micro_batch"` (or BatchNorm without a split batch),
-`steps_per_execution`, `jit_compile`, `evaluate`, `train_on_batch`, saving.
+`steps_per_execution`, `jit_compile`, `evaluate`, `train_on_batch`, saving,
+`telemetry` and `enable_telemetry` with the fixed keys (`LOG_KEYS`:
+`keras_fastgrad.backend.jax_telemetry`), and the callbacks
+`GradientNormLogger`, `NonFiniteGuard`, `TapeVariableCounter` on a
+`FastGradModel`.
 """
 
 import contextlib
@@ -24,7 +28,9 @@ import keras
 JAX_SUPPORTS = (
     "accumulation_steps, clip_norm, skip_nonfinite, max_consecutive_nonfinite, "
     "LossScaleOptimizer / mixed_float16, batchnorm_statistics='micro_batch', "
-    "steps_per_execution, jit_compile, evaluate, train_on_batch, saving"
+    "steps_per_execution, jit_compile, evaluate, train_on_batch, saving, "
+    "telemetry / enable_telemetry with the keys of LOG_KEYS, the callbacks "
+    "GradientNormLogger, NonFiniteGuard, TapeVariableCounter on a FastGradModel"
 )
 
 # The options whose non-default values the JAX step does not implement yet.
@@ -32,8 +38,10 @@ _JAX_REFUSED_OPTIONS = (
     "clip_adaptive",
     "multitask",
     "micro_batches",
-    "telemetry",
 )
+
+# The keras_fastgrad callbacks the JAX step does not serve yet (by name).
+_JAX_REFUSED_CALLBACKS = ("GradientNoiseScale", "RetraceWatch")
 
 
 def is_jax():
@@ -113,9 +121,13 @@ def check_model(model):
             "pass `batchnorm_statistics='micro_batch'` (each micro-batch moves "
             "the moving statistics, as Keras' own accumulation does), or ",
         )
-    keys = sorted(model.fastgrad_step_state.log_keys)
-    if keys:  # `enable_telemetry`, the callbacks: their keys are not measured here
-        raise not_on_jax("Telemetry keys in the step's logs", f"keys {keys}")
+    state = model.fastgrad_step_state
+    keys = state.log_keys
+    if model.telemetry:  # `telemetry=True`: the noise scale's are left out
+        from keras_fastgrad.step import noise_scale
+
+        keys = keys - set(noise_scale.KEYS)
+    check_telemetry_keys(keys)
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if getattr(inner, "loss_scale_factor", None) is not None:
@@ -125,9 +137,43 @@ def check_model(model):
         )
 
 
-def check_callback(callback, model=None):
-    """Refuses a keras_fastgrad callback on JAX (none is ported yet)."""
-    if is_jax():
+def check_telemetry_keys(keys):
+    """Refuses, on JAX, telemetry keys beyond the fixed `LOG_KEYS` (the
+    optional ones: `grad_norm/<layer>`, `update_ratio`,
+    `agc_clipped_fraction`, `gns_*`, the multi-task keys); a no-op on
+    TensorFlow.
+
+    Raises:
+        NotImplementedError: naming the keys.
+    """
+    from keras_fastgrad.step.telemetry import LOG_KEYS, is_optional_key
+
+    optional = sorted(k for k in keys if k not in LOG_KEYS and is_optional_key(k))
+    if is_jax() and optional:
         raise not_on_jax(
-            f"The callback `{type(callback).__name__}`", f"{type(callback).__name__}(...)"
+            "Optional telemetry keys (beyond `keras_fastgrad.LOG_KEYS`)",
+            f"keys {optional}",
+            f"request only keys of LOG_KEYS {list(LOG_KEYS)}, or ",
         )
+
+
+def check_callback(callback, model=None):
+    """Refuses, on JAX, a keras_fastgrad callback on a plain model's `fit`
+    (only a `FastGradModel` has the JAX step), and the callbacks not ported
+    (`GradientNoiseScale`, `RetraceWatch`); a no-op on TensorFlow.
+
+    Raises:
+        NotImplementedError: naming the callback.
+    """
+    if not is_jax():
+        return
+    name = type(callback).__name__
+    plain = model is not None and not any(
+        c.__name__ == "FastGradModel" for c in type(model).__mro__
+    )
+    if name in _JAX_REFUSED_CALLBACKS or plain:
+        what = f"The callback `{name}`"
+        if plain:
+            what += " on a plain Keras model's `fit`"
+        fix = "" if not plain else "build the model as a `keras_fastgrad.FastGradModel`, or "
+        raise not_on_jax(what, f"{name}(...)", fix)

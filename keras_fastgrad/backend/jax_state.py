@@ -38,6 +38,11 @@ class Slots:
             "grad_norm": where[id(tel.grad_norm)],
             "nonfinite_count": where[id(tel.nonfinite_count)],
             "streak": where[id(state.divergence.streak)],
+            "first_index": where[id(tel.nonfinite_first_index)],
+            "num_bad": where[id(tel.nonfinite_num_variables)],
+            "shape_changes": where[id(tel.input_shape_changes)],
+            "last_batch": where[id(tel.last_input_batch)],
+            "last_size": where[id(tel.last_input_size)],
         }
         self.sums = []
         if acc is not None:

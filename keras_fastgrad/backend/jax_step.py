@@ -26,6 +26,7 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.backend import jax_telemetry as telemetry
 from keras_fastgrad.backend import jax_units as units
 from keras_fastgrad.backend import jax_weighting
 from keras_fastgrad.backend.jax_state import Slots
@@ -55,11 +56,18 @@ def train_step(model, state, data):
     drops = bool(model.skip_nonfinite) or slots.scaler is not None
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
     failed = ~finite if scale is None else (~finite & (scale <= 1.0))
+    telemetry.record_input_shape(model, new, x)
+    if not drops and telemetry.requested(model) & set(telemetry.COUNT_KEYS):
+        # Ungated: applied as keras.Model does; counted only while a
+        # `nonfinite_*` key asks (as on TF).
+        new["nonfinite_count"] += ops.cast(~finite, "float32")
+        telemetry.record_location(model, new, grads, ~finite)
     if accumulating:
         keep = finite if drops else True
-        if drops:  # (ungated: nothing is counted, as on TF)
+        if drops:  # (ungated: counted above only while asked, as on TF)
             new["nonfinite_count"] += ops.cast(~finite, "float32")
             new["streak"] += ops.cast(failed, "float32")
+            telemetry.record_location(model, new, grads, ~finite)
         units.update_scale(slots, ov, finite, counts_growth=False)
         tv, ov = _accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep)
     else:
@@ -72,6 +80,7 @@ def train_step(model, state, data):
         out_ntv[i] = ops.cast(new[key], ntv[i].dtype)
     for i, total in zip(slots.sums, new.get("sums", [])):
         out_ntv[i] = total
+    logs.update(telemetry.logs(model, slots, new, ov, len(tv)))
     return logs, (tv, out_ntv, ov, mv)
 
 
@@ -134,10 +143,14 @@ def _check_extra_terms(model, mean, by_rows):
 def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
     """No accumulation: the micro-batch's update, or its drop."""
     units.update_scale(slots, ov, finite, counts_growth=True)
+    raw = grads
     grads, norm, was_clipped, ok = units.clip(model, grads, drops)
+    if norm is None and "grad_norm" in telemetry.requested(model):
+        norm = units.global_norm(raw)  # before clipping (none here)
     if drops:
         keep = finite if ok is None else finite & ok
         new["nonfinite_count"] += ops.cast(~keep, "float32")
+        telemetry.record_location(model, new, raw, ~keep)
         counts = failed | (finite & ~keep)
         new["streak"] += ops.cast(~keep & counts, "float32")
         do_apply = keep
@@ -179,19 +192,25 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
     not `gated`: `skip_nonfinite=False` without loss scaling); then the
     counters and the loss scale's growth. Returns `(tv, ov)`."""
     clipping = model.clip_norm is not None
+    measures = clipping or "grad_norm" in telemetry.requested(model)
 
     def window(t, o, s, normaliser):
         grads = s
         if mean:
             inverse = ops.divide_no_nan(1.0, normaliser)
             grads = [g * inverse for g in s]
+        unclipped = grads
         grads, norm, was_clipped, ok = units.clip(model, grads, gated)
+        if measures and not clipping:  # the `grad_norm` key
+            norm = units.global_norm(unclipped)
         update_ok = True
         if gated:
             update_ok = units.all_finite(grads) if ok is None else ok
         t, o = units.stateless_apply_if(slots.inner, t, o, grads, update_ok)
+        if not measures:
+            norm = ops.zeros((), "float32")
         if not clipping:
-            norm, was_clipped = ops.zeros((), "float32"), ops.convert_to_tensor(False)
+            was_clipped = ops.convert_to_tensor(False)
         return t, o, ops.convert_to_tensor(update_ok), norm, was_clipped
 
     def pending(t, o, s, normaliser):
@@ -208,10 +227,7 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
     applied = do_window & update_ok
     if gated:
         units.record_dropped_update(new, do_window & ~update_ok)
-    if clipping:
-        units.record_update(new, applied, norm, was_clipped)
-    else:
-        units.record_update(new, applied, None, None)
+    units.record_update(new, applied, norm if measures else None, was_clipped if clipping else None)
     if slots.scaler is not None:  # growth counts applied updates
         grown = list(ov)
         units.update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)

@@ -462,8 +462,8 @@ class FastGradModel(keras.Model):
         The train function is rebuilt (retraced) on the next `fit` when the
         set of keys grows.
         """
-        if _backend.is_jax():
-            raise _backend.not_on_jax("`enable_telemetry`", f"keys={list(keys)}")
+        keys = list(keys)
+        _backend.check_telemetry_keys(keys)  # JAX: the fixed keys only
         readouts.enable_telemetry(self, keys)
 
     def telemetry_counters(self):

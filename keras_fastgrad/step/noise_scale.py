@@ -63,10 +63,11 @@ def measurable(model):
     """Whether `model`'s step holds gradients at two batch sizes
     (accumulation, `micro_batches` or several replicas) and no task merge
     (a merged gradient is not a sum of the slices' gradients)."""
+    strategy = getattr(model, "distribute_strategy", None)  # (none on JAX)
     many = (
         model.accumulation_steps > 1
         or model.micro_batches > 1
-        or model.distribute_strategy.num_replicas_in_sync > 1
+        or (strategy is not None and strategy.num_replicas_in_sync > 1)
     )
     return many and model.multitask is None
 

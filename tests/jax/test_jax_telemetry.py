@@ -1,0 +1,193 @@
+"""On JAX, the fixed telemetry keys and the callbacks that read them
+(`GradientNormLogger`, `NonFiniteGuard`, `TapeVariableCounter`), against
+`jax.grad` of a plain model, counts by hand and the TensorFlow step's logs
+(the same script, in a TensorFlow process)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+from jax_helpers import ROWS, data, mlp
+
+import keras_fastgrad as kf
+
+NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
+
+
+def _with_nan(x, rows=(20, 50)):  # batches 1 and 3 of 16 rows
+    x = x.copy()
+    for row in rows:
+        x[row, 0] = np.nan
+    return x
+
+
+def test_grad_norm_is_the_global_norm_of_jax_grad():
+    x, y = data()
+    plain = mlp()
+    weights = [jnp.asarray(v.numpy()) for v in plain.trainable_variables]
+    non_trainable = [v.value for v in plain.non_trainable_variables]
+
+    def loss(trainable):
+        pred, _ = plain.stateless_call(trainable, non_trainable, x)
+        return jnp.mean((pred - y) ** 2)
+
+    expected = np.sqrt(sum(np.sum(np.square(np.asarray(g))) for g in jax.grad(loss)(weights)))
+    model = mlp(kf.FastGradModel)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = model.fit(
+        x, y, batch_size=ROWS, verbose=0, callbacks=[kf.callbacks.GradientNormLogger()]
+    )
+    np.testing.assert_allclose(history.history["grad_norm"], [expected], rtol=1e-5)
+    assert expected > 0.1
+
+
+@pytest.mark.parametrize("clip_norm, clipped", [(1e-6, 4.0), (1e2, 0.0)])
+def test_counters_by_hand(clip_norm, clipped):
+    x, y = data()
+    model = mlp(kf.FastGradModel, telemetry=True, clip_norm=clip_norm)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    history = model.fit(_with_nan(x), y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    logs = {k: v[-1] for k, v in history.history.items()}
+    # 2 epochs of batches 16, 16, 16, 10; batches 1 and 3 hold a NaN.
+    assert logs["nonfinite_count"] == 4.0
+    assert logs["updates"] == 4.0
+    assert logs["clipped_updates"] == clipped
+    # The NaN input reaches every gradient; the first is the first kernel's.
+    assert logs["nonfinite_first_index"] == 0.0
+    assert logs["nonfinite_num_variables"] == 4.0
+    assert logs["tape_variables"] == 4.0 == len(model.trainable_variables)
+    assert logs["loss_scale"] == 1.0
+    assert logs["input_shape_changes"] == 3.0  # 16 -> 10 -> 16 -> 10
+    assert model.telemetry_counters()["nonfinite_count"] == 4.0
+
+
+def test_loss_scale_key_reads_the_dynamic_scale():
+    x, y = data()
+    model = mlp(kf.FastGradModel)
+    model.enable_telemetry(["loss_scale"])
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
+    history = model.fit(_with_nan(x), y, batch_size=16, shuffle=False, verbose=0)
+    # Keras' initial 2**15, halved by each of the two NaN batches.
+    assert history.history["loss_scale"] == [2.0**13]
+    assert set(history.history) == {"loss", "loss_scale"}
+
+
+_TF_SCRIPT = """
+import json, sys
+import keras, numpy as np
+sys.path.insert(0, {helpers!r})
+from jax_helpers import data, mlp
+import keras_fastgrad as kf
+from test_jax_telemetry import _with_nan
+x, y = data()
+weights = list(np.load({weights!r}).values())
+out = []
+for options in {configs!r}:
+    model = mlp(kf.FastGradModel, telemetry=True, **options)
+    model.set_weights(weights)  # the JAX side's initial weights
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    history = model.fit(_with_nan(x), y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    out.append({{k: [float(v) for v in vs] for k, vs in history.history.items()}})
+print("RESULT" + json.dumps(out))
+"""
+
+_CONFIGS = [{"accumulation_steps": 2, "clip_norm": 0.5}, {"skip_nonfinite": False}]
+# By hand: the two NaN batches of each epoch dropped; without the skip the
+# first NaN update is applied and every batch from batch 1 on is NaN.
+_NONFINITE = [4.0, 7.0]
+
+
+def test_same_keys_and_values_as_the_tensorflow_step(tmp_path):
+    helpers = os.path.dirname(os.path.abspath(__file__))
+    weights = str(tmp_path / "weights.npz")
+    np.savez(weights, *mlp().get_weights())
+    script = _TF_SCRIPT.format(helpers=helpers, configs=_CONFIGS, weights=weights)
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    tf_runs = json.loads(run.stdout.split("RESULT", 1)[1])
+    x, y = data()
+    for options, tf_history, count in zip(_CONFIGS, tf_runs, _NONFINITE, strict=True):
+        # `telemetry=True` adds the noise scale's keys on TF where measurable
+        # (accumulation); not ported to JAX, they are left out there.
+        tf_history = {k: v for k, v in tf_history.items() if not k.startswith("gns_")}
+        model = mlp(kf.FastGradModel, telemetry=True, **options)
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        history = model.fit(_with_nan(x), y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        assert sorted(history.history) == sorted(tf_history), options
+        for key, values in tf_history.items():
+            if key in ("loss", "grad_norm") and options.get("skip_nonfinite") is False:
+                continue  # NaN applied: NaN on both (allclose treats NaN equal)
+            np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
+        assert history.history["nonfinite_count"][-1] == count
+
+
+def test_non_finite_guard_raises_naming_the_batch_and_variable():
+    x, y = data()
+    model = mlp(kf.FastGradModel)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    guard = kf.callbacks.NonFiniteGuard("raise")
+    with pytest.raises(kf.callbacks.NonFiniteError, match=r"epoch 0, batch 1 .*4 of 4"):
+        model.fit(_with_nan(x), y, batch_size=16, shuffle=False, verbose=0, callbacks=[guard])
+    assert model.telemetry_counters() == {
+        "updates": 1.0,
+        "clipped_updates": 0.0,
+        "nonfinite_count": 1.0,
+    }
+
+
+def test_non_finite_guard_stops_after_the_nan_batch():
+    x, y = data()
+    model = mlp(kf.FastGradModel)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    guard = kf.callbacks.NonFiniteGuard("stop")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(
+            _with_nan(x), y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[guard]
+        )
+    assert model.stop_training
+    assert model.telemetry_counters()["updates"] == 1.0  # batch 0 only
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any("batch 1" in m and "action='stop'" in m for m in messages), messages
+
+
+def test_tape_variable_counter_counts_the_trainable_variables():
+    x, y = data()
+    model = mlp(kf.FastGradModel)
+    model.layers[1].trainable = False  # the hidden Dense
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    history = model.fit(x, y, epochs=2, verbose=0, callbacks=[kf.callbacks.TapeVariableCounter()])
+    assert history.history["tape_variables"] == [2.0, 2.0]
+    assert history.history["trainable_variables"] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "callback, message",
+    [
+        (lambda: kf.callbacks.GradientNoiseScale(verbose=0), "`GradientNoiseScale`"),
+        (lambda: kf.callbacks.RetraceWatch(), "`RetraceWatch`"),
+        (lambda: kf.callbacks.GradientNormLogger(update_ratio=True), r"'update_ratio'"),
+        (lambda: kf.callbacks.GradientNormLogger(per_layer=True), r"'grad_norm/dense"),
+    ],
+    ids=["noise_scale", "retrace_watch", "update_ratio", "per_layer"],
+)
+def test_not_ported_callbacks_and_optional_keys_refused(callback, message):
+    model = mlp(kf.FastGradModel, accumulation_steps=2)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = data()
+    with pytest.raises(NotImplementedError, match=NOT_YET) as error:
+        model.fit(x, y, verbose=0, callbacks=[callback()])
+    assert re.search(message, str(error.value)), error.value
+    model.fit(x, y, verbose=0)  # and it still trains
+    assert model.telemetry_counters()["updates"] > 0
