@@ -458,6 +458,8 @@ class FastGradModel(keras.Model):
 
         Raises:
             ValueError: for a name that is not a telemetry key.
+            NotImplementedError: on Keras' JAX backend, for a key beyond
+                `LOG_KEYS` (the optional ones are not measured there yet).
 
         The train function is rebuilt (retraced) on the next `fit` when the
         set of keys grows.

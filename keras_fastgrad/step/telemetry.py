@@ -27,7 +27,8 @@ Log keys (fixed, all float scalars):
   the count and the divergence streak, which safety needs, always are.
 - `loss_scale`: the current loss scale (1 without loss scaling).
 - `tape_variables`: how many variables the tape watched (a trace-time
-  constant).
+  constant; on Keras' JAX backend, which has no tape, the number of
+  trainable variables the gradient is taken for).
 - `input_shape_changes`: micro-batches whose first input's shape differed
   from the previous micro-batch's (cumulative). Keras 3 `fit` does not
   retrace on a new batch size, but XLA compiles the step for every new
