@@ -57,11 +57,8 @@ def train_step(model, state, data):
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
     failed = ~finite if scale is None else (~finite & (scale <= 1.0))
     telemetry.record_input_shape(model, new, x)
-    if not drops and telemetry.requested(model) & set(telemetry.COUNT_KEYS):
-        # Ungated: applied as keras.Model does; counted only while a
-        # `nonfinite_*` key asks (as on TF).
-        new["nonfinite_count"] += ops.cast(~finite, "float32")
-        telemetry.record_location(model, new, grads, ~finite)
+    if not drops:  # applied as keras.Model does; counted only while asked
+        telemetry.record_ungated(model, new, grads, finite)
     if accumulating:
         keep = finite if drops else True
         if drops:  # (ungated: counted above only while asked, as on TF)

@@ -53,6 +53,15 @@ def record_location(model, new, grads, dropped):
     new["num_bad"] = ops.where(dropped, num, new["num_bad"])
 
 
+def record_ungated(model, new, grads, finite):
+    """`skip_nonfinite=False` without loss scaling: a non-finite
+    micro-batch is applied, and counted (with its location) only while a
+    `nonfinite_*` key is requested, as on TensorFlow."""
+    if requested(model) & set(COUNT_KEYS):
+        new["nonfinite_count"] += ops.cast(~finite, "float32")
+        record_location(model, new, grads, ~finite)
+
+
 def record_input_shape(model, new, x):
     """Counts a micro-batch whose first input's shape (rows or element
     count) differs from the previous one's; only while the key is asked."""
