@@ -26,6 +26,7 @@ DOCS = os.path.join(ROOT, "docs")
 EXTERNAL = {
     "changelog.md": "CHANGELOG.md",
     "benchmarks/RESULTS.md": "benchmarks/RESULTS.md",
+    "benchmarks/RESULTS-large.md": "benchmarks/RESULTS-large.md",
     "benchmarks/results.png": "benchmarks/results.png",
     **{f"notebooks/{n}": f"notebooks/{n}" for n in os.listdir(os.path.join(ROOT, "notebooks"))},
 }
