@@ -41,6 +41,7 @@ import tensorflow as tf
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.step.gradients import summed_slices
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
+from keras_fastgrad.step.verdict import _COUNT_KEYS
 
 # The paper's and optax's default: weights initialised to zero (biases,
 # some gains) may still move by `lambda * eps` per unit.
@@ -235,6 +236,17 @@ def _clipped(model, state, grads):
         model.clip_adaptive_eps,
         count=AGC_CLIPPED_FRACTION in state.log_keys,
     )
+
+
+def counted_at_verdict(model, state):
+    """Whether a non-finite update was already counted in
+    `nonfinite_count` at its micro-batches' verdict: `skip_nonfinite=False`
+    without loss scaling applies non-finite micro-batches and counts them
+    while a `nonfinite_*` key is requested; AGC's check then drops their
+    update, which counts only if its gradient was finite (an overflow).
+    A trace-time Python bool."""
+    gated = model.skip_nonfinite or state.scaling.active
+    return model.clip_adaptive is not None and not gated and bool(state.log_keys & _COUNT_KEYS)
 
 
 def both_finite(finite_update, agc_finite):

@@ -23,7 +23,12 @@ import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.step import finite
-from keras_fastgrad.step.adaptive_clipping import adaptive_clip, before_gate, both_finite
+from keras_fastgrad.step.adaptive_clipping import (
+    adaptive_clip,
+    before_gate,
+    both_finite,
+    counted_at_verdict,
+)
 from keras_fastgrad.step.applying import apply_if
 from keras_fastgrad.step.backward import Batch, gradients
 from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
@@ -243,7 +248,10 @@ def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
         state.divergence.record_update()
 
     def drop():
-        telemetry.record_dropped_update()
+        if counted_at_verdict(model, state):  # a non-finite one: counted once
+            apply_if(finite.all_finite(grads), telemetry.record_dropped_update)
+        else:
+            telemetry.record_dropped_update()
         state.divergence.record_drop()
 
     if finite_update is None:
