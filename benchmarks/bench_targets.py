@@ -37,6 +37,11 @@ Rows (`--rows`, keys in brackets) and targets:
   and a few variable reads)
 - [agc] clip_adaptive=0.01 / default: <= 1.03 on Conv2D+BN and the
   Transformer, <= 1.06 on the MLPs (their memory-traffic floor)
+- [same], [acc_same] keras.Model / a second keras.Model built alike (and
+  the same for Keras' accumulation): an A/A pair, no target. Both sides do
+  the same work, so how far its ratios stray from 1.000 across rounds and
+  processes is the method's own noise on that model: a target margin
+  inside it cannot be judged there.
 
 Models (`--models`): `mlp_64x256_b64` (64 -> 3 x 256 -> 10, batch 64,
 Adam, ~1.5 ms a step on 2 cores), `mlp_256x1024_b64` (256 -> 3 x 1024
@@ -175,7 +180,9 @@ SIDES = {
     "agc": ("fg", {"clip_adaptive": 0.01}, {}, False),
     "keras": ("keras", {}, {}, False),
     "keras_gated": ("gated", {}, {}, False),
+    "keras_twin": ("keras", {}, {}, False),
     "keras_acc": ("keras", {}, {"gradient_accumulation_steps": 4}, False),
+    "keras_acc_twin": ("keras", {}, {"gradient_accumulation_steps": 4}, False),
     "keras_acc_gated": ("gated", {}, {"gradient_accumulation_steps": 4}, False),
     "keras_clip": ("keras", {}, {"global_clipnorm": 1.0}, False),
     "keras_clip_gated": ("gated", {}, {"global_clipnorm": 1.0}, False),
@@ -225,6 +232,13 @@ ROWS = {
     ),
     "callbacks_own": ("clip_norm=1 + 3 callbacks / clip_norm=1", "clip_callbacks", "clip", None),
     "agc": ("clip_adaptive=0.01 / default", "agc", "default", "<= 1.03"),
+    "same": ("keras.Model / keras.Model alike (A/A: the noise)", "keras_twin", "keras", None),
+    "acc_same": (
+        "gradient_accumulation_steps=4 / the same alike (A/A: the noise)",
+        "keras_acc_twin",
+        "keras_acc",
+        None,
+    ),
 }
 
 
