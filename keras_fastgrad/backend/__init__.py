@@ -20,9 +20,6 @@ weights, masked and per-pixel losses, the partial window at an epoch's end,
 `FastGradModel`.
 """
 
-import contextlib
-import warnings
-
 import keras
 
 JAX_SUPPORTS = (
@@ -47,17 +44,6 @@ _JAX_REFUSED_CALLBACKS = ("GradientNoiseScale", "RetraceWatch")
 def is_jax():
     """Whether Keras runs on its JAX backend (Python bool)."""
     return keras.backend.backend() == "jax"
-
-
-@contextlib.contextmanager
-def int64_as_int32():
-    """Within the block, JAX's warning that an int64 variable is stored as
-    int32 (64-bit types are off by default) is silenced: the step's counters
-    (`micro_step`, `included_micro_batches`) are int64 on TensorFlow and
-    int32 on JAX, which the files convert either way."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
-        yield
 
 
 def not_on_jax(what, received, fix=""):

@@ -283,8 +283,7 @@ class FastGradModel(keras.Model):
         variables, its optimizer): before the train function is traced,
         and before a flush that comes first (a loaded or recompiled model)."""
         state = self.fastgrad_step_state
-        with _backend.int64_as_int32():  # JAX: the counters' dtype, quietly
-            state.build(self)
+        state.build(self)
         if not self.optimizer.built:  # state must exist before tracing
             self.optimizer.build(self.trainable_variables)
         state.scaling = LossScaling(self.optimizer)

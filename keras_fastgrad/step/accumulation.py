@@ -22,7 +22,7 @@ sync-on-read sums: micro-steps do not all-reduce gradients; the update sums
 the window once (`replica_sum`), and a checkpoint reads the total.
 """
 
-import keras  # noqa: F401 (the doctests)
+import keras
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
@@ -72,8 +72,12 @@ class WindowAccumulator:
         ]
         # Global values, the same on every replica.
         self.normaliser = global_variable(0.0, "accumulated_normaliser")
-        self.micro_step = global_variable(0, "micro_step", dtype="int64")
-        self.included = global_variable(0, "included_micro_batches", dtype="int64")
+        # int64 on TensorFlow; int32 on JAX, whose 64-bit types are off by
+        # default (an int64 variable is stored as int32 there, and every
+        # stateless call warned so). A file converts either way on loading.
+        counter = "int32" if keras.backend.backend() == "jax" else "int64"
+        self.micro_step = global_variable(0, "micro_step", dtype=counter)
+        self.included = global_variable(0, "included_micro_batches", dtype=counter)
 
     @property
     def variables(self):
