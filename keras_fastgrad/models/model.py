@@ -430,7 +430,11 @@ class FastGradModel(keras.Model):
     @property
     def tape_variable_count(self):
         """Number of variables the tape watched in the traced train step
-        (`None` before the first trace)."""
+        (`None` before the first trace). On JAX, which has no tape: the
+        number of trainable variables `jax.value_and_grad` differentiates
+        (all of them), once the train function is made."""
+        if _backend.is_jax():
+            return None if self.train_function is None else len(self.trainable_variables)
         return self.fastgrad_step_state.tape_variables
 
     @property
