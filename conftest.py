@@ -52,7 +52,10 @@ def doctest_namespace_setup(doctest_namespace):
 # once, not once a worker. (`xdist_group` marks would say this per test, but
 # pytest-xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads:
 # the marks are silently ignored.)
-ONE_WORKER_FILES = ("tests/end_to_end/test_distributed.py",)
+ONE_WORKER_FILES = (
+    "tests/end_to_end/test_distributed.py",
+    "tests/jax/test_jax_data_parallel.py",  # (its 2-device process, ~20 s)
+)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it

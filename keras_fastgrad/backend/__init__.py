@@ -17,7 +17,11 @@ weights, masked and per-pixel losses, the partial window at an epoch's end,
 `telemetry` and `enable_telemetry` with the fixed keys (`LOG_KEYS`:
 `keras_fastgrad.backend.jax_telemetry`), and the callbacks
 `GradientNormLogger`, `NonFiniteGuard`, `TapeVariableCounter` on a
-`FastGradModel`.
+`FastGradModel`; the gradient noise scale (the `gns_*` keys,
+`GradientNoiseScale`) with `accumulation_steps`, each micro-batch a small
+batch (`keras_fastgrad.backend.jax_noise_scale`);
+`keras.distribution.DataParallel` (the step's arrays are global: its sums,
+counts and norms are the whole batch's; other distributions refused).
 """
 
 import keras
@@ -27,7 +31,9 @@ JAX_SUPPORTS = (
     "LossScaleOptimizer / mixed_float16, batchnorm_statistics='micro_batch', "
     "steps_per_execution, jit_compile, evaluate, train_on_batch, saving, "
     "telemetry / enable_telemetry with the keys of LOG_KEYS, the callbacks "
-    "GradientNormLogger, NonFiniteGuard, TapeVariableCounter on a FastGradModel"
+    "GradientNormLogger, NonFiniteGuard, TapeVariableCounter on a FastGradModel, "
+    "the gradient noise scale (gns_* keys, GradientNoiseScale) with accumulation_steps, "
+    "keras.distribution.DataParallel"
 )
 
 # The options whose non-default values the JAX step does not implement yet.
@@ -38,7 +44,7 @@ _JAX_REFUSED_OPTIONS = (
 )
 
 # The keras_fastgrad callbacks the JAX step does not serve yet (by name).
-_JAX_REFUSED_CALLBACKS = ("GradientNoiseScale", "RetraceWatch")
+_JAX_REFUSED_CALLBACKS = ("RetraceWatch",)
 
 
 def is_jax():
@@ -92,10 +98,15 @@ def check_model(model):
     """
     from keras_fastgrad.step.batchnorm import pools_window
 
-    if keras.distribution.distribution() is not None:
+    distribution = keras.distribution.distribution()
+    # DataParallel: the step's arrays are global (sharded over the batch),
+    # so its sums, counts and norms are the whole batch's as they stand.
+    if distribution is not None and type(distribution) is not keras.distribution.DataParallel:
         raise not_on_jax(
-            "A `keras.distribution` (data or model parallel)",
-            f"distribution={keras.distribution.distribution()!r}",
+            f"The `keras.distribution` `{type(distribution).__name__}` (only "
+            "`DataParallel` is supported)",
+            f"distribution={distribution!r}",
+            "use `keras.distribution.DataParallel`, or ",
         )
     if pools_window(model):
         raise not_on_jax(
@@ -107,13 +118,7 @@ def check_model(model):
             "pass `batchnorm_statistics='micro_batch'` (each micro-batch moves "
             "the moving statistics, as Keras' own accumulation does), or ",
         )
-    state = model.fastgrad_step_state
-    keys = state.log_keys
-    if model.telemetry:  # `telemetry=True`: the noise scale's are left out
-        from keras_fastgrad.step import noise_scale
-
-        keys = keys - set(noise_scale.KEYS)
-    check_telemetry_keys(keys)
+    check_telemetry_keys(model.fastgrad_step_state.log_keys)
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if getattr(inner, "loss_scale_factor", None) is not None:
@@ -124,17 +129,20 @@ def check_model(model):
 
 
 def check_telemetry_keys(keys):
-    """Refuses, on JAX, telemetry keys beyond the fixed `LOG_KEYS` (the
-    optional ones: `grad_norm/<layer>`, `update_ratio`,
-    `agc_clipped_fraction`, `gns_*`, the multi-task keys); a no-op on
+    """Refuses, on JAX, telemetry keys beyond the fixed `LOG_KEYS` and the
+    noise scale's `gns_*` (the optional ones: `grad_norm/<layer>`,
+    `update_ratio`, `agc_clipped_fraction`, the multi-task keys); a no-op on
     TensorFlow.
 
     Raises:
         NotImplementedError: naming the keys.
     """
+    from keras_fastgrad.step import noise_scale
     from keras_fastgrad.step.telemetry import LOG_KEYS, is_optional_key
 
-    optional = sorted(k for k in keys if k not in LOG_KEYS and is_optional_key(k))
+    optional = sorted(
+        k for k in keys if k not in LOG_KEYS and is_optional_key(k) and not noise_scale.is_key(k)
+    )
     if is_jax() and optional:
         raise not_on_jax(
             "Optional telemetry keys (beyond `keras_fastgrad.LOG_KEYS`)",
@@ -146,7 +154,7 @@ def check_telemetry_keys(keys):
 def check_callback(callback, model=None):
     """Refuses, on JAX, a keras_fastgrad callback on a plain model's `fit`
     (only a `FastGradModel` has the JAX step), and the callbacks not ported
-    (`GradientNoiseScale`, `RetraceWatch`); a no-op on TensorFlow.
+    (`RetraceWatch`); a no-op on TensorFlow.
 
     Raises:
         NotImplementedError: naming the callback.

@@ -26,6 +26,7 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.backend import jax_noise_scale as noise
 from keras_fastgrad.backend import jax_telemetry as telemetry
 from keras_fastgrad.backend import jax_units as units
 from keras_fastgrad.backend import jax_weighting
@@ -45,6 +46,7 @@ def train_step(model, state, data):
     """
     tv, ntv, ov, mv = (list(s) for s in state)
     slots = Slots(model)
+    noise.add_slots(model, slots)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     accumulating = model.fastgrad_step_state.accumulator is not None
     grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
@@ -66,6 +68,7 @@ def train_step(model, state, data):
             new["streak"] += ops.cast(failed, "float32")
             telemetry.record_location(model, new, grads, ~finite)
         units.update_scale(slots, ov, finite, counts_growth=False)
+        noise.record_small(model, new, grads, x, d, finite, (sample_weight, mean))
         tv, ov = _accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep)
     else:
         keep, tv, ov = _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops)
@@ -197,6 +200,7 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
             inverse = ops.divide_no_nan(1.0, normaliser)
             grads = [g * inverse for g in s]
         unclipped = grads
+        big_sq = noise.big_squared_norm(model, unclipped)
         grads, norm, was_clipped, ok = units.clip(model, grads, gated)
         if measures and not clipping:  # the `grad_norm` key
             norm = units.global_norm(unclipped)
@@ -208,16 +212,17 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
             norm = ops.zeros((), "float32")
         if not clipping:
             was_clipped = ops.convert_to_tensor(False)
-        return t, o, ops.convert_to_tensor(update_ok), norm, was_clipped
+        return t, o, ops.convert_to_tensor(update_ok), norm, was_clipped, big_sq
 
     def pending(t, o, s, normaliser):
         no = ops.convert_to_tensor(False)
-        return t, o, no, ops.zeros((), "float32"), no
+        return t, o, no, ops.zeros((), "float32"), no, ops.zeros((), "float32")
 
     inner_ov = [ov[i] for i in slots.inner_ov]
-    tv, inner_ov, update_ok, norm, was_clipped = jax.lax.cond(
+    tv, inner_ov, update_ok, norm, was_clipped, big_sq = jax.lax.cond(
         do_window, window, pending, tv, inner_ov, sums, new["normaliser"]
     )
+    noise.record_window(model, new, big_sq, do_window)
     ov = list(ov)
     for i, value in zip(slots.inner_ov, inner_ov):
         ov[i] = value
@@ -289,12 +294,13 @@ def apply_partial_window(model):
     for group, new_values in zip(groups, values):
         for variable, value in zip(group, new_values):
             variable.assign(value)
-    return model.telemetry_counters()
+    return {**model.telemetry_counters(), **noise.host_logs(model)}
 
 
 def _flush(model, tv, ntv, ov):
     """The pending window applied, on values (see `apply_partial_window`)."""
     slots = Slots(model)
+    noise.add_slots(model, slots)
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     sums = [ntv[i] for i in slots.sums]
     mean = model.fastgrad_step_state.accumulator.mean_reduction

@@ -14,9 +14,11 @@ values (`jax_step`), with the names and meanings they have on TensorFlow.
 - `input_shape_changes`: micro-batches whose first input's shape differed
   from the previous one's (counted while the key is requested).
 
-The optional keys (`grad_norm/<layer>`, `update_ratio`,
-`agc_clipped_fraction`, the noise scale's `gns_*`, the multi-task keys) are
-refused by name (`keras_fastgrad.backend.check_telemetry_keys`).
+The noise scale's `gns_simple`, `gns_grad_sq`, `gns_trace` (with
+accumulation; `telemetry=True` adds them there, as on TensorFlow) come from
+`jax_noise_scale`. The other optional keys (`grad_norm/<layer>`,
+`update_ratio`, `agc_clipped_fraction`, the multi-task keys) are refused by
+name (`keras_fastgrad.backend.check_telemetry_keys`).
 """
 
 import math
@@ -24,6 +26,7 @@ import math
 import keras
 from keras import ops
 
+from keras_fastgrad.backend import jax_noise_scale
 from keras_fastgrad.step.telemetry import LOG_KEYS
 
 LOCATION_KEYS = ("nonfinite_first_index", "nonfinite_num_variables")
@@ -31,9 +34,9 @@ COUNT_KEYS = ("nonfinite_count",) + LOCATION_KEYS
 
 
 def requested(model):
-    """The fixed keys the step returns (a set; optional keys are refused
-    before the step is traced, the noise scale's that `telemetry=True`
-    adds on TensorFlow are left out)."""
+    """The fixed keys the step returns (a set; the other optional keys are
+    refused before the step is traced, the noise scale's are
+    `jax_noise_scale`'s)."""
     return model.fastgrad_step_state.log_keys & set(LOG_KEYS)
 
 
@@ -78,10 +81,12 @@ def record_input_shape(model, new, x):
 
 
 def logs(model, slots, new, ov, num_trainable):
-    """The requested keys' values (float32 scalars), in `LOG_KEYS` order."""
+    """The requested keys' values (float32 scalars), in `LOG_KEYS` order,
+    then the noise scale's (`jax_noise_scale`)."""
+    gns = jax_noise_scale.logs(model, new, model.fastgrad_step_state.log_keys)
     keys = requested(model)
     if not keys:
-        return {}
+        return gns
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else 1.0
     values = {
         "grad_norm": new["grad_norm"],
@@ -94,4 +99,4 @@ def logs(model, slots, new, ov, num_trainable):
         "tape_variables": float(num_trainable),
         "input_shape_changes": new["shape_changes"],
     }
-    return {k: ops.cast(values[k], "float32") for k in LOG_KEYS if k in keys}
+    return {**{k: ops.cast(values[k], "float32") for k in LOG_KEYS if k in keys}, **gns}

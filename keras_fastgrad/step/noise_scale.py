@@ -42,8 +42,10 @@ a row is still one sample). Sample weights are refused (`check_batch`),
 as is `reduction="sum"`.
 """
 
+import keras
 import tensorflow as tf
 
+from keras_fastgrad.maths import noise_scale as maths
 from keras_fastgrad.step.gradients import summed_rows
 from keras_fastgrad.step.replicas import replica_sum
 from keras_fastgrad.step.variables import global_variable, increment
@@ -51,7 +53,7 @@ from keras_fastgrad.step.variables import global_variable, increment
 SIMPLE, GRAD_SQ, TRACE = "gns_simple", "gns_grad_sq", "gns_trace"
 KEYS = (SIMPLE, GRAD_SQ, TRACE)
 DEFAULT_DECAY = 0.99
-_MEASURES = 5  # sum |g_i|^2, sum 1/n_i, k, sum D_i^2/n_i, sum D_i
+_MEASURES = maths.MEASURES  # sum |g_i|^2, sum 1/n_i, k, sum D_i^2/n_i, sum D_i
 
 
 def is_key(key):
@@ -61,9 +63,12 @@ def is_key(key):
 
 def measurable(model):
     """Whether `model`'s step holds gradients at two batch sizes
-    (accumulation, `micro_batches` or several replicas) and no task merge
-    (a merged gradient is not a sum of the slices' gradients)."""
-    strategy = getattr(model, "distribute_strategy", None)  # (none on JAX)
+    (accumulation, `micro_batches` or several replicas; on JAX,
+    accumulation: `keras_fastgrad.backend.jax_noise_scale`) and no task
+    merge (a merged gradient is not a sum of the slices' gradients)."""
+    if keras.backend.backend() == "jax":  # the window's micro-batches only
+        return model.accumulation_steps > 1 and model.multitask is None
+    strategy = getattr(model, "distribute_strategy", None)
     many = (
         model.accumulation_steps > 1
         or model.micro_batches > 1
@@ -81,6 +86,18 @@ def check_measurable(model):
             "merged gradient is not a sum of the micro-batches' gradients. "
             f"Received: multitask={model.multitask!r}. Fix: measure the "
             "summed loss (`multitask=None`)."
+        )
+    if not measurable(model) and keras.backend.backend() == "jax":
+        raise ValueError(
+            "The gradient noise scale (`GradientNoiseScale`, the `gns_*` "
+            "telemetry keys) needs gradients at two batch sizes; on Keras' "
+            "JAX backend, the micro-batches of an accumulation window (not "
+            "`micro_batches` slices, nor a `keras.distribution`'s devices). "
+            f"Received: accumulation_steps={model.accumulation_steps}, "
+            f"micro_batches={model.micro_batches} with "
+            "keras.backend.backend()='jax'. Fix: set `accumulation_steps>=2` "
+            "(e.g. `FastGradModel(..., accumulation_steps=4)`), or train with "
+            "`KERAS_BACKEND=tensorflow`."
         )
     if not measurable(model):
         raise ValueError(
@@ -118,20 +135,22 @@ def check_batch(sample_weight, mean_reduction):
         )
 
 
-def squared_norm(grads, divisor=1.0):
-    """`|grads / divisor|^2` in float32 (sparse gradients read on their
-    rows, duplicates summed). One fused `l2_loss` per gradient and no
-    overflow rescue (unlike `clipping.global_norm`): a square beyond
-    float32 is `inf`, and the window's estimate, not finite, is skipped."""
+def squared_norm(grads):
+    """`|grads|^2` in float32 (sparse gradients read on their rows,
+    duplicates summed), `None` for no gradients. One fused `l2_loss` per
+    gradient and no overflow rescue (unlike `clipping.global_norm`): a
+    square beyond float32 is `inf`, and the window's estimate, not finite,
+    is skipped."""
     parts = [tf.cast(summed_rows(g), tf.float32) for g in grads if g is not None]
     if not parts:
-        return tf.constant(0.0)
-    return 2.0 * tf.add_n([tf.nn.l2_loss(p) for p in parts]) / tf.square(divisor)
+        return None
+    return 2.0 * tf.add_n([tf.nn.l2_loss(p) for p in parts])
 
 
 def small_batch(grads, rows, normaliser):
     """One small batch's measures, `[|g|^2, 1/n, 1, D^2/n, D]` (zeros for a
-    batch without rows or with a zero normaliser: left out).
+    batch without rows or with a zero normaliser: left out;
+    `keras_fastgrad.maths.noise_scale.small_batch`).
 
     Args:
         grads: Its gradients times `normaliser` (as the step weights them).
@@ -144,19 +163,7 @@ def small_batch(grads, rows, normaliser):
     >>> m.numpy().tolist()  # |(3, 4)|^2, 1/4, 1, 2^2/4, 2
     [25.0, 0.25, 1.0, 1.0, 2.0]
     """
-    present = (rows > 0.0) & (normaliser > 0.0)
-    safe_rows = tf.where(present, rows, 1.0)
-    safe_d = tf.where(present, normaliser, 1.0)
-    measures = tf.stack(
-        [
-            squared_norm(grads, safe_d),
-            1.0 / safe_rows,
-            tf.constant(1.0),
-            tf.square(safe_d) / safe_rows,
-            safe_d,
-        ]
-    )
-    return tf.where(present, measures, tf.zeros_like(measures))
+    return maths.small_batch(squared_norm(grads), rows, normaliser)
 
 
 def slice_measure():
@@ -176,23 +183,6 @@ def slice_measure():
         )
 
     return measure, tf.zeros([_MEASURES])
-
-
-def estimate(small_sq_mean, big_sq, s, t):
-    """The unbiased `(|G|^2, tr(Sigma))` (module docstring): `s` is
-    `mean_i 1/n_i` over the small batches, `t` what `1/B_big` stands for.
-
-    Example (the paper's equal batches: B_small 8, B_big 32; true |G|^2 = 1,
-    tr(Sigma) = 16 give E|G_small|^2 = 3, E|G_big|^2 = 1.5):
-
-    >>> g2, trace = estimate(3.0, 1.5, 1 / 8, 1 / 32)
-    >>> float(g2), float(trace)
-    (1.0, 16.0)
-    """
-    gap = s - t
-    grad_sq = (s * big_sq - t * small_sq_mean) / gap
-    trace = (small_sq_mean - big_sq) / gap
-    return grad_sq, trace
 
 
 class NoiseScale:
@@ -224,7 +214,7 @@ class NoiseScale:
     def build(self):
         """Creates the state (global float32 variables)."""
         self.decay = global_variable(self._initial_decay, "gns_decay")
-        self.window = global_variable(tf.zeros([_MEASURES]), "gns_window")
+        self.window = global_variable([0.0] * _MEASURES, "gns_window")
         self.ema_grad_sq = global_variable(0.0, "gns_ema_grad_sq")
         self.ema_trace = global_variable(0.0, "gns_ema_trace")
         # sum of the EMA weights so far (1 - decay^windows): its bias.
@@ -237,7 +227,7 @@ class NoiseScale:
     def reset_state(self):
         """An empty window and no estimate yet (the decay kept)."""
         for v in (self.window, self.ema_grad_sq, self.ema_trace, self.ema_weight):
-            v.assign(tf.zeros_like(v))
+            v.assign(keras.ops.zeros_like(v))  # (from the host, on either backend)
 
     def set_decay(self, decay):
         """Sets the EMAs' decay (from the host)."""
@@ -256,28 +246,23 @@ class NoiseScale:
         gradient: both estimates into their EMAs, and the window restarts.
         A window with fewer than two small batches' worth of spread
         (`s <= t`) or a non-finite estimate leaves the EMAs as they are."""
-        window = tf.convert_to_tensor(self.window.value)
-        small_sq, inv_rows, count, weight_sq, weight = tf.unstack(window)
-        safe_count = tf.maximum(count, 1.0)
-        s = inv_rows / safe_count
-        t = tf.math.divide_no_nan(weight_sq, tf.square(weight))
-        grad_sq, trace = estimate(small_sq / safe_count, squared_norm(grads), s, t)
-        valid = (count >= 1.0) & (s > t * (1.0 + 1e-6))
-        valid &= tf.math.is_finite(grad_sq) & tf.math.is_finite(trace)
-        d = tf.convert_to_tensor(self.decay.value)
-        for ema, value in ((self.ema_grad_sq, grad_sq), (self.ema_trace, trace)):
-            ema.assign(tf.where(valid, d * ema.value + (1.0 - d) * value, ema.value))
-        self.ema_weight.assign(
-            tf.where(valid, d * self.ema_weight.value + (1.0 - d), self.ema_weight.value)
+        big_sq = squared_norm(grads)
+        if big_sq is None:
+            big_sq = tf.constant(0.0)
+        grad_sq, trace, valid = maths.window_estimate(
+            tf.convert_to_tensor(self.window.value), big_sq
         )
+        emas = (self.ema_grad_sq, self.ema_trace, self.ema_weight)
+        values = [tf.convert_to_tensor(v.value) for v in emas]  # (one read each)
+        decay = tf.convert_to_tensor(self.decay.value)
+        new = maths.moving_averages(values, decay, grad_sq, trace, valid)
+        for variable, value in zip(emas, new):
+            variable.assign(value)
         self.window.assign(tf.zeros([_MEASURES]))
 
     def logs(self):
         """`gns_grad_sq`, `gns_trace` (bias-corrected EMAs) and
         `gns_simple` (their ratio); NaN before the first estimate."""
-        weight = tf.convert_to_tensor(self.ema_weight.value)
-        nan = tf.constant(float("nan"))
-        measured = weight > 0.0
-        grad_sq = tf.where(measured, self.ema_grad_sq.value / weight, nan)
-        trace = tf.where(measured, self.ema_trace.value / weight, nan)
-        return {SIMPLE: trace / grad_sq, GRAD_SQ: grad_sq, TRACE: trace}
+        emas = (self.ema_grad_sq, self.ema_trace, self.ema_weight)
+        simple, grad_sq, trace = maths.logs(*(tf.convert_to_tensor(v.value) for v in emas))
+        return {SIMPLE: simple, GRAD_SQ: grad_sq, TRACE: trace}

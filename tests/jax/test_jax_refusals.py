@@ -81,3 +81,19 @@ def test_profile_step_refused():
     model.compile("adam", "mse")
     with pytest.raises(NotImplementedError, match=f"`profile_step`.*{NOT_YET}"):
         kf.profile_step(model, data(), verbose=0)
+
+
+def test_a_distribution_other_than_data_parallel_refused():
+    import jax
+
+    mesh = keras.distribution.DeviceMesh((1,), ["model"], devices=jax.devices()[:1])
+    distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh))
+    x, y = data()
+    with distribution.scope():
+        model = mlp(kf.FastGradModel)
+        model.compile("adam", "mse")
+        with pytest.raises(
+            NotImplementedError, match=f"`ModelParallel` .only `DataParallel`.*{NOT_YET}"
+        ):
+            model.fit(x, y, verbose=0)
+    assert model.telemetry_counters()["updates"] == 0.0

@@ -1,0 +1,152 @@
+"""`keras.distribution.DataParallel` over 2 host devices trains a
+`FastGradModel` as a plain `keras.Model` trains on one device (the
+equivalent big batch, `Adam(global_clipnorm=)`, the data without its NaN
+batch), with the batch sharded over both devices.
+
+JAX's host device count is fixed when it starts
+(`XLA_FLAGS=--xla_force_host_platform_device_count=2`, before `jax` is
+imported), so every case runs in one fresh process: this file, run as a
+script (`python test_jax_data_parallel.py OUT.json`), writes each case's
+result, and the tests check them one by one."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+TOL = 1e-5
+CLIP = 0.05
+NAN_ROW = 20  # in the second batch of 16
+
+
+def _cases():
+    """`{name: (fastgrad options, epochs, reference)}`; a reference is
+    `(batches, plain Adam options)`: the plain model's `train_on_batch`
+    calls, per epoch, as row ranges."""
+    batches_16 = [(0, 16), (16, 32), (32, 48), (48, 58)]
+    without_nan = [(0, 16), (32, 48), (48, 58)]
+    return {
+        "default": ({}, 2, (batches_16, {})),
+        # windows [16, 16], [16, 10]: an uneven last micro-batch
+        "accumulation_2_uneven": ({"accumulation_steps": 2}, 2, ([(0, 32), (32, 58)], {})),
+        # windows [16, 16, 16] and the epoch's partial window [10]
+        "accumulation_3_partial_window_clip_norm": (
+            {"accumulation_steps": 3, "clip_norm": CLIP},
+            2,
+            ([(0, 48), (48, 58)], {"global_clipnorm": CLIP}),
+        ),
+        "skip_nonfinite_nan_row_clip_norm": (
+            {"skip_nonfinite": True, "clip_norm": CLIP},
+            2,
+            (without_nan, {"global_clipnorm": CLIP}),
+        ),
+        # window [16, NaN]: the first micro-batch alone; then [16, 10]
+        "skip_nonfinite_nan_row_accumulation_2": (
+            {"accumulation_steps": 2},
+            2,
+            ([(0, 16), (32, 58)], {}),
+        ),
+    }
+
+
+# By hand: updates, non-finite micro-batches over the two epochs.
+EXPECTED_COUNTS = {
+    "default": (8.0, 0.0),
+    "accumulation_2_uneven": (4.0, 0.0),
+    "accumulation_3_partial_window_clip_norm": (4.0, 0.0),
+    "skip_nonfinite_nan_row_clip_norm": (6.0, 2.0),
+    "skip_nonfinite_nan_row_accumulation_2": (4.0, 2.0),
+}
+
+
+def _run_cases(out_path):
+    """(In the 2-device process.) Each case on DataParallel and its
+    reference on one device; writes `{name: result}` as JSON."""
+    import jax
+    import keras
+    from jax_helpers import data, max_diff, mlp
+
+    import keras_fastgrad as kf
+    from keras_fastgrad.backend import jax_step
+
+    assert len(jax.devices()) == 2, jax.devices()
+    seen = []
+    step = jax_step.train_step
+
+    def spying_step(model, state, batch):  # the batch's sharding, at trace time
+        first = keras.tree.flatten(batch)[0]
+        jax.debug.inspect_array_sharding(first, callback=lambda s: seen.append(s))
+        return step(model, state, batch)
+
+    jax_step.train_step = spying_step
+    x, y = data()
+    results = {}
+    for name, (options, epochs, (batches, adam)) in _cases().items():
+        xs = x.copy()
+        if "nan_row" in name:
+            xs[NAN_ROW, 0] = np.nan
+        plain = mlp()  # one device (no distribution)
+        plain.compile(keras.optimizers.Adam(1e-2, **adam), "mse")
+        for _ in range(epochs):
+            for start, stop in batches:
+                plain.train_on_batch(x[start:stop], y[start:stop])
+        distribution = keras.distribution.DataParallel(devices=jax.devices())
+        del seen[:]
+        with distribution.scope():
+            model = mlp(kf.FastGradModel, **options)
+            model.compile(keras.optimizers.Adam(1e-2), "mse")
+            model.fit(xs, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+            kernel = model.trainable_variables[0].value
+        counters = model.telemetry_counters()
+        results[name] = {
+            "max_diff": max_diff(plain, model),
+            "updates": counters["updates"],
+            "nonfinite_count": counters["nonfinite_count"],
+            "batch_devices": sorted({len(s.device_set) for s in seen}),
+            "batch_specs": sorted({str(tuple(s.spec)) for s in seen}),
+            "kernel_devices": len(kernel.sharding.device_set),
+        }
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data_parallel") / "results.json"
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")]),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    run = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED_COUNTS))
+def test_data_parallel_equals_one_device(results, case):
+    result = results[case]
+    # The batch really was split over both devices, the weights replicated.
+    assert result["batch_devices"] == [2], result
+    assert result["batch_specs"] == ["('batch',)"], result
+    assert result["kernel_devices"] == 2
+    assert result["max_diff"] < TOL, result
+    assert (result["updates"], result["nonfinite_count"]) == EXPECTED_COUNTS[case]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    _run_cases(sys.argv[1])
