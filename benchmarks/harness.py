@@ -157,6 +157,49 @@ def step_fn(model, dataset, steps, callbacks=()):
     return run
 
 
+def jax_step_fn(model, x, y, batch, steps):
+    """`step_fn` on Keras' JAX backend: a zero-argument function that runs
+    `steps` train steps of `model` (its jitted `train_function`, the state
+    threaded as `fit` threads it) on the batches of `x`, `y` and returns
+    each step's seconds, each step timed until its outputs and state are
+    ready (`jax.block_until_ready`: JAX dispatches asynchronously). Built
+    and traced by one short `fit`."""
+    import jax
+
+    model.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, epochs=1, verbose=0)
+    function = model.train_function
+    state = [
+        model._get_jax_state(  # what `fit` hands the train function
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+            purge_model_variables=False,
+        )
+    ]
+    batches = [
+        (jax.numpy.asarray(x[i : i + batch]), jax.numpy.asarray(y[i : i + batch]))
+        for i in range(0, len(x) - batch + 1, batch)
+    ]
+
+    def step(i):
+        logs, state[0] = function(state[0], iter([batches[i % len(batches)]]))
+        jax.block_until_ready((logs, state[0]))
+
+    for i in range(steps):  # warm-up (a first call may trace again)
+        step(i)
+
+    def run():
+        seconds = []
+        for i in range(steps):
+            start = time.perf_counter()
+            step(i)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    return run
+
+
 def synced(function):
     """`function`, returning only once the step has run on the device (it
     reads the loss, as `fit` does when it hands logs to a callback);
