@@ -201,7 +201,8 @@ def test_tests_benchmarks_and_notebooks_use_no_private_step_names():
     )
 
 
-# The layers of the package, bottom up: a module may import its own layer
+# The layers of the package, bottom up (`maths`: the units' maths in
+# `keras.ops`, written once for both backends' steps): a module may import its own layer
 # and those below, never one above (the step does not know the models that
 # run it; callbacks read what the step measured). `multitask` sits above the
 # step: it builds on the step's units (replicas, finite check, telemetry
@@ -209,6 +210,7 @@ def test_tests_benchmarks_and_notebooks_use_no_private_step_names():
 # model), computing the task losses itself (`step/task_losses.py`).
 LAYERS = [
     {"keras_fastgrad._compat", "keras_fastgrad._validation"},
+    {"keras_fastgrad.maths"},
     {"keras_fastgrad.aggregators"},
     {"keras_fastgrad.step"},
     {"keras_fastgrad.multitask", "keras_fastgrad.backend"},
@@ -235,4 +237,44 @@ def test_lower_layers_do_not_import_higher_ones():
     assert not upward, (
         f"These imports run up the package's layers {LAYERS}: {upward}. Fix: "
         "move what the lower module needs down, or pass it in as an argument."
+    )
+
+
+def test_the_step_does_not_import_multitask():
+    # Issue 29's seam: `multitask` builds on the step, never the reverse
+    # (the step computes the task losses itself, `step/task_losses.py`).
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in _import_graph().items()
+        if module.startswith("keras_fastgrad.step")
+        for target in targets
+        if target.startswith("keras_fastgrad.multitask")
+    )
+    assert not upward, (
+        f"The step imports `multitask`: {upward}. Fix: move what the step needs "
+        "into `keras_fastgrad.step` (or `maths`), or hand it to the step as an object."
+    )
+
+
+def test_the_maths_is_backend_neutral_at_import():
+    # `keras_fastgrad.maths` is written in `keras.ops` for every backend: a
+    # backend's own fast path is imported inside its branch, never at the
+    # top of a module (importing the maths must not import TensorFlow or JAX).
+    found = []
+    for path in sorted((PACKAGE_DIR / "maths").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [
+                f"{path.relative_to(REPO)}:{node.lineno}: {n}"
+                for n in names
+                if n.split(".")[0] in ("tensorflow", "jax", "torch")
+            ]
+    assert not found, (
+        f"Backend imports at the top of `keras_fastgrad.maths`: {found}. Fix: "
+        "write it in `keras.ops`, or import the backend inside the branch "
+        "that needs its fast path (`if keras.backend.backend() == ...`)."
     )

@@ -270,20 +270,9 @@ def apply_partial_window(model):
     """`FastGradModel.apply_partial_window` on JAX: the pending window's
     update on the model's variables (outside `fit`'s loop, where Keras has
     synced them), then the window restarted. Returns the step's counters
-    as Python floats, or `None` when nothing was pending."""
+    as Python floats. Called by `models.partial_window` once a window is
+    pending and the model has an optimizer (its test and its refusal)."""
     state = model.fastgrad_step_state
-    acc = state.accumulator
-    if acc is None or int(acc.micro_step.numpy()) % acc.steps == 0:
-        return None
-    if getattr(model, "optimizer", None) is None:
-        raise ValueError(
-            "`apply_partial_window` applies the pending window with the "
-            "model's optimizer, and the model is not compiled. Received: "
-            f"a model with {int(acc.micro_step.numpy()) % acc.steps} "
-            "micro-batches pending and no optimizer. Fix: `compile` it "
-            "first (`keras.saving.load_model` compiles a saved model "
-            "unless `compile=False`)."
-        )
     if model.train_function is None:  # loaded, or recompiled
         model._fg_prepare_state()
     if state.flush_function is None:

@@ -1,56 +1,40 @@
 """The JAX step's units on values (`keras.ops`; the optimizer's
 `stateless_apply` under `jax.lax.cond`): each returns new values, as a
-traced branch on JAX cannot assign. The maths and the counting follow the
-TensorFlow units (`keras_fastgrad.step`: `finite`, `clipping`,
-`loss_scaling`, `applying`, `telemetry`, `divergence`)."""
+traced branch on JAX cannot assign. The maths is the TensorFlow units'
+own, written once (`keras_fastgrad.maths`: `finite`, `norms`,
+`loss_scale`); the counting follows theirs (`keras_fastgrad.step`:
+`applying`, `telemetry`, `divergence`)."""
 
 import jax
-import numpy as np
 from keras import ops
 
-_TINY = float(np.finfo(np.float32).tiny)
-
-
-def all_finite(grads):
-    """Boolean scalar: every gradient finite everywhere."""
-    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
-
-
-def global_norm(grads):
-    """The gradients' global L2 norm (float32 scalar)."""
-    return ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))
+from keras_fastgrad.maths import norms
+from keras_fastgrad.maths.finite import all_finite  # noqa: F401  (the step's)
+from keras_fastgrad.maths.loss_scale import next_scale
+from keras_fastgrad.maths.norms import global_norm  # noqa: F401  (the step's)
 
 
 def update_scale(slots, ov, finite, counts_growth):
-    """`LossScaleOptimizer`'s rule on `ov` (`loss_scaling.LossScaling`)."""
+    """`LossScaleOptimizer`'s rule (`maths.loss_scale.next_scale`) on `ov`."""
     if slots.scaler is None:
         return
     i, j = slots.ov["scale"], slots.ov["counter"]
-    scale, counter = ov[i], ov[j]
-    zero = ops.zeros_like(counter)
-    if counts_growth:
-        grow = finite & ops.equal(counter, slots.scaler.dynamic_growth_steps - 1)
-        ov[i] = ops.where(finite, ops.where(grow, scale * 2.0, scale), scale * 0.5)
-        ov[j] = ops.where(finite, ops.where(grow, zero, counter + 1), zero)
-    else:
-        ov[i] = ops.where(finite, scale, scale * 0.5)
-        ov[j] = ops.where(finite, counter, zero)
+    growth_steps = slots.scaler.dynamic_growth_steps
+    ov[i], ov[j] = next_scale(ov[i], ov[j], finite, growth_steps, counts_growth)
 
 
 def clip(model, grads, gated):
-    """`(grads, norm, was_clipped, ok)`: clipped to `clip_norm`; `ok`:
-    the norm is finite and its clip factor a normal float (else a `gated`
-    update is dropped, `clipping.fits_clip`; an ungated one gets a NaN
-    factor, as Keras' clipping); `norm`/`was_clipped` `None` without."""
+    """`(grads, norm, was_clipped, ok)`: clipped to `clip_norm`, the norm
+    measured without overflow (`maths.norms`); `ok`: the norm is finite and
+    its clip factor a normal float (else a `gated` update is dropped,
+    `norms.fits_clip`; an ungated one gets a NaN factor, as Keras'
+    clipping); `norm`/`was_clipped` `None` without."""
     if model.clip_norm is None:
         return grads, None, None, None
-    norm = global_norm(grads)
-    was_clipped = norm > model.clip_norm
-    factor = ops.where(was_clipped, model.clip_norm / ops.maximum(norm, _TINY), 1.0)
-    fits = norm <= model.clip_norm / _TINY  # False for a NaN norm
-    ok = ops.isfinite(norm) & fits
-    if not gated:
-        factor, ok = ops.where(fits, factor, float("nan")), None
+    unit, root = norms.scaled_norm(grads)
+    factor, was_clipped = norms.clip_factor(model.clip_norm, unit, root, checked=gated)
+    norm = unit * root
+    ok = ops.isfinite(norm) & norms.fits_clip(model.clip_norm, unit, root) if gated else None
     return [g * factor for g in grads], norm, was_clipped, ok
 
 

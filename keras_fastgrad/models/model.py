@@ -306,11 +306,7 @@ class FastGradModel(keras.Model):
             ValueError: when a window is pending and the model has no
                 optimizer (loaded with `compile=False`).
         """
-        if _backend.is_jax():
-            from keras_fastgrad.backend import jax_step  # imports jax
-
-            return jax_step.apply_partial_window(self)
-        return partial_window.apply_partial_window(self)
+        return partial_window.apply_partial_window(self)  # either backend
 
     # ------------------------------------------------------------- the step
     def train_step(self, data, *jax_batch):

@@ -1,33 +1,54 @@
 """A window left partial, applied now (`FastGradModel.apply_partial_window`,
-which `fit` calls at every epoch's end): one traced flush of the
-accumulated gradient through the end of the step's chain
-(`keras_fastgrad.step.train_step.flush`), under the model's strategy."""
+which `fit` calls at every epoch's end): the pending test and the refusal
+of an uncompiled model, for both backends, then on TensorFlow one traced
+flush of the accumulated gradient through the end of the step's chain
+(`keras_fastgrad.step.train_step.flush`), under the model's strategy; on
+JAX the pending window's update on values
+(`keras_fastgrad.backend.jax_step.apply_partial_window`)."""
 
 import functools
 
 import tensorflow as tf
 
+from keras_fastgrad import backend as _backend
 from keras_fastgrad.step import train_step as _step
+
+
+def pending_micro_batches(model):
+    """int: the micro-batches accumulated in the open window (0 without
+    accumulation, or when the last window was applied)."""
+    acc = model.fastgrad_step_state.accumulator
+    return 0 if acc is None else int(acc.micro_step.numpy()) % acc.steps
+
+
+def refuse_without_optimizer(model, pending):
+    """Raises `ValueError` when `model` has no optimizer to apply its
+    `pending` micro-batches with (loaded with `compile=False`)."""
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            "`apply_partial_window` applies the pending window with the "
+            "model's optimizer, and the model is not compiled. Received: "
+            f"a model with {pending} micro-batches pending and no optimizer. "
+            "Fix: `compile` it first (`keras.saving.load_model` compiles a "
+            "saved model unless `compile=False`)."
+        )
 
 
 def apply_partial_window(model):
     """Applies the pending window of `model` (see
     `FastGradModel.apply_partial_window`). Returns the telemetry logs as
     Python floats, or `None` when nothing was pending."""
-    state = model.fastgrad_step_state
-    acc = state.accumulator
-    if acc is None or int(acc.micro_step.numpy()) % acc.steps == 0:
+    pending = pending_micro_batches(model)
+    if not pending:
         return None
+    if _backend.is_jax():
+        refuse_without_optimizer(model, pending)
+        from keras_fastgrad.backend import jax_step  # imports jax
+
+        return jax_step.apply_partial_window(model)
+    state = model.fastgrad_step_state
     if model.train_function is None:  # loaded, or recompiled: not made yet
-        if getattr(model, "optimizer", None) is None:
-            raise ValueError(
-                "`apply_partial_window` applies the pending window with the "
-                "model's optimizer, and the model is not compiled. Received: "
-                f"a model with {int(acc.micro_step.numpy()) % acc.steps} "
-                "micro-batches pending and no optimizer. Fix: `compile` it "
-                "first (`keras.saving.load_model` compiles a saved model "
-                "unless `compile=False`)."
-            )
+        refuse_without_optimizer(model, pending)
         model._fg_prepare_state()
     if state.flush_function is None:
         # A `partial`, not a lambda: TF keys its retracing warning on a

@@ -6,19 +6,19 @@ sum of squares of finite values can exceed float32's range (a gradient of
 norm 2e20 squares to 4e40); only then (a `cond` whose common branch is one
 `sqrt`) the sum is recomputed on the gradient times 2**-80, an exact
 power of two: the squares of finite float32 values then fit, and values
-small enough to underflow weigh nothing against a norm above 2**64.
-Sparse gradients (`tf.IndexedSlices`) are measured on their rows,
+small enough to underflow weigh nothing against a norm above 2**64. The
+maths is `keras_fastgrad.maths.norms`, shared with the JAX step. Sparse gradients (`tf.IndexedSlices`) are measured on their rows,
 duplicate rows added up first, so the norm is that of the dense gradient.
 """
 
-import numpy as np
 import tensorflow as tf
 
+from keras_fastgrad.maths import norms
 from keras_fastgrad.step.gradients import scale, summed_rows
 
-# The overflow rescale: exact (a power of two); 2**-80 maps float32's
-# largest value (~2**128) to 2**48, whose square times 2**31 elements fits.
-_RESCALE = 2.0**-80
+# Written once for both backends (`keras_fastgrad.maths.norms`).
+clip_factor = norms.clip_factor
+fits_clip = norms.fits_clip
 
 
 def global_norm(grads):
@@ -44,54 +44,9 @@ def global_norm(grads):
 
 def scaled_norm(grads):
     """The global norm as `unit * root` (`unit` is 1, or 2**80 when the
-    squares overflow), so that `clip_norm / norm` is computed without
-    overflow even where the norm itself exceeds float32 (`clip_factor`)."""
-    parts = [tf.cast(summed_rows(g), tf.float32) for g in grads if g is not None]
-    if not parts:
-        return tf.constant(1.0), tf.constant(0.0)
-    # Half the sum of squares; multiplied by 2 under the root (no overflow).
-    halves = tf.add_n([tf.nn.l2_loss(p) for p in parts])
-    fits = tf.math.is_finite(halves)
-
-    def rescaled():
-        return tf.add_n([tf.nn.l2_loss(p * _RESCALE) for p in parts])
-
-    halves = tf.cond(fits, lambda: halves, rescaled)
-    unit = tf.where(fits, 1.0, 1.0 / _RESCALE)
-    return unit, tf.sqrt(2.0 * halves)
-
-
-def clip_factor(clip_norm, unit, root, checked=False):
-    """`min(1, clip_norm / norm)` for a norm given as `unit * root`
-    (`scaled_norm`), and whether it clips: finite for every finite
-    gradient, NaN for a non-finite norm (a non-finite gradient) or one
-    beyond `fits_clip` (a factor the CPU would flush to 0: a silently zero
-    update) unless `checked` (the caller uses the factor only when the norm
-    is finite and fits: then no op goes to that case)."""
-    norm = unit * root
-    was_clipped = norm > clip_norm
-    factor = tf.where(was_clipped, (clip_norm / unit) / root, 1.0)
-    if not checked:  # `fits_clip`, on the norm computed here
-        fits = norm <= clip_norm / float(np.finfo(np.float32).tiny)
-        factor = tf.where(fits, factor, float("nan"))
-    return factor, was_clipped
-
-
-def fits_clip(clip_norm, unit, root):
-    """Boolean scalar: the norm `unit * root` is at most `clip_norm / tiny`
-    (float32's smallest normal), so that the clip factor `clip_norm / norm`
-    is a normal float. Beyond (a norm above ~1e38 for `clip_norm=1`, or
-    a NaN norm) the factor would be subnormal, which CPUs flush to 0: a
-    silently zero update. The step drops such an update, counted.
-
-    Example:
-
-    >>> bool(fits_clip(1.0, 1.0, tf.constant(1e37)))
-    True
-    >>> bool(fits_clip(1.0, 2.0**80, tf.constant(1e20)))  # ~1.2e44
-    False
-    """
-    return unit * root <= clip_norm / float(np.finfo(np.float32).tiny)
+    squares overflow: `maths.norms.scaled_norm`), sparse gradients measured
+    on their summed rows."""
+    return norms.scaled_norm([tf.cast(summed_rows(g), tf.float32) for g in grads if g is not None])
 
 
 def clip_by_global_norm(grads, clip_norm, norm, checked=False):

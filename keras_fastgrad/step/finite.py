@@ -10,7 +10,9 @@ gradient no update could use either; it is dropped like a non-finite one.
 Under several replicas one flag per gradient is summed over them, so a NaN
 on any replica drops the micro-batch everywhere.
 
-Cost per step: one `Sum` per gradient (gradients of the same rank share
+The maths is `keras_fastgrad.maths.finite` (shared with the JAX step);
+this module adds the sparse rows and the replicas' flags. Cost per step:
+one `Sum` per gradient (gradients of the same rank share
 one constant for their axes; a scalar needs none), one `Pack`, one
 `IsFinite` and one `All`. Where it went bad (`summarize`) is worked out
 only in the branch of a dropped micro-batch.
@@ -18,30 +20,20 @@ only in the branch of a dropped micro-batch.
 
 import tensorflow as tf
 
+from keras_fastgrad.maths import finite as _maths
 from keras_fastgrad.step.gradients import values
+
+# Written once for both backends (`keras_fastgrad.maths.finite`).
+is_finite = _maths.is_finite
+
+
+def _values(grads):
+    return [None if g is None else values(g) for g in grads]
 
 
 def gradient_sums(grads):
     """float32 vector: the sum of each gradient's elements (`None`: 0)."""
-    return tf.stack(_sums(grads))
-
-
-def _sums(grads):
-    """`gradient_sums` as a list of scalars (to stack with the loss)."""
-    axes = {}  # one constant per rank, shared by the sums of that rank
-
-    def total(g):
-        if g is None:
-            return tf.constant(0.0)
-        v = values(g)
-        rank = v.shape.rank
-        if rank == 0:
-            return tf.cast(v, tf.float32)
-        if rank is not None and rank not in axes:
-            axes[rank] = tf.constant(list(range(rank)), tf.int32)
-        return tf.cast(tf.reduce_sum(v, axis=axes.get(rank)), tf.float32)
-
-    return [total(g) for g in grads]
+    return tf.stack(_maths.element_sums(_values(grads)))
 
 
 def all_finite(grads):
@@ -54,9 +46,7 @@ def all_finite(grads):
     >>> bool(all_finite([tf.constant([1.0, float("inf")])]))
     False
     """
-    if not any(g is not None for g in grads):
-        return tf.constant(True)
-    return is_finite(gradient_sums(grads))
+    return _maths.all_finite(_values(grads))
 
 
 def marks(grads, loss):
@@ -64,12 +54,7 @@ def marks(grads, loss):
     (`None`: 0), then the loss; an entry is non-finite exactly when its
     gradient (or the loss) holds NaN/Inf. One reduction per gradient and
     one stack: the whole per-step cost of the check."""
-    return tf.stack(_sums(grads) + [tf.cast(loss, tf.float32)])
-
-
-def is_finite(marks_vector):
-    """Boolean scalar: every entry of a `marks` vector is finite."""
-    return tf.reduce_all(tf.math.is_finite(marks_vector))
+    return _maths.marks(_values(grads), loss)
 
 
 def to_flags(marks_vector):

@@ -21,6 +21,7 @@ but the gradients are unscaled right away (accumulation, clipping and
 import keras
 import tensorflow as tf
 
+from keras_fastgrad.maths.loss_scale import next_scale
 from keras_fastgrad.step.gradients import scale
 from keras_fastgrad.step.replicas import in_cross_replica_context
 
@@ -134,19 +135,18 @@ class LossScaling:
             self._update(tf.constant(True), True)
 
     def _update(self, finite, counts_growth):
+        # The rule on values (`maths.loss_scale`, shared with the JAX step).
         counter = self.scaler.step_counter
         scale = self.scaler.dynamic_scale
-        zero = tf.zeros([], counter.dtype)
-        if not counts_growth:  # only an overflow acts (see `update`)
-            scale.assign(tf.where(finite, scale, scale * 0.5))
-            counter.assign(tf.where(finite, counter, zero))
-            return
-        grow = tf.logical_and(
+        new_scale, new_counter = next_scale(
+            scale.value,
+            counter.value,
             finite,
-            tf.equal(counter, self.scaler.dynamic_growth_steps - 1),
+            self.scaler.dynamic_growth_steps,
+            counts_growth,
         )
-        scale.assign(tf.where(finite, tf.where(grow, scale * 2.0, scale), scale * 0.5))
-        counter.assign(tf.where(finite, tf.where(grow, zero, counter + 1), zero))
+        scale.assign(new_scale)
+        counter.assign(new_counter)
 
     def current_scale(self):
         """float32 scalar: the loss scale (the fixed factor if set), 1

@@ -1,0 +1,1 @@
+"""Backend-neutral maths of the step's units (keras.ops, explicit inputs)."""

@@ -1,0 +1,131 @@
+"""The global L2 norm without overflow, and the clip factor it gives.
+
+Written once in `keras.ops` for both backends' steps (TensorFlow's
+`keras_fastgrad.step.clipping`, JAX's `keras_fastgrad.backend.jax_units`).
+The gradients come in as dense float32 tensors (`None` entries and sparse
+rows are the caller's: `step.gradients.summed_rows` on TensorFlow).
+
+The sum of squares of finite float32 values can exceed float32's range (a
+gradient of norm 2e20 squares to 4e40). Only then (a `cond` whose common
+branch is one `sqrt`) is the sum recomputed on the gradient times 2**-80,
+an exact power of two: the squares of finite float32 values then fit, and
+values small enough to underflow weigh nothing against a norm above 2**64.
+The norm is kept as `unit * root` (`unit` is 1, or 2**80 after a rescale),
+so that `clip_norm / norm` is computed without overflow even where the norm
+itself exceeds float32.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+# The overflow rescale: exact (a power of two); 2**-80 maps float32's
+# largest value (~2**128) to 2**48, whose square times 2**31 elements fits.
+RESCALE = 2.0**-80
+# float32's smallest normal: a clip factor below it is flushed to 0 on CPUs.
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _half_squares(parts):
+    """float32 scalar: half the sum of squares of every element of `parts`.
+
+    TensorFlow: `tf.nn.l2_loss` is one fused op per gradient and `add_n` one
+    op for the total (what the step's traced op count is held to)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.add_n([tf.nn.l2_loss(p) for p in parts])
+    total = ops.sum(ops.square(parts[0]))
+    for p in parts[1:]:
+        total = total + ops.sum(ops.square(p))
+    return total * 0.5
+
+
+def scaled_norm(parts):
+    """The global L2 norm of `parts` as `(unit, root)`, `norm = unit * root`.
+
+    Args:
+        parts: List of dense float32 tensors (no `None`).
+
+    Returns:
+        Tuple of float32 scalars `(unit, root)`: `unit` is 1, or 2**80 when
+        the squares overflow float32 (then `root` is the norm of the
+        gradient times 2**-80). Finite whenever the gradients are. `(1, 0)`
+        for no parts.
+
+    Example:
+
+    >>> unit, root = scaled_norm([keras.ops.array([3e20, 4e20])])
+    >>> float(unit) == 2.0**80, float(unit * root)
+    (True, 5.000000...e+20)
+    """
+    if not parts:
+        return ops.convert_to_tensor(1.0), ops.convert_to_tensor(0.0)
+    halves = _half_squares(parts)
+    fits = ops.isfinite(halves)
+    # The rescale is a value, not a constant: XLA rewrites `square(p * c)`
+    # for a constant `c` as `(p * p) * (c * c)`, whose `p * p` overflows
+    # again and whose `c * c` (2**-160) is 0: a NaN norm (seen on JAX).
+    shrink = ops.where(fits, 1.0, RESCALE)
+    halves = ops.cond(fits, lambda: halves, lambda: _half_squares([p * shrink for p in parts]))
+    return 1.0 / shrink, ops.sqrt(2.0 * halves)
+
+
+def global_norm(parts):
+    """float32 scalar: the global L2 norm of `parts` (`scaled_norm`'s
+    `unit * root`), finite whenever the gradients are and the norm fits.
+
+    Example:
+
+    >>> float(global_norm([keras.ops.array([3.0]), keras.ops.array([4.0])]))
+    5.0
+    """
+    unit, root = scaled_norm(parts)
+    return unit * root
+
+
+def clip_factor(clip_norm, unit, root, checked=False):
+    """`min(1, clip_norm / norm)` for a norm given as `unit * root`.
+
+    Args:
+        clip_norm: Python float > 0.
+        unit: float32 scalar from `scaled_norm`.
+        root: float32 scalar from `scaled_norm`.
+        checked: Python bool: the caller uses the factor only where the norm
+            is finite and `fits_clip` (then no op goes to the other case).
+
+    Returns:
+        Tuple `(factor, was_clipped)`: the float32 factor, finite for every
+        finite gradient, and NaN (unless `checked`) for a non-finite norm or
+        one beyond `fits_clip` (a factor the CPU would flush to 0: a
+        silently zero update); the boolean `norm > clip_norm`.
+
+    Example:
+
+    >>> factor, was_clipped = clip_factor(1.0, 2.0**80, keras.ops.array(1e-4))
+    >>> float(factor) > 0, bool(was_clipped)  # norm ~1.2e20, factor ~8e-21
+    (True, True)
+    """
+    norm = unit * root
+    was_clipped = norm > clip_norm
+    factor = ops.where(was_clipped, (clip_norm / unit) / root, 1.0)
+    if not checked:  # `fits_clip`, on the norm computed here
+        factor = ops.where(norm <= clip_norm / _TINY, factor, float("nan"))
+    return factor, was_clipped
+
+
+def fits_clip(clip_norm, unit, root):
+    """Boolean scalar: the norm `unit * root` is at most `clip_norm / tiny`
+    (float32's smallest normal), so that the clip factor `clip_norm / norm`
+    is a normal float. Beyond (a norm above ~1e38 for `clip_norm=1`, or a
+    NaN norm) the factor would be subnormal, which CPUs flush to 0: a
+    silently zero update, which the steps drop instead (counted).
+
+    Example:
+
+    >>> bool(fits_clip(1.0, 1.0, keras.ops.array(1e37)))
+    True
+    >>> bool(fits_clip(1.0, 2.0**80, keras.ops.array(1e20)))  # ~1.2e44
+    False
+    """
+    return unit * root <= clip_norm / _TINY

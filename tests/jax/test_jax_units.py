@@ -1,0 +1,106 @@
+"""The JAX step's units, now the maths written once (`keras_fastgrad.maths`)
+that the TensorFlow step runs: a finite gradient whose squares overflow
+float32 is clipped and applied on JAX as on TensorFlow, checked against
+numpy in float64; the clip and loss-scale units on values."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_fastgrad as kf
+from keras_fastgrad.backend import jax_units as units
+
+# A zero-initialised linear model on one row: the MSE gradient of the
+# kernel is -2 * y * x, here [-1.2e20, -1.6e20] (norm 2e20, squares 4e40:
+# beyond float32's ~3.4e38), every value and the loss (1e20) finite.
+X = np.array([[6e9, 8e9]], "float32")
+Y = np.array([[1e10]], "float32")
+
+
+def _linear(cls=keras.Model, **options):
+    inputs = keras.Input((2,))
+    dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+    return cls(inputs, dense(inputs), **options)
+
+
+def _numpy_step(clip_norm, lr):
+    """The kernel after one SGD step on the clipped gradient, in float64."""
+    x, y = X.astype("float64"), Y.astype("float64")
+    grad = (2 * (x @ np.zeros((2, 1)) - y) * x).T  # d/dW of (xW - y)^2
+    norm = np.sqrt(np.sum(grad**2))
+    assert np.isfinite(norm) and 1.9e20 < norm < 2.1e20
+    return -lr * grad * min(1.0, clip_norm / norm)
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_a_finite_gradient_of_norm_2e20_is_clipped_and_applied(accumulation_steps):
+    model = _linear(kf.FastGradModel, clip_norm=1.0, accumulation_steps=accumulation_steps)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    for _ in range(accumulation_steps):  # one window: the same row each time
+        model.train_on_batch(X, Y)
+    kernel = model.get_weights()[0]
+    np.testing.assert_allclose(kernel, _numpy_step(1.0, 0.1), rtol=1e-6)  # [[.06], [.08]]
+    counters = model.telemetry_counters()
+    assert counters["updates"] == 1
+    assert counters["clipped_updates"] == 1
+    assert counters["nonfinite_count"] == 0
+
+
+def _clipping(clip_norm):
+    return type("Options", (), {"clip_norm": clip_norm})()
+
+
+def test_clip_on_values_measures_past_the_overflow():
+    grads = [keras.ops.array([-1.2e20]), keras.ops.array([[-1.6e20]])]
+    for gated in (True, False):
+        clipped, norm, was_clipped, ok = units.clip(_clipping(1.0), grads, gated)
+        np.testing.assert_allclose(float(norm), 2e20, rtol=1e-6)
+        assert bool(was_clipped)
+        assert ok is None if not gated else bool(ok)
+        np.testing.assert_allclose(
+            [float(keras.ops.sum(g)) for g in clipped], [-0.6, -0.8], rtol=1e-6
+        )
+    # A norm beyond `clip_norm / tiny` (a subnormal factor): a gated update
+    # is refused (`ok` false), an ungated one gets NaN (Keras' guard).
+    huge = [keras.ops.array([3e38, 3e38])]
+    _, _, _, ok = units.clip(_clipping(1.0), huge, True)
+    assert not bool(ok)
+    clipped, _, _, _ = units.clip(_clipping(1.0), huge, False)
+    assert np.isnan(keras.ops.convert_to_numpy(clipped[0])).all()
+    # Below the clip: untouched.
+    small = [keras.ops.array([0.3, 0.4])]
+    clipped, norm, was_clipped, ok = units.clip(_clipping(1.0), small, True)
+    assert float(norm) == pytest.approx(0.5) and not bool(was_clipped) and bool(ok)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(clipped[0]), np.float32([0.3, 0.4]))
+
+
+def test_all_finite_and_the_loss_scale_rule_on_values():
+    assert bool(units.all_finite([keras.ops.array([1.0, 2e20])]))
+    assert not bool(units.all_finite([keras.ops.array([1.0]), keras.ops.array([np.nan])]))
+
+    class Scaler:
+        dynamic_growth_steps = 2
+
+    slots = type("Slots", (), {"scaler": Scaler(), "ov": {"scale": 0, "counter": 1}})()
+    ov = [keras.ops.array(8.0), keras.ops.array(0, "int32")]
+    seen = []
+    # finite, finite (grows), overflow (halves), finite outside a window's end
+    for finite, counts in [(True, True), (True, True), (False, True), (True, False)]:
+        units.update_scale(slots, ov, keras.ops.array(finite), counts)
+        seen.append((float(ov[0]), int(ov[1])))
+    assert seen == [(8.0, 1), (16.0, 0), (8.0, 0), (8.0, 0)]
+
+
+def test_a_pending_window_without_an_optimizer_is_refused_on_jax(tmp_path):
+    # `models.partial_window`'s test and refusal, shared with TensorFlow.
+    model = _linear(kf.FastGradModel, accumulation_steps=4)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.train_on_batch(np.ones((2, 2), "float32"), np.ones((2, 1), "float32"))
+    model.train_on_batch(np.ones((2, 2), "float32"), np.ones((2, 1), "float32"))
+    path = str(tmp_path / "pending.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path, compile=False)
+    with pytest.raises(ValueError, match=r"not compiled\. Received: a model with 2 micro-batches"):
+        loaded.apply_partial_window()
+    assert model.apply_partial_window()["updates"] == 1
+    assert model.apply_partial_window() is None  # nothing pending now
