@@ -1,7 +1,8 @@
 """`keras.distribution.DataParallel` over 2 host devices trains a
 `FastGradModel` as a plain `keras.Model` trains on one device (the
 equivalent big batch, `Adam(global_clipnorm=)`, the data without its NaN
-batch), with the batch sharded over both devices.
+batch), with the batch sharded over both devices; the noise scale's keys
+are those of the same `FastGradModel` on one device.
 
 JAX's host device count is fixed when it starts
 (`XLA_FLAGS=--xla_force_host_platform_device_count=2`, before `jax` is
@@ -26,39 +27,27 @@ def _cases():
     """`{name: (fastgrad options, epochs, reference)}`; a reference is
     `(batches, plain Adam options)`: the plain model's `train_on_batch`
     calls, per epoch, as row ranges."""
-    batches_16 = [(0, 16), (16, 32), (32, 48), (48, 58)]
     without_nan = [(0, 16), (32, 48), (48, 58)]
     return {
-        "default": ({}, 2, (batches_16, {})),
-        # windows [16, 16], [16, 10]: an uneven last micro-batch
-        "accumulation_2_uneven": ({"accumulation_steps": 2}, 2, ([(0, 32), (32, 58)], {})),
-        # windows [16, 16, 16] and the epoch's partial window [10]
+        # the default step (one micro-batch, one update), clipped
+        "nan_row_clip_norm": ({"clip_norm": CLIP}, 2, (without_nan, {"global_clipnorm": CLIP})),
+        # windows [16, NaN]: the first micro-batch alone; then [16, 10] (uneven)
+        "nan_row_accumulation_2": ({"accumulation_steps": 2}, 2, ([(0, 16), (32, 58)], {})),
+        # windows [16, 16, 16] and the epoch's partial window [10]; the
+        # noise scale's keys (`telemetry=True`) as on one device
         "accumulation_3_partial_window_clip_norm": (
-            {"accumulation_steps": 3, "clip_norm": CLIP},
+            {"accumulation_steps": 3, "clip_norm": CLIP, "telemetry": True},
             2,
             ([(0, 48), (48, 58)], {"global_clipnorm": CLIP}),
-        ),
-        "skip_nonfinite_nan_row_clip_norm": (
-            {"skip_nonfinite": True, "clip_norm": CLIP},
-            2,
-            (without_nan, {"global_clipnorm": CLIP}),
-        ),
-        # window [16, NaN]: the first micro-batch alone; then [16, 10]
-        "skip_nonfinite_nan_row_accumulation_2": (
-            {"accumulation_steps": 2},
-            2,
-            ([(0, 16), (32, 58)], {}),
         ),
     }
 
 
 # By hand: updates, non-finite micro-batches over the two epochs.
 EXPECTED_COUNTS = {
-    "default": (8.0, 0.0),
-    "accumulation_2_uneven": (4.0, 0.0),
+    "nan_row_clip_norm": (6.0, 2.0),
+    "nan_row_accumulation_2": (4.0, 2.0),
     "accumulation_3_partial_window_clip_norm": (4.0, 0.0),
-    "skip_nonfinite_nan_row_clip_norm": (6.0, 2.0),
-    "skip_nonfinite_nan_row_accumulation_2": (4.0, 2.0),
 }
 
 
@@ -98,16 +87,25 @@ def _run_cases(out_path):
         with distribution.scope():
             model = mlp(kf.FastGradModel, **options)
             model.compile(keras.optimizers.Adam(1e-2), "mse")
-            model.fit(xs, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+            fit = dict(batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+            history = model.fit(xs, y, **fit).history
             kernel = model.trainable_variables[0].value
+        sharded = list(seen)
         counters = model.telemetry_counters()
+        gns = {}
+        if options.get("telemetry"):  # the same FastGradModel on one device
+            alone = mlp(kf.FastGradModel, **options)
+            alone.compile(keras.optimizers.Adam(1e-2), "mse")
+            one = alone.fit(xs, y, **fit).history
+            gns = {k: (history[k], one[k]) for k in history if k.startswith("gns_")}
         results[name] = {
             "max_diff": max_diff(plain, model),
             "updates": counters["updates"],
             "nonfinite_count": counters["nonfinite_count"],
-            "batch_devices": sorted({len(s.device_set) for s in seen}),
-            "batch_specs": sorted({str(tuple(s.spec)) for s in seen}),
+            "batch_devices": sorted({len(s.device_set) for s in sharded}),
+            "batch_specs": sorted({str(tuple(s.spec)) for s in sharded}),
             "kernel_devices": len(kernel.sharding.device_set),
+            "gns": gns,
         }
     with open(out_path, "w") as f:
         json.dump(results, f)
@@ -145,6 +143,11 @@ def test_data_parallel_equals_one_device(results, case):
     assert result["kernel_devices"] == 2
     assert result["max_diff"] < TOL, result
     assert (result["updates"], result["nonfinite_count"]) == EXPECTED_COUNTS[case]
+    if case.startswith("accumulation_3"):  # the noise scale's keys
+        assert sorted(result["gns"]) == ["gns_grad_sq", "gns_simple", "gns_trace"]
+        for key, (sharded, alone) in result["gns"].items():
+            assert np.isfinite(alone).all(), key
+            np.testing.assert_allclose(sharded, alone, rtol=1e-4, err_msg=key)
 
 
 if __name__ == "__main__":

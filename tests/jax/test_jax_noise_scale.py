@@ -87,7 +87,7 @@ _CASES = {
                                                       [(24, 32), (32, 40), (40, 48)],
                                                       [(48, 56), (56, 61)]]),
     # a NaN micro-batch (rows 8-16) left out of the window and the estimate
-    "nonfinite_left_out": ({"accumulation_steps": 3}, {"jit_compile": False},
+    "nonfinite_left_out": ({"accumulation_steps": 3}, {},
                            [[(0, 8), (16, 24)], [(24, 32), (32, 40), (40, 48)],
                             [(48, 56), (56, 61)]]),
     # the gradients the estimate reads are unscaled (loss scale 2**15)
