@@ -527,3 +527,10 @@ PRIVATE_NAMES = (
     ("tf.distribute.StrategyExtended", "_in_multi_worker_mode"),
     ("tf.distribute.StrategyExtended", "_use_merge_call"),
 )
+
+
+# Keras' JAX trainer (keras/src/backend/jax/trainer.py, 3.15) reads the
+# model's variable lists, for the state it threads through the jitted
+# step, in these methods: `fit` calls them between batches, outside the
+# train function.
+JAX_STATE_METHODS = ("_get_jax_state", "jax_state_sync")

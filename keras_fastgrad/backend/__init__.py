@@ -152,9 +152,10 @@ def check_telemetry_keys(keys):
 
 
 def check_callback(callback, model=None):
-    """Refuses, on JAX, a keras_fastgrad callback on a plain model's `fit`
-    (only a `FastGradModel` has the JAX step), and the callbacks not ported
-    (`RetraceWatch`); a no-op on TensorFlow.
+    """Refuses, on JAX, the callbacks not ported (`RetraceWatch`), and the
+    others on a plain model's `fit` under a `keras.distribution`; a no-op
+    on TensorFlow. (On a plain model's `fit` they attach the step as on
+    TensorFlow: `models.adapt`.)
 
     Raises:
         NotImplementedError: naming the callback.
@@ -162,12 +163,17 @@ def check_callback(callback, model=None):
     if not is_jax():
         return
     name = type(callback).__name__
+    if name in _JAX_REFUSED_CALLBACKS:
+        raise not_on_jax(f"The callback `{name}`", f"{name}(...)")
     plain = model is not None and not any(
         c.__name__ == "FastGradModel" for c in type(model).__mro__
     )
-    if name in _JAX_REFUSED_CALLBACKS or plain:
-        what = f"The callback `{name}`"
-        if plain:
-            what += " on a plain Keras model's `fit`"
-        fix = "" if not plain else "build the model as a `keras_fastgrad.FastGradModel`, or "
-        raise not_on_jax(what, f"{name}(...)", fix)
+    distribution = keras.distribution.distribution()
+    if plain and distribution is not None:  # its sharded state: untested
+        raise not_on_jax(
+            f"The callback `{name}` on a plain Keras model's `fit` under a "
+            "`keras.distribution`",
+            f"{name}(...) with distribution={distribution!r}",
+            "build the model as a `keras_fastgrad.FastGradModel` (or "
+            "`keras_fastgrad.fastgrad(model)`), which trains under `DataParallel`, or ",
+        )

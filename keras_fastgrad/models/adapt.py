@@ -26,6 +26,7 @@ import keras
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
+from keras_fastgrad import backend as _backend
 from keras_fastgrad.models._keras_hooks import functional_variant
 from keras_fastgrad.models.model import (
     OPTION_NAMES,
@@ -198,6 +199,7 @@ class _Attachment:
         self.used = False  # a train function was made: the `fit` started
         self.prepared = False
         self.detached = False
+        self.state_from_step = False  # JAX: the last state came from the step
         before = set(vars(model))
         model.__class__ = self.step_class
         try:
@@ -208,6 +210,9 @@ class _Attachment:
         # `object.__setattr__`: not tracked by Keras (nor saved).
         object.__setattr__(model, "_fg_attachment", self)
         object.__setattr__(model, "make_train_function", self.make_train_function)
+        if _backend.is_jax():
+            for name in compat.JAX_STATE_METHODS:
+                object.__setattr__(model, name, self._jax_state_method(name))
         model.train_function = None  # traced again, with the step
 
     def __enter__(self):
@@ -239,28 +244,46 @@ class _Attachment:
         traced = model.train_function
         self.used = True
 
-        def train_function(iterator):
-            return self.train_function(traced, iterator)
+        def train_function(*args):  # TF: `(iterator)`; JAX: `(state, iterator)`
+            return self.train_function(traced, *args)
 
         model.train_function = train_function
         return train_function
 
-    def train_function(self, traced, iterator):
+    def train_function(self, traced, *args):
         if not self.prepared:
             # No callback of ours announced this call: the `fit` that
             # attached the step raised, and this is a later training call
             # (a `fit` without our callbacks, `train_on_batch`).
             self.detach()
             self.model.make_train_function()
-            return self.model.train_function(iterator)
+            return self.model.train_function(*args)
         self.prepared = False
+        self.state_from_step = True
         with self:  # tracing (first call, new shapes) needs the class
-            return traced(iterator)
+            return traced(*args)
+
+    def _jax_state_method(self, name):
+        """Keras' JAX trainer method `name` (`compat.JAX_STATE_METHODS`),
+        run on the step's variable lists (the step's own variables ride
+        at the end of `non_trainable_variables`) when the state it reads
+        or writes is the step's: the state a prepared call will take, or
+        the one the step returned last."""
+        original = getattr(self.original, name)
+
+        def method(*args, **kwargs):
+            from_step = self.prepared if name == "_get_jax_state" else self.state_from_step
+            if not from_step or self.detached:
+                return original(self.model, *args, **kwargs)
+            with self:
+                return original(self.model, *args, **kwargs)
+
+        return method
 
     def detach(self):
         model = self.model
         self.detached = True
-        for name in ("_fg_attachment", "make_train_function"):
+        for name in ("_fg_attachment", "make_train_function", *compat.JAX_STATE_METHODS):
             if name in vars(model):
                 object.__delattr__(model, name)
         if self.depth == 0:
