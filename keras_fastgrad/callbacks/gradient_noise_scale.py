@@ -19,7 +19,10 @@ class GradientNoiseScale(_base.FastGradCallback):
     sizes (each micro-batch, slice or replica: the small batch; the
     optimizer update's window: the big one), with the paper's unbiased
     estimators (App. A.1) and exponential moving averages of both,
-    in-graph (XLA, `steps_per_execution`, `MirroredStrategy` alike). Logs:
+    in-graph (XLA, `steps_per_execution`, `MirroredStrategy` alike). On
+    Keras' JAX backend the small batches are the micro-batches of an
+    accumulation window only (`accumulation_steps>=2`; not `micro_batches`
+    slices, nor a `keras.distribution`'s devices). Logs:
 
     - `gns_simple`: `B_simple`, in samples (rows), NaN before the first
       update;
@@ -44,7 +47,8 @@ class GradientNoiseScale(_base.FastGradCallback):
     Raises:
         ValueError: for invalid arguments; at `fit`, when the step holds
             only one batch size (no `accumulation_steps`, `micro_batches` or
-            replicas: set `accumulation_steps>=2` or `micro_batches>=2`),
+            replicas: set `accumulation_steps>=2` or `micro_batches>=2`;
+            on JAX, without `accumulation_steps`),
             for a multi-task model, and, when the step is traced, with
             sample weights or a `reduction="sum"` loss (each row must count
             as one sample).
