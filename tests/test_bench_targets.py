@@ -192,7 +192,7 @@ def test_bench_targets_main_times_a_row_against_its_anchor(bench_targets, tmp_pa
         module.main(["--mixed", "--cpu"])
 
 
-@pytest.mark.slow  # two fresh processes, each timing 7 models
+@pytest.mark.slow  # two fresh processes: 7 models in graph mode, then 2 under XLA
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     import subprocess
     import sys
@@ -210,5 +210,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     table = (tmp_path / "gpu_check.md").read_text()
     assert "- graph: ok" in table and "- XLA: ok" in table
     assert "mixed_float16" not in table.split("Phases:")[1]  # GPU-only: left out
+    for row in (  # every row the GPU run times, built and timed in graph mode
+        "default / keras.Model gated on finite gradients | <= 1.03 |",
+        "default / keras.Model (not gated) |  |",
+        "accumulation_steps=4 / gradient_accumulation_steps=4 gated | <= 1.03 |",
+        "clip_norm=1 / global_clipnorm=1 | <= 1.05 |",
+    ):
+        assert f"| MLP 64-3x256-10: {row}" in table, row
     assert "default / keras.Model gated on finite gradients [XLA] | <= 1.03 |" in table
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["targets.json", "targets_xla.json"]
