@@ -37,14 +37,10 @@ JAX_SUPPORTS = (
 )
 
 # The options whose non-default values the JAX step does not implement yet.
-_JAX_REFUSED_OPTIONS = (
-    "clip_adaptive",
-    "multitask",
-    "micro_batches",
-)
+_JAX_REFUSED_OPTIONS = ("multitask",)
 
 # The keras_fastgrad callbacks the JAX step does not serve yet (by name).
-_JAX_REFUSED_CALLBACKS = ("RetraceWatch",)
+_JAX_REFUSED_CALLBACKS = ()
 
 
 def is_jax():

@@ -45,6 +45,8 @@ def train_step(model, state, data):
         `(logs, state)`, as Keras' `JAXTrainer.train_step`.
     """
     tv, ntv, ov, mv = (list(s) for s in state)
+    if any(isinstance(v, jax.core.Tracer) for v in tv[:1]):  # traced (jit): counted, as on TF
+        model.fastgrad_step_state.trace_count += 1
     slots = Slots(model)
     noise.add_slots(model, slots)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -4,6 +4,7 @@ why it probably did."""
 import warnings
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad import backend
 from keras_fastgrad.callbacks import _base
 
 TRAIN_TRACES = "train_traces"
@@ -38,6 +39,11 @@ class RetraceWatch(_base.FastGradCallback):
     the step again for the new shape. The step counts input-shape changes
     (`input_shape_changes`), and under `jit_compile=True` the watch warns,
     once per `fit`, when the input shape changed (same fixes).
+
+    On Keras' JAX backend the count is that of the jitted step's traces:
+    `jax.jit` traces (and compiles) the step again for every new input
+    shape, a short last batch included, so the trace count warns for it
+    directly (with `jit_compile=False` nothing is traced: 0).
 
     Args:
         max_traces: Integer >= 1, defaults to `1`. Traces of the train step
@@ -106,8 +112,8 @@ class RetraceWatch(_base.FastGradCallback):
 
     def _watch_xla_recompiles(self, batch, logs):
         changes = (logs or {}).get("input_shape_changes")
-        if changes is None or self.model.jit_compile is not True:
-            return
+        if changes is None or self.model.jit_compile is not True or backend.is_jax():
+            return  # (on JAX, jit traces again for a new shape: counted above)
         if self._shape_changes is None:
             self._shape_changes = changes
         if changes > self._shape_changes and not self._xla_warned:

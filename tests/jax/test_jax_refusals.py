@@ -40,14 +40,6 @@ def test_batchnorm_window_statistics_refused_when_training():
     assert model.telemetry_counters()["updates"] == 0.0
 
 
-def test_fastgrad_callbacks_not_ported_refused():
-    model = mlp(kf.FastGradModel)
-    model.compile("adam", "mse")
-    x, y = data()
-    with pytest.raises(NotImplementedError, match=f"`RetraceWatch`.*{NOT_YET}"):
-        model.fit(x, y, verbose=0, callbacks=[kf.callbacks.RetraceWatch()])
-
-
 def test_fixed_loss_scale_factor_refused():
     model = mlp(kf.FastGradModel)
     model.compile(keras.optimizers.SGD(loss_scale_factor=8.0), "mse")
