@@ -82,8 +82,10 @@ def _batches(x, y, bounds):
 
 # (FastGradModel options, compile options, the windows' batches as row ranges)
 _CASES = {
-    # windows [8, 8, 8] x 2, then the epoch's partial window [8, 5] (flushed)
-    "partial_window": ({"accumulation_steps": 3}, {}, [[(0, 8), (8, 16), (16, 24)],
+    # windows [8, 8, 8] x 2, then the epoch's partial window [8, 5] (flushed);
+    # on JAX a micro-batch is a small batch whole, its `micro_batches` slices
+    # are not measured apart
+    "partial_window_micro_batches": ({"accumulation_steps": 3, "micro_batches": 2}, {}, [[(0, 8), (8, 16), (16, 24)],
                                                       [(24, 32), (32, 40), (40, 48)],
                                                       [(48, 56), (56, 61)]]),
     # a NaN micro-batch (rows 8-16) left out of the window and the estimate
@@ -130,16 +132,20 @@ def test_equals_the_paper_estimators_on_numpy_gradients(case):
 
 
 def test_telemetry_true_adds_the_keys_with_accumulation_only():
+    # (on TensorFlow `micro_batches` alone is measured: its slices)
     x = np.random.default_rng(2).normal(size=(32, 5)).astype("float32")
     y = x[:, :2] * 2.0
     keys = {}
-    for name, options in (("one_batch", {}), ("accumulation", {"accumulation_steps": 2})):
+    for name, options in (
+        ("slices", {"micro_batches": 2}),
+        ("accumulation", {"accumulation_steps": 2}),
+    ):
         model = _linear(5, 2, [np.ones((5, 2)), np.zeros(2)], telemetry=True, **options)
         model.compile(keras.optimizers.SGD(0.01), "mse")
         history = model.fit(x, y, batch_size=4, verbose=0)
         keys[name] = {k for k in history.history if k.startswith("gns")}
         assert all(np.isfinite(history.history[k][-1]) for k in keys[name])
-    assert keys == {"one_batch": set(), "accumulation": set(KEYS)}
+    assert keys == {"slices": set(), "accumulation": set(KEYS)}
 
 
 def test_one_batch_size_refused_naming_accumulation():
