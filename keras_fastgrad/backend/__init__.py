@@ -12,6 +12,8 @@ Supported on JAX: `accumulation_steps` (exact: uneven batches, sample
 weights, masked and per-pixel losses, the partial window at an epoch's end,
 `apply_partial_window`), `clip_norm`, `skip_nonfinite`,
 `max_consecutive_nonfinite`, `LossScaleOptimizer` / `mixed_float16`,
+`micro_batches` (exact, `keras_fastgrad.backend.jax_micro_batches`),
+`clip_adaptive` (`keras_fastgrad.backend.jax_agc`),
 `batchnorm_statistics="micro_batch"` (or BatchNorm without a split batch),
 `steps_per_execution`, `jit_compile`, `evaluate`, `train_on_batch`, saving,
 `telemetry` and `enable_telemetry` with the fixed keys (`LOG_KEYS`:
@@ -28,7 +30,8 @@ import keras
 
 JAX_SUPPORTS = (
     "accumulation_steps, clip_norm, skip_nonfinite, max_consecutive_nonfinite, "
-    "LossScaleOptimizer / mixed_float16, batchnorm_statistics='micro_batch', "
+    "LossScaleOptimizer / mixed_float16, micro_batches, clip_adaptive, "
+    "batchnorm_statistics='micro_batch', "
     "steps_per_execution, jit_compile, evaluate, train_on_batch, saving, "
     "telemetry / enable_telemetry with the keys of LOG_KEYS, the callbacks "
     "GradientNormLogger, NonFiniteGuard, TapeVariableCounter on a FastGradModel, "
@@ -107,14 +110,19 @@ def check_model(model):
     if pools_window(model):
         raise not_on_jax(
             "BatchNorm window statistics (`batchnorm_statistics='window'`, "
-            "the default, with `accumulation_steps` > 1 and a "
+            "the default, with `accumulation_steps` or `micro_batches` > 1 and a "
             "`BatchNormalization` layer)",
             f"batchnorm_statistics={model.batchnorm_statistics!r}, "
-            f"accumulation_steps={model.accumulation_steps}",
-            "pass `batchnorm_statistics='micro_batch'` (each micro-batch moves "
-            "the moving statistics, as Keras' own accumulation does), or ",
+            f"accumulation_steps={model.accumulation_steps}, "
+            f"micro_batches={model.micro_batches}",
+            "pass `batchnorm_statistics='micro_batch'` (each micro-batch, or "
+            "slice, moves the moving statistics, as Keras' own accumulation "
+            "does), or ",
         )
-    check_telemetry_keys(model.fastgrad_step_state.log_keys)
+    keys = model.fastgrad_step_state.log_keys
+    if model.telemetry:  # `telemetry=True` adds AGC's key: not logged on JAX
+        keys = keys - {"agc_clipped_fraction"}
+    check_telemetry_keys(keys)
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if getattr(inner, "loss_scale_factor", None) is not None:

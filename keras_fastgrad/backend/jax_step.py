@@ -26,10 +26,10 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.backend import jax_agc, jax_micro_batches, jax_weighting
 from keras_fastgrad.backend import jax_noise_scale as noise
 from keras_fastgrad.backend import jax_telemetry as telemetry
 from keras_fastgrad.backend import jax_units as units
-from keras_fastgrad.backend import jax_weighting
 from keras_fastgrad.backend.jax_state import Slots
 
 
@@ -90,6 +90,10 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     """`(grads, D, mean, aux)`: the unscaled gradient (times the share `D`
     when accumulating), the share, whether the window divides by its sum,
     and Keras' `aux` (`unscaled_loss, y_pred, non_trainable, metrics`)."""
+    if model.micro_batches > 1:
+        return jax_micro_batches.sliced_gradients(
+            model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms
+        )
     tv, ntv, ov, mv = state
     rows = keras.tree.flatten(x)[0].shape[0]
     found = {"mean": True}
@@ -135,10 +139,14 @@ def _check_extra_terms(model, mean, by_rows):
     extra = extra or regularized_variables(model)
     if extra and not (mean and by_rows):
         raise not_on_jax(
-            "Accumulating a loss with terms beyond the output losses (regularisers, "
+            "Combining micro-batches of a loss with terms beyond the output losses (regularisers, "
             "`add_loss`, an overridden `compute_loss`) under a masked, weighted or "
             '`reduction="sum"` output loss',
-            f"accumulation_steps={model.accumulation_steps}",
+            ", ".join(
+                f"{name}={getattr(model, name)}"
+                for name in ("accumulation_steps", "micro_batches")
+                if getattr(model, name) > 1
+            ),
         )
 
 
@@ -146,9 +154,11 @@ def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
     """No accumulation: the micro-batch's update, or its drop."""
     units.update_scale(slots, ov, finite, counts_growth=True)
     raw = grads
+    grads, agc_ok = jax_agc.clip(model, tv, grads)  # (grads, None) when off
     grads, norm, was_clipped, ok = units.clip(model, grads, drops)
     if norm is None and "grad_norm" in telemetry.requested(model):
         norm = units.global_norm(raw)  # before clipping (none here)
+    ok = jax_agc.both(ok, agc_ok)
     if drops:
         keep = finite if ok is None else finite & ok
         new["nonfinite_count"] += ops.cast(~keep, "float32")
@@ -159,6 +169,9 @@ def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
     else:  # ungated: applied as keras.Model does (no check, no count, as on TF)
         keep = True
         do_apply = ops.convert_to_tensor(True)
+        if agc_ok is not None:  # but AGC never applies a non-finite update
+            do_apply = agc_ok
+            jax_agc.record_drop(new, ~agc_ok, jax_agc.counted(model, finite))
     tv, ov = units.apply_if(slots, tv, ov, grads, do_apply)
     units.record_update(new, do_apply, norm, was_clipped)
     return keep, tv, ov
@@ -203,12 +216,14 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
             grads = [g * inverse for g in s]
         unclipped = grads
         big_sq = noise.big_squared_norm(model, unclipped)
+        grads, agc_ok = jax_agc.clip(model, t, grads)  # (grads, None) when off
         grads, norm, was_clipped, ok = units.clip(model, grads, gated)
         if measures and not clipping:  # the `grad_norm` key
             norm = units.global_norm(unclipped)
         update_ok = True
         if gated:
             update_ok = units.all_finite(grads) if ok is None else ok
+        update_ok = update_ok if agc_ok is None else agc_ok & update_ok
         t, o = units.stateless_apply_if(slots.inner, t, o, grads, update_ok)
         if not measures:
             norm = ops.zeros((), "float32")
@@ -231,6 +246,9 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
     applied = do_window & update_ok
     if gated:
         units.record_dropped_update(new, do_window & ~update_ok)
+    elif model.clip_adaptive is not None:  # AGC's drop of a window
+        counted = jax_agc.counted(model, units.all_finite(sums))
+        jax_agc.record_drop(new, do_window & ~update_ok, counted)
     units.record_update(new, applied, norm if measures else None, was_clipped if clipping else None)
     if slots.scaler is not None:  # growth counts applied updates
         grown = list(ov)

@@ -31,55 +31,25 @@ A finite gradient whose unit norm overflows float32 (above ~1.8e19) would
 get the factor `max_norm / inf = 0`, a silently zero unit: the step drops
 such an update instead (`Clipped.all_finite` is false), as it drops a
 non-finite one. A NaN or Inf gradient stays non-finite.
-"""
 
-import collections
+The dense maths is `keras_fastgrad.maths.adaptive_clipping` (`keras.ops`,
+shared with the JAX step; here with the fused norm, the same op count as
+before); the sparse path (`tf.IndexedSlices`) is TensorFlow's own.
+"""
 
 import keras
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.maths import adaptive_clipping as agc_maths
+from keras_fastgrad.maths.adaptive_clipping import (
+    DEFAULT_EPSILON,
+    Clipped,
+    unit_axes,
+)
 from keras_fastgrad.step.gradients import summed_slices
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 from keras_fastgrad.step.verdict import _COUNT_KEYS
-
-# The paper's and optax's default: weights initialised to zero (biases,
-# some gains) may still move by `lambda * eps` per unit.
-DEFAULT_EPSILON = 1e-3
-
-
-class Clipped(
-    collections.namedtuple("Clipped", ["grads", "all_finite", "clipped_units", "num_units"])
-):
-    """What `clip_unitwise` returns.
-
-    Fields:
-        grads: The clipped gradients (sparse kept sparse, `None` kept).
-        all_finite: Boolean scalar: every unit's gradient norm is finite
-            (so every gradient is finite, and none overflowed).
-        clipped_units: float32 scalar, how many units were clipped
-            (`None` when not counted).
-        num_units: Python int, how many units the weights have (a unit
-            of a table row not in a sparse gradient counts, unclipped).
-    """
-
-
-def unit_axes(rank, rows=False):
-    """The axes a unit's norm runs over (`None`: the whole weight).
-
-    Args:
-        rank: Python int, the weight's rank.
-        rows: Python bool, the units are the first axis' entries (an
-            embedding table) rather than the last's (a kernel).
-
-    Example:
-
-    >>> unit_axes(2), unit_axes(4), unit_axes(2, rows=True), unit_axes(1)
-    ((0,), (0, 1, 2), (1,), None)
-    """
-    if rank <= 1:
-        return None
-    return tuple(range(1, rank)) if rows else tuple(range(rank - 1))
 
 
 def row_unit_variables(model):
@@ -146,23 +116,21 @@ def _clip_weight(g, w, row_units, bounds, norm):
     """One weight's gradient clipped unit-wise: `(clipped, ||g_i||,
     max_norm_i, number of units)`; a table's sparse gradient on its rows."""
     clipping, eps = bounds
+    sparse_rows = isinstance(g, tf.IndexedSlices) and row_units and w.shape.rank > 1
+    if not sparse_rows:  # dense (units across a sparse gradient's rows: made dense)
+        g = tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+        return agc_maths.clip_weight(g, w, row_units, clipping, eps, norm=norm)
     w = tf.cast(w, tf.float32)
-    axes = unit_axes(w.shape.rank, row_units)
-    units = 1 if axes is None else w.shape[0 if row_units else -1]
-    if isinstance(g, tf.IndexedSlices) and axes is not None and row_units:
-        g = summed_slices(g)  # each row once: its norm is the dense row's
-        w = tf.gather(w, g.indices)
-    elif isinstance(g, tf.IndexedSlices):  # units across rows: dense
-        g = tf.convert_to_tensor(g)
-    values = tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
+    axes, units = unit_axes(w.shape.rank, row_units), w.shape[0]
+    g = summed_slices(g)  # each row once: its norm is the dense row's
+    w = tf.gather(w, g.indices)
+    values = tf.cast(g.values, tf.float32)
     g_norm = norm(values, axes)
     max_norm = clipping * tf.maximum(norm(w, axes), eps)
     # `max_norm > 0` (checked options): a zero unit's factor is 1. An
     # overflowing or non-finite norm gives 0 or NaN here, and the flag.
     values = values * tf.minimum(1.0, max_norm / g_norm)
-    if isinstance(g, tf.IndexedSlices):
-        values = tf.IndexedSlices(values, g.indices, g.dense_shape)
-    return values, g_norm, max_norm, units
+    return tf.IndexedSlices(values, g.indices, g.dense_shape), g_norm, max_norm, units
 
 
 def _fused_norm(x, axes):

@@ -12,11 +12,7 @@ NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
 
 @pytest.mark.parametrize(
     "option",
-    [
-        {"clip_adaptive": 0.01},
-        {"multitask": "pcgrad"},
-        {"micro_batches": 2},
-    ],
+    [{"multitask": "pcgrad"}],
     ids=lambda o: next(iter(o)),
 )
 def test_options_refused_at_construction(option):

@@ -1,0 +1,69 @@
+"""Adaptive gradient clipping (`clip_adaptive`) in the JAX step.
+
+The maths is `keras_fastgrad.maths.adaptive_clipping` (backend-neutral,
+the paper's equation unit by unit); this module applies it in the JAX
+step as the TensorFlow unit (`keras_fastgrad.step.adaptive_clipping`) does
+in the TensorFlow step: after accumulation, unscaling and the division by
+the normaliser, before `clip_norm`, on the update's gradient, with the
+weights as they are before the update. A non-finite gradient never reaches
+the weights, with either `skip_nonfinite` (the unit norms' flag); a unit
+norm that overflows float32 drops the update too.
+"""
+
+from keras import ops
+
+from keras_fastgrad.backend import jax_telemetry as telemetry
+from keras_fastgrad.maths.adaptive_clipping import clip_unitwise
+from keras_fastgrad.step.adaptive_clipping import row_unit_variables
+
+
+def clip(model, tv, grads):
+    """`(grads, ok)`: the gradient clipped by `model.clip_adaptive`, and
+    whether the update may be applied (`ok` is `None`: AGC is off).
+
+    Args:
+        model: The `FastGradModel`.
+        tv: The trainable variables' values before the update (the state
+            tuple's, in `model.trainable_variables`' order).
+        grads: The update's float32 gradients, in the same order.
+    """
+    if model.clip_adaptive is None:
+        return grads, None
+    tables = row_unit_variables(model)
+    out = clip_unitwise(
+        grads,
+        tv,
+        [id(v) in tables for v in model.trainable_variables],
+        model.clip_adaptive,
+        model.clip_adaptive_eps,
+        count=False,
+    )
+    return out.grads, out.all_finite
+
+
+def record_drop(new, dropped, counted=None):
+    """An update AGC's check dropped (`dropped`: boolean scalar), counted
+    as non-finite and towards the divergence streak, once: `counted`
+    (boolean scalar, or `None`) marks one already counted as a non-finite
+    micro-batch (`skip_nonfinite=False` with a `nonfinite_*` key)."""
+    fresh = dropped if counted is None else dropped & ~counted
+    new["nonfinite_count"] += ops.cast(fresh, "float32")
+    new["streak"] += ops.cast(dropped, "float32")
+    new["first_index"] = ops.where(fresh, -1.0, new["first_index"])
+
+
+def both(ok, agc_ok):
+    """`clip_norm`'s check of the update (`ok`) and AGC's, together
+    (`None`: neither checks)."""
+    if agc_ok is None or ok is None:
+        return ok if agc_ok is None else agc_ok
+    return ok & agc_ok
+
+
+def counted(model, finite):
+    """Whether an ungated non-finite update (`finite`: boolean scalar) was
+    counted already: its micro-batches were, while a `nonfinite_*` key is
+    requested (`jax_telemetry.record_ungated`); `None` when never."""
+    if telemetry.requested(model) & set(telemetry.COUNT_KEYS):
+        return ~finite
+    return None
