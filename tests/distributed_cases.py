@@ -1,10 +1,15 @@
 """MirroredStrategy cases, run in a subprocess by end_to_end/test_distributed.py.
 
 Two logical CPU devices must be configured before TensorFlow initialises,
-so this runs as its own process: `python distributed_cases.py OUT.json`.
-Each case trains a single-device reference and the same model under
-`MirroredStrategy` on the same global batches, and records what the test
-asserts (max weight difference, logs, replica agreement).
+so this runs as its own process: `python distributed_cases.py OUT.json
+[CASE ...]` (every case by default). Each case trains a single-device
+reference and the same model under `MirroredStrategy` on the same global
+batches, and records what the test asserts (max weight difference, logs,
+replica agreement). Every MirroredStrategy case of the suite is here, those
+written beside a feature's tests too (mirrored_adaptive_clipping.py,
+mirrored_multitask.py, step/gns_mirrored.py, the `mirrored_*` functions of
+models/test_keras_hooks.py and step/test_batchnorm.py): one process for
+them all (TensorFlow's start and the strategy's, about 7 s of CPU, once).
 """
 
 import json
@@ -243,6 +248,48 @@ def case_batchnorm_window():
     return result
 
 
+# ---------------------------------------- the cases of a feature's own tests
+# (All under the one STRATEGY: two MirroredStrategy objects in one process
+# draw the same collective keys, and their all-reduces collide.)
+def case_adaptive_clipping():
+    import mirrored_adaptive_clipping
+
+    return mirrored_adaptive_clipping.results(STRATEGY)
+
+
+def case_noise_scale():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "step"))
+    import gns_mirrored
+
+    return gns_mirrored.results(STRATEGY)
+
+
+def case_multitask_merger_pcgrad():
+    import mirrored_multitask
+
+    return mirrored_multitask.results(STRATEGY, "test_merger", "pcgrad")
+
+
+def case_multitask_features_mgda():
+    import mirrored_multitask
+
+    return mirrored_multitask.results(STRATEGY, "test_feature_space", "mgda")
+
+
+def case_training_only_layer():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "models"))
+    from test_keras_hooks import mirrored_training_only_layer
+
+    return mirrored_training_only_layer(STRATEGY)
+
+
+def case_synchronized_batchnorm_micro_batches():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "step"))
+    from test_batchnorm import mirrored_synchronized_micro_batches
+
+    return mirrored_synchronized_micro_batches(STRATEGY)
+
+
 CASES = {
     name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
 }
@@ -253,6 +300,7 @@ def main():
     results = {}
     for name in names:
         keras.backend.clear_session()
+        keras.mixed_precision.set_global_policy("float32")
         try:
             results[name] = CASES[name]()
         except Exception as e:  # record, so every other case still reports

@@ -97,31 +97,3 @@ def between_middle(ratios):
     k = len(r) // 2
     assert r[k - 1] < r[k]
     return float(np.sqrt(r[k - 1] * r[k]))
-
-
-def run_mirrored_multitask(tmp_path, module, method):
-    """Runs `tests/mirrored_multitask.py` for a test module and an
-    aggregator in a fresh process; returns its result per accumulation
-    setting (`{"acc1": {...}, "acc2": {...}}`)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    tests = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(tests)
-    out = tmp_path / "result.json"
-    env = dict(
-        os.environ,
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    )
-    done = subprocess.run(
-        [sys.executable, os.path.join(tests, "mirrored_multitask.py"), str(out), module, method],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())

@@ -1,6 +1,6 @@
-"""Adaptive clipping under MirroredStrategy (2 logical CPUs), run in a
-subprocess by end_to_end/test_adaptive_clipping_fit.py:
-`python mirrored_adaptive_clipping.py OUT.json`.
+"""Adaptive clipping under MirroredStrategy (2 logical CPUs): a case of
+distributed_cases.py (the process that sets the devices up), asserted by
+end_to_end/test_distributed.py.
 
 Each case: one update of a FastGradModel(clip_adaptive=lam) under the
 strategy on a global batch, against the plain keras.Model's gradient of
@@ -8,16 +8,8 @@ that batch (single device), clipped by `helpers.np_agc`, then one SGD step
 in numpy. Clipping each replica's gradient before the sum would differ.
 """
 
-import json
 import os
 import sys
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-import tensorflow as tf
-
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras
 import numpy as np
@@ -36,15 +28,13 @@ from test_adaptive_clipping_fit import (  # noqa: E402
     tokens,
 )
 
-STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
-
-def case(build, x, y, **options):
+def case(strategy, build, x, y, **options):
     ref = build(keras.Model)
     grads = keras_gradient(ref, x, y, "mse")
     lam = median_lambda(ref, grads)
     expected, n_clipped = reference_step(ref, grads, lam)
-    with STRATEGY.scope():
+    with strategy.scope():
         model = build(FG, clip_adaptive=lam, **options)
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     steps = options.get("accumulation_steps", 1)
@@ -59,17 +49,11 @@ def case(build, x, y, **options):
     }
 
 
-def main(out):
+def results(strategy):
     x, y = data(n=8, outputs=2)
     t, u = tokens()
-    result = {
-        "dense": case(dense, x, y),
-        "dense_acc2": case(dense, x, y, accumulation_steps=2),
-        "embedding": case(embedding, t, u),
+    return {
+        "dense": case(strategy, dense, x, y),
+        "dense_acc2": case(strategy, dense, x, y, accumulation_steps=2),
+        "embedding": case(strategy, embedding, t, u),
     }
-    with open(out, "w") as f:
-        json.dump(result, f)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

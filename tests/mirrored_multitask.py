@@ -1,30 +1,26 @@
 """A multi-task model on one device and on two replicas (two logical CPUs,
-`MirroredStrategy`), accumulation 1 and 2; run in a fresh process (the
-logical devices must be set before TensorFlow starts) by
-`helpers.run_mirrored_multitask`.
+`MirroredStrategy`), accumulation 1 and 2: cases of distributed_cases.py
+(the process that sets the devices up), asserted by
+end_to_end/test_distributed.py.
 
-    python tests/mirrored_multitask.py OUT.json MODULE METHOD
-
-`MODULE` (a test module's name, found in any folder of tests/) provides
-`build`, `compiled`, `make_data`, `weights_of` and optionally
-`mirrored_probe(model, x, y) -> dict` (facts about the untrained model,
-added to the result).
+`results(MODULE, METHOD)`: `MODULE` (a test module's name, found in any
+folder of tests/) provides `build`, `compiled`, `make_data`, `weights_of`
+and optionally `mirrored_probe(model, x, y) -> dict` (facts about the
+untrained model, added to the result).
 """
 
 import contextlib
 import glob
 import importlib
-import json
 import os
 import sys
 
 import numpy as np
-import tensorflow as tf
 
 
-def main(out, module_name, method):
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+def results(strategy, module_name, method):
+    """`{"acc1": {...}, "acc2": {...}}`: each accumulation setting's result,
+    under `strategy` (a MirroredStrategy over two devices)."""
     tests = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, tests)
     # the test module, in its folder of tests/ (test file names are unique)
@@ -33,7 +29,6 @@ def main(out, module_name, method):
     module = importlib.import_module(module_name)
     probe = getattr(module, "mirrored_probe", None)
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     x, y = module.make_data(n=11)  # global batches 4, 4, 3: the last splits 2 / 1
     result = {}
     for acc in (1, 2):
@@ -55,9 +50,4 @@ def main(out, module_name, method):
             ),
             "norm_a": [runs[0][1]["task_grad_norm/a"][-1], runs[1][1]["task_grad_norm/a"][-1]],
         }
-    with open(out, "w") as f:
-        json.dump(result, f)
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    return result

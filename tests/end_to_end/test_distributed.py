@@ -40,10 +40,17 @@ def mirrored(tmp_path_factory):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
-    for name, result in results.items():
-        assert "crashed" not in result, f"{name}: {result.get('trace')}"
-    return results
+    return _Cases(json.loads(out.read_text()))
+
+
+class _Cases(dict):
+    """The cases' results; a case that crashed fails its own tests, with
+    its traceback."""
+
+    def __getitem__(self, name):
+        result = super().__getitem__(name)
+        assert "crashed" not in result, f"case {name!r}: {result.get('trace')}"
+        return result
 
 
 def _assert_same_as_single_device(result, tolerance=1e-5):
@@ -150,6 +157,66 @@ def test_jit_compile_under_mirrored_strategy_gives_a_clear_error(mirrored):
         in result["error"]
     )
     assert "Fix: compile with `jit_compile=False`" in result["error"]
+
+
+# --------------------- the MirroredStrategy cases of a feature's own module
+def test_adaptive_clipping_clips_the_global_gradient(mirrored):
+    # mirrored_adaptive_clipping.py: AGC of the all-reduced gradient (numpy
+    # reference), not of each replica's.
+    for name, result in mirrored["adaptive_clipping"].items():
+        assert result["n_clipped"] > 0, name
+        assert result["updates"] == 1, name
+        assert result["max_diff"] < 1e-5, name
+
+
+def test_noise_scale_each_replica_is_a_small_batch(mirrored):
+    # step/gns_mirrored.py: the replicas' halves are the small batches.
+    results = mirrored["noise_scale"]
+    assert set(results) == {"replicas", "plain_keras_model", "replicas_and_accumulation"}
+    for name, result in results.items():
+        assert result["step"] == pytest.approx(result["reference"], rel=2e-3), name
+
+
+def test_multitask_merger_merges_the_global_task_gradients(mirrored):
+    # A per-replica merge (each replica merging its own half-batch
+    # gradients) would differ from the single-device run whenever the tasks
+    # conflict (multitask/test_merger.py's model, PCGrad).
+    for case in mirrored["multitask_merger_pcgrad"].values():
+        assert case["first_batch_conflicts"]
+        assert case["max_weight_diff"] < 1e-5
+        np.testing.assert_allclose(case["norm_a"][0], case["norm_a"][1], rtol=1e-5)
+
+
+def test_multitask_features_space_uses_the_global_gram(mirrored):
+    # Per-replica Gram matrices (each replica weighting its own half batch)
+    # would differ from one device (multitask/test_feature_space.py, MGDA).
+    for case in mirrored["multitask_features_mgda"].values():
+        assert case["max_weight_diff"] < 1e-5
+        np.testing.assert_allclose(case["norm_a"][0], case["norm_a"][1], rtol=1e-5)
+
+
+def test_training_only_layer_trains_like_keras_model(mirrored):
+    # models/test_keras_hooks.py's auxiliary head, used only in training.
+    for name, result in mirrored["training_only_layer"].items():
+        assert result["trainable_variables"] == 6, name
+        assert result["max_weight_diff"] < 1e-6, name
+
+
+def test_synchronized_batchnorm_with_micro_batches_is_refused(mirrored):
+    results = mirrored["synchronized_batchnorm_micro_batches"]
+    refused = results["refused"]
+    assert refused["type"] == "ValueError", refused  # not TensorFlow's RuntimeError
+    for part in (
+        "`micro_batches` cannot run the BatchNormalization layer `sync_bn`",
+        "`synchronized=True` under `MirroredStrategy`",
+        "Received: micro_batches=2, synchronized=True",
+        "`BatchNormalization(synchronized=False)`",
+        "`accumulation_steps=2`",
+    ):
+        assert part in refused["error"]
+    # Both fixes the message names do train.
+    assert results["accumulation"]["ok"], results["accumulation"]
+    assert results["unsynchronized"]["ok"], results["unsynchronized"]
 
 
 def _free_port():

@@ -8,15 +8,11 @@ Python in `call`. Each test trains a plain `keras.Model` the same way as the
 reference.
 """
 
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import data, max_weight_diff, needs_multi_replica_keras
+from helpers import data, max_weight_diff
 
 import keras_fastgrad
 
@@ -144,51 +140,28 @@ def test_run_eagerly_train_on_batch_with_eager_only_call():
     _assert_same_weights(models[1], models[0])
 
 
-_MIRRORED_SCRIPT = """
-import sys
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras
-import keras_fastgrad
-from helpers import data, max_weight_diff
-from test_keras_hooks import _aux_head_class
-
-x, y = data(n=12)
-for options in ({}, {"accumulation_steps": 2}):
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    models = []
-    for base, scope, batch_size in (
-        (keras.Model, tf.distribute.get_strategy(), 6),
-        (keras_fastgrad.FastGradModel, strategy, 6 // options.get("accumulation_steps", 1)),
-    ):
-        with scope.scope():
-            model = _aux_head_class(base)(**(options if base is not keras.Model else {}))
-            model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-        model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
-        models.append(model)
-    print(options, len(models[1].trainable_variables), max_weight_diff(models[1], models[0]))
-    assert len(models[1].trainable_variables) == 6
-    assert max_weight_diff(models[1], models[0]) < 1e-6
-"""
-
-
-@pytest.mark.slow  # a fresh process
-@needs_multi_replica_keras
-def test_training_only_layer_under_mirrored_strategy():
-    # Two logical CPUs must be configured before TensorFlow initialises:
-    # the case runs in a fresh process.
-    here = os.path.dirname(os.path.abspath(__file__))  # tests/models
-    tests = os.path.dirname(here)
-    path = os.pathsep.join([os.path.dirname(tests), tests, here, os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", _MIRRORED_SCRIPT],
-        env=dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def mirrored_training_only_layer(strategy):
+    """The auxiliary head under `strategy` (two replicas) against
+    `keras.Model` on one device: run by distributed_cases.py (the process
+    with two logical CPUs), asserted by end_to_end/test_distributed.py."""
+    x, y = data(n=12)
+    result = {}
+    for name, options in (("plain", {}), ("accumulation_steps=2", {"accumulation_steps": 2})):
+        models = []
+        for base, scope, batch_size in (
+            (keras.Model, tf.distribute.get_strategy(), 6),
+            (keras_fastgrad.FastGradModel, strategy, 6 // options.get("accumulation_steps", 1)),
+        ):
+            with scope.scope():
+                model = _aux_head_class(base)(**(options if base is not keras.Model else {}))
+                model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+            model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+            models.append(model)
+        result[name] = {
+            "trainable_variables": len(models[1].trainable_variables),
+            "max_weight_diff": max_weight_diff(models[1], models[0]),
+        }
+    return result
 
 
 # ------------------------------------- the build reads no data (issue 18, B)

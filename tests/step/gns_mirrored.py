@@ -1,30 +1,22 @@
-"""The noise scale under `MirroredStrategy` (2 logical CPUs), run in a
-subprocess by test_noise_scale.py: `python gns_mirrored.py OUT.json`.
+"""The noise scale under `MirroredStrategy` (2 logical CPUs): a case of
+distributed_cases.py (the process that sets the devices up), asserted by
+end_to_end/test_distributed.py.
 
 Each replica's micro-batch is a small batch, the replicas' sum the big
-one; Keras gives each replica a contiguous half of the global batch. Writes
+one; Keras gives each replica a contiguous half of the global batch. Returns
 the step's `gns_*` logs and the numpy reference (`gns_reference.py`)."""
 
-import json
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-import tensorflow as tf  # noqa: E402
-
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gns_reference as ref  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 
-STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 DECAY = 0.6
 
 
@@ -38,12 +30,12 @@ def build(plain, **options):
     return keras_fastgrad.FastGradModel(inputs, outputs, **options)
 
 
-def case(plain, batch_size, windows, **options):
+def case(strategy, plain, batch_size, windows, **options):
     rng = np.random.default_rng(1)
     rows = sum(sum(w) for w in windows)
     x = rng.normal(size=(rows, 5)).astype("float32")
     y = rng.normal(size=(rows, 2)).astype("float32")
-    with STRATEGY.scope():
+    with strategy.scope():
         model = build(plain, **options)
         model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     history = model.fit(
@@ -63,20 +55,14 @@ def case(plain, batch_size, windows, **options):
     return {"step": logs, "reference": list(reference)}
 
 
-def main(out):
-    results = {
+def results(strategy):
+    return {
         # each batch of 16: two replicas of 8 rows
-        "replicas": case(False, 16, [[8, 8]] * 3),
+        "replicas": case(strategy, False, 16, [[8, 8]] * 3),
         # a plain keras.Model: the replicas are its two batch sizes
-        "plain_keras_model": case(True, 16, [[8, 8]] * 3),
+        "plain_keras_model": case(strategy, True, 16, [[8, 8]] * 3),
         # windows of 2 batches x 2 replicas; the last batch of 12 splits 6 + 6
         "replicas_and_accumulation": case(
-            False, 16, [[8, 8, 8, 8], [8, 8, 6, 6]], accumulation_steps=2
+            strategy, False, 16, [[8, 8, 8, 8], [8, 8, 6, 6]], accumulation_steps=2
         ),
     }
-    with open(out, "w") as f:
-        json.dump(results, f)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -313,77 +313,37 @@ def test_a_file_whose_step_state_does_not_fit_leaves_no_pooled_moments(tmp_path)
 
 
 # ------------------------------------ synchronized=True and micro_batches
-_SYNCHRONIZED_UNDER_MIRRORED = r"""
-import json, os, sys
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, numpy as np
-import keras_fastgrad
+def mirrored_synchronized_micro_batches(strategy):
+    """`synchronized=True` with `micro_batches` under `strategy` (two
+    replicas; the layer all-reduces inside the slices' loop): refused by
+    name, and both fixes the message names train. Run by
+    distributed_cases.py (the process with two logical CPUs), asserted by
+    end_to_end/test_distributed.py."""
 
-def build(synchronized, **options):
-    keras.utils.set_random_seed(3)
-    inputs = keras.Input((3,))
-    h = keras.layers.Dense(4)(inputs)
-    h = keras.layers.BatchNormalization(synchronized=synchronized, name="sync_bn")(h)
-    return keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(h), **options)
+    def build(synchronized, **options):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((3,))
+        h = keras.layers.Dense(4)(inputs)
+        h = keras.layers.BatchNormalization(synchronized=synchronized, name="sync_bn")(h)
+        return FastGradModel(inputs, keras.layers.Dense(1)(h), **options)
 
-rng = np.random.default_rng(0)
-x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-results = {}
-for name, synchronized, options, batch in [
-    ("refused", True, {"micro_batches": 2}, 8),
-    ("accumulation", True, {"accumulation_steps": 2}, 4),
-    ("unsynchronized", False, {"micro_batches": 2}, 8),
-]:
-    with strategy.scope():
-        model = build(synchronized, **options)
-        model.compile(optimizer="sgd", loss="mse")
-    try:
-        model.fit(x, y, batch_size=batch, verbose=0)
-        results[name] = {"ok": True, "traced": model.train_function is not None}
-    except Exception as e:
-        results[name] = {"ok": False, "type": type(e).__name__, "error": str(e)}
-json.dump(results, open(sys.argv[1], "w"))
-"""
-
-
-@pytest.mark.slow  # a fresh process with two logical devices
-def test_synchronized_batchnorm_with_micro_batches_is_refused_under_mirrored(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script, out = tmp_path / "case.py", tmp_path / "out.json"
-    script.write_text(_SYNCHRONIZED_UNDER_MIRRORED)
-    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run(
-        [sys.executable, str(script), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
-    results = json.loads(out.read_text())
-    refused = results["refused"]
-    assert refused["type"] == "ValueError", refused  # not TensorFlow's RuntimeError
-    for part in (
-        "`micro_batches` cannot run the BatchNormalization layer `sync_bn`",
-        "`synchronized=True` under `MirroredStrategy`",
-        "Received: micro_batches=2, synchronized=True",
-        "`BatchNormalization(synchronized=False)`",
-        "`accumulation_steps=2`",
-    ):
-        assert part in refused["error"]
-    # Both fixes the message names do train.
-    assert results["accumulation"]["ok"], results["accumulation"]
-    assert results["unsynchronized"]["ok"], results["unsynchronized"]
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    results = {}
+    for name, synchronized, options, batch in [
+        ("refused", True, {"micro_batches": 2}, 8),
+        ("accumulation", True, {"accumulation_steps": 2}, 4),
+        ("unsynchronized", False, {"micro_batches": 2}, 8),
+    ]:
+        with strategy.scope():
+            model = build(synchronized, **options)
+            model.compile(optimizer="sgd", loss="mse")
+        try:
+            model.fit(x, y, batch_size=batch, verbose=0)
+            results[name] = {"ok": True, "traced": model.train_function is not None}
+        except Exception as e:  # the message is what the test checks
+            results[name] = {"ok": False, "type": type(e).__name__, "error": str(e)}
+    return results
 
 
 def test_synchronized_batchnorm_with_micro_batches_runs_without_a_strategy():

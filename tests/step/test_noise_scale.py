@@ -10,7 +10,6 @@ import gns_reference as ref
 import keras
 import numpy as np
 import pytest
-from helpers import needs_multi_replica_keras
 
 import keras_fastgrad
 from keras_fastgrad.callbacks import GradientNoiseScale
@@ -353,29 +352,8 @@ def test_describe_says_when_nothing_is_measured_yet():
 
 
 # ------------------------------------------------------- MirroredStrategy
-@pytest.mark.slow
-@needs_multi_replica_keras
-def test_under_mirrored_strategy_each_replica_is_a_small_batch(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    out = tmp_path / "mirrored.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, os.path.join(here, "gns_mirrored.py"), str(out)],
-        env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert set(results) == {"replicas", "plain_keras_model", "replicas_and_accumulation"}
-    for name, result in results.items():
-        assert result["step"] == pytest.approx(result["reference"], rel=2e-3), name
+# gns_mirrored.py, run with every MirroredStrategy case in one process by
+# end_to_end/test_distributed.py.
 
 
 def test_keys_requested_directly_on_a_model_with_one_batch_size_are_refused():
