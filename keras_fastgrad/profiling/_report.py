@@ -14,6 +14,15 @@ LABELS = {
     "mixed_float16": "mixed_float16",
     "mixed_bfloat16": "mixed_bfloat16",
 }
+
+
+def label(mode):
+    """The mode's name in the table (on JAX the compiled mode is `jax.jit`)."""
+    if mode == "xla" and keras.backend.backend() == "jax":
+        return "jax.jit (XLA)"
+    return LABELS[mode]
+
+
 # Below these a difference is within the noise of a shared machine.
 CLEAR_GAIN, CLEAR_LOSS = 1.10, 0.90
 BACKWARD_FORWARD_LIMIT = 3.0  # backward is usually 1-2x forward
@@ -32,7 +41,14 @@ def check_arguments(model, modes, repeats, warmup, batch_size, verbose, data):
             f"Call `model.compile(optimizer=..., loss=...)` first. Received: "
             f"an uncompiled model {model.name!r}"
         )
-    if model.distribute_strategy.num_replicas_in_sync > 1:
+    if keras.backend.backend() == "jax" and keras.distribution.distribution() is not None:
+        raise ValueError(
+            "`model` must live on one device: `profile_step` times a "
+            "single-device step. Profile it without the distribution "
+            "(`keras.distribution.set_distribution(None)`). Received: "
+            f"distribution={keras.distribution.distribution()!r}"
+        )
+    if keras.backend.backend() != "jax" and model.distribute_strategy.num_replicas_in_sync > 1:
         raise ValueError(
             "`model` must live on one device: `profile_step` times a "
             "single-device step. Build and compile the model outside the "
@@ -92,14 +108,14 @@ class ReportMixin:
         ]
         for mode, t in self.phases.items():
             lines.append(
-                f"{LABELS[mode]:18s} {t.forward_ms:8.2f} {t.forward_backward_ms:8.2f} "
+                f"{label(mode):18s} {t.forward_ms:8.2f} {t.forward_backward_ms:8.2f} "
                 f"{t.step_ms:8.2f} {t.backward_ms:8.2f} {t.update_ms:8.2f} "
                 f"{t.backward_forward_ratio:7.2f} "
                 f"{_times(self.speedup(mode, 'eager')):>9s} "
                 f"{_times(self.speedup(mode, 'function')):>14s}"
             )
         for mode, reason in self.skipped.items():
-            lines.append(f"{LABELS[mode]:18s} skipped: {reason}")
+            lines.append(f"{label(mode):18s} skipped: {reason}")
         if self.data_ms is not None:
             lines.append(
                 f"input pipeline: {self.data_ms:.2f} ms per batch from the "
@@ -252,7 +268,7 @@ class ReportMixin:
             speed = self.speedup(mode, "eager")
             note = f" {t.step_ms:.2f} ms" + (f" ({speed:.1f}x eager)" if speed else "")
             ax.text(t.step_ms, i + height, note, va="center", fontsize=8)
-        labels = [LABELS[m] for m, _ in rows]
+        labels = [label(m) for m, _ in rows]
         if self.data_ms is not None:
             ax.barh(
                 [len(rows)],

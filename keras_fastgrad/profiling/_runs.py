@@ -195,6 +195,8 @@ def as_tensors(batch, batch_size):
             value = value[:batch_size]
         if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
             value = value.astype(keras.backend.floatx())
+        if keras.backend.backend() == "jax":  # (a `tf.data` batch too)
+            return keras.ops.convert_to_tensor(np.asarray(value))
         return tf.convert_to_tensor(value)
 
     if isinstance(batch, list):

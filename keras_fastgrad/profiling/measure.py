@@ -171,8 +171,12 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     """
     from keras_fastgrad import backend
 
-    if backend.is_jax():
-        raise backend.not_on_jax("`profile_step`", "profile_step(model, ...)")
+    on_jax = backend.is_jax()
+    mode_calls = runs.mode_calls
+    if on_jax:
+        from keras_fastgrad.profiling import _jax_runs
+
+        mode_calls = _jax_runs.mode_calls
     modes, repeats, warmup, batch_size, verbose = _report.check_arguments(
         model, modes, repeats, warmup, batch_size, verbose, data
     )
@@ -191,18 +195,18 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     try:
         for mode in modes:
             try:
-                calls.update(runs.mode_calls(model, mode, batch, facts))
+                calls.update(mode_calls(model, mode, batch, facts))
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 skipped[mode] = runs.reason(e)
         calls, more_skipped = runs.warm_up(calls, warmup)
         skipped.update(more_skipped)
         state.restore()
         medians = runs.interleaved_medians(calls, repeats)
-        traces = (
-            facts["step_function"].experimental_get_tracing_count()
-            if "step_function" in facts and "function" not in skipped
-            else None
-        )
+        traces = None
+        if on_jax and "step_function" in facts:
+            traces = _jax_runs.traces(facts["step_function"])
+        elif "step_function" in facts and "function" not in skipped:
+            traces = facts["step_function"].experimental_get_tracing_count()
     finally:
         state.restore()
         model.train_function = saved_train_function
@@ -212,7 +216,9 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
         if mode not in skipped
     }
     tape_variables = (
-        model.tape_variable_count if isinstance(model, FastGradModel) else facts.get("watched")
+        model.tape_variable_count
+        if isinstance(model, FastGradModel) and not on_jax
+        else facts.get("watched")
     )
     profile = StepProfile(
         model_name=model.name,

@@ -70,13 +70,6 @@ def test_callbacks_on_a_plain_models_fit_under_a_distribution_refused():
     model.fit(x, y, verbose=0)  # and it still trains
 
 
-def test_profile_step_refused():
-    model = mlp(kf.FastGradModel)
-    model.compile("adam", "mse")
-    with pytest.raises(NotImplementedError, match=f"`profile_step`.*{NOT_YET}"):
-        kf.profile_step(model, data(), verbose=0)
-
-
 def test_a_distribution_other_than_data_parallel_refused():
     import jax
 
