@@ -120,7 +120,11 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     - `"mixed_bfloat16"`: the same with `mixed_bfloat16` (no loss scaling;
       the half type that CPUs with bfloat16 units run fast).
 
-    A mode that cannot run (XLA cannot compile an op, the model cannot be
+    On Keras' JAX backend the phases run on the state values Keras threads
+    through its step: `"eager"` calls them as they are, `"xla"` under
+    `jax.jit` (as `fit` runs the step), the mixed modes under `jax.jit` on
+    the clone; `"function"` has no JAX counterpart and is reported in
+    `skipped`. A mode that cannot run (XLA cannot compile an op, the model cannot be
     cloned) is reported in `skipped` with the reason. The model's weights,
     optimizer state, metrics and step state are snapshotted and restored:
     after profiling they are as before (the model and its optimizer are
@@ -153,7 +157,6 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     Raises:
         TypeError, ValueError: for invalid arguments, an uncompiled model,
             an empty dataset or a model under a multi-device strategy.
-        NotImplementedError: on Keras' JAX backend (not ported yet).
 
     Example:
 
