@@ -155,9 +155,10 @@ def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
     units.update_scale(slots, ov, finite, counts_growth=True)
     raw = grads
     grads, agc_ok = jax_agc.clip(model, tv, grads)  # (grads, None) when off
+    adapted = grads  # `grad_norm`: after AGC, before `clip_norm` (as on TF)
     grads, norm, was_clipped, ok = units.clip(model, grads, drops)
     if norm is None and "grad_norm" in telemetry.requested(model):
-        norm = units.global_norm(raw)  # before clipping (none here)
+        norm = units.global_norm(adapted)  # (no clipping here)
     ok = jax_agc.both(ok, agc_ok)
     if drops:
         keep = finite if ok is None else finite & ok
@@ -217,9 +218,10 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
         unclipped = grads
         big_sq = noise.big_squared_norm(model, unclipped)
         grads, agc_ok = jax_agc.clip(model, t, grads)  # (grads, None) when off
+        adapted = grads  # `grad_norm`: after AGC (as on TF)
         grads, norm, was_clipped, ok = units.clip(model, grads, gated)
         if measures and not clipping:  # the `grad_norm` key
-            norm = units.global_norm(unclipped)
+            norm = units.global_norm(adapted)
         update_ok = True
         if gated:
             update_ok = units.all_finite(grads) if ok is None else ok

@@ -153,3 +153,20 @@ def test_agc_clipped_fraction_is_refused_by_name():
     model = fastgrad()
     with pytest.raises(NotImplementedError, match="agc_clipped_fraction"):
         model.enable_telemetry(["agc_clipped_fraction"])
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_grad_norm_is_the_adaptively_clipped_gradients(accumulation_steps):
+    # As on TensorFlow: the `grad_norm` key measures the update's gradient
+    # after AGC (with SGD, `(w_before - w_after) / LR`).
+    model = fastgrad(
+        telemetry=True, accumulation_steps=accumulation_steps, batchnorm_statistics="micro_batch"
+    )
+    x, y = batch(8)
+    before = [v.numpy() for v in model.trainable_variables]
+    parts = halves(x, y) if accumulation_steps == 2 else [(x, y)]
+    for xs, ys in parts:
+        logs = model.train_on_batch(xs, ys, return_dict=True)
+    applied = [(b - v.numpy()) / LR for b, v in zip(before, model.trainable_variables)]
+    want = np.sqrt(sum(np.sum(np.square(a, dtype=np.float64)) for a in applied))
+    np.testing.assert_allclose(logs["grad_norm"], want, rtol=1e-4)
