@@ -62,7 +62,9 @@ def test_callbacks_on_a_plain_models_fit_under_a_distribution_refused():
     x, y = data()
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:1]))
     try:
-        with pytest.raises(NotImplementedError, match=f"plain Keras model's `fit` under.*{NOT_YET}"):
+        with pytest.raises(
+            NotImplementedError, match=f"plain Keras model's `fit` under.*{NOT_YET}"
+        ):
             model.fit(x, y, verbose=0, callbacks=[kf.callbacks.NonFiniteGuard()])
     finally:
         keras.distribution.set_distribution(None)
