@@ -17,9 +17,10 @@ weights, masked and per-pixel losses, the partial window at an epoch's end,
 `batchnorm_statistics="micro_batch"` (or BatchNorm without a split batch),
 `steps_per_execution`, `jit_compile`, `evaluate`, `train_on_batch`, saving,
 `telemetry` and `enable_telemetry` with the fixed keys (`LOG_KEYS`:
-`keras_fastgrad.backend.jax_telemetry`), and the callbacks
+`keras_fastgrad.backend.jax_telemetry`), the callbacks
 `GradientNormLogger`, `NonFiniteGuard`, `TapeVariableCounter` on a
-`FastGradModel`; the gradient noise scale (the `gns_*` keys,
+`FastGradModel` and on a plain model's `fit` (the step attached for that
+`fit`, `keras_fastgrad.models.adapt`), `RetraceWatch`, `profile_step`; the gradient noise scale (the `gns_*` keys,
 `GradientNoiseScale`) with `accumulation_steps`, each micro-batch a small
 batch (`keras_fastgrad.backend.jax_noise_scale`);
 `keras.distribution.DataParallel` (the step's arrays are global: its sums,
@@ -34,7 +35,8 @@ JAX_SUPPORTS = (
     "batchnorm_statistics='micro_batch', "
     "steps_per_execution, jit_compile, evaluate, train_on_batch, saving, "
     "telemetry / enable_telemetry with the keys of LOG_KEYS, the callbacks "
-    "GradientNormLogger, NonFiniteGuard, TapeVariableCounter on a FastGradModel, "
+    "GradientNormLogger, NonFiniteGuard, TapeVariableCounter (on a FastGradModel or "
+    "a plain model's fit), RetraceWatch, profile_step, "
     "the gradient noise scale (gns_* keys, GradientNoiseScale) with accumulation_steps, "
     "keras.distribution.DataParallel"
 )
@@ -175,8 +177,7 @@ def check_callback(callback, model=None):
     distribution = keras.distribution.distribution()
     if plain and distribution is not None:  # its sharded state: untested
         raise not_on_jax(
-            f"The callback `{name}` on a plain Keras model's `fit` under a "
-            "`keras.distribution`",
+            f"The callback `{name}` on a plain Keras model's `fit` under a `keras.distribution`",
             f"{name}(...) with distribution={distribution!r}",
             "build the model as a `keras_fastgrad.FastGradModel` (or "
             "`keras_fastgrad.fastgrad(model)`), which trains under `DataParallel`, or ",
