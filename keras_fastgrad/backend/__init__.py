@@ -14,7 +14,9 @@ weights, masked and per-pixel losses, the partial window at an epoch's end,
 `max_consecutive_nonfinite`, `LossScaleOptimizer` / `mixed_float16`,
 `micro_batches` (exact, `keras_fastgrad.backend.jax_micro_batches`),
 `clip_adaptive` (`keras_fastgrad.backend.jax_agc`),
-`batchnorm_statistics="micro_batch"` (or BatchNorm without a split batch),
+`batchnorm_statistics` `"window"` (moved once per update from the
+window's pooled moments, `keras_fastgrad.backend.jax_batchnorm`) and
+`"micro_batch"`,
 `steps_per_execution`, `jit_compile`, `evaluate`, `train_on_batch`, saving,
 `telemetry` and `enable_telemetry` with the fixed keys (`LOG_KEYS`:
 `keras_fastgrad.backend.jax_telemetry`), the callbacks
@@ -32,7 +34,7 @@ import keras
 JAX_SUPPORTS = (
     "accumulation_steps, clip_norm, skip_nonfinite, max_consecutive_nonfinite, "
     "LossScaleOptimizer / mixed_float16, micro_batches, clip_adaptive, "
-    "batchnorm_statistics='micro_batch', "
+    "batchnorm_statistics='window' and 'micro_batch', "
     "steps_per_execution, jit_compile, evaluate, train_on_batch, saving, "
     "telemetry / enable_telemetry with the keys of LOG_KEYS, the callbacks "
     "GradientNormLogger, NonFiniteGuard, TapeVariableCounter (on a FastGradModel or "
@@ -97,8 +99,6 @@ def check_model(model):
     Raises:
         NotImplementedError: naming the feature.
     """
-    from keras_fastgrad.step.batchnorm import pools_window
-
     distribution = keras.distribution.distribution()
     # DataParallel: the step's arrays are global (sharded over the batch),
     # so its sums, counts and norms are the whole batch's as they stand.
@@ -108,18 +108,6 @@ def check_model(model):
             "`DataParallel` is supported)",
             f"distribution={distribution!r}",
             "use `keras.distribution.DataParallel`, or ",
-        )
-    if pools_window(model):
-        raise not_on_jax(
-            "BatchNorm window statistics (`batchnorm_statistics='window'`, "
-            "the default, with `accumulation_steps` or `micro_batches` > 1 and a "
-            "`BatchNormalization` layer)",
-            f"batchnorm_statistics={model.batchnorm_statistics!r}, "
-            f"accumulation_steps={model.accumulation_steps}, "
-            f"micro_batches={model.micro_batches}",
-            "pass `batchnorm_statistics='micro_batch'` (each micro-batch, or "
-            "slice, moves the moving statistics, as Keras' own accumulation "
-            "does), or ",
         )
     keys = model.fastgrad_step_state.log_keys
     if model.telemetry:  # `telemetry=True` adds AGC's key: not logged on JAX

@@ -19,8 +19,8 @@ the whole batch's gradient, masks and sample weights included. Under
 The layers' state (BatchNorm's moving statistics, seeds) is carried from
 slice to slice: BatchNorm normalises each slice by its own moments and its
 moving statistics take one step per slice, as TensorFlow's
-`batchnorm_statistics="micro_batch"` (the default `"window"` pools the
-slices' moments there, refused on JAX: `backend.check_model`). The loss
+`batchnorm_statistics="micro_batch"`; with the default `"window"` the
+slices' moments are pooled instead (`jax_batchnorm.forward`). The loss
 tracker and the metrics see the whole batch: its loss (the slices' losses
 weighted by their `D_i`) and its predictions (the slices' concatenated,
 with their masks). Terms beyond the output losses (regularisers,
@@ -33,7 +33,7 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend import jax_weighting
+from keras_fastgrad.backend import jax_batchnorm, jax_weighting
 from keras_fastgrad.step.splitting import slice_sizes
 
 
@@ -67,7 +67,9 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
 
         def loss_fn(trainable):
             with jax_weighting.LossShares(model, rows) as shares:
-                loss, aux = model.compute_loss_and_updates(
+                loss, aux = jax_batchnorm.forward(  # (BatchNorm moments pooled)
+                    model,
+                    model.compute_loss_and_updates,
                     trainable,
                     layer_state,
                     metric_state,

@@ -26,7 +26,7 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend import jax_agc, jax_micro_batches, jax_weighting
+from keras_fastgrad.backend import jax_agc, jax_batchnorm, jax_micro_batches, jax_weighting
 from keras_fastgrad.backend import jax_noise_scale as noise
 from keras_fastgrad.backend import jax_telemetry as telemetry
 from keras_fastgrad.backend import jax_units as units
@@ -82,6 +82,8 @@ def train_step(model, state, data):
         out_ntv[i] = ops.cast(new[key], ntv[i].dtype)
     for i, total in zip(slots.sums, new.get("sums", [])):
         out_ntv[i] = total
+    micro_step = new["micro_step"] if accumulating else None
+    out_ntv = jax_batchnorm.end_micro_batch(model, out_ntv, ntv, keep, micro_step)
     logs.update(telemetry.logs(model, slots, new, ov, len(tv)))
     return logs, (tv, out_ntv, ov, mv)
 
@@ -103,8 +105,17 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
         if shares is not None:
             shares.__enter__()
         try:
-            loss, aux = model.compute_loss_and_updates(
-                trainable, ntv, mv, x, y, sample_weight, training=True, optimizer_variables=ov
+            loss, aux = jax_batchnorm.forward(  # (BatchNorm window moments pooled)
+                model,
+                model.compute_loss_and_updates,
+                trainable,
+                ntv,
+                mv,
+                x,
+                y,
+                sample_weight,
+                training=True,
+                optimizer_variables=ov,
             )
         finally:
             if shares is not None:
@@ -325,4 +336,5 @@ def _flush(model, tv, ntv, ov):
         ntv[slots.ntv[key]] = ops.zeros_like(ntv[slots.ntv[key]])
     for i in slots.sums:
         ntv[i] = ops.zeros_like(ntv[i])
+    ntv = jax_batchnorm.apply_window(model, ntv)  # BatchNorm's one step from the window
     return tv, ntv, ov

@@ -112,9 +112,7 @@ def test_batchnorm_moves_per_slice_as_keras_accumulation():
         micro_batches=2,
         batchnorm_statistics="micro_batch",
     )
-    assert max_diff(plain, model) < TOL
-    with pytest.raises(NotImplementedError, match="batchnorm_statistics='micro_batch'"):
-        fastgrad_run(bn, x, y, epochs=1, micro_batches=2)
+    assert max_diff(plain, model) < TOL  # ("window": tests/jax/test_jax_batchnorm.py)
 
 
 def test_regulariser_under_weighted_slices_is_refused_by_name():

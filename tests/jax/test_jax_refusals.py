@@ -25,15 +25,16 @@ def test_options_refused_at_construction(option):
         kf.FastGradSequential([keras.Input((3,)), keras.layers.Dense(1)], **option)
 
 
-def test_batchnorm_window_statistics_refused_when_training():
+def test_batchnorm_window_statistics_train_no_longer_refused():
+    # (Their values: tests/jax/test_jax_batchnorm.py.)
     inputs = keras.Input((8,))
     h = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
     model = kf.FastGradModel(inputs, keras.layers.Dense(3)(h), accumulation_steps=2)
     model.compile("adam", "mse")
     x, y = data()
-    with pytest.raises(NotImplementedError, match=r"batchnorm_statistics='micro_batch'"):
-        model.fit(x, y, batch_size=16, verbose=0)
-    assert model.telemetry_counters()["updates"] == 0.0
+    model.fit(x, y, batch_size=16, verbose=0)  # windows of 16 + 16 and 16 + 10
+    assert model.telemetry_counters()["updates"] == 2.0
+    assert model.fastgrad_step_state.batchnorm is not None  # pooled, not per micro-batch
 
 
 def test_fixed_loss_scale_factor_refused():
