@@ -125,12 +125,13 @@ def apply_window(model, ntv):
 
 def _applied(where, ntv, complete):
     window = ntv[where.window]
+    has_samples, mean, variance = maths.pooled(window)
     offset = 0
-    for layer, size, (mean_i, var_i) in zip(where.layers, where.sizes, where.moving):
-        pooled = window[:, offset : offset + size]
+    for layer, size, pair in zip(where.layers, where.sizes, where.moving):
+        part = slice(offset, offset + size)
         offset += size
-        moved = maths.moved((ntv[mean_i], ntv[var_i]), pooled, layer.momentum)
-        for i, value in zip((mean_i, var_i), moved):
+        for i, new in zip(pair, (mean[part], variance[part])):
+            value = maths.momentum_step(ntv[i], new, has_samples[part], layer.momentum)
             ntv[i] = value if complete is None else ops.where(complete, value, ntv[i])
     empty = ops.zeros_like(window)
     ntv[where.window] = empty if complete is None else ops.where(complete, empty, window)

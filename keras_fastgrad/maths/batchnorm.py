@@ -1,9 +1,9 @@
 """BatchNorm window statistics: moments pooled over a window, one step.
 
-Written once in `keras.ops` (explicit inputs, no variables) for the JAX
-step (`keras_fastgrad.backend.jax_batchnorm`); the TensorFlow unit
-(`keras_fastgrad.step.batchnorm`) keeps its own `tf` form of the same
-equations (see its module docstring for the contract).
+Written once in `keras.ops` (explicit inputs, no variables) for both
+backends' steps: TensorFlow's `keras_fastgrad.step.batchnorm` (its
+variables, replicas and recording; the contract in its docstring; traced
+op counts unchanged) and JAX's `keras_fastgrad.backend.jax_batchnorm`.
 
 Each layer's per-feature moments are a `[3, features]` stack `(n, mean,
 M2)`, `M2 = n * variance` (biased variance; `n` the positions reduced over,
@@ -16,37 +16,38 @@ parallel formula, exact with `n = 0` on either side:
     M2    = M2_a + M2_b + delta**2 * n_a * n_b / n
 
 and the moving statistics take one momentum step from the pooled `mean`
-and `M2 / n` (features without samples keep theirs).
+and `M2 / n` (`pooled`, `momentum_step`; features without samples keep
+theirs).
 """
 
 from keras import ops
 
 
-def combined(a, b):
-    """Chan's combination of two `[3, features]` moment stacks.
-
-    Args:
-        a, b: `(n, mean, M2)` stacks, float32.
-
-    Returns:
-        The stack of the union's moments.
+def chan_combine(a, b):
+    """Chan et al.'s parallel combination of two `(n, mean, M2)` triples
+    (per-feature tensors); `n = 0` on either side is exact.
 
     Example:
 
     >>> x = np.array([1.0, 2.0, 4.0, 7.0], "float32")
-    >>> def stack(p):
-    ...     return np.array([[len(p)], [p.mean()], [((p - p.mean()) ** 2).sum()]], "float32")
-    >>> n, mean, m2 = np.asarray(combined(stack(x[:2]), stack(x[2:])))[:, 0]
+    >>> def moments(p):
+    ...     return np.float32(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()
+    >>> n, mean, m2 = chan_combine(moments(x[:2]), moments(x[2:]))
     >>> float(mean), float(m2 / n), float(x.var())
     (3.5, 5.25, 5.25)
     """
-    n_a, mean_a, m2_a = a[0], a[1], a[2]
-    n_b, mean_b, m2_b = b[0], b[1], b[2]
+    n_a, mean_a, m2_a = a
+    n_b, mean_b, m2_b = b
     n = n_a + n_b
     delta = mean_b - mean_a
     mean = mean_a + delta * ops.divide_no_nan(n_b, n)
     m2 = m2_a + m2_b + ops.square(delta) * ops.divide_no_nan(n_a * n_b, n)
-    return ops.stack([n, mean, m2])
+    return n, mean, m2
+
+
+def combined(a, b):
+    """`chan_combine` of two `[3, features]` moment stacks (float32)."""
+    return ops.stack(chan_combine(ops.unstack(a, 3), ops.unstack(b, 3)))
 
 
 def counts(inputs, mask, axis):
@@ -86,31 +87,24 @@ def moments_stack(n, mean, variance):
     return ops.stack([n, mean, variance * n])
 
 
-def moved(moving, pooled, momentum):
-    """The moving statistics after one momentum step from the window.
+def pooled(window):
+    """`(has_samples, mean, variance)` per feature of a `[3, features]`
+    window: `n > 0`, the pooled mean and `M2 / n` (0 where `n = 0`)."""
+    n, mean, m2 = ops.unstack(window, 3)
+    return n > 0, mean, ops.divide_no_nan(m2, n)
 
-    Args:
-        moving: `(moving_mean, moving_variance)` values of a layer.
-        pooled: The layer's `[3, features]` window moments.
-        momentum: Python float, the layer's momentum.
 
-    Returns:
-        `(moving_mean, moving_variance)`: `moving * momentum + pooled *
-        (1 - momentum)` with the pooled mean and `M2 / n`; where `n = 0`,
-        as they were.
+def momentum_step(moving, new, has_samples, momentum):
+    """`moving * momentum + new * (1 - momentum)` where `has_samples`,
+    `moving` elsewhere (in `moving`'s dtype).
 
     Example:
 
-    >>> pooled = np.array([[4.0, 0.0], [2.0, 9.0], [8.0, 0.0]], "float32")
-    >>> mean, var = moved((np.zeros(2), np.ones(2)), pooled, 0.75)
-    >>> [float(v) for v in mean], [float(v) for v in var]
-    ([0.5, 0.0], [1.25, 1.0])
+    >>> new, has_samples = np.array([2.0, 9.0]), np.array([True, False])
+    >>> out = momentum_step(np.zeros(2, "float32"), new, has_samples, 0.75)
+    >>> [float(v) for v in out]
+    [0.5, 0.0]
     """
-    n, mean, m2 = pooled[0], pooled[1], pooled[2]
-    has_samples = n > 0
-    out = []
-    for old, new in zip(moving, (mean, ops.divide_no_nan(m2, n))):
-        old = ops.convert_to_tensor(old)
-        step = old * momentum + ops.cast(new, old.dtype) * (1.0 - momentum)
-        out.append(ops.where(has_samples, step, old))
-    return tuple(out)
+    moving = ops.convert_to_tensor(moving)
+    step = moving * momentum + ops.cast(new, moving.dtype) * (1.0 - momentum)
+    return ops.where(has_samples, step, moving)

@@ -20,7 +20,9 @@ and LeVeque's parallel combination of `(n, mean, M2)`, `M2 = n * variance`):
 per feature (`n` the mask weights under a mask), over the micro-batch's
 slices, its replicas and the window's micro-batches, and the moving
 statistics take one step, with the layer's momentum, from the pooled mean
-and `M2 / n`: what `keras.Model` does on the concatenated batch. The
+and `M2 / n` (the maths in `keras.ops`, shared with the JAX step:
+`keras_fastgrad.maths.batchnorm`): what `keras.Model` does on the
+concatenated batch. The
 forward pass still normalises each micro-batch by its own moments (ghost
 batch normalisation): only the moving statistics are those of the window.
 
@@ -35,32 +37,16 @@ import keras
 import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.maths.batchnorm import (  # (the maths once, in keras.ops)
+    chan_combine,  # noqa: F401 (re-exported)
+    combined,
+    momentum_step,
+    pooled,
+)
 from keras_fastgrad.step.replicas import num_replicas, replica_sum
 from keras_fastgrad.step.variables import global_variable
 
 CHOICES = ("window", "micro_batch")
-
-
-def chan_combine(a, b):
-    """Chan et al.'s parallel combination of two `(n, mean, M2)` triples
-    (per-feature tensors); `n = 0` on either side is exact.
-
-    Example:
-
-    >>> x = np.array([1.0, 2.0, 4.0, 7.0], "float32")
-    >>> def moments(p):
-    ...     return np.float32(len(p)), p.mean(), ((p - p.mean()) ** 2).sum()
-    >>> n, mean, m2 = chan_combine(moments(x[:2]), moments(x[2:]))
-    >>> float(mean), float(m2 / n), float(x.var())
-    (3.5, 5.25, 5.25)
-    """
-    n_a, mean_a, m2_a = a
-    n_b, mean_b, m2_b = b
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    mean = mean_a + delta * tf.math.divide_no_nan(n_b, n)
-    m2 = m2_a + m2_b + tf.square(delta) * tf.math.divide_no_nan(n_a * n_b, n)
-    return n, mean, m2
 
 
 def batchnorm_layers(model):
@@ -163,11 +149,11 @@ class WindowMoments:
         moments = tf.stop_gradient(tf.stack([n, mean, m2]))
         if self.sliced:
             scratch = self.scratch[id(layer)]
-            scratch.assign(_combined(tf.convert_to_tensor(scratch.value), moments))
+            scratch.assign(combined(tf.convert_to_tensor(scratch.value), moments))
             return
         traced = self._traced.moments  # several calls of a layer: all pooled
         before = traced.get(id(layer))
-        traced[id(layer)] = moments if before is None else _combined(before, moments)
+        traced[id(layer)] = moments if before is None else combined(before, moments)
 
     # ------------------------------------------------ after the finite check
     def end_micro_batch(self, keep):
@@ -180,7 +166,7 @@ class WindowMoments:
         if num_replicas() > 1:
             local = _pooled_over_replicas(local)
         current = tf.convert_to_tensor(self.window.value)
-        self.window.assign(tf.where(keep, _combined(current, local), current))
+        self.window.assign(tf.where(keep, combined(current, local), current))
 
     def _micro_batch_moments(self, layer, size):
         """The layer's `[3, size]` moments of this micro-batch (zeros if it
@@ -199,21 +185,13 @@ class WindowMoments:
         """One momentum step of each layer's moving statistics from the
         window's pooled moments (features without samples keep theirs),
         then empties the window. Runs with the optimizer update."""
-        n, mean, m2 = tf.unstack(tf.convert_to_tensor(self.window.value))
-        variance = tf.math.divide_no_nan(m2, n)
-        parts = zip(*(tf.split(t, self.sizes) for t in (n > 0, mean, variance)))
+        has_samples, mean, variance = pooled(tf.convert_to_tensor(self.window.value))
+        parts = zip(*(tf.split(t, self.sizes) for t in (has_samples, mean, variance)))
         for layer, (has_samples, mean, variance) in zip(self.layers, parts):
-            momentum = layer.momentum
-            for moving, pooled in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+            for moving, new in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
                 old = tf.convert_to_tensor(moving.value)
-                new = old * momentum + tf.cast(pooled, old.dtype) * (1.0 - momentum)
-                moving.assign(tf.where(has_samples, new, old))
+                moving.assign(momentum_step(old, new, has_samples, layer.momentum))
         self.window.assign(tf.zeros(self.window.shape))
-
-
-def _combined(a, b):
-    """`chan_combine` of two `[3, features]` moment stacks."""
-    return tf.stack(chan_combine(tf.unstack(a), tf.unstack(b)))
 
 
 def _check_layer(layer):
