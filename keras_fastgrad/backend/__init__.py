@@ -18,9 +18,10 @@ weights, masked and per-pixel losses, the partial window at an epoch's end,
 window's pooled moments, `keras_fastgrad.backend.jax_batchnorm`) and
 `"micro_batch"`,
 `steps_per_execution`, `jit_compile`, `evaluate`, `train_on_batch`, saving,
-`telemetry` and `enable_telemetry` with the fixed keys (`LOG_KEYS`:
-`keras_fastgrad.backend.jax_telemetry`), the callbacks
-`GradientNormLogger`, `NonFiniteGuard`, `TapeVariableCounter` on a
+`telemetry` and `enable_telemetry` with the fixed keys (`LOG_KEYS`) and
+the optional `grad_norm/<layer>`, `update_ratio`, `agc_clipped_fraction`
+(`keras_fastgrad.backend.jax_telemetry`), the callbacks
+`GradientNormLogger` (every option), `NonFiniteGuard`, `TapeVariableCounter` on a
 `FastGradModel` and on a plain model's `fit` (the step attached for that
 `fit`, `keras_fastgrad.models.adapt`), `RetraceWatch`, `profile_step`; the gradient noise scale (the `gns_*` keys,
 `GradientNoiseScale`) with `accumulation_steps`, each micro-batch a small
@@ -36,7 +37,8 @@ JAX_SUPPORTS = (
     "LossScaleOptimizer / mixed_float16, micro_batches, clip_adaptive, "
     "batchnorm_statistics='window' and 'micro_batch', "
     "steps_per_execution, jit_compile, evaluate, train_on_batch, saving, "
-    "telemetry / enable_telemetry with the keys of LOG_KEYS, the callbacks "
+    "telemetry / enable_telemetry with the keys of LOG_KEYS, grad_norm/<layer>, "
+    "update_ratio and agc_clipped_fraction, the callbacks "
     "GradientNormLogger, NonFiniteGuard, TapeVariableCounter (on a FastGradModel or "
     "a plain model's fit), RetraceWatch, profile_step, "
     "the gradient noise scale (gns_* keys, GradientNoiseScale) with accumulation_steps, "
@@ -109,10 +111,7 @@ def check_model(model):
             f"distribution={distribution!r}",
             "use `keras.distribution.DataParallel`, or ",
         )
-    keys = model.fastgrad_step_state.log_keys
-    if model.telemetry:  # `telemetry=True` adds AGC's key: not logged on JAX
-        keys = keys - {"agc_clipped_fraction"}
-    check_telemetry_keys(keys)
+    check_telemetry_keys(model.fastgrad_step_state.log_keys)
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if getattr(inner, "loss_scale_factor", None) is not None:
@@ -123,25 +122,22 @@ def check_model(model):
 
 
 def check_telemetry_keys(keys):
-    """Refuses, on JAX, telemetry keys beyond the fixed `LOG_KEYS` and the
-    noise scale's `gns_*` (the optional ones: `grad_norm/<layer>`,
-    `update_ratio`, `agc_clipped_fraction`, the multi-task keys); a no-op on
-    TensorFlow.
+    """Refuses, on JAX, the multi-task telemetry keys (`task_grad_norm/<task>`,
+    `task_cosine/<a>/<b>`, `task_conflicts`: `multitask` is not supported
+    there); a no-op on TensorFlow.
 
     Raises:
         NotImplementedError: naming the keys.
     """
-    from keras_fastgrad.step import noise_scale
-    from keras_fastgrad.step.telemetry import LOG_KEYS, is_optional_key
+    from keras_fastgrad.step.telemetry import LOG_KEYS, is_task_key
 
-    optional = sorted(
-        k for k in keys if k not in LOG_KEYS and is_optional_key(k) and not noise_scale.is_key(k)
-    )
-    if is_jax() and optional:
+    refused = sorted(k for k in keys if is_task_key(k))
+    if is_jax() and refused:
         raise not_on_jax(
-            "Optional telemetry keys (beyond `keras_fastgrad.LOG_KEYS`)",
-            f"keys {optional}",
-            f"request only keys of LOG_KEYS {list(LOG_KEYS)}, or ",
+            "Multi-task telemetry keys",
+            f"keys {refused}",
+            f"request keys of LOG_KEYS {list(LOG_KEYS)}, `grad_norm/<layer>`, "
+            "`update_ratio`, `agc_clipped_fraction` or the `gns_*` keys, or ",
         )
 
 

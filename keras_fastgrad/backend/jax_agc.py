@@ -15,9 +15,10 @@ from keras import ops
 from keras_fastgrad.backend import jax_telemetry as telemetry
 from keras_fastgrad.maths.adaptive_clipping import clip_unitwise
 from keras_fastgrad.step.adaptive_clipping import row_unit_variables
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 
 
-def clip(model, tv, grads):
+def clip(model, tv, grads, counted=None):
     """`(grads, ok)`: the gradient clipped by `model.clip_adaptive`, and
     whether the update may be applied (`ok` is `None`: AGC is off).
 
@@ -26,9 +27,13 @@ def clip(model, tv, grads):
         tv: The trainable variables' values before the update (the state
             tuple's, in `model.trainable_variables`' order).
         grads: The update's float32 gradients, in the same order.
+        counted: A dict, or `None`: where `agc_clipped_fraction` is
+            requested, its value (the fraction of units clipped) is put
+            there under that key.
     """
     if model.clip_adaptive is None:
         return grads, None
+    count = counted is not None and AGC_CLIPPED_FRACTION in telemetry.measured_keys(model)
     tables = row_unit_variables(model)
     out = clip_unitwise(
         grads,
@@ -36,8 +41,10 @@ def clip(model, tv, grads):
         [id(v) in tables for v in model.trainable_variables],
         model.clip_adaptive,
         model.clip_adaptive_eps,
-        count=False,
+        count=count,
     )
+    if count:
+        counted[AGC_CLIPPED_FRACTION] = out.clipped_units / max(out.num_units, 1)
     return out.grads, out.all_finite
 
 

@@ -15,6 +15,7 @@ import math
 import keras
 from keras import ops
 
+from keras_fastgrad.backend.jax_telemetry import optional_variables
 from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss
 
 
@@ -29,7 +30,7 @@ class Slots:
         state = model.fastgrad_step_state
         ntv = model.non_trainable_variables
         where = {id(v): i for i, v in enumerate(ntv)}
-        own = {id(v) for v in state.variables}
+        own = {id(v) for v in step_variables(model)}
         self.layer_ntv = [i for i, v in enumerate(ntv) if id(v) not in own]
         tel, acc = state.telemetry, state.accumulator
         self.ntv = {
@@ -44,6 +45,8 @@ class Slots:
             "last_batch": where[id(tel.last_input_batch)],
             "last_size": where[id(tel.last_input_size)],
         }
+        for key, variable in optional_variables(tel):  # `grad_norm/<layer>`, ...
+            self.ntv[key] = where[id(variable)]
         self.sums = []
         if acc is not None:
             self.sums = [where[id(v)] for v in acc.sums]
@@ -67,11 +70,12 @@ class Slots:
 
 def step_variables(model):
     """The step's variables once its state is built (`[]` before): what
-    the model's `non_trainable_variables` adds on JAX."""
+    the model's `non_trainable_variables` adds on JAX (the saved ones,
+    then the optional telemetry keys', which are not saved)."""
     state = vars(model).get("fastgrad_step_state")
     if state is None or state._built_for is None:
         return []
-    return state.variables
+    return state.variables + [v for _, v in optional_variables(state.telemetry)]
 
 
 class JaxTrainingLoss(TrainingLoss):

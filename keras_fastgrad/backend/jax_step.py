@@ -165,7 +165,8 @@ def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
     """No accumulation: the micro-batch's update, or its drop."""
     units.update_scale(slots, ov, finite, counts_growth=True)
     raw = grads
-    grads, agc_ok = jax_agc.clip(model, tv, grads)  # (grads, None) when off
+    counted = {}  # AGC's clipped fraction, when asked
+    grads, agc_ok = jax_agc.clip(model, tv, grads, counted)  # (grads, None) when off
     adapted = grads  # `grad_norm`: after AGC, before `clip_norm` (as on TF)
     grads, norm, was_clipped, ok = units.clip(model, grads, drops)
     if norm is None and "grad_norm" in telemetry.requested(model):
@@ -184,8 +185,11 @@ def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
         if agc_ok is not None:  # but AGC never applies a non-finite update
             do_apply = agc_ok
             jax_agc.record_drop(new, ~agc_ok, jax_agc.counted(model, finite))
+    before = tv
     tv, ov = units.apply_if(slots, tv, ov, grads, do_apply)
     units.record_update(new, do_apply, norm, was_clipped)
+    measures = telemetry.measure(model, adapted, before, tv, counted)  # (optional keys)
+    telemetry.record_measures(new, measures, finite if drops else True, do_apply)
     return keep, tv, ov
 
 
@@ -228,7 +232,8 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
             grads = [g * inverse for g in s]
         unclipped = grads
         big_sq = noise.big_squared_norm(model, unclipped)
-        grads, agc_ok = jax_agc.clip(model, t, grads)  # (grads, None) when off
+        counted = {}  # AGC's clipped fraction, when asked
+        grads, agc_ok = jax_agc.clip(model, t, grads, counted)  # (grads, None) when off
         adapted = grads  # `grad_norm`: after AGC (as on TF)
         grads, norm, was_clipped, ok = units.clip(model, grads, gated)
         if measures and not clipping:  # the `grad_norm` key
@@ -237,19 +242,21 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
         if gated:
             update_ok = units.all_finite(grads) if ok is None else ok
         update_ok = update_ok if agc_ok is None else agc_ok & update_ok
+        before = t
         t, o = units.stateless_apply_if(slots.inner, t, o, grads, update_ok)
+        optional = telemetry.measure(model, adapted, before, t, counted)
         if not measures:
             norm = ops.zeros((), "float32")
         if not clipping:
             was_clipped = ops.convert_to_tensor(False)
-        return t, o, ops.convert_to_tensor(update_ok), norm, was_clipped, big_sq
+        return t, o, ops.convert_to_tensor(update_ok), norm, was_clipped, big_sq, optional
 
     def pending(t, o, s, normaliser):
-        no = ops.convert_to_tensor(False)
-        return t, o, no, ops.zeros((), "float32"), no, ops.zeros((), "float32")
+        no, zero = ops.convert_to_tensor(False), ops.zeros((), "float32")
+        return t, o, no, zero, no, zero, telemetry.unmeasured(model)
 
     inner_ov = [ov[i] for i in slots.inner_ov]
-    tv, inner_ov, update_ok, norm, was_clipped, big_sq = jax.lax.cond(
+    tv, inner_ov, update_ok, norm, was_clipped, big_sq, optional = jax.lax.cond(
         do_window, window, pending, tv, inner_ov, sums, new["normaliser"]
     )
     noise.record_window(model, new, big_sq, do_window)
@@ -257,6 +264,7 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
     for i, value in zip(slots.inner_ov, inner_ov):
         ov[i] = value
     applied = do_window & update_ok
+    telemetry.record_measures(new, optional, do_window, applied)
     if gated:
         units.record_dropped_update(new, do_window & ~update_ok)
     elif model.clip_adaptive is not None:  # AGC's drop of a window

@@ -14,11 +14,24 @@ values (`jax_step`), with the names and meanings they have on TensorFlow.
 - `input_shape_changes`: micro-batches whose first input's shape differed
   from the previous one's (counted while the key is requested).
 
-The noise scale's `gns_simple`, `gns_grad_sq`, `gns_trace` (with
-accumulation; `telemetry=True` adds them there, as on TensorFlow) come from
-`jax_noise_scale`. The other optional keys (`grad_norm/<layer>`,
-`update_ratio`, `agc_clipped_fraction`, the multi-task keys) are refused by
-name (`keras_fastgrad.backend.check_telemetry_keys`).
+The optional keys, with TensorFlow's definitions and update rule
+(`keras_fastgrad.step.telemetry`; the maths: `keras_fastgrad.maths.telemetry`):
+
+- `grad_norm/<layer>`: each layer's part of the update's gradient (after
+  adaptive clipping, before `clip_norm`), and `agc_clipped_fraction`: the
+  fraction of units AGC clipped in it; both taken where the update's
+  branch runs (a finite micro-batch, any micro-batch with
+  `skip_nonfinite=False`, a complete window), as on TensorFlow;
+- `update_ratio`: `||w_after - w_before|| / ||w_before||` of an applied
+  update only.
+
+Their variables are `StepTelemetry`'s (measurements, not saved: the files
+are TensorFlow's); on JAX they ride in the state tuple with the step's
+others (`optional_variables`, `jax_state`). The noise scale's
+`gns_simple`, `gns_grad_sq`, `gns_trace` (with accumulation;
+`telemetry=True` adds them there, as on TensorFlow) come from
+`jax_noise_scale`. The multi-task keys are refused by name (as
+`multitask` is: `keras_fastgrad.backend.check_telemetry_keys`).
 """
 
 import math
@@ -27,7 +40,8 @@ import keras
 from keras import ops
 
 from keras_fastgrad.backend import jax_noise_scale
-from keras_fastgrad.step.telemetry import LOG_KEYS
+from keras_fastgrad.maths import telemetry as maths
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS, UPDATE_RATIO
 
 LOCATION_KEYS = ("nonfinite_first_index", "nonfinite_num_variables")
 COUNT_KEYS = ("nonfinite_count",) + LOCATION_KEYS
@@ -80,10 +94,70 @@ def record_input_shape(model, new, x):
     new["last_size"] = ops.full_like(new["last_size"], size)
 
 
+def optional_variables(telemetry):
+    """`[(key, variable)]` of the optional keys `telemetry` (a built
+    `StepTelemetry`) has variables for, in its logs' order."""
+    pairs = list(telemetry.layer_norms.items())
+    for key in (UPDATE_RATIO, AGC_CLIPPED_FRACTION):
+        variable = getattr(telemetry, key)
+        if variable is not None:
+            pairs.append((key, variable))
+    return pairs
+
+
+def measured_keys(model):
+    """The optional keys the step measures (`agc_clipped_fraction` only
+    with `clip_adaptive`)."""
+    keys = [k for k, _ in optional_variables(model.fastgrad_step_state.telemetry)]
+    if model.clip_adaptive is None:
+        keys = [k for k in keys if k != AGC_CLIPPED_FRACTION]
+    return keys
+
+
+def measure(model, grads, before, after, counted):
+    """`{key: float32 scalar}`: the optional keys' values for one update
+    (`{}` when none is requested).
+
+    Args:
+        model: The `FastGradModel`.
+        grads: The update's gradient after adaptive clipping, before
+            `clip_norm` (in `model.trainable_variables`' order).
+        before: The trainable values before the update.
+        after: The trainable values after it.
+        counted: The dict `jax_agc.clip` filled (AGC's clipped fraction).
+    """
+    keys = measured_keys(model)
+    layers = [k for k in keys if k not in (UPDATE_RATIO, AGC_CLIPPED_FRACTION)]
+    out = {}
+    if layers:
+        layer_of = model.fastgrad_step_state.telemetry.layer_of_variable
+        out.update(maths.layer_norms(grads, layer_of, layers))
+    if UPDATE_RATIO in keys:
+        out[UPDATE_RATIO] = maths.update_ratio(before, after)
+    if AGC_CLIPPED_FRACTION in keys:
+        out[AGC_CLIPPED_FRACTION] = counted[AGC_CLIPPED_FRACTION]
+    return out
+
+
+def unmeasured(model):
+    """`measure`'s structure, zeros (the branch without an update)."""
+    return {k: ops.zeros((), "float32") for k in measured_keys(model)}
+
+
+def record_measures(new, measures, entered, applied):
+    """Writes `measure`'s values into `new`: `update_ratio` where the
+    update was `applied`, the gradient's keys where its branch was
+    `entered` (boolean scalars, or `True`), as on TensorFlow."""
+    for key, value in measures.items():
+        where = applied if key == UPDATE_RATIO else entered
+        new[key] = ops.where(where, value, new[key])
+
+
 def logs(model, slots, new, ov, num_trainable):
     """The requested keys' values (float32 scalars), in `LOG_KEYS` order,
-    then the noise scale's (`jax_noise_scale`)."""
+    then the optional keys' and the noise scale's (`jax_noise_scale`)."""
     gns = jax_noise_scale.logs(model, new, model.fastgrad_step_state.log_keys)
+    gns = {**{k: ops.cast(new[k], "float32") for k in measured_keys(model)}, **gns}
     keys = requested(model)
     if not keys:
         return gns

@@ -149,10 +149,23 @@ def test_a_nan_batch_never_reaches_the_weights(skip_nonfinite, telemetry):
     assert_close(want, model)
 
 
-def test_agc_clipped_fraction_is_refused_by_name():
+def test_agc_clipped_fraction_is_the_papers_count():
+    """(Refused on JAX before.) The fraction of all units clipped: each
+    weight's fraction (numpy) times its units, over all units."""
     model = fastgrad()
-    with pytest.raises(NotImplementedError, match="agc_clipped_fraction"):
-        model.enable_telemetry(["agc_clipped_fraction"])
+    model.enable_telemetry(["agc_clipped_fraction"])
+    x, y = batch(8)
+    plain, before = plain_from(model)
+    plain.train_on_batch(x, y)
+    _, fractions = expected(plain, before)
+    units = [
+        1 if w.ndim <= 1 else w.shape[0] if v.path.endswith("embeddings") else w.shape[-1]
+        for v, w in zip(plain.trainable_variables, before, strict=True)
+    ]
+    want = sum(f * u for f, u in zip(fractions, units)) / sum(units)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    np.testing.assert_allclose(logs["agc_clipped_fraction"], want, rtol=1e-6)
+    assert 0.0 < want < 1.0
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2])

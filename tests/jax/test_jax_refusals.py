@@ -44,14 +44,15 @@ def test_fixed_loss_scale_factor_refused():
         model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
 
 
-def test_optional_telemetry_keys_refused():
+def test_multitask_telemetry_keys_refused():
     model = mlp(kf.FastGradModel)
-    with pytest.raises(NotImplementedError, match=f"Optional telemetry keys.*{NOT_YET}"):
-        model.enable_telemetry(["grad_norm", "update_ratio"])
+    with pytest.raises(NotImplementedError, match=f"Multi-task telemetry keys.*{NOT_YET}"):
+        model.enable_telemetry(["grad_norm", "task_conflicts"])
     assert model.fastgrad_step_state.log_keys == set()  # left as it was
-    model.fastgrad_step_state.log_keys.add("update_ratio")  # however they got there
+    model.enable_telemetry(["grad_norm", "update_ratio"])  # the optional keys are not
+    model.fastgrad_step_state.log_keys.add("task_conflicts")  # however they got there
     model.compile("adam", "mse")
-    with pytest.raises(NotImplementedError, match=r"Optional telemetry keys.*'update_ratio'"):
+    with pytest.raises(NotImplementedError, match=r"Multi-task telemetry keys.*'task_conflicts'"):
         model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
 
 

@@ -5,7 +5,6 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
 import warnings
@@ -18,8 +17,6 @@ import pytest
 from jax_helpers import ROWS, data, mlp
 
 import keras_fastgrad as kf
-
-NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
 
 
 def _with_nan(x, rows=(20, 50)):  # batches 1 and 3 of 16 rows
@@ -91,7 +88,9 @@ x, y = data()
 weights = list(np.load({weights!r}).values())
 out = []
 for options in {configs!r}:
+    keras.backend.clear_session(free_memory=False)  # the same layer names
     model = mlp(kf.FastGradModel, telemetry=True, **options)
+    model.enable_telemetry(model.layer_norm_keys() + ["update_ratio"])
     model.set_weights(weights)  # the JAX side's initial weights
     model.compile(keras.optimizers.SGD(0.01), "mse")
     history = model.fit(_with_nan(x), y, batch_size=16, epochs=2, shuffle=False, verbose=0)
@@ -104,10 +103,13 @@ _CONFIGS = [
     {"skip_nonfinite": False},
     # windows [0, (1), 2] and the partial [(3)]: a noise-scale estimate
     {"accumulation_steps": 3},
+    # `telemetry=True` adds `agc_clipped_fraction`
+    {"clip_adaptive": 0.05},
+    {"accumulation_steps": 2, "clip_adaptive": 0.05, "clip_norm": 0.5},
 ]
 # By hand: the two NaN batches of each epoch dropped; without the skip the
 # first NaN update is applied and every batch from batch 1 on is NaN.
-_NONFINITE = [4.0, 7.0, 4.0]
+_NONFINITE = [4.0, 7.0, 4.0, 4.0, 4.0]
 
 
 def test_same_keys_and_values_as_the_tensorflow_step(tmp_path):
@@ -122,10 +124,14 @@ def test_same_keys_and_values_as_the_tensorflow_step(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     tf_runs = json.loads(run.stdout.split("RESULT", 1)[1])
     x, y = data()
+    histories = []
     for options, tf_history, count in zip(_CONFIGS, tf_runs, _NONFINITE, strict=True):
         # `telemetry=True` adds the noise scale's `gns_*` keys where
-        # measurable (accumulation), on both backends: compared too.
+        # measurable (accumulation), on both backends: compared too; and
+        # the optional `grad_norm/<layer>`, `update_ratio` (both sides).
+        keras.backend.clear_session(free_memory=False)  # the same layer names
         model = mlp(kf.FastGradModel, telemetry=True, **options)
+        model.enable_telemetry(model.layer_norm_keys() + ["update_ratio"])
         model.compile(keras.optimizers.SGD(0.01), "mse")
         history = model.fit(_with_nan(x), y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         assert sorted(history.history) == sorted(tf_history), options
@@ -134,7 +140,9 @@ def test_same_keys_and_values_as_the_tensorflow_step(tmp_path):
                 continue  # NaN applied: NaN on both (allclose treats NaN equal)
             np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
         assert history.history["nonfinite_count"][-1] == count
-    assert np.isfinite(history.history["gns_simple"]).all()  # (the last: estimated)
+        histories.append(history.history)
+    assert np.isfinite(histories[2]["gns_simple"]).all()  # (estimated)
+    assert all(0.0 < h["agc_clipped_fraction"][-1] <= 1.0 for h in histories[3:])
 
 
 def test_non_finite_guard_raises_naming_the_batch_and_variable():
@@ -179,22 +187,23 @@ def test_tape_variable_counter_counts_the_trainable_variables():
 
 
 @pytest.mark.parametrize(
-    "callback, message",
+    "options, keys",
     [
-        (lambda: kf.callbacks.GradientNormLogger(update_ratio=True), r"'update_ratio'"),
-        (lambda: kf.callbacks.GradientNormLogger(per_layer=True), r"'grad_norm/dense"),
+        ({"update_ratio": True}, ["update_ratio"]),
+        ({"per_layer": True}, ["grad_norm/dense", "grad_norm/dense_1"]),
     ],
     ids=["update_ratio", "per_layer"],
 )
-def test_not_ported_callbacks_and_optional_keys_refused(callback, message):
+def test_gradient_norm_logger_optional_keys(options, keys):
+    """(Refused on JAX before; values: `test_jax_telemetry_keys.py`.)"""
+    keras.backend.clear_session(free_memory=False)  # the layer names
     model = mlp(kf.FastGradModel, accumulation_steps=2)
     model.compile(keras.optimizers.SGD(0.01), "mse")
     x, y = data()
-    with pytest.raises(NotImplementedError, match=NOT_YET) as error:
-        model.fit(x, y, verbose=0, callbacks=[callback()])
-    assert re.search(message, str(error.value)), error.value
-    model.fit(x, y, verbose=0)  # and it still trains
-    assert model.telemetry_counters()["updates"] > 0
+    logger = kf.callbacks.GradientNormLogger(**options)
+    history = model.fit(x, y, batch_size=16, verbose=0, callbacks=[logger])
+    assert sorted(history.history) == sorted(["loss", "grad_norm", *keys])
+    assert all(history.history[k][0] > 0.0 for k in keys)
 
 
 def test_retrace_watch_counts_the_jitted_steps_traces():
