@@ -153,6 +153,26 @@ def test_a_dropped_micro_batch_is_not_pooled():
     assert_moving_equal(model, reference)  # keras.Model on batches 0:4 and 8:16
 
 
+def test_a_micro_batch_dropped_by_loss_scaling_is_not_pooled():
+    # mixed_float16: the window's second micro-batch overflows the initial
+    # loss scale and is dropped; the statistics are the first one's (the
+    # same on TensorFlow).
+    x, y = vector_data(8)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = dense_bn(FastGradModel, accumulation_steps=2)
+        model.compile(keras.optimizers.SGD(0.0), "mse")
+        model.train_on_batch(x[:5], y[:5])
+        model.train_on_batch(x[5:], y[5:])
+        reference = dense_bn()
+        reference.compile(keras.optimizers.SGD(0.0), "mse")
+        reference.train_on_batch(x[:5], y[:5])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert model.telemetry_counters()["nonfinite_count"] == 1.0
+    assert_moving_equal(model, reference)
+
+
 def test_the_partial_window_moves_the_statistics_at_the_epochs_end():
     # accumulation 3, batches of 4 over 20 rows: a window of 12, then a
     # partial window of 4 + 4 applied at the epoch's end.
