@@ -534,3 +534,20 @@ PRIVATE_NAMES = (
 # step, in these methods: `fit` calls them between batches, outside the
 # train function.
 JAX_STATE_METHODS = ("_get_jax_state", "jax_state_sync")
+
+
+def jit_cache_size(function):
+    """How many times a `jax.jit` function was compiled (its cache's size,
+    a private method of JAX's jitted functions), or `None` where JAX does
+    not say."""
+    size = getattr(function, "_cache_size", None)
+    return size() if callable(size) else None
+
+
+# The private names of the JAX side (checked under `KERAS_BACKEND=jax` in
+# tests/jax/test_jax_compat.py: the canary of tests/test_compat.py runs on
+# TensorFlow): (owner, name).
+JAX_PRIVATE_NAMES = (
+    *(("keras.Model", name) for name in JAX_STATE_METHODS),
+    ("jax.jit(f)", "_cache_size"),
+)

@@ -97,5 +97,4 @@ def mode_calls(model, mode, batch, facts):
 def traces(function):
     """How many times the jitted step was compiled (its cache's size), or
     `None` where JAX does not say."""
-    size = getattr(function, "_cache_size", None)
-    return size() if callable(size) else None
+    return compat.jit_cache_size(function)
