@@ -457,14 +457,14 @@ class FastGradModel(keras.Model):
 
         Raises:
             ValueError: for a name that is not a telemetry key.
-            NotImplementedError: on Keras' JAX backend, for a key beyond
-                `LOG_KEYS` (the optional ones are not measured there yet).
+            NotImplementedError: on Keras' JAX backend, for a multi-task
+                key (`multitask` is not on JAX yet).
 
         The train function is rebuilt (retraced) on the next `fit` when the
         set of keys grows.
         """
         keys = list(keys)
-        _backend.check_telemetry_keys(keys)  # JAX: the fixed keys only
+        _backend.check_telemetry_keys(keys)  # JAX: no multi-task keys
         readouts.enable_telemetry(self, keys)
 
     def telemetry_counters(self):
