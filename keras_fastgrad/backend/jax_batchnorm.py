@@ -7,7 +7,7 @@ from the moments pooled over the window (`keras_fastgrad.maths.batchnorm`:
 Chan's combination, weighted by rows or mask weights): what `keras.Model`
 does on the concatenated batch. A dropped micro-batch (not finite) is left
 out of the pool, like its gradient; the partial window at an epoch's end
-moves them once more (`jax_step._flush`).
+moves them once more (`jax_window._flush`).
 
 On JAX the state is values: the window's moments ride in the state tuple
 as TensorFlow's variable `batchnorm_window_moments` (`[3, features]` of all

@@ -4,7 +4,7 @@ of an uncompiled model, for both backends, then on TensorFlow one traced
 flush of the accumulated gradient through the end of the step's chain
 (`keras_fastgrad.step.train_step.flush`), under the model's strategy; on
 JAX the pending window's update on values
-(`keras_fastgrad.backend.jax_step.apply_partial_window`)."""
+(`keras_fastgrad.backend.jax_window.apply_partial_window`)."""
 
 import functools
 
@@ -43,9 +43,9 @@ def apply_partial_window(model):
         return None
     if _backend.is_jax():
         refuse_without_optimizer(model, pending)
-        from keras_fastgrad.backend import jax_step  # imports jax
+        from keras_fastgrad.backend import jax_window  # imports jax
 
-        return jax_step.apply_partial_window(model)
+        return jax_window.apply_partial_window(model)
     state = model.fastgrad_step_state
     if model.train_function is None:  # loaded, or recompiled: not made yet
         refuse_without_optimizer(model, pending)

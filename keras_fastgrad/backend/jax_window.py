@@ -1,0 +1,142 @@
+"""The accumulation window of `FastGradModel`'s JAX step (the TF side:
+`keras_fastgrad.step.accumulation`): a kept micro-batch added to the
+window's sums (values in the state tuple), the window's update under one
+`jax.lax.cond` when it completes (its gradient divided by the normaliser,
+AGC, clipped, applied when finite), and the pending window applied at an
+epoch's end or by `apply_partial_window` (`_flush`)."""
+
+import jax
+from keras import ops
+
+from keras_fastgrad.backend import jax_agc, jax_batchnorm
+from keras_fastgrad.backend import jax_noise_scale as noise
+from keras_fastgrad.backend import jax_telemetry as telemetry
+from keras_fastgrad.backend import jax_units as units
+from keras_fastgrad.backend.jax_state import Slots
+
+
+def accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep):
+    """Adds the micro-batch to the window; applies a complete window."""
+    steps = model.accumulation_steps
+    sums = [ntv[i] for i in slots.sums]
+    if keep is True:
+        sums = [s + g for s, g in zip(sums, grads)]
+        new["normaliser"] += d
+        new["included"] += 1
+    else:
+        sums = [s + ops.where(keep, g, 0.0) for s, g in zip(sums, grads)]
+        new["normaliser"] += ops.where(keep, d, 0.0)
+        new["included"] += ops.cast(keep, new["included"].dtype)
+    new["micro_step"] += 1
+    complete = ops.equal(new["micro_step"] % steps, 0)
+    do_window = complete & (new["included"] > 0)
+    gated = keep is not True
+    tv, ov = window_update(model, slots, tv, ov, new, sums, mean, do_window, gated)
+    new["sums"] = [ops.where(complete, 0.0, s) for s in sums]
+    new["normaliser"] = ops.where(complete, 0.0, new["normaliser"])
+    new["included"] = ops.where(complete, ops.zeros_like(new["included"]), new["included"])
+    return tv, ov
+
+
+def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
+    """The window's update where `do_window`, in one `lax.cond` (nothing of
+    it runs on the other micro-steps): its gradient (the sums over the
+    normaliser, `divide_no_nan`), clipped, applied when finite (always when
+    not `gated`: `skip_nonfinite=False` without loss scaling); then the
+    counters and the loss scale's growth. Returns `(tv, ov)`."""
+    clipping = model.clip_norm is not None
+    measures = clipping or "grad_norm" in telemetry.requested(model)
+
+    def window(t, o, s, normaliser):
+        grads = s
+        if mean:
+            inverse = ops.divide_no_nan(1.0, normaliser)
+            grads = [g * inverse for g in s]
+        unclipped = grads
+        big_sq = noise.big_squared_norm(model, unclipped)
+        counted = {}  # AGC's clipped fraction, when asked
+        grads, agc_ok = jax_agc.clip(model, t, grads, counted)  # (grads, None) when off
+        adapted = grads  # `grad_norm`: after AGC (as on TF)
+        grads, norm, was_clipped, ok = units.clip(model, grads, gated)
+        if measures and not clipping:  # the `grad_norm` key
+            norm = units.global_norm(adapted)
+        update_ok = True
+        if gated:
+            update_ok = units.all_finite(grads) if ok is None else ok
+        update_ok = update_ok if agc_ok is None else agc_ok & update_ok
+        before = t
+        t, o = units.stateless_apply_if(slots.inner, t, o, grads, update_ok)
+        optional = telemetry.measure(model, adapted, before, t, counted)
+        if not measures:
+            norm = ops.zeros((), "float32")
+        if not clipping:
+            was_clipped = ops.convert_to_tensor(False)
+        return t, o, ops.convert_to_tensor(update_ok), norm, was_clipped, big_sq, optional
+
+    def pending(t, o, s, normaliser):
+        no, zero = ops.convert_to_tensor(False), ops.zeros((), "float32")
+        return t, o, no, zero, no, zero, telemetry.unmeasured(model)
+
+    inner_ov = [ov[i] for i in slots.inner_ov]
+    tv, inner_ov, update_ok, norm, was_clipped, big_sq, optional = jax.lax.cond(
+        do_window, window, pending, tv, inner_ov, sums, new["normaliser"]
+    )
+    noise.record_window(model, new, big_sq, do_window)
+    ov = list(ov)
+    for i, value in zip(slots.inner_ov, inner_ov):
+        ov[i] = value
+    applied = do_window & update_ok
+    telemetry.record_measures(new, optional, do_window, applied)
+    if gated:
+        units.record_dropped_update(new, do_window & ~update_ok)
+    elif model.clip_adaptive is not None:  # AGC's drop of a window
+        counted = jax_agc.counted(model, units.all_finite(sums))
+        jax_agc.record_drop(new, do_window & ~update_ok, counted)
+    units.record_update(new, applied, norm if measures else None, was_clipped if clipping else None)
+    if slots.scaler is not None:  # growth counts applied updates
+        grown = list(ov)
+        units.update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)
+        for i in slots.ov.values():
+            ov[i] = ops.where(applied, grown[i], ov[i])
+    return list(tv), ov
+
+
+def apply_partial_window(model):
+    """`FastGradModel.apply_partial_window` on JAX: the pending window's
+    update on the model's variables (outside `fit`'s loop, where Keras has
+    synced them), then the window restarted. Returns the step's counters
+    as Python floats. Called by `models.partial_window` once a window is
+    pending and the model has an optimizer (its test and its refusal)."""
+    state = model.fastgrad_step_state
+    if model.train_function is None:  # loaded, or recompiled
+        model._fg_prepare_state()
+    if state.flush_function is None:
+        flush = lambda *values: _flush(model, *values)  # noqa: E731
+        state.flush_function = jax.jit(flush) if model.jit_compile else flush
+    groups = (model.trainable_variables, model.non_trainable_variables, model.optimizer.variables)
+    values = state.flush_function(*([v.value for v in group] for group in groups))
+    for group, new_values in zip(groups, values):
+        for variable, value in zip(group, new_values):
+            variable.assign(value)
+    return {**model.telemetry_counters(), **noise.host_logs(model)}
+
+
+def _flush(model, tv, ntv, ov):
+    """The pending window applied, on values (see `apply_partial_window`)."""
+    slots = Slots(model)
+    noise.add_slots(model, slots)
+    new = dict((k, ntv[i]) for k, i in slots.ntv.items())
+    sums = [ntv[i] for i in slots.sums]
+    mean = model.fastgrad_step_state.accumulator.mean_reduction
+    gated = bool(model.skip_nonfinite) or slots.scaler is not None
+    pending = new["included"] > 0
+    tv, ov = window_update(model, slots, list(tv), list(ov), new, sums, mean, pending, gated)
+    ntv = list(ntv)
+    for key, i in slots.ntv.items():
+        ntv[i] = ops.cast(new[key], ntv[i].dtype)
+    for key in ("normaliser", "micro_step", "included"):
+        ntv[slots.ntv[key]] = ops.zeros_like(ntv[slots.ntv[key]])
+    for i in slots.sums:
+        ntv[i] = ops.zeros_like(ntv[i])
+    ntv = jax_batchnorm.apply_window(model, ntv)  # BatchNorm's one step from the window
+    return tv, ntv, ov
