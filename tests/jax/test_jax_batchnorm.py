@@ -210,7 +210,8 @@ np.save({path!r} + ".npy", np.stack([bn.moving_mean.numpy(), bn.moving_variance.
 """
 
 
-@pytest.mark.slow
+# Not `slow`: the JAX stage of CI runs the fast tier only, where a slow
+# (full-tier) test of tests/jax would never run.
 def test_a_window_pending_on_tensorflow_resumes_on_jax(tmp_path):
     path = str(tmp_path / "tf.keras")
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
