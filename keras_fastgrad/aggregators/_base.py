@@ -1,8 +1,11 @@
 """The base class of the multi-task aggregators and what their modules
-share (`aggregators.py` and the newer methods' own modules import it)."""
+share (`aggregators.py` and the newer methods' own modules import it).
+
+Written in `keras.ops`: the same aggregators on Keras' TensorFlow and JAX
+backends (a Gram matrix may be a TensorFlow tensor, a JAX array or NumPy)."""
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 _PACKAGE = "keras_fastgrad"
 
@@ -17,11 +20,12 @@ class Aggregator:
 
     Example:
 
+    >>> from keras import ops
     >>> class FirstTaskOnly(Aggregator):
     ...     name = "first_task_only"
     ...     def _weights(self, gram):
-    ...         return tf.one_hot(0, gram.shape[0], dtype=gram.dtype)
-    >>> FirstTaskOnly().weights(tf.eye(3)).numpy().tolist()
+    ...         return ops.one_hot(0, gram.shape[0], dtype=gram.dtype)
+    >>> ops.convert_to_numpy(FirstTaskOnly().weights(ops.eye(3))).tolist()
     [1.0, 0.0, 0.0]
     """
 
@@ -41,10 +45,10 @@ class Aggregator:
 
     def _run(self, gram, fn):
         gram = _check_gram(gram)
-        dtype = gram.dtype
-        if dtype in (tf.float16, tf.bfloat16):
-            gram = tf.cast(gram, tf.float32)
-        return tf.cast(fn(gram), dtype)
+        dtype = keras.backend.standardize_dtype(gram.dtype)
+        if dtype in ("float16", "bfloat16"):
+            gram = ops.cast(gram, "float32")
+        return ops.cast(fn(gram), dtype)
 
     def _weights(self, gram):
         raise NotImplementedError
@@ -82,11 +86,11 @@ def _register(cls):
 
 
 def _check_gram(gram):
-    gram = tf.convert_to_tensor(gram)
-    if not gram.dtype.is_floating:
-        gram = tf.cast(gram, keras.backend.floatx())
-    shape = gram.shape
-    if shape.rank != 2 or shape[0] is None or shape[0] != shape[1] or shape[0] < 1:
+    gram = ops.convert_to_tensor(gram)
+    if not keras.backend.is_float_dtype(gram.dtype):
+        gram = ops.cast(gram, keras.backend.floatx())
+    shape = tuple(gram.shape)
+    if len(shape) != 2 or shape[0] is None or shape[0] != shape[1] or shape[0] < 1:
         raise ValueError(
             "`gram` must be a square matrix of shape (T, T) with a static "
             f"number of tasks T >= 1. Received: gram.shape={shape}"

@@ -1,14 +1,23 @@
-"""Machine constants and number checks the aggregators share."""
+"""Machine constants and number checks the aggregators share (`keras.ops`:
+the same code on Keras' TensorFlow and JAX backends)."""
 
-import tensorflow as tf
+import keras
+import numpy as np
+from keras import ops
+
+
+def _dtype(dtype):
+    """The dtype's standard Keras name (`"float32"`), from a TensorFlow,
+    NumPy or JAX dtype or a name."""
+    return keras.backend.standardize_dtype(dtype)
 
 
 def _eps(dtype):
-    return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).eps, dtype)
+    return ops.convert_to_tensor(np.finfo(_dtype(dtype)).eps, _dtype(dtype))
 
 
 def _tiny(dtype):
-    return tf.constant(tf.experimental.numpy.finfo(dtype.as_numpy_dtype).tiny, dtype)
+    return ops.convert_to_tensor(np.finfo(_dtype(dtype)).tiny, _dtype(dtype))
 
 
 # Relative cut-off for "zero" eigenvalues in Aligned-MTL in every dtype:
@@ -19,13 +28,14 @@ _RANK_EPS = 1.1920929e-07
 
 def _max_diag(gram):
     """`max(diag G)`, or 1 when it is not positive (`G = 0`)."""
-    top = tf.reduce_max(tf.linalg.diag_part(gram))
-    return tf.where(top > 0, top, tf.ones_like(top))
+    top = ops.max(ops.diagonal(gram))
+    return ops.where(top > 0, top, ops.ones_like(top))
 
 
 def _finite_or_nan(gram, fn):
     """`fn` on `gram` if it is finite, else NaN weights (`fn` runs on `I`)."""
     num_tasks = gram.shape[0]
-    finite = tf.reduce_all(tf.math.is_finite(gram))
-    safe = tf.where(finite, gram, tf.eye(num_tasks, dtype=gram.dtype))
-    return tf.where(finite, fn(safe), tf.constant(float("nan"), gram.dtype))
+    finite = ops.all(ops.isfinite(gram))
+    safe = ops.where(finite, gram, ops.eye(num_tasks, dtype=gram.dtype))
+    nan = ops.convert_to_tensor(float("nan"), _dtype(gram.dtype))
+    return ops.where(finite, fn(safe), nan)
