@@ -96,6 +96,15 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+def pytest_runtest_setup(item):
+    """Under `KERAS_BACKEND=jax`, a test marked `tensorflow_only` (what it
+    checks exists on TensorFlow alone: `tf.function`, strategies, sparse
+    gradients) is skipped, with its mark's reason."""
+    mark = item.get_closest_marker("tensorflow_only")
+    if mark is not None and keras.backend.backend() == "jax":
+        pytest.skip(mark.kwargs.get("reason") or (mark.args[0] if mark.args else "TensorFlow only"))
+
+
 def _m_given(config):
     """Whether the command line (not `addopts`) has `-m`."""
     return any(a.startswith("-m") for a in config.invocation_params.args)
