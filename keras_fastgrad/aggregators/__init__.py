@@ -2,27 +2,30 @@
 
 `T` task gradients flattened into `J` (`T x P`) are merged as `w^T J`; an
 aggregator only sees the Gram matrix `G = J J^T` (`T x T`, `T` static) and
-returns the task weights `w` (`[T]`, the dtype of `G`). All of them are pure
-TensorFlow: they trace in graph mode and compile with
-`tf.function(jit_compile=True)`.
+returns the task weights `w` (`[T]`, the dtype of `G`). All of them are
+written in `keras.ops`, the same code on Keras' TensorFlow and JAX backends:
+they trace in graph mode and compile with `tf.function(jit_compile=True)` on
+TensorFlow, and with `jax.jit` on JAX (`G` may be a TensorFlow tensor, a JAX
+array or NumPy).
 
 Example:
 
->>> import tensorflow as tf
+>>> from keras import ops
 >>> from keras_fastgrad import aggregators
->>> J = tf.constant([[1.0, 0.0], [-1.0, 1.0]], tf.float64)  # 2 tasks, P = 2
->>> gram = tf.matmul(J, J, transpose_b=True)
->>> w = aggregators.get("mgda").weights(gram)
->>> w.numpy().round(4).tolist()
+>>> J = np.array([[1.0, 0.0], [-1.0, 1.0]])  # 2 tasks, P = 2
+>>> gram = J @ J.T
+>>> w = ops.convert_to_numpy(aggregators.get("mgda").weights(gram))
+>>> w.round(4).tolist()
 [0.6, 0.4]
->>> tf.linalg.matvec(J, w, transpose_a=True).numpy().round(4).tolist()  # w^T J
+>>> (w @ J).round(4).tolist()  # w^T J
 [0.2, 0.4]
 >>> int(aggregators.gram_telemetry(gram)["num_conflicts"])
 1
 """
 
 import keras
-import tensorflow as tf
+import numpy as np
+from keras import ops
 
 from keras_fastgrad.aggregators._aligned_mtl import AlignedMTL
 from keras_fastgrad.aggregators._base import Aggregator, _check_gram
@@ -172,16 +175,18 @@ def gram_telemetry(gram):
 
     Example:
 
-    >>> t = gram_telemetry(tf.constant([[4.0, -2.0], [-2.0, 4.0]]))
-    >>> t["norms"].numpy().tolist(), float(t["cosine"][0, 1]), int(t["num_conflicts"])
-    ([2.0, 2.0], -0.5, 1)
+    >>> t = gram_telemetry(np.array([[4.0, -2.0], [-2.0, 4.0]]))
+    >>> ops.convert_to_numpy(t["norms"]).tolist(), float(t["cosine"][0, 1])
+    ([2.0, 2.0], -0.5)
+    >>> int(t["num_conflicts"])
+    1
     """
     gram = _check_gram(gram)
-    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
+    norms = ops.sqrt(ops.maximum(ops.diagonal(gram), 0.0))
     positive = norms > 0
-    inv = tf.where(positive, 1.0 / tf.where(positive, norms, tf.ones_like(norms)), 0.0)
+    inv = ops.where(positive, 1.0 / ops.where(positive, norms, ops.ones_like(norms)), 0.0)
     cosine = gram * inv[:, None] * inv[None, :]
-    ones = tf.ones_like(gram)
-    upper = tf.linalg.band_part(ones, 0, -1) - tf.linalg.band_part(ones, 0, 0)
-    conflicts = tf.reduce_sum(tf.cast((gram < 0) & (upper > 0), tf.int32))
+    # The pairs i < j: a constant mask (the task count is static).
+    upper = np.triu(np.ones(gram.shape, bool), k=1)
+    conflicts = ops.sum(ops.cast(ops.logical_and(gram < 0, upper), "int32"))
     return {"norms": norms, "cosine": cosine, "num_conflicts": conflicts}

@@ -1,6 +1,6 @@
 """Mean: the mean of the task gradients."""
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad.aggregators._base import Aggregator, _register
 
@@ -11,11 +11,11 @@ class Mean(Aggregator):
 
     Example:
 
-    >>> Mean().weights(tf.eye(4)).numpy().tolist()
+    >>> ops.convert_to_numpy(Mean().weights(np.eye(4))).tolist()
     [0.25, 0.25, 0.25, 0.25]
     """
 
     name = "mean"
 
     def _weights(self, gram):
-        return tf.fill([gram.shape[0]], tf.constant(1.0 / gram.shape[0], gram.dtype))
+        return ops.full([gram.shape[0]], 1.0 / gram.shape[0], dtype=gram.dtype)

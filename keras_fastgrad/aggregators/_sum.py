@@ -1,6 +1,6 @@
 """Sum: the plain sum of the task gradients (what `keras.Model` does)."""
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad.aggregators._base import Aggregator, _register
 
@@ -11,11 +11,11 @@ class Sum(Aggregator):
 
     Example:
 
-    >>> Sum().weights(tf.eye(3)).numpy().tolist()
+    >>> ops.convert_to_numpy(Sum().weights(np.eye(3))).tolist()
     [1.0, 1.0, 1.0]
     """
 
     name = "sum"
 
     def _weights(self, gram):
-        return tf.ones([gram.shape[0]], gram.dtype)
+        return ops.ones([gram.shape[0]], dtype=gram.dtype)
