@@ -46,7 +46,7 @@ JAX_SUPPORTS = (
 )
 
 # The options whose non-default values the JAX step does not implement yet.
-_JAX_REFUSED_OPTIONS = ("multitask",)
+_JAX_REFUSED_OPTIONS = ()
 
 # The keras_fastgrad callbacks the JAX step does not serve yet (by name).
 _JAX_REFUSED_CALLBACKS = ()
@@ -92,6 +92,21 @@ def check_options(options, defaults):
     for name in _JAX_REFUSED_OPTIONS:
         if options[name] != defaults[name]:
             raise not_on_jax(f"`{name}`", f"{name}={options[name]!r}")
+    if options["multitask"] is None:
+        return
+    if options["multitask_space"] != "parameters":
+        raise not_on_jax(
+            '`multitask_space="features"`',
+            f"multitask_space={options['multitask_space']!r}",
+            'use `multitask_space="parameters"` (the default) on JAX, or ',
+        )
+    if options["micro_batches"] > 1:
+        raise not_on_jax(
+            "`micro_batches` with `multitask`",
+            f"micro_batches={options['micro_batches']!r}, multitask={options['multitask']!r}",
+            "use `accumulation_steps` with smaller batches (supported with "
+            "`multitask` on JAX), or ",
+        )
 
 
 def check_model(model):
@@ -122,23 +137,14 @@ def check_model(model):
 
 
 def check_telemetry_keys(keys):
-    """Refuses, on JAX, the multi-task telemetry keys (`task_grad_norm/<task>`,
-    `task_cosine/<a>/<b>`, `task_conflicts`: `multitask` is not supported
-    there); a no-op on TensorFlow.
+    """Refuses, on JAX, the telemetry keys the JAX step does not measure
+    (none at present: the multi-task keys come with `multitask`, as on
+    TensorFlow); a no-op on TensorFlow.
 
     Raises:
         NotImplementedError: naming the keys.
     """
-    from keras_fastgrad.step.telemetry import LOG_KEYS, is_task_key
-
-    refused = sorted(k for k in keys if is_task_key(k))
-    if is_jax() and refused:
-        raise not_on_jax(
-            "Multi-task telemetry keys",
-            f"keys {refused}",
-            f"request keys of LOG_KEYS {list(LOG_KEYS)}, `grad_norm/<layer>`, "
-            "`update_ratio`, `agc_clipped_fraction` or the `gns_*` keys, or ",
-        )
+    del keys  # every key is measured on JAX
 
 
 def check_callback(callback, model=None):

@@ -15,6 +15,7 @@ import math
 import keras
 from keras import ops
 
+from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax_telemetry import optional_variables
 from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss
 
@@ -75,7 +76,27 @@ def step_variables(model):
     state = vars(model).get("fastgrad_step_state")
     if state is None or state._built_for is None:
         return []
-    return state.variables + [v for _, v in optional_variables(state.telemetry)]
+    optional = [v for _, v in optional_variables(state.telemetry)]
+    return state.variables + optional + multitask_variables(model)
+
+
+def multitask_variables(model):
+    """The `multitask` aggregator's variables (`[]` without one): its
+    state (`state_variables`, built for the model's task count once the
+    compiled loss knows it) and its seed generators' states (PCGrad's
+    orders), which the JAX step threads through the state tuple."""
+    state = vars(model).get("fastgrad_step_state")
+    merger = None if state is None else state.merger
+    if merger is None:
+        return []
+    aggregator = merger.aggregator
+    compile_loss = compat.compile_loss(model)
+    if compile_loss is not None and compile_loss.built:
+        aggregator.build(len(compat.output_losses(compile_loss)))
+    seeds = [
+        v.state for v in vars(aggregator).values() if isinstance(v, keras.random.SeedGenerator)
+    ]
+    return list(aggregator.state_variables) + seeds
 
 
 class JaxTrainingLoss(TrainingLoss):

@@ -30,6 +30,7 @@ from keras_fastgrad.backend import (
     jax_agc,
     jax_batchnorm,
     jax_micro_batches,
+    jax_multitask,
     jax_weighting,
     jax_window,
 )
@@ -58,7 +59,7 @@ def train_step(model, state, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     accumulating = model.fastgrad_step_state.accumulator is not None
     grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
-    unscaled_loss, y_pred, new_ntv, new_mv = aux
+    unscaled_loss, y_pred, new_ntv, new_mv, *task_logs = aux  # (multitask: its telemetry)
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
         model.fastgrad_step_state.accumulator.mean_reduction = mean
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
@@ -93,6 +94,7 @@ def train_step(model, state, data):
     micro_step = new["micro_step"] if accumulating else None
     out_ntv = jax_batchnorm.end_micro_batch(model, out_ntv, ntv, keep, micro_step)
     logs.update(telemetry.logs(model, slots, new, ov, len(tv)))
+    logs.update(task_logs[0] if task_logs else {})
     return logs, (tv, out_ntv, ov, mv)
 
 
@@ -100,6 +102,10 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     """`(grads, D, mean, aux)`: the unscaled gradient (times the share `D`
     when accumulating), the share, whether the window divides by its sum,
     and Keras' `aux` (`unscaled_loss, y_pred, non_trainable, metrics`)."""
+    if model.fastgrad_step_state.merger is not None:  # the task gradients, merged
+        return jax_multitask.gradients(
+            model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms
+        )
     if model.micro_batches > 1:
         return jax_micro_batches.sliced_gradients(
             model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms

@@ -11,17 +11,19 @@ NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
 
 
 @pytest.mark.parametrize(
-    "option",
-    [{"multitask": "pcgrad"}],
-    ids=lambda o: next(iter(o)),
+    "option, name",
+    [
+        ({"multitask": "sum", "multitask_space": "features"}, '`multitask_space="features"`'),
+        ({"multitask": "sum", "micro_batches": 2}, "`micro_batches` with `multitask`"),
+    ],
+    ids=["features_space", "micro_batches"],
 )
-def test_options_refused_at_construction(option):
-    name = next(iter(option))
-    with pytest.raises(NotImplementedError, match=f"`{name}`.*{NOT_YET}"):
+def test_options_refused_at_construction(option, name):
+    with pytest.raises(NotImplementedError, match=f"{name}.*{NOT_YET}"):
         mlp(kf.FastGradModel, **option)
-    with pytest.raises(NotImplementedError, match=f"`{name}`"):
+    with pytest.raises(NotImplementedError, match=name):
         kf.fastgrad(mlp(), **option)
-    with pytest.raises(NotImplementedError, match=f"`{name}`"):
+    with pytest.raises(NotImplementedError, match=name):
         kf.FastGradSequential([keras.Input((3,)), keras.layers.Dense(1)], **option)
 
 
@@ -41,18 +43,6 @@ def test_fixed_loss_scale_factor_refused():
     model = mlp(kf.FastGradModel)
     model.compile(keras.optimizers.SGD(loss_scale_factor=8.0), "mse")
     with pytest.raises(NotImplementedError, match="loss_scale_factor"):
-        model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
-
-
-def test_multitask_telemetry_keys_refused():
-    model = mlp(kf.FastGradModel)
-    with pytest.raises(NotImplementedError, match=f"Multi-task telemetry keys.*{NOT_YET}"):
-        model.enable_telemetry(["grad_norm", "task_conflicts"])
-    assert model.fastgrad_step_state.log_keys == set()  # left as it was
-    model.enable_telemetry(["grad_norm", "update_ratio"])  # the optional keys are not
-    model.fastgrad_step_state.log_keys.add("task_conflicts")  # however they got there
-    model.compile("adam", "mse")
-    with pytest.raises(NotImplementedError, match=r"Multi-task telemetry keys.*'task_conflicts'"):
         model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
 
 
