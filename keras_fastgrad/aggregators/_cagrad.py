@@ -1,15 +1,12 @@
 """CAGrad (Liu et al., NeurIPS 2021): conflict-averse gradient descent,
 as the official code computes it."""
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad._validation import check_int
 from keras_fastgrad.aggregators._base import Aggregator, _register
 from keras_fastgrad.aggregators._utils.frank_wolfe import _pairwise_frank_wolfe
-from keras_fastgrad.aggregators._utils.numerics import (
-    _max_diag,
-    _tiny,
-)
+from keras_fastgrad.aggregators._utils.numerics import _compiled, _max_diag, _tiny
 
 
 @_register
@@ -35,10 +32,10 @@ class CAGrad(Aggregator):
 
     Example:
 
-    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
-    >>> CAGrad(c=0.5).weights(gram).numpy().round(4).tolist()
+    >>> gram = np.array([[4.0, 0.0], [0.0, 1.0]])
+    >>> ops.convert_to_numpy(CAGrad(c=0.5).weights(gram)).round(4).tolist()
     [0.4, 0.8472]
-    >>> CAGrad(c=0.0).weights(gram).numpy().round(4).tolist()
+    >>> ops.convert_to_numpy(CAGrad(c=0.0).weights(gram)).round(4).tolist()
     [0.5, 0.5]
     """
 
@@ -59,7 +56,7 @@ class CAGrad(Aggregator):
         return {"c": self.c, "rescale": self.rescale, "max_iter": self.max_iter}
 
 
-@tf.function(autograph=False)
+@_compiled(static_argnames=("c", "rescale", "max_iter"))
 def cagrad_weights(gram, c=0.5, rescale=1, max_iter=1000):
     """CAGrad (Liu et al., 2021), the official `cagrad` function in Gram space.
 
@@ -83,40 +80,40 @@ def cagrad_weights(gram, c=0.5, rescale=1, max_iter=1000):
     `r = -(d^T G 1/T) / c'`, the objective is stationary at
     `y = r sqrt(K / (a - r^2))` when `r^2 < a`, and monotone otherwise.
     """
-    gram = tf.convert_to_tensor(gram)
+    gram = ops.convert_to_tensor(gram)
     num_tasks, dtype = gram.shape[0], gram.dtype
     # In units of s = max(diag G): G_n = G / s, and the official constants
     # become delta / s (under the square roots) and delta / sqrt(s) (added
     # to norms). Same weights, without overflow at either end of the range.
     scale = _max_diag(gram)
     gram = gram / scale
-    delta = tf.constant(1e-8, dtype) / scale
-    delta_norm = tf.constant(1e-8, dtype) / tf.sqrt(scale)
+    delta = ops.convert_to_tensor(1e-8, dtype) / scale
+    delta_norm = ops.convert_to_tensor(1e-8, dtype) / ops.sqrt(scale)
     tiny = _tiny(dtype)
-    g0_norm = tf.sqrt(tf.reduce_mean(gram) + delta)
+    g0_norm = ops.sqrt(ops.mean(gram) + delta)
     cc = c * g0_norm + delta_norm
-    g_mean = tf.reduce_mean(gram, axis=1)  # G 1/T
+    g_mean = ops.mean(gram, axis=1)  # G 1/T
 
     def gradient(w):
-        gw = tf.linalg.matvec(gram, w)
-        norm = tf.sqrt(tf.maximum(tf.reduce_sum(w * gw), 0.0) + delta)
+        gw = ops.matmul(gram, w)
+        norm = ops.sqrt(ops.maximum(ops.sum(w * gw), 0.0) + delta)
         return g_mean + cc * gw / norm
 
     def line_search(w, d):
-        gd = tf.linalg.matvec(gram, d)
-        a, b = tf.reduce_sum(d * gd), tf.reduce_sum(w * gd)
-        q0 = tf.maximum(tf.reduce_sum(w * tf.linalg.matvec(gram, w)), 0.0) + delta
-        slope = tf.reduce_sum(d * g_mean)
+        gd = ops.matmul(gram, d)
+        a, b = ops.sum(d * gd), ops.sum(w * gd)
+        q0 = ops.maximum(ops.sum(w * ops.matmul(gram, w)), 0.0) + delta
+        slope = ops.sum(d * g_mean)
         r = -slope / cc
-        k = tf.maximum(a * q0 - b * b, 0.0)
+        k = ops.maximum(a * q0 - b * b, 0.0)
         flat = a <= tiny
-        a_safe = tf.where(flat, tf.ones_like(a), a)
-        y = r * tf.sqrt(k / tf.maximum(a_safe - r * r, tiny))
-        gamma = tf.where(r * r >= a_safe, tf.cast(r > 0, dtype), (y - b) / a_safe)
-        return tf.where(flat, tf.cast(slope < 0, dtype), gamma)
+        a_safe = ops.where(flat, ops.ones_like(a), a)
+        y = r * ops.sqrt(k / ops.maximum(a_safe - r * r, tiny))
+        gamma = ops.where(r * r >= a_safe, ops.cast(r > 0, dtype), (y - b) / a_safe)
+        return ops.where(flat, ops.cast(slope < 0, dtype), gamma)
 
     w = _pairwise_frank_wolfe(gram, gradient, line_search, max_iter)
-    gw_norm = tf.sqrt(tf.maximum(tf.reduce_sum(w * tf.linalg.matvec(gram, w)), 0.0))
+    gw_norm = ops.sqrt(ops.maximum(ops.sum(w * ops.matmul(gram, w)), 0.0))
     lmbda = cc / (gw_norm + delta_norm)
     scale = {0: 1.0, 1: 1.0 + c**2, 2: 1.0 + c}[rescale]
     return (1.0 / num_tasks + lmbda * w) / scale

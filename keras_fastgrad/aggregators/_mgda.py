@@ -1,16 +1,12 @@
 """MGDA-UB (Sener & Koltun, NeurIPS 2018): the min-norm point of the
 convex hull of the task gradients."""
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad._validation import check_int
 from keras_fastgrad.aggregators._base import Aggregator, _register
 from keras_fastgrad.aggregators._utils.frank_wolfe import _pairwise_frank_wolfe
-from keras_fastgrad.aggregators._utils.numerics import (
-    _eps,
-    _max_diag,
-    _tiny,
-)
+from keras_fastgrad.aggregators._utils.numerics import _compiled, _eps, _max_diag, _tiny
 from keras_fastgrad.aggregators._utils.qp import active_set_qp
 
 
@@ -34,8 +30,8 @@ class MGDA(Aggregator):
 
     Example:
 
-    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
-    >>> MGDA().weights(gram).numpy().round(4).tolist()
+    >>> gram = np.array([[4.0, 0.0], [0.0, 1.0]])
+    >>> ops.convert_to_numpy(MGDA().weights(gram)).round(4).tolist()
     [0.2, 0.8]
     """
 
@@ -51,7 +47,7 @@ class MGDA(Aggregator):
         return {"max_iter": self.max_iter}
 
 
-@tf.function(autograph=False)  # a graph in eager mode too; inlined under XLA
+@_compiled(static_argnames=("max_iter",))
 def min_norm_weights(gram, max_iter=1000):
     """MGDA-UB: `argmin_{w in simplex} w^T G w` (Sener & Koltun, 2018).
 
@@ -68,22 +64,22 @@ def min_norm_weights(gram, max_iter=1000):
     (a zero gradient, at rounding level) gets all the weight: its vertex is
     the min-norm point (norm 0), where the simplex QP is singular.
     """
-    gram = tf.convert_to_tensor(gram)
+    gram = ops.convert_to_tensor(gram)
     gram = gram / _max_diag(gram)
 
     def line_search(w, d):
-        gd = tf.linalg.matvec(gram, d)
-        a, b = tf.reduce_sum(d * gd), tf.reduce_sum(w * gd)
+        gd = ops.matmul(gram, d)
+        a, b = ops.sum(d * gd), ops.sum(w * gd)
         flat = a <= _tiny(gram.dtype)
-        a_safe = tf.where(flat, tf.ones_like(a), a)
-        return tf.where(flat, tf.cast(b < 0, gram.dtype), -b / a_safe)
+        a_safe = ops.where(flat, ops.ones_like(a), a)
+        return ops.where(flat, ops.cast(b < 0, gram.dtype), -b / a_safe)
 
-    w = _pairwise_frank_wolfe(gram, lambda w: tf.linalg.matvec(gram, w), line_search, max_iter)
-    lower = tf.zeros([1, gram.shape[0]], gram.dtype)
+    w = _pairwise_frank_wolfe(gram, lambda w: ops.matmul(gram, w), line_search, max_iter)
+    lower = ops.zeros([1, gram.shape[0]], gram.dtype)
     w = active_set_qp(gram, lower, simplex=True, start=w[None, :])[0][0]
-    w = w / tf.reduce_sum(w)
+    w = w / ops.sum(w)
     # A zero gradient is the min-norm point: its vertex, exactly.
-    diag = tf.linalg.diag_part(gram)
-    zero = tf.reduce_min(diag) <= tf.square(_eps(gram.dtype))
-    vertex = tf.one_hot(tf.argmin(diag), gram.shape[0], dtype=gram.dtype)
-    return tf.where(zero, vertex, w)
+    diag = ops.diagonal(gram)
+    zero = ops.min(diag) <= ops.square(_eps(gram.dtype))
+    vertex = ops.one_hot(ops.argmin(diag), gram.shape[0], dtype=gram.dtype)
+    return ops.where(zero, vertex, w)

@@ -1,13 +1,11 @@
 """UPGrad (Quinton & Rey, 2024): the mean of the task gradients, each
 projected onto the dual cone of all of them."""
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad.aggregators import _base as aggregators
 from keras_fastgrad.aggregators._utils.dual_cone import _DualCone
-from keras_fastgrad.aggregators._utils.numerics import (
-    _finite_or_nan,
-)
+from keras_fastgrad.aggregators._utils.numerics import _finite_or_nan
 
 
 @aggregators._register
@@ -34,17 +32,17 @@ class UPGrad(_DualCone):
 
     Example:
 
-    >>> J = tf.constant([[1.0, 0.0], [-1.0, 1.0]], tf.float64)
-    >>> gram = tf.matmul(J, J, transpose_b=True)
-    >>> w = UPGrad(reg_eps=0.0).weights(gram)
-    >>> w.numpy().round(4).tolist()
+    >>> J = np.array([[1.0, 0.0], [-1.0, 1.0]])
+    >>> gram = J @ J.T
+    >>> w = ops.convert_to_numpy(UPGrad(reg_eps=0.0).weights(gram))
+    >>> w.round(4).tolist()
     [1.0, 0.75]
-    >>> tf.linalg.matvec(gram, w).numpy().round(4).tolist()  # <g_i, w^T J> >= 0
+    >>> (gram @ w).round(4).tolist()  # <g_i, w^T J> >= 0
     [0.25, 0.5]
     """
 
     name = "upgrad"
 
     def _weights(self, gram):
-        eye = tf.eye(gram.shape[0], dtype=gram.dtype) / gram.shape[0]
-        return _finite_or_nan(gram, lambda g: tf.reduce_sum(self._project(g, eye), 0))
+        eye = ops.eye(gram.shape[0], dtype=gram.dtype) / gram.shape[0]
+        return _finite_or_nan(gram, lambda g: ops.sum(self._project(g, eye), 0))

@@ -4,13 +4,15 @@ Proposition 1), solved exactly by the active-set QP (`qp.py`)."""
 
 import warnings
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad._validation import check_int, check_number
 from keras_fastgrad.aggregators import _base as aggregators
+from keras_fastgrad.aggregators._utils.numerics import _compiled
 from keras_fastgrad.aggregators._utils.qp import active_set_qp
 
 
+@_compiled()
 def dual_cone_weights(gram, targets):
     """Row `k`: `v = argmin v^T G v  s.t.  v >= targets[k]`, exactly.
 
@@ -39,15 +41,15 @@ def normalized_regularized(gram, norm_eps, reg_eps):
     `m = max(diag G)`, so that a float32 Gram near the top of its range does
     not overflow to `inf` (and `G` to 0).
     """
-    top = tf.reduce_max(tf.linalg.diag_part(gram))
-    top = tf.where(top > 0, top, tf.ones_like(top))
+    top = ops.max(ops.diagonal(gram))
+    top = ops.where(top > 0, top, ops.ones_like(top))
     scaled = gram / top
-    trace = tf.linalg.trace(scaled)
+    trace = ops.trace(scaled)
     small = (trace * top < norm_eps) | (trace <= 0)
-    gram = tf.where(
-        small, tf.zeros_like(gram), scaled / tf.where(small, tf.ones_like(trace), trace)
+    gram = ops.where(
+        small, ops.zeros_like(gram), scaled / ops.where(small, ops.ones_like(trace), trace)
     )
-    return gram + reg_eps * tf.eye(gram.shape[0], dtype=gram.dtype)
+    return gram + reg_eps * ops.eye(gram.shape[0], dtype=gram.dtype)
 
 
 class _DualCone(aggregators.Aggregator):

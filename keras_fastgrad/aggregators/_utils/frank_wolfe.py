@@ -1,6 +1,6 @@
 """Pairwise Frank-Wolfe on the simplex (MGDA, CAGrad)."""
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad.aggregators._utils.numerics import _eps
 
@@ -18,24 +18,23 @@ def _pairwise_frank_wolfe(gram, gradient, line_search, max_iter):
     """
     num_tasks, dtype = gram.shape[0], gram.dtype
     tol = 16.0 * _eps(dtype)
-    neg_inf = tf.constant(-float("inf"), dtype)
+    neg_inf = ops.convert_to_tensor(-float("inf"), dtype)
 
     def body(i, w, done):
         grad = gradient(w)
-        s = tf.argmin(grad, output_type=tf.int32)
-        v = tf.argmax(tf.where(w > 0, grad, neg_inf), output_type=tf.int32)
-        gap = tf.reduce_sum(w * grad) - tf.gather(grad, s)
-        done = gap <= tol * tf.reduce_max(tf.abs(grad))
-        d = tf.one_hot(s, num_tasks, dtype=dtype)
-        d -= tf.one_hot(v, num_tasks, dtype=dtype)
-        gamma = tf.clip_by_value(line_search(w, d), 0.0, tf.gather(w, v))
-        return i + 1, tf.maximum(w + gamma * d, 0.0), done
+        s = ops.argmin(grad)
+        v = ops.argmax(ops.where(w > 0, grad, neg_inf))
+        gap = ops.sum(w * grad) - ops.take(grad, s)
+        done = gap <= tol * ops.max(ops.abs(grad))
+        d = ops.one_hot(s, num_tasks, dtype=dtype) - ops.one_hot(v, num_tasks, dtype=dtype)
+        gamma = ops.clip(line_search(w, d), 0.0, ops.take(w, v))
+        return i + 1, ops.maximum(w + gamma * d, 0.0), done
 
-    w0 = tf.fill([num_tasks], tf.constant(1.0 / num_tasks, dtype))
-    _, w, _ = tf.while_loop(
-        lambda i, w, done: (i < max_iter) & tf.logical_not(done),
+    w0 = ops.full([num_tasks], 1.0 / num_tasks, dtype=dtype)
+    _, w, _ = ops.while_loop(
+        lambda i, w, done: (i < max_iter) & ~done,
         body,
-        (tf.constant(0), w0, tf.constant(False)),
+        (ops.convert_to_tensor(0, "int32"), w0, ops.convert_to_tensor(False)),
         maximum_iterations=max_iter,
     )
-    return w / tf.reduce_sum(w)
+    return w / ops.sum(w)

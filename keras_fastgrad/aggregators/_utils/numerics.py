@@ -39,3 +39,23 @@ def _finite_or_nan(gram, fn):
     safe = ops.where(finite, gram, ops.eye(num_tasks, dtype=gram.dtype))
     nan = ops.convert_to_tensor(float("nan"), _dtype(gram.dtype))
     return ops.where(finite, fn(safe), nan)
+
+
+def _compiled(static_argnames=()):
+    """Decorator: `fn` traced once per input signature and run as a graph,
+    in eager mode too (its loops then run as one program, not op by op);
+    inlined where it is called inside a traced step.
+
+    TensorFlow: `tf.function(autograph=False)` (Python arguments retrace);
+    JAX: `jax.jit` with `static_argnames` (the Python arguments)."""
+
+    def decorate(fn):
+        if keras.backend.backend() == "jax":
+            import jax
+
+            return jax.jit(fn, static_argnames=static_argnames)
+        import tensorflow as tf
+
+        return tf.function(fn, autograph=False)
+
+    return decorate

@@ -19,7 +19,7 @@ hold to rounding level. Each step solves the full `T x T` (or
 replaced by the identity, so shapes stay static under XLA.
 """
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad.aggregators._utils.numerics import _eps, _tiny
 
@@ -34,6 +34,16 @@ def max_steps(num_tasks):
     return 10 * num_tasks + 10
 
 
+def _batched_diag(x, eye):
+    """`[K, T]` -> `[K, T, T]` diagonal matrices (`eye` the `T x T` identity)."""
+    return x[:, :, None] * eye[None]
+
+
+def _matvec(a, x):
+    """`[K, N, N] x [K, N] -> [K, N]`."""
+    return ops.matmul(a, x[:, :, None])[:, :, 0]
+
+
 def _restricted_solve(gram, lower, free, simplex, jitter):
     """Row-wise `argmin x^T G x` over the free coordinates (fixed ones at
     `lower`), and the multipliers of the bound constraints.
@@ -43,27 +53,28 @@ def _restricted_solve(gram, lower, free, simplex, jitter):
     the fixed coordinates and `0` on the free ones.
     """
     num_tasks, dtype = gram.shape[0], gram.dtype
-    f = tf.cast(free, dtype)  # [K, T]
+    eye = ops.eye(num_tasks, dtype=dtype)
+    f = ops.cast(free, dtype)  # [K, T]
     fixed = 1.0 - f
-    system = f[:, :, None] * gram[None] * f[:, None, :] + tf.linalg.diag(fixed)
-    ridge = tf.linalg.diag(jitter * f)  # [K, T, T]
-    rhs = fixed * lower - f * tf.matmul(fixed * lower, gram)
+    system = f[:, :, None] * gram[None] * f[:, None, :] + _batched_diag(fixed, eye)
+    ridge = _batched_diag(jitter * f, eye)  # [K, T, T]
+    rhs = fixed * lower - f * ops.matmul(fixed * lower, gram)
     if simplex:
         # Bordered system: [G_PP 1; 1^T 0] [x_P; mu] = [-G_PA l_A; 1 - sum l_A].
-        empty = 1.0 - tf.reduce_max(f, axis=1)  # no free coordinate: mu = 0
-        top = tf.concat([system, f[:, :, None]], axis=2)
-        bottom = tf.concat([f, empty[:, None]], axis=1)[:, None, :]
-        system = tf.concat([top, bottom], axis=1)
-        ridge = tf.pad(ridge, [[0, 0], [0, 1], [0, 1]])
-        total = 1.0 - tf.reduce_sum(fixed * lower, axis=1, keepdims=True)
-        rhs = tf.concat([rhs, total * (1.0 - empty[:, None])], axis=1)
-    solution = tf.linalg.solve(system + ridge, rhs[:, :, None])[:, :, 0]
+        empty = 1.0 - ops.max(f, axis=1)  # no free coordinate: mu = 0
+        top = ops.concatenate([system, f[:, :, None]], axis=2)
+        bottom = ops.concatenate([f, empty[:, None]], axis=1)[:, None, :]
+        system = ops.concatenate([top, bottom], axis=1)
+        ridge = ops.pad(ridge, [[0, 0], [0, 1], [0, 1]])
+        total = 1.0 - ops.sum(fixed * lower, axis=1, keepdims=True)
+        rhs = ops.concatenate([rhs, total * (1.0 - empty[:, None])], axis=1)
+    solution = ops.solve(system + ridge, rhs[:, :, None])[:, :, 0]
     # One refinement step against the system without the ridge.
-    residual = rhs - tf.linalg.matvec(system, solution)
-    solution += tf.linalg.solve(system + ridge, residual[:, :, None])[:, :, 0]
+    residual = rhs - _matvec(system, solution)
+    solution += ops.solve(system + ridge, residual[:, :, None])[:, :, 0]
     z = solution[:, :num_tasks]
     mu = solution[:, num_tasks:] if simplex else 0.0
-    return z, tf.matmul(z, gram) + mu
+    return z, ops.matmul(z, gram) + mu
 
 
 def active_set_qp(gram, lower, simplex=False, start=None):
@@ -95,74 +106,81 @@ def active_set_qp(gram, lower, simplex=False, start=None):
 
     Example:
 
-    >>> gram = tf.constant([[1.0, -2.0], [-2.0, 5.0]], tf.float64)
-    >>> x, steps = active_set_qp(gram, tf.constant([[0.5, 0.5]], tf.float64))
-    >>> x.numpy().round(4).tolist(), int(steps)
+    >>> gram = ops.convert_to_tensor([[1.0, -2.0], [-2.0, 5.0]])
+    >>> x, steps = active_set_qp(gram, ops.convert_to_tensor([[0.5, 0.5]]))
+    >>> ops.convert_to_numpy(x).round(4).tolist(), int(steps)
     ([[1.0, 0.5]], 2)
-    >>> x, _ = active_set_qp(tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64),
-    ...                      tf.zeros([1, 2], tf.float64), simplex=True)
-    >>> x.numpy().round(4).tolist()  # MGDA's min-norm weights
+    >>> x, _ = active_set_qp(ops.convert_to_tensor([[4.0, 0.0], [0.0, 1.0]]),
+    ...                      ops.zeros([1, 2]), simplex=True)
+    >>> ops.convert_to_numpy(x).round(4).tolist()  # MGDA's min-norm weights
     [[0.2, 0.8]]
     """
-    gram = tf.convert_to_tensor(gram)
+    gram = ops.convert_to_tensor(gram)
     num_tasks, dtype = gram.shape[0], gram.dtype
-    lower = tf.cast(lower, dtype)
+    lower = ops.cast(lower, dtype)
     rows = lower.shape[0]
-    diag = tf.linalg.diag_part(gram)
-    scale = tf.reduce_max(diag)
-    gram = gram / tf.where(scale > 0, scale, tf.ones_like(scale))
+    diag = ops.diagonal(gram)
+    scale = ops.max(diag)
+    gram = gram / ops.where(scale > 0, scale, ops.ones_like(scale))
     eps, tiny = _eps(dtype), _tiny(dtype)
-    diag = tf.linalg.diag_part(gram)
-    jitter = num_tasks * eps * tf.maximum(diag, eps)  # [T]
-    norms = tf.sqrt(tf.maximum(diag, 0.0))
+    diag = ops.diagonal(gram)
+    jitter = num_tasks * eps * ops.maximum(diag, eps)  # [T]
+    norms = ops.sqrt(ops.maximum(diag, 0.0))
     tol = 16.0 * num_tasks * eps
     if start is None and simplex:
-        start = lower + tf.one_hot(tf.argmin(diag), num_tasks, dtype=dtype)[None, :]
-    x = lower if start is None else tf.maximum(tf.cast(start, dtype), lower)
+        start = lower + ops.one_hot(ops.argmin(diag), num_tasks, dtype=dtype)[None, :]
+    x = lower if start is None else ops.maximum(ops.cast(start, dtype), lower)
     free = x > lower
-    inf = tf.constant(float("inf"), dtype)
+    inf = ops.convert_to_tensor(float("inf"), dtype)
+    tasks = ops.arange(num_tasks, dtype="int32")
 
     def body(step, x, free, fresh, done):
         z, multipliers = _restricted_solve(gram, lower, free, simplex, jitter)
-        z = tf.where(free, z, lower)
+        z = ops.where(free, z, lower)
         blocked = free & (z <= lower)
-        feasible = ~tf.reduce_any(blocked, axis=1)
+        feasible = ~ops.any(blocked, axis=1)
         # Feasible: take z; free the fixed coordinate of most negative
         # multiplier, or stop when none is below -tol.
-        size = tf.reduce_sum(tf.abs(z) * norms, axis=1, keepdims=True)
-        candidate = tf.where(free, inf, multipliers / tf.maximum(norms * size, tiny))
-        worst = tf.argmin(candidate, axis=1, output_type=tf.int32)
-        optimal = tf.reduce_min(candidate, axis=1) >= -tol
-        add = tf.one_hot(worst, num_tasks, on_value=True, off_value=False)
-        add &= ~optimal[:, None]
+        size = ops.sum(ops.abs(z) * norms, axis=1, keepdims=True)
+        candidate = ops.where(free, inf, multipliers / ops.maximum(norms * size, tiny))
+        worst = ops.cast(ops.argmin(candidate, axis=1), "int32")
+        optimal = ops.min(candidate, axis=1) >= -tol
+        add = (tasks[None, :] == worst[:, None]) & ~optimal[:, None]
         # Infeasible: move from x towards z until a bound is hit; fix the
         # coordinates at their bound. If the coordinate freed by the
         # previous step (free, still at its bound) is blocked at once, its
         # multiplier was negative only by rounding: stop there.
-        ratio = tf.where(blocked, (x - lower) / tf.where(blocked, x - z, 1.0), inf)
-        alpha = tf.clip_by_value(tf.reduce_min(ratio, axis=1, keepdims=True), 0.0, 1.0)
+        ratio = ops.where(blocked, (x - lower) / ops.where(blocked, x - z, 1.0), inf)
+        alpha = ops.clip(ops.min(ratio, axis=1, keepdims=True), 0.0, 1.0)
         moved = x + alpha * (z - x)
         hit = free & ((blocked & (ratio <= alpha)) | (moved <= lower))
-        moved = tf.where(hit, lower, moved)
+        moved = ops.where(hit, lower, moved)
         just_freed = free & (x <= lower)
-        stalled = ~feasible & fresh & tf.reduce_any(blocked & just_freed, axis=1)
+        stalled = ~feasible & fresh & ops.any(blocked & just_freed, axis=1)
 
         keep = (done | stalled)[:, None]
-        new_x = tf.where(feasible[:, None], z, moved)
-        new_free = tf.where(feasible[:, None], free | add, free & ~hit)
-        done |= (feasible & optimal) | stalled
+        new_x = ops.where(feasible[:, None], z, moved)
+        new_free = ops.where(feasible[:, None], free | add, free & ~hit)
+        done = done | (feasible & optimal) | stalled
         return (
             step + 1,
-            tf.where(keep, x, new_x),
-            tf.where(keep, free, new_free),
+            ops.where(keep, x, new_x),
+            ops.where(keep, free, new_free),
             feasible & ~optimal,
             done,
         )
 
-    steps, x, _, _, _ = tf.while_loop(
-        lambda step, x, free, fresh, done: (step < max_steps(num_tasks)) & ~tf.reduce_all(done),
+    cap = max_steps(num_tasks)
+    steps, x, _, _, _ = ops.while_loop(
+        lambda step, x, free, fresh, done: (step < cap) & ~ops.all(done),
         body,
-        (tf.constant(0), x, free, tf.zeros([rows], tf.bool), tf.zeros([rows], tf.bool)),
-        maximum_iterations=max_steps(num_tasks),
+        (
+            ops.convert_to_tensor(0, "int32"),
+            x,
+            free,
+            ops.zeros([rows], "bool"),
+            ops.zeros([rows], "bool"),
+        ),
+        maximum_iterations=cap,
     )
     return x, steps
