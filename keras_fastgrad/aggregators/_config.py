@@ -1,14 +1,12 @@
 """ConFIG (Liu et al., ICLR 2025): the direction with equal cosines to
 every task gradient."""
 
-import tensorflow as tf
+import numpy as np
+from keras import ops
 
 from keras_fastgrad.aggregators import _base as aggregators
-from keras_fastgrad.aggregators._utils.numerics import (
-    _eps,
-    _finite_or_nan,
-    _tiny,
-)
+from keras_fastgrad.aggregators._utils.linalg import symmetric_pinv
+from keras_fastgrad.aggregators._utils.numerics import _dtype, _eps, _finite_or_nan, _tiny
 
 
 @aggregators._register
@@ -30,8 +28,8 @@ class ConFIG(aggregators.Aggregator):
 
     Example:
 
-    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
-    >>> ConFIG().weights(gram).numpy().round(4).tolist()
+    >>> gram = np.array([[4.0, 0.0], [0.0, 1.0]])
+    >>> keras.ops.convert_to_numpy(ConFIG().weights(gram)).round(4).tolist()
     [0.75, 1.5]
     """
 
@@ -43,19 +41,20 @@ class ConFIG(aggregators.Aggregator):
 
 def config_weights(gram):
     """ConFIG task weights from the Gram matrix (see `ConFIG`)."""
-    num_tasks, dtype = gram.shape[0], gram.dtype
-    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
-    positive = norms > tf.sqrt(_tiny(dtype))
-    inv = tf.where(positive, 1.0 / tf.where(positive, norms, 1.0), 0.0)
-    unit_gram = gram * inv[:, None] * inv[None, :]
-    pinv = tf.linalg.pinv(unit_gram, rcond=num_tasks * _eps(dtype))
-    ones = tf.ones([num_tasks], dtype)
-    y = tf.linalg.matvec(pinv, ones)
+    num_tasks, dtype = gram.shape[0], _dtype(gram.dtype)
+    norms = ops.sqrt(ops.maximum(ops.diagonal(gram), 0.0))
+    positive = norms > ops.sqrt(_tiny(dtype))
+    inv = ops.where(positive, 1.0 / ops.where(positive, norms, 1.0), 0.0)
+    inv_col = ops.expand_dims(inv, 1)  # vectors are columns here
+    unit_gram = gram * inv_col * inv
+    pinv = symmetric_pinv(unit_gram, num_tasks * _eps(dtype))
+    ones = np.ones([num_tasks, 1], dtype)
+    y = ops.matmul(pinv, ones)
     # One refinement step: XLA's SVD stops near 1e-7 relative, even in float64.
-    y += tf.linalg.matvec(pinv, ones - tf.linalg.matvec(unit_gram, y))
-    x = inv * y  # D^-1 (D^-1 G D^-1)^+ 1
-    gx = tf.linalg.matvec(gram, x)
-    norm_sq = tf.reduce_sum(x * gx)
-    flat = norm_sq <= _tiny(dtype) * tf.reduce_max(tf.abs(gram))
-    weights = x * tf.reduce_sum(gx) / tf.where(flat, tf.ones_like(norm_sq), norm_sq)
-    return tf.where(flat, tf.zeros_like(weights), weights)
+    y = y + ops.matmul(pinv, ones - ops.matmul(unit_gram, y))
+    x = inv_col * y  # D^-1 (D^-1 G D^-1)^+ 1
+    gx = ops.matmul(gram, x)
+    norm_sq = ops.sum(x * gx)
+    flat = norm_sq <= _tiny(dtype) * ops.max(ops.abs(gram))
+    weights = ops.squeeze(x, 1) * ops.sum(gx) / ops.where(flat, 1.0, norm_sq)
+    return ops.where(flat, 0.0, weights)

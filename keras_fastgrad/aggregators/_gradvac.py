@@ -9,14 +9,16 @@ merged gradient is finite, and saved in `.keras` / `.weights.h5` files as
 an entry of its own (`multitask`), which a plain `keras.Model` ignores.
 """
 
+import contextlib
+
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._validation import check_number
 from keras_fastgrad.aggregators import _base as aggregators
-from keras_fastgrad.aggregators._utils.numerics import _eps, _tiny
+from keras_fastgrad.aggregators._utils.numerics import _dtype, _eps, _tiny
 
 
 def gradvac_weights(gram, targets, beta):
@@ -42,35 +44,55 @@ def gradvac_weights(gram, targets, beta):
 
     Returns:
         `([T] weights, [T, T] new targets)` in the dtype of `gram`.
+
+    Example:
+
+    >>> J = np.array([[1.0, 0.0], [-1.0, 1.0]])
+    >>> w, targets = gradvac_weights(J @ J.T, np.zeros((2, 2)), beta=0.5)
+    >>> keras.ops.convert_to_numpy(w).round(4).tolist()  # targets 0: PCGrad
+    [2.0, 1.5]
+    >>> keras.ops.convert_to_numpy(targets).round(4).tolist()  # beta * cos
+    [[0.0, -0.3536], [-0.3536, 0.0]]
     """
-    num_tasks, dtype = gram.shape[0], gram.dtype
-    old = tf.cast(tf.convert_to_tensor(targets), dtype)
-    finite = tf.reduce_all(tf.math.is_finite(gram))
-    gram = tf.where(finite, gram, tf.zeros_like(gram))  # NaN out, targets kept
+    gram = ops.convert_to_tensor(gram)
+    num_tasks, dtype = gram.shape[0], _dtype(gram.dtype)
+    old = ops.cast(targets, dtype)
+    finite = ops.all(ops.isfinite(gram))
+    gram = ops.where(finite, gram, 0.0)  # NaN out, targets kept
     targets = old
-    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
-    coefs = tf.eye(num_tasks, dtype=dtype)
-    task = tf.range(num_tasks)
+    norms = ops.sqrt(ops.maximum(ops.diagonal(gram), 0.0))
+    coefs = ops.eye(num_tasks, dtype=dtype)
     for k in range(num_tasks - 1):
-        j = k + tf.cast(k >= task, tf.int32)  # the k-th other task of each i
-        pick = tf.one_hot(j, num_tasks, dtype=dtype)  # row i: e_j
-        dots = tf.reduce_sum(coefs * tf.gather(gram, j), axis=1)  # <g_i', g_j>
-        norm_i = tf.sqrt(tf.maximum(tf.reduce_sum(coefs * tf.matmul(coefs, gram), 1), 0.0))
-        norm_j = tf.gather(norms, j)
+        # Row i of `pick`: e_j, j the k-th other task of i (static).
+        pick = np.eye(num_tasks, dtype=dtype)[[k + (k >= i) for i in range(num_tasks)]]
+        dots = ops.sum(coefs * ops.matmul(pick, gram), axis=1)  # <g_i', g_j>
+        norm_i = ops.sqrt(ops.maximum(ops.sum(coefs * ops.matmul(coefs, gram), axis=1), 0.0))
+        norm_j = ops.matmul(pick, norms)
         valid = norm_i * norm_j > _tiny(dtype)
-        phi = tf.where(valid, dots / tf.where(valid, norm_i * norm_j, 1.0), 0.0)
-        phi = tf.clip_by_value(phi, -1.0, 1.0)
-        target = tf.reduce_sum(targets * pick, axis=1)
-        root_t = tf.sqrt(tf.maximum(1.0 - target * target, _eps(dtype)))
-        root_phi = tf.sqrt(tf.maximum(1.0 - phi * phi, 0.0))
+        phi = ops.where(valid, dots / ops.where(valid, norm_i * norm_j, 1.0), 0.0)
+        phi = ops.clip(phi, -1.0, 1.0)
+        target = ops.sum(targets * pick, axis=1)
+        root_t = ops.sqrt(ops.maximum(1.0 - target * target, _eps(dtype)))
+        root_phi = ops.sqrt(ops.maximum(1.0 - phi * phi, 0.0))
         step = norm_i * (target * root_phi - phi * root_t)
-        step /= tf.where(valid, norm_j, 1.0) * root_t
-        step = tf.where(valid & (phi < target), step, 0.0)
-        coefs += step[:, None] * pick
-        moved = tf.where(valid, (1.0 - beta) * target + beta * phi, target)
-        targets += (moved - target)[:, None] * pick
-    weights = tf.where(finite, tf.reduce_sum(coefs, axis=0), float("nan"))
-    return weights, tf.where(finite, targets, old)
+        step = step / (ops.where(valid, norm_j, 1.0) * root_t)
+        step = ops.where(valid & (phi < target), step, 0.0)
+        coefs = coefs + step[:, None] * pick
+        moved = ops.where(valid, (1.0 - beta) * target + beta * phi, target)
+        targets = targets + (moved - target)[:, None] * pick
+    weights = ops.where(finite, ops.sum(coefs, axis=0), float("nan"))
+    return weights, ops.where(finite, targets, old)
+
+
+def _outside_traced_functions():
+    """A scope where a variable created while a TensorFlow step is traced
+    lives outside that step's graph (`tf.init_scope`); nothing on JAX,
+    whose variables hold concrete arrays."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf  # TensorFlow's backend only
+
+        return tf.init_scope()
+    return contextlib.nullcontext()
 
 
 @aggregators._register
@@ -95,14 +117,13 @@ class GradVac(aggregators.Aggregator, compat.KerasSaveable):
 
     Example:
 
-    >>> J = tf.constant([[1.0, 0.0], [-1.0, 1.0]], tf.float64)
-    >>> gram = tf.matmul(J, J, transpose_b=True)
+    >>> J = np.array([[1.0, 0.0], [-1.0, 1.0]])
     >>> agg = GradVac()
-    >>> agg.weights(gram).numpy().round(4).tolist()  # targets 0: PCGrad
+    >>> keras.ops.convert_to_numpy(agg.weights(J @ J.T)).round(4).tolist()
     [2.0, 1.5]
     >>> agg.build(2)
-    >>> w, (targets,) = agg.weights_and_state(gram)
-    >>> targets.numpy().round(5).tolist()  # moved by beta * cosine
+    >>> w, (targets,) = agg.weights_and_state(J @ J.T)
+    >>> keras.ops.convert_to_numpy(targets).round(5).tolist()  # beta * cos
     [[0.0, -0.00707], [-0.00707, 0.0]]
     """
 
@@ -128,7 +149,7 @@ class GradVac(aggregators.Aggregator, compat.KerasSaveable):
         if self._pending is not None and self._pending.shape == value.shape:
             value = self._pending.astype("float32")
         self._pending = None
-        with tf.init_scope():  # may be called while tracing the step
+        with _outside_traced_functions():  # may be called while tracing the step
             self._targets = keras.Variable(
                 value,
                 dtype="float32",
@@ -145,19 +166,19 @@ class GradVac(aggregators.Aggregator, compat.KerasSaveable):
     def _current(self, gram):
         num_tasks = gram.shape[0]
         if self._targets is None or self._targets.shape[0] != num_tasks:
-            return tf.zeros([num_tasks] * 2, gram.dtype)
-        return tf.cast(self._targets.value, gram.dtype)
+            return ops.zeros([num_tasks] * 2, gram.dtype)
+        return ops.cast(self._targets.value, gram.dtype)
 
     def _weights(self, gram):
         return gradvac_weights(gram, self._current(gram), self.beta)[0]
 
     def weights_and_state(self, gram):
         gram = aggregators._check_gram(gram)
-        dtype = gram.dtype
-        if dtype in (tf.float16, tf.bfloat16):
-            gram = tf.cast(gram, tf.float32)
+        dtype = _dtype(gram.dtype)
+        if dtype in ("float16", "bfloat16"):
+            gram = ops.cast(gram, "float32")
         w, targets = gradvac_weights(gram, self._current(gram), self.beta)
-        return tf.cast(w, dtype), [tf.cast(targets, tf.float32)]
+        return ops.cast(w, dtype), [ops.cast(targets, "float32")]
 
     def get_config(self):
         return {"beta": self.beta}

@@ -1,13 +1,11 @@
 """IMTL-G (Liu et al., ICLR 2021): equal projections of the merged
 gradient on every task's unit gradient."""
 
-import tensorflow as tf
+from keras import ops
 
 from keras_fastgrad.aggregators._base import Aggregator, _register
-from keras_fastgrad.aggregators._utils.numerics import (
-    _eps,
-    _max_diag,
-)
+from keras_fastgrad.aggregators._utils.linalg import symmetric_pinv
+from keras_fastgrad.aggregators._utils.numerics import _dtype, _eps, _max_diag
 
 
 @_register
@@ -27,11 +25,11 @@ class IMTL(Aggregator):
 
     Example:
 
-    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
-    >>> IMTL().weights(gram).numpy().round(4).tolist()
+    >>> gram = np.array([[4.0, 0.0], [0.0, 1.0]])
+    >>> keras.ops.convert_to_numpy(IMTL().weights(gram)).round(4).tolist()
     [0.3333, 0.6667]
-    >>> zero_task = tf.constant([[4.0, 0.0], [0.0, 0.0]], tf.float64)
-    >>> IMTL().weights(zero_task).numpy().tolist()  # task 2 has no gradient
+    >>> zero_task = np.array([[4.0, 0.0], [0.0, 0.0]])  # task 2: no gradient
+    >>> keras.ops.convert_to_numpy(IMTL().weights(zero_task)).tolist()
     [1.0, 0.0]
     """
 
@@ -64,16 +62,16 @@ def imtl_weights(gram):
     tolerances: without this a Gram scaled by `1e-6` was 0.3 off under
     `jit_compile=True`, and float32 entries near `1e30` gave NaN.
     """
-    gram = tf.convert_to_tensor(gram)
-    num_tasks, dtype = gram.shape[0], gram.dtype
+    gram = ops.convert_to_tensor(gram)
+    num_tasks, dtype = gram.shape[0], _dtype(gram.dtype)
     gram = gram / _max_diag(gram)  # scale-free weights; XLA's SVD is not
-    norms = tf.sqrt(tf.maximum(tf.linalg.diag_part(gram), 0.0))
-    pinv = tf.linalg.pinv(gram, rcond=num_tasks * _eps(dtype))
-    v = tf.linalg.matvec(pinv, norms)
+    norms = ops.expand_dims(ops.sqrt(ops.maximum(ops.diagonal(gram), 0.0)), 1)  # a column
+    pinv = symmetric_pinv(gram, num_tasks * _eps(dtype))
+    v = ops.matmul(pinv, norms)
     # Refinement steps: XLA's SVD stops near 1e-7 relative, even in float64.
     for _ in range(2):
-        v += tf.linalg.matvec(pinv, norms - tf.linalg.matvec(gram, v))
-    total = tf.reduce_sum(v)
-    degenerate = tf.abs(total) <= num_tasks * _eps(dtype) * tf.reduce_sum(tf.abs(v))
-    safe_total = tf.where(degenerate, tf.ones_like(total), total)
-    return tf.where(degenerate, tf.zeros_like(v), v / safe_total)
+        v = v + ops.matmul(pinv, norms - ops.matmul(gram, v))
+    v = ops.squeeze(v, 1)
+    total = ops.sum(v)
+    degenerate = ops.abs(total) <= num_tasks * _eps(dtype) * ops.sum(ops.abs(v))
+    return ops.where(degenerate, 0.0, v / ops.where(degenerate, 1.0, total))

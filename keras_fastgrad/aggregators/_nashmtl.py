@@ -9,11 +9,12 @@ update `sum_i alpha_i g_i` with `alpha > 0` solving `G alpha = 1 / alpha`
 official code runs a sequence of convex programs with cvxpy/ECOS.
 """
 
-import tensorflow as tf
+import numpy as np
+from keras import ops
 
 from keras_fastgrad._validation import check_int, check_number
 from keras_fastgrad.aggregators import _base as aggregators
-from keras_fastgrad.aggregators._utils.numerics import _eps, _finite_or_nan, _tiny
+from keras_fastgrad.aggregators._utils.numerics import _dtype, _eps, _finite_or_nan, _tiny
 
 
 def nash_weights(gram, reg_eps=1e-6, max_iter=50):
@@ -51,40 +52,40 @@ def nash_weights(gram, reg_eps=1e-6, max_iter=50):
     Returns:
         `[T]` task weights.
     """
-    num_tasks, dtype = gram.shape[0], gram.dtype
-    eye = tf.eye(num_tasks, dtype=dtype)
+    num_tasks, dtype = gram.shape[0], _dtype(gram.dtype)
+    eye = np.eye(num_tasks, dtype=dtype)
     # ||G||_F = m ||G / m||_F, m = max |G_ij|: no overflow of the squares.
-    top = tf.reduce_max(tf.abs(gram))
+    top = ops.max(ops.abs(gram))
     empty = top <= 0
-    gram = gram / tf.where(empty, tf.ones_like(top), top)
-    gram = gram / tf.where(empty, tf.ones_like(top), tf.norm(gram))
-    diag = tf.linalg.diag_part(gram)
-    active = diag > num_tasks * _eps(dtype) * tf.reduce_max(diag)
-    mask = tf.cast(active, dtype)
+    gram = gram / ops.where(empty, 1.0, top)
+    gram = gram / ops.where(empty, 1.0, ops.sqrt(ops.sum(gram * gram)))
+    diag = ops.diagonal(gram)
+    active = diag > num_tasks * _eps(dtype) * ops.max(diag)
+    mask = ops.cast(active, dtype)
     # Zero tasks decouple (their own unit diagonal) and are zeroed at the end.
-    system = gram * mask[:, None] * mask[None, :] + tf.linalg.diag(1.0 - mask)
-    system += tf.maximum(tf.cast(reg_eps, dtype), _eps(dtype)) * eye
+    system = gram * mask[:, None] * mask[None, :] + eye * (1.0 - mask)
+    system = system + ops.maximum(ops.cast(reg_eps, dtype), _eps(dtype)) * eye
     tol = 64.0 * num_tasks * _eps(dtype)
 
     def body(i, alpha, done):
-        g_alpha = tf.linalg.matvec(system, alpha)
+        g_alpha = ops.matmul(system, alpha)
         grad = g_alpha - 1.0 / alpha
-        hessian = system + tf.linalg.diag(1.0 / tf.square(alpha))
-        step = -tf.linalg.solve(hessian, grad[:, None])[:, 0]
-        decrement = tf.sqrt(tf.maximum(-tf.reduce_sum(grad * step), 0.0))
-        damping = tf.where(decrement < 0.25, tf.ones_like(decrement), 1.0 / (1.0 + decrement))
-        alpha = tf.maximum(alpha + damping * step, _tiny(dtype))
-        residual = tf.reduce_max(tf.abs(alpha * tf.linalg.matvec(system, alpha) - 1.0))
+        hessian = system + ops.diag(1.0 / ops.square(alpha))
+        step = -ops.solve(hessian, grad)
+        decrement = ops.sqrt(ops.maximum(-ops.sum(grad * step), 0.0))
+        damping = ops.where(decrement < 0.25, 1.0, 1.0 / (1.0 + decrement))
+        alpha = ops.maximum(alpha + damping * step, _tiny(dtype))
+        residual = ops.max(ops.abs(alpha * ops.matmul(system, alpha) - 1.0))
         return i + 1, alpha, residual <= tol
 
-    alpha0 = tf.math.rsqrt(tf.linalg.diag_part(system))
-    _, alpha, _ = tf.while_loop(
-        lambda i, alpha, done: (i < max_iter) & tf.logical_not(done),
+    alpha0 = ops.rsqrt(ops.diagonal(system))
+    _, alpha, _ = ops.while_loop(
+        lambda i, alpha, done: (i < max_iter) & ops.logical_not(done),
         body,
-        (tf.constant(0), alpha0, tf.constant(False)),
+        (ops.convert_to_tensor(0, "int32"), alpha0, ops.convert_to_tensor(False)),
         maximum_iterations=max_iter,
     )
-    return tf.where(active & tf.logical_not(empty), alpha, 0.0)
+    return ops.where(active & ops.logical_not(empty), alpha, 0.0)
 
 
 @aggregators._register
@@ -112,12 +113,12 @@ class NashMTL(aggregators.Aggregator):
 
     Example:
 
-    >>> gram = tf.constant([[4.0, 0.0], [0.0, 1.0]], tf.float64)
-    >>> w = NashMTL(reg_eps=0.0).weights(gram)
-    >>> w.numpy().round(4).tolist()
+    >>> gram = np.array([[4.0, 0.0], [0.0, 1.0]])
+    >>> w = keras.ops.convert_to_numpy(NashMTL(reg_eps=0.0).weights(gram))
+    >>> w.round(4).tolist()
     [1.0153, 2.0305]
-    >>> g_n = gram / tf.norm(gram)  # the bargaining condition G_n w = 1 / w
-    >>> (tf.linalg.matvec(g_n, w) * w).numpy().round(6).tolist()
+    >>> g_n = gram / np.linalg.norm(gram)  # the bargaining condition G_n w = 1 / w
+    >>> (g_n @ w * w).round(6).tolist()
     [1.0, 1.0]
     """
 

@@ -2,12 +2,11 @@
 the tasks it conflicts with, in a random order."""
 
 import keras
-import tensorflow as tf
+import numpy as np
+from keras import ops
 
 from keras_fastgrad.aggregators._base import Aggregator, _check_gram, _register
-from keras_fastgrad.aggregators._utils.numerics import (
-    _tiny,
-)
+from keras_fastgrad.aggregators._utils.numerics import _tiny
 
 
 @_register
@@ -19,9 +18,10 @@ class PCGrad(Aggregator):
     `g_i^PC <- g_i^PC - <g_i^PC, g_j> / ||g_j||^2 g_j`. The merged gradient
     is `sum_i g_i^PC`. Computed on coefficients (`g_i^PC = c_i^T J`, see
     `pcgrad_weights`); `w = sum_i c_i`. Each call draws new orders from the
-    aggregator's `keras.random.SeedGenerator` (a variable: also new orders
-    per call under `tf.function(jit_compile=True)`; build the aggregator
-    outside any `tf.function`); `orders` (int `[T, T-1]`, row `i` the
+    aggregator's `keras.random.SeedGenerator` (`seed_generator`, whose
+    state is a variable: new orders per call inside a compiled TensorFlow
+    step too; build the aggregator outside any `tf.function`; on JAX the
+    step threads that state); `orders` (int `[T, T-1]`, row `i` the
     visiting order of task `i`) fixes them.
 
     Args:
@@ -29,13 +29,14 @@ class PCGrad(Aggregator):
 
     Example:
 
-    >>> J = tf.constant([[-10.0, 0.0], [1.0, -1.0]], tf.float64)  # tug of war
-    >>> gram = tf.matmul(J, J, transpose_b=True)
-    >>> PCGrad(seed=0).weights(gram).numpy().round(4).tolist()
+    >>> J = np.array([[-10.0, 0.0], [1.0, -1.0]])  # tug of war
+    >>> w = PCGrad(seed=0).weights(J @ J.T)
+    >>> keras.ops.convert_to_numpy(w).round(4).tolist()
     [1.1, 6.0]
-    >>> gram3 = tf.eye(3, dtype=tf.float64) - 0.2  # three conflicting tasks
+    >>> gram3 = np.eye(3) - 0.2  # three conflicting tasks
     >>> orders = [[1, 2], [0, 2], [0, 1]]  # task 0 visits 1 then 2, ...
-    >>> PCGrad().weights(gram3, orders=orders).numpy().round(4).tolist()
+    >>> w = PCGrad().weights(gram3, orders=orders)
+    >>> keras.ops.convert_to_numpy(w).round(4).tolist()
     [1.5, 1.5625, 1.625]
     """
 
@@ -49,12 +50,12 @@ class PCGrad(Aggregator):
         """As `Aggregator.weights`; `orders` (int `[T, T-1]`) fixes the order."""
         if orders is None:
             return super().weights(gram)
-        orders = tf.convert_to_tensor(orders)
+        orders = ops.convert_to_tensor(orders, "int32")
         num_tasks = _check_gram(gram).shape[0]
-        if orders.shape != (num_tasks, num_tasks - 1):
+        if tuple(orders.shape) != (num_tasks, num_tasks - 1):
             raise ValueError(
                 f"`orders` must have shape ({num_tasks}, {num_tasks - 1}) for "
-                f"{num_tasks} tasks. Received: orders.shape={orders.shape}"
+                f"{num_tasks} tasks. Received: orders.shape={tuple(orders.shape)}"
             )
         return self._run(gram, lambda g: pcgrad_weights(g, orders))
 
@@ -71,11 +72,11 @@ def random_orders(num_tasks, uniform):
     """Visiting orders for PCGrad from `uniform`, a `[T, T]` draw in [0, 1).
 
     Row `i` is a uniformly random permutation of the tasks other than `i`:
-    `i` gets the key 2, sorts last and is dropped. Returns int32 `[T, T-1]`.
+    `i`'s key is raised by 2, sorts last and is dropped (`ops.argsort` is
+    stable on TensorFlow and JAX). Returns int `[T, T-1]`.
     """
-    own = tf.eye(num_tasks, dtype=tf.bool)
-    keys = tf.where(own, tf.ones_like(uniform) * 2.0, uniform)
-    return tf.argsort(keys, axis=1, stable=True)[:, : num_tasks - 1]
+    keys = uniform + 2.0 * np.eye(num_tasks, dtype=keras.backend.standardize_dtype(uniform.dtype))
+    return ops.argsort(keys, axis=1)[:, : num_tasks - 1]
 
 
 def pcgrad_weights(gram, orders):
@@ -99,22 +100,22 @@ def pcgrad_weights(gram, orders):
 
     The paper's tug of war, g1 = (-10, 0) and g2 = (1, -1):
 
-    >>> w = pcgrad_weights(tf.constant([[100.0, -10.0], [-10.0, 2.0]]),
-    ...                    tf.constant([[1], [0]]))
-    >>> [round(v, 3) for v in w.numpy().tolist()]
+    >>> w = pcgrad_weights(np.array([[100.0, -10.0], [-10.0, 2.0]]), [[1], [0]])
+    >>> keras.ops.convert_to_numpy(w).round(3).tolist()
     [1.1, 6.0]
     """
-    gram = tf.convert_to_tensor(gram)
-    num_tasks = gram.shape[0]
-    orders = tf.convert_to_tensor(orders)
-    diag = tf.linalg.diag_part(gram)
-    coefs = tf.eye(num_tasks, dtype=gram.dtype)
+    gram = ops.convert_to_tensor(gram)
+    num_tasks, dtype = gram.shape[0], gram.dtype
+    # picks[:, k]: row i is e_j for j = orders[i, k] (rows of G by matmul:
+    # exact, the other terms are zeros).
+    picks = ops.one_hot(orders, num_tasks, dtype=dtype)
+    diag = ops.diagonal(gram)
+    coefs = ops.eye(num_tasks, dtype=dtype)
     for k in range(num_tasks - 1):
-        j = orders[:, k]
-        dots = tf.reduce_sum(coefs * tf.gather(gram, j), axis=1)  # (c_i^T G)_j
-        g_jj = tf.gather(diag, j)
-        project = (dots < 0) & (g_jj > _tiny(gram.dtype))
-        safe = tf.where(project, g_jj, tf.ones_like(g_jj))
-        step = tf.where(project, dots / safe, 0.0)
-        coefs = coefs - step[:, None] * tf.one_hot(j, num_tasks, dtype=gram.dtype)
-    return tf.reduce_sum(coefs, axis=0)
+        pick = picks[:, k]
+        dots = ops.sum(coefs * ops.matmul(pick, gram), axis=1)  # (c_i^T G)_j
+        g_jj = ops.sum(pick * diag, axis=1)
+        project = (dots < 0) & (g_jj > _tiny(dtype))
+        step = ops.where(project, dots / ops.where(project, g_jj, 1.0), 0.0)
+        coefs = coefs - ops.expand_dims(step, 1) * pick
+    return ops.sum(coefs, axis=0)
