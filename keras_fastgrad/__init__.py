@@ -7,10 +7,12 @@ Runs on Keras' TensorFlow backend, and on its JAX backend for a first set
 of options (`keras_fastgrad.backend`: the others refuse there, by name).
 Importing it under another backend (`torch`, `numpy`, `openvino`) raises
 `ImportError`, naming the backend in use and the supported ones, rather
-than failing later in `fit`. (On JAX, TensorFlow is still imported.)
+than failing later in `fit`. On JAX, TensorFlow is neither imported nor
+needed (only `tensorboard_dir` writes its events with it).
 """
 
-# Imports TensorFlow first, its start-up notices held to TF_CPP_MIN_LOG_LEVEL.
+# On Keras' TensorFlow backend: imports TensorFlow first, its start-up
+# notices held to TF_CPP_MIN_LOG_LEVEL. On JAX: imports nothing.
 from keras_fastgrad import _tf_startup  # noqa: F401, I001
 
 import keras as _keras

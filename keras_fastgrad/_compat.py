@@ -21,7 +21,6 @@ import sys
 import threading
 
 import keras
-import tensorflow as tf
 
 # Re-exported as they are (the rest of the package imports them from here).
 from keras.src.backend import compute_output_spec  # noqa: F401
@@ -39,6 +38,8 @@ from keras.src.saving import object_registration as _object_registration
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.trainers.trainer import Trainer
 from keras.src.utils import python_utils as _python_utils
+
+from keras_fastgrad._tf_startup import tf
 
 KERAS_VERSION = tuple(int(p) for p in keras.__version__.split(".")[:2])
 MIN_KERAS_VERSION = (3, 8)
@@ -370,12 +371,6 @@ def model_cloned_in(frame):
 _VARIABLE_HAS_SYNCHRONIZATION = (
     "synchronization" in inspect.signature(keras.Variable.__init__).parameters
 )
-_SYNCHRONIZATION = {
-    "auto": tf.VariableSynchronization.AUTO,
-    "on_read": tf.VariableSynchronization.ON_READ,
-    "on_write": tf.VariableSynchronization.ON_WRITE,
-    "none": tf.VariableSynchronization.NONE,
-}
 
 
 class _SynchronizedVariable(keras.Variable):
@@ -393,7 +388,7 @@ class _SynchronizedVariable(keras.Variable):
             trainable=self.trainable,
             name=self.name,
             aggregation=self._map_aggregation(self.aggregation),
-            synchronization=_SYNCHRONIZATION[self._fg_synchronization],
+            synchronization=getattr(tf.VariableSynchronization, self._fg_synchronization.upper()),
         )
 
 

@@ -1,7 +1,12 @@
-"""TensorFlow's start-up notices, held to `TF_CPP_MIN_LOG_LEVEL`.
+"""TensorFlow for keras_fastgrad: imported only on Keras' TensorFlow
+backend, its start-up notices held to `TF_CPP_MIN_LOG_LEVEL`.
 
-Importing this module imports TensorFlow (`import_tensorflow`): the
-package's `__init__` imports it before Keras.
+Importing this module imports TensorFlow when the backend Keras runs on
+(or will run on: `keras_backend`) is TensorFlow (`import_tensorflow`): the
+package's `__init__` imports it before Keras. On Keras' JAX backend
+TensorFlow is neither imported nor needed: the package's modules name it
+through `tf` below, a stand-in that imports TensorFlow where one of its
+names is first used, which only the TensorFlow step does.
 
 TensorFlow 2.21 logs a few lines while it is imported, before its logging
 has read `TF_CPP_MIN_LOG_LEVEL`: absl's "All log messages before
@@ -17,11 +22,14 @@ when the level is 0 (TensorFlow's default) or TensorFlow is already
 imported.
 """
 
+import importlib
 import importlib.util
+import json
 import os
 import re
 import sys
 import tempfile
+import types
 
 _SEVERITIES = "IWEF"
 # absl's format (`I0000 00:00:1796186066.075090    8436 port.cc:153] ...`)
@@ -80,10 +88,57 @@ def without_notices(text, level):
     return "".join(kept)
 
 
+def keras_backend():
+    """The name of Keras' backend: Keras' own answer once it is imported,
+    else the one Keras will choose, as it does (`KERAS_BACKEND` when set
+    and not empty, else `"backend"` in `keras.json` of `KERAS_HOME`, by
+    default `~/.keras`, else `"tensorflow"`)."""
+    backend = getattr(getattr(sys.modules.get("keras"), "backend", None), "backend", None)
+    if callable(backend):
+        return backend()
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    home = os.environ.get("KERAS_HOME")
+    if home is None:
+        base = os.path.expanduser("~")
+        home = os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
+    try:
+        with open(os.path.join(os.path.expanduser(home), "keras.json")) as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return "tensorflow"
+    backend = config.get("backend", "tensorflow") if isinstance(config, dict) else None
+    return backend if isinstance(backend, str) else "tensorflow"
+
+
+class _TensorFlow(types.ModuleType):
+    """`tensorflow`, imported where one of its names is first used (the
+    TensorFlow step), so that the JAX step neither imports nor needs it."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # introspection (doctest, pickle): not TF's
+            raise AttributeError(name)
+        try:
+            module = importlib.import_module("tensorflow")
+        except ImportError as error:
+            raise ImportError(
+                f"keras_fastgrad uses TensorFlow here (`tf.{name}`), which only "
+                "its TensorFlow step needs. Received: Keras backend "
+                f"{keras_backend()!r}, TensorFlow not importable ({error}). Fix: "
+                "`pip install tensorflow`, or report this as a bug if the backend "
+                "is not TensorFlow."
+            ) from error
+        return getattr(module, name)
+
+
+tf = _TensorFlow("tensorflow")
+
+
 def import_tensorflow():
-    """Imports TensorFlow, its start-up notices held to `min_log_level()`."""
-    if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
-        return  # the package's `__init__` refuses the backend, naming it
+    """Imports TensorFlow, its start-up notices held to `min_log_level()`,
+    when Keras' backend is TensorFlow (`keras_backend()`)."""
+    if keras_backend() != "tensorflow":
+        return  # JAX needs no TensorFlow; `__init__` refuses others, naming them
     if importlib.util.find_spec("tensorflow") is None:
         return  # Keras' own import says what is missing
     level = min_log_level()

@@ -209,7 +209,7 @@ def test_tests_benchmarks_and_notebooks_use_no_private_step_names():
 # keys) and the step is handed its `TaskMerger` as an object (made by the
 # model), computing the task losses itself (`step/task_losses.py`).
 LAYERS = [
-    {"keras_fastgrad._compat", "keras_fastgrad._validation"},
+    {"keras_fastgrad._compat", "keras_fastgrad._tf_startup", "keras_fastgrad._validation"},
     {"keras_fastgrad.maths"},
     {"keras_fastgrad.aggregators"},
     {"keras_fastgrad.step"},

@@ -4,20 +4,23 @@
 write from the host, after the step's values have reached the logs. The
 events are written with core TensorFlow's `tf.summary.write` and the plugin
 metadata `tf.summary.scalar` / `tf.summary.histogram` would attach, so no
-`tensorboard` package is needed to write them.
+`tensorboard` package is needed to write them. TensorFlow is imported when
+a writer is made (on Keras' JAX backend too: only then).
 """
 
 import os
 
 import keras
 import numpy as np
-import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
+
+from keras_fastgrad._tf_startup import tf
 
 HISTOGRAM_BUCKETS = 30
 
 
 def _plugin_metadata(plugin_name):
+    from tensorflow.core.framework import summary_pb2
+
     return summary_pb2.SummaryMetadata(
         plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=plugin_name)
     ).SerializeToString()
@@ -45,7 +48,15 @@ class SummaryWriter:
     sub-directory `keras.callbacks.TensorBoard` uses for training curves."""
 
     def __init__(self, directory):
-        self._writer = tf.summary.create_file_writer(os.path.join(directory, "train"))
+        try:
+            self._writer = tf.summary.create_file_writer(os.path.join(directory, "train"))
+        except ImportError as error:
+            raise ImportError(
+                "`tensorboard_dir` needs TensorFlow, which writes the events. "
+                f"Received: tensorboard_dir={directory!r}, TensorFlow not "
+                "importable. Fix: `pip install tensorflow` (the events are written "
+                "on any Keras backend), or `tensorboard_dir=None`."
+            ) from error
         self._scalar = _plugin_metadata("scalars")
         self._histogram = _plugin_metadata("histograms")
 

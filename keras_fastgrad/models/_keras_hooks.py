@@ -20,10 +20,10 @@ they need it, the class) as arguments.
 """
 
 import keras
-import tensorflow as tf
 from keras import tree
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step.divergence import DivergenceStop
 
 

@@ -29,7 +29,6 @@ from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
 from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step, partial_window, readouts
-from keras_fastgrad.multitask import TaskMerger
 from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
 from keras_fastgrad.step.divergence import TrainingLoss
@@ -222,7 +221,12 @@ class FastGradModel(keras.Model):
         """Sets the (checked) constructor options on the model."""
         for name, value in options.items():
             setattr(self, name, value)
-        merger = None if self.multitask is None else TaskMerger(self.multitask)
+        merger = None
+        if self.multitask is not None:
+            # Imported with the method: a single-task model never needs it.
+            from keras_fastgrad.multitask import TaskMerger
+
+            merger = TaskMerger(self.multitask)
         self.fastgrad_step_state.configure(merger, self.telemetry)
         if self.telemetry and self.clip_adaptive is not None:
             self.fastgrad_step_state.log_keys.add(AGC_CLIPPED_FRACTION)

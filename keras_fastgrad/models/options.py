@@ -220,15 +220,17 @@ def check_steps_per_execution_under_strategy(steps_per_execution, strategy):
         )
 
 
+# Where a multi-task method compares the tasks (`keras_fastgrad.multitask`).
+MULTITASK_SPACES = ("parameters", "features")
+
+
 def check_multitask_space(space, features, multitask):
     """`multitask_space` and `multitask_features`, checked together.
 
     Returns:
         A dict with both options.
     """
-    from keras_fastgrad.multitask.feature_space import SPACES
-
-    space = check_choice("multitask_space", space, SPACES)
+    space = check_choice("multitask_space", space, MULTITASK_SPACES)
     if features is not None and not isinstance(features, str):
         raise TypeError(
             "`multitask_features` must be None or a layer name (a string). "

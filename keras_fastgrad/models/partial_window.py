@@ -8,9 +8,8 @@ JAX the pending window's update on values
 
 import functools
 
-import tensorflow as tf
-
 from keras_fastgrad import backend as _backend
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step import train_step as _step
 
 

@@ -2,10 +2,9 @@
 recommendations that follow from the numbers, and the bar chart."""
 
 import keras
-import tensorflow as tf
 
 from keras_fastgrad._validation import check_int
-from keras_fastgrad.profiling._runs import MODES
+from keras_fastgrad.profiling._runs import MODES, is_dataset
 
 LABELS = {
     "eager": "eager",
@@ -71,7 +70,7 @@ def check_arguments(model, modes, repeats, warmup, batch_size, verbose, data):
     warmup = _check_int("warmup", warmup, 1, "untimed calls, the first one traces")
     if batch_size is not None:
         batch_size = _check_int("batch_size", batch_size, 1, "samples profiled")
-        if isinstance(data, tf.data.Dataset):
+        if is_dataset(data):
             raise ValueError(
                 "`batch_size` must be `None` when `data` is a `tf.data.Dataset` "
                 "(its batches are profiled as they come). Received: "

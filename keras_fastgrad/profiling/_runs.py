@@ -3,14 +3,15 @@ the mixed-precision clone, the interleaved timing, and the snapshot that
 puts the model's state back."""
 
 import statistics
+import sys
 import time
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import tree
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.models.model import FastGradModel
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.slicing import first_input
@@ -101,10 +102,19 @@ def _to_policy(config, policy):
     return config
 
 
+def is_dataset(data):
+    """Whether `data` is a `tf.data.Dataset` (TensorFlow is not imported to
+    tell: without it, nothing is one)."""
+    return "tensorflow" in sys.modules and isinstance(data, tf.data.Dataset)
+
+
 # ------------------------------------------------------------------ timing
 def _synchronizer():
     """Waits for the devices' queued work: accelerator kernels run
-    asynchronously. On a CPU-only machine calls return finished work."""
+    asynchronously. On a CPU-only machine calls return finished work. (On
+    JAX each call waits for its own outputs: `_jax_runs`.)"""
+    if keras.backend.backend() == "jax":
+        return lambda: None
     if any(d.device_type != "CPU" for d in tf.config.list_logical_devices()):
         return tf.test.experimental.sync_devices
     return lambda: None

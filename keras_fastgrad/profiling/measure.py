@@ -12,8 +12,6 @@ reported: a slow moment of a shared machine hits every column alike.
 
 import dataclasses
 
-import tensorflow as tf
-
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.models.model import FastGradModel
 from keras_fastgrad.profiling import _report
@@ -184,7 +182,7 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
         model, modes, repeats, warmup, batch_size, verbose, data
     )
     data_ms = data_shapes = None
-    if isinstance(data, tf.data.Dataset):
+    if runs.is_dataset(data):
         batch, data_ms, data_shapes = runs.time_dataset(data, repeats, warmup)
     else:
         batch = data

@@ -23,9 +23,9 @@ the window once (`replica_sum`), and a checkpoint reads the total.
 """
 
 import keras
-import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step.gradients import to_float32
 from keras_fastgrad.step.variables import global_variable, increment
 
@@ -61,7 +61,7 @@ class WindowAccumulator:
         """Creates the float32 state for the given trainable variables."""
         self.sums = [
             compat.variable(
-                tf.zeros(v.shape, tf.float32),
+                keras.ops.zeros(v.shape, "float32"),
                 trainable=False,
                 autocast=False,
                 synchronization="on_read",  # per replica, summed when read

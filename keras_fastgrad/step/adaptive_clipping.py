@@ -38,9 +38,9 @@ before); the sparse path (`tf.IndexedSlices`) is TensorFlow's own.
 """
 
 import keras
-import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths import adaptive_clipping as agc_maths
 from keras_fastgrad.maths.adaptive_clipping import (
     DEFAULT_EPSILON,

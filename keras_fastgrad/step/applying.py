@@ -13,9 +13,9 @@ Without a strategy this is a plain `tf.cond`.
 """
 
 import numpy as np
-import tensorflow as tf
 
 from keras_fastgrad._compat import direct_merge_calls
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step.replicas import first_replica
 
 

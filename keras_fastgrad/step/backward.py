@@ -15,8 +15,7 @@ import collections
 import contextlib
 import warnings
 
-import tensorflow as tf
-
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
 from keras_fastgrad.step.forward import call_for_training, watching

@@ -34,9 +34,9 @@ is dropped (not finite) leaves the window as it was, like its gradient.
 import threading
 
 import keras
-import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths.batchnorm import (  # (the maths once, in keras.ops)
     chan_combine,  # noqa: F401 (re-exported)
     combined,
@@ -95,11 +95,13 @@ class WindowMoments:
         """Creates the float32 state: the window's `[3, features]` moments
         (`n`, `mean`, `M2`, all layers side by side; global), and with
         slices each layer's micro-batch moments (per replica)."""
-        self.window = global_variable(tf.zeros([3, sum(self.sizes)]), "batchnorm_window_moments")
+        self.window = global_variable(
+            keras.ops.zeros([3, sum(self.sizes)]), "batchnorm_window_moments"
+        )
         if self.sliced:
             self.scratch = {
                 id(layer): compat.variable(
-                    tf.zeros([3, size]),
+                    keras.ops.zeros([3, size]),
                     trainable=False,
                     autocast=False,
                     synchronization="on_read",
@@ -116,7 +118,7 @@ class WindowMoments:
 
     def reset_state(self):
         """An empty window (nothing pooled yet)."""
-        self.window.assign(tf.zeros_like(self.window))
+        self.window.assign(keras.ops.zeros_like(self.window))  # (from the host)
 
     # ------------------------------------------------- in the forward pass
     def recording(self):

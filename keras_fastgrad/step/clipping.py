@@ -11,8 +11,7 @@ maths is `keras_fastgrad.maths.norms`, shared with the JAX step. Sparse gradient
 duplicate rows added up first, so the norm is that of the dense gradient.
 """
 
-import tensorflow as tf
-
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths import norms
 from keras_fastgrad.step.gradients import scale, summed_rows
 

@@ -18,9 +18,9 @@ import collections
 import contextlib
 
 import keras
-import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 
 
 @contextlib.contextmanager

@@ -23,8 +23,8 @@ import math
 import warnings
 
 import keras
-import tensorflow as tf
 
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step.variables import global_variable, increment
 
 

@@ -18,8 +18,7 @@ one constant for their axes; a scalar needs none), one `Pack`, one
 only in the branch of a dropped micro-batch.
 """
 
-import tensorflow as tf
-
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths import finite as _maths
 from keras_fastgrad.step.gradients import values
 

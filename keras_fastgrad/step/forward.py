@@ -4,9 +4,8 @@ model called as in training."""
 
 import contextlib
 
-import tensorflow as tf
-
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ touched). Multiplying, casting or checking it as a dense tensor would
 write the whole table each step; these helpers work on its rows.
 """
 
-import tensorflow as tf
+from keras_fastgrad._tf_startup import tf
 
 
 def values(g):

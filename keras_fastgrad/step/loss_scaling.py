@@ -19,8 +19,8 @@ but the gradients are unscaled right away (accumulation, clipping and
 """
 
 import keras
-import tensorflow as tf
 
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths.loss_scale import next_scale
 from keras_fastgrad.step.gradients import scale
 from keras_fastgrad.step.replicas import in_cross_replica_context

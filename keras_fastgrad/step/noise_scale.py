@@ -43,8 +43,8 @@ as is `reduction="sum"`.
 """
 
 import keras
-import tensorflow as tf
 
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths import noise_scale as maths
 from keras_fastgrad.step.gradients import summed_rows
 from keras_fastgrad.step.replicas import replica_sum

@@ -13,9 +13,8 @@ over them) asks `num_replicas()`: a sum over one replica is the value
 itself.
 """
 
-import tensorflow as tf
-
 from keras_fastgrad._compat import in_multi_worker_mode
+from keras_fastgrad._tf_startup import tf
 
 
 def num_replicas():

@@ -34,11 +34,11 @@ losses: exact or refused (`compile_loss.check_extra_terms`).
 
 import collections
 
-import tensorflow as tf
 from keras import tree
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._compat import get_keras_mask, set_keras_mask
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import num_replicas

@@ -11,10 +11,10 @@ shapes, one loop per slice size, the rows of each grouped as
 
 import collections
 
-import tensorflow as tf
 from keras import tree
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 
 
 def first_input(x):

@@ -36,9 +36,9 @@ import contextlib
 import weakref
 
 import keras
-import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step import noise_scale, state_files
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window

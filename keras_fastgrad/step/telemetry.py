@@ -58,8 +58,7 @@ for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 `task_cosine/<task_a>/<task_b>` and `task_conflicts`.
 """
 
-import tensorflow as tf
-
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.gradients import summed_rows

@@ -19,9 +19,9 @@ import functools
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step import finite
 from keras_fastgrad.step.adaptive_clipping import (
     adaptive_clip,

@@ -11,8 +11,8 @@ branch) `record_drop`.
 import collections
 
 import keras
-import tensorflow as tf
 
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step import finite
 from keras_fastgrad.step.clipping import fits_clip, scaled_norm
 from keras_fastgrad.step.divergence import failed
