@@ -27,7 +27,10 @@ the optional `grad_norm/<layer>`, `update_ratio`, `agc_clipped_fraction`
 `GradientNoiseScale`) with `accumulation_steps`, each micro-batch a small
 batch (`keras_fastgrad.backend.jax_noise_scale`);
 `keras.distribution.DataParallel` (the step's arrays are global: its sums,
-counts and norms are the whole batch's; other distributions refused).
+counts and norms are the whole batch's; other distributions refused);
+`multitask` in parameter space, with accumulation, and its telemetry keys
+(`keras_fastgrad.backend.jax_multitask`; `multitask_space="features"` and
+`micro_batches` with `multitask` refused).
 """
 
 import keras
@@ -42,7 +45,8 @@ JAX_SUPPORTS = (
     "GradientNormLogger, NonFiniteGuard, TapeVariableCounter (on a FastGradModel or "
     "a plain model's fit), RetraceWatch, profile_step, "
     "the gradient noise scale (gns_* keys, GradientNoiseScale) with accumulation_steps, "
-    "keras.distribution.DataParallel"
+    "keras.distribution.DataParallel, "
+    "multitask (parameter space, with accumulation_steps) and its task_* telemetry keys"
 )
 
 # The options whose non-default values the JAX step does not implement yet.

@@ -30,8 +30,9 @@ are TensorFlow's); on JAX they ride in the state tuple with the step's
 others (`optional_variables`, `jax_state`). The noise scale's
 `gns_simple`, `gns_grad_sq`, `gns_trace` (with accumulation;
 `telemetry=True` adds them there, as on TensorFlow) come from
-`jax_noise_scale`. The multi-task keys are refused by name (as
-`multitask` is: `keras_fastgrad.backend.check_telemetry_keys`).
+`jax_noise_scale`. The multi-task keys (`task_grad_norm/<task>`,
+`task_cosine/<a>/<b>`, `task_conflicts`) come from the micro-batch's Gram
+matrix (`keras_fastgrad.backend.jax_multitask`).
 """
 
 import math
