@@ -8,15 +8,19 @@ in `data/aggregator_references.json` (made by
 `data/make_aggregator_references.py`; no quadprog at test time).
 
 Used by `aggregators/test_*.py` and the multi-task tests
-(`multitask/test_*.py`: `pcgrad_np`, `mgda_np`).
+(`multitask/test_*.py`: `pcgrad_np`, `mgda_np`). Backend-neutral: the
+aggregator tests run under TensorFlow and JAX (`compiled` and
+`float64_on_jax` are the two differences they see).
 """
 
 import itertools
 import json
 import os
 
+import keras
 import numpy as np
-import tensorflow as tf
+import pytest
+from keras import ops
 from scipy.optimize import least_squares, minimize
 
 P = 50  # parameters per task gradient (`random_jacobian`)
@@ -32,6 +36,50 @@ with open(
     encoding="utf-8",
 ) as _f:
     REFERENCES = json.load(_f)["cases"]
+
+
+# ------------------------------------------------------------- the backends
+def compiled(fn, jit_compile=True):
+    """`fn` traced and compiled: TensorFlow's `tf.function` (XLA with
+    `jit_compile=True`, a graph with `False`), or `jax.jit` under JAX."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.jit(fn)
+    import tensorflow as tf
+
+    return tf.function(fn, jit_compile=jit_compile)
+
+
+@pytest.fixture(autouse=True)
+def float64_on_jax():
+    """Under JAX, 64-bit types for the test (JAX turns them off by default:
+    a float64 Gram would become float32), as TensorFlow has them. Imported
+    by the test modules that compare float64 weights (an autouse fixture
+    applies to the modules that import it)."""
+    if keras.backend.backend() != "jax":
+        yield
+        return
+    import jax
+
+    with jax.enable_x64(True):
+        yield
+
+
+def jit_matches_eager_under_jax(agg, num_tasks=4, seed=11):
+    """Asserts that `agg`'s weights are finite and the same from a
+    `jax.jit`-compiled call and an eager one, on a conflicting float32 Gram
+    with JAX's default 32-bit types (as in a JAX training step)."""
+    import jax
+
+    J = scaled_jacobian(num_tasks, seed=seed, conflict=0.7)
+    G = (J @ J.T).astype(np.float32)
+    with jax.enable_x64(False):
+        eager = np.asarray(agg.weights(G))
+        jitted = np.asarray(jax.jit(agg.weights)(G))
+    assert eager.dtype == np.float32 and jitted.dtype == np.float32
+    assert eager.shape == (num_tasks,) and np.isfinite(eager).all(), eager
+    np.testing.assert_allclose(jitted, eager, rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------- Jacobians and Grams
@@ -51,8 +99,10 @@ def scaled_jacobian(num_tasks, seed, conflict=0.0, size=P_SMALL):
     return J * rng.uniform(0.5, 3.0, size=(num_tasks, 1))
 
 
-def gram_of(J, dtype=tf.float64):
-    return tf.constant(J @ J.T, dtype)
+def gram_of(J, dtype="float64"):
+    """The Gram matrix `J J^T` as a tensor of the backend (`dtype`: a name,
+    or a TensorFlow or NumPy dtype)."""
+    return ops.convert_to_tensor(J @ J.T, keras.backend.standardize_dtype(dtype))
 
 
 def merged_of(w, J):

@@ -7,10 +7,11 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from aggregator_references import (
     REFERENCES,
+    compiled,
     dualproj_np,
+    float64_on_jax,  # noqa: F401  (autouse)
     gram_of,
     project_dual_cone_vector_np,
     rel_error,
@@ -30,9 +31,9 @@ def test_upgrad_and_dualproj_match_active_set_qp(num_tasks, conflict):
     J = scaled_jacobian(num_tasks, seed=num_tasks + int(10 * conflict), conflict=conflict)
     G = J @ J.T
     assert (G < 0).any()
-    w = aggregators.get("upgrad").weights(gram_of(J)).numpy()
+    w = np.asarray(aggregators.get("upgrad").weights(gram_of(J)))
     np.testing.assert_allclose(w, upgrad_np(G), rtol=1e-7, atol=1e-10)
-    w = aggregators.get("dualproj").weights(gram_of(J)).numpy()
+    w = np.asarray(aggregators.get("dualproj").weights(gram_of(J)))
     np.testing.assert_allclose(w, dualproj_np(G), rtol=1e-7, atol=1e-10)
 
 
@@ -41,9 +42,9 @@ def test_upgrad_and_dualproj_are_the_dual_cone_projections(num_tasks):
     J = scaled_jacobian(num_tasks, seed=40 + num_tasks, conflict=0.7)
     options = {"norm_eps": 0.0, "reg_eps": 0.0}
     projections = [project_dual_cone_vector_np(J, g) for g in J]
-    upgrad = aggregators.UPGrad(**options).weights(gram_of(J)).numpy() @ J
+    upgrad = np.asarray(aggregators.UPGrad(**options).weights(gram_of(J))) @ J
     np.testing.assert_allclose(upgrad, np.mean(projections, 0), rtol=1e-5, atol=1e-7)
-    dualproj = aggregators.DualProj(**options).weights(gram_of(J)).numpy() @ J
+    dualproj = np.asarray(aggregators.DualProj(**options).weights(gram_of(J))) @ J
     expected = project_dual_cone_vector_np(J, J.mean(0))
     np.testing.assert_allclose(dualproj, expected, rtol=1e-5, atol=1e-7)
     for merged in (upgrad, dualproj):  # no task is made worse
@@ -56,7 +57,7 @@ def test_no_conflict_is_the_mean(name):
     J = np.abs(scaled_jacobian(3, seed=3))  # positive entries: every G_ij > 0
     agg = aggregators.get(name)
     np.testing.assert_allclose(
-        type(agg)(reg_eps=0.0).weights(gram_of(J)).numpy(), np.full(3, 1 / 3), rtol=1e-12
+        np.asarray(type(agg)(reg_eps=0.0).weights(gram_of(J))), np.full(3, 1 / 3), rtol=1e-12
     )
 
 
@@ -66,7 +67,7 @@ def test_dual_cone_solver_hard_case_float32():
     J[3] = -0.99 * J[2] + 0.01 * J[3]
     G = J @ J.T
     for name, ref in (("upgrad", upgrad_np), ("dualproj", dualproj_np)):
-        w = aggregators.get(name).weights(tf.constant(G, tf.float32)).numpy()
+        w = np.asarray(aggregators.get(name).weights(G.astype(np.float32)))
         np.testing.assert_allclose(w, ref(G), rtol=1e-3, atol=1e-5)
 
 
@@ -87,6 +88,7 @@ def test_max_iter_is_deprecated_and_old_configs_load(name):
         assert type(loaded) is cls and loaded.get_config() == {"norm_eps": 1e-4, "reg_eps": 0.0}
 
 
+@pytest.mark.tensorflow_only(reason="trains a multitask model (on JAX: test_in_models.py)")
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
 def test_keras_files_saved_with_max_iter_load_and_train(name):
 
@@ -110,8 +112,8 @@ def test_dual_cone_weights_are_the_exact_qp_solution(name):
     agg = aggregators.get(name)
     for case in REFERENCES:
         G, ref = np.array(case["gram"]), np.array(case[name])
-        assert rel_error(agg.weights(tf.constant(G)).numpy(), ref) <= 1e-9, case["kind"]
-        w32 = agg.weights(tf.constant(G, tf.float32)).numpy()
+        assert rel_error(np.asarray(agg.weights(G)), ref) <= 1e-9, case["kind"]
+        w32 = np.asarray(agg.weights(G.astype(np.float32)))
         assert rel_error(w32, ref) <= 2e-4, (case["kind"], case["num_tasks"])
 
 
@@ -119,18 +121,18 @@ def test_dual_cone_weights_are_the_exact_qp_solution(name):
 def test_dual_cone_weights_do_not_depend_on_task_order_or_xla(name):
     # Old: task order changed the weights by up to 0.11 (UPGrad, float64).
     agg = aggregators.get(name)
-    xla = tf.function(agg.weights, jit_compile=True)
+    xla = compiled(agg.weights)
     rng = np.random.default_rng(0)
     for case in REFERENCES:
         if case["num_tasks"] != 8:
             continue
         G = np.array(case["gram"])
         perm = rng.permutation(len(G))
-        for dtype, tol in ((tf.float64, 1e-10), (tf.float32, 1e-4)):
-            w = agg.weights(tf.constant(G, dtype)).numpy()
-            wp = agg.weights(tf.constant(G[np.ix_(perm, perm)], dtype)).numpy()
+        for dtype, tol in ((np.float64, 1e-10), (np.float32, 1e-4)):
+            w = np.asarray(agg.weights(G.astype(dtype)))
+            wp = np.asarray(agg.weights(G[np.ix_(perm, perm)].astype(dtype)))
             assert rel_error(wp, w[perm]) <= tol, case["kind"]
-            assert rel_error(xla(tf.constant(G, dtype)).numpy(), w) <= tol, case["kind"]
+            assert rel_error(np.asarray(xla(G.astype(dtype))), w) <= tol, case["kind"]
 
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
@@ -138,6 +140,8 @@ def test_dual_cone_without_normalisation_or_ridge_never_raises(name):
     # Old: InvalidArgumentError on a zero Gram.
     agg = type(aggregators.get(name))(norm_eps=0.0, reg_eps=0.0)
     for G in (np.zeros((3, 3)), np.ones((3, 3)), np.diag([1.0, 0.0, 1e-30])):
-        for dtype in (tf.float32, tf.float64):
-            assert np.isfinite(agg.weights(tf.constant(G, dtype)).numpy()).all()
-    np.testing.assert_allclose(agg.weights(tf.zeros([3, 3])).numpy(), np.full(3, 1 / 3))
+        for dtype in (np.float32, np.float64):
+            assert np.isfinite(np.asarray(agg.weights(G.astype(dtype)))).all()
+    np.testing.assert_allclose(
+        np.asarray(agg.weights(np.zeros([3, 3], np.float32))), np.full(3, 1 / 3)
+    )

@@ -33,8 +33,12 @@ gradient negligible at the dtype's precision do not count.
 
 import numpy as np
 import pytest
-import tensorflow as tf
-from aggregator_references import REFERENCES
+from aggregator_references import (
+    REFERENCES,
+    compiled,
+    float64_on_jax,  # noqa: F401  (autouse)
+)
+from keras import ops
 
 from keras_fastgrad import aggregators
 from keras_fastgrad.aggregators._utils import dual_cone as _cone_aggregators
@@ -43,7 +47,7 @@ from keras_fastgrad.aggregators._utils import qp as _qp
 # Every case is checked against quadprog in test_dual_cone.py, test_mgda.py; the
 # KKT checks here take T = 3, 5, 8 (each new T is a new trace).
 SOME_REFERENCES = [c for c in REFERENCES if c["num_tasks"] in (3, 5, 8)]
-TOL = {tf.float64: 1e-8, tf.float32: 2e-4}
+TOL = {"float64": 1e-8, "float32": 2e-4}
 # Methods with a rank cut-off (pinv, eigh) jump where an eigenvalue crosses
 # it: on singular Grams float32 rounding moves them by more.
 CUTOFF_METHODS = ("aligned", "config", "imtl")
@@ -51,7 +55,7 @@ SINGULAR = ("rank_deficient", "duplicate", "zero_task", "opposite")
 
 
 def _tol(name, dtype, kind="random"):
-    if dtype == tf.float32 and name in CUTOFF_METHODS and kind in SINGULAR:
+    if dtype == "float32" and name in CUTOFF_METHODS and kind in SINGULAR:
         return 5e-3
     return TOL[dtype]
 
@@ -59,7 +63,7 @@ def _tol(name, dtype, kind="random"):
 # Aligned-MTL's `eigh` under XLA (Jacobi sweeps) stops near 1e-8 relative in
 # float64 and 1e-3 in float32 (not fixed here: the balance matrix has no
 # refinement step yet).
-XLA_TOL = {("aligned", tf.float64): 1e-6, ("aligned", tf.float32): 5e-3}
+XLA_TOL = {("aligned", "float64"): 1e-6, ("aligned", "float32"): 5e-3}
 SCALE_INVARIANT = [n for n in aggregators.NAMES if n != "cagrad"]
 
 
@@ -102,22 +106,23 @@ def _make(name, **options):
 
 
 def _fn(agg, jit=None):
-    """`weights` as a tf.function (PCGrad with fixed visiting orders:
-    stateless draws are not the same numbers under XLA)."""
+    """`weights`, traced with `jit` not None (TensorFlow: XLA if `jit`, else
+    a graph; JAX: `jax.jit`); PCGrad with fixed visiting orders (stateless
+    draws are not the same numbers under XLA)."""
     if isinstance(agg, aggregators.PCGrad):
 
         def call(g):
             num_tasks = g.shape[0]
             orders = [[(i + k) % num_tasks for k in range(1, num_tasks)] for i in range(num_tasks)]
-            return agg.weights(g, orders=tf.constant(orders, tf.int32))
+            return agg.weights(g, orders=np.array(orders, np.int32))
     else:
         call = agg.weights
-    return tf.function(call, jit_compile=jit) if jit is not None else call
+    return compiled(call, jit_compile=jit) if jit is not None else call
 
 
 def _graph(name):
-    """`weights` of a fresh `name` aggregator as a `tf.function`."""
-    return tf.function(_fn(aggregators.get(name)))
+    """`weights` of a fresh `name` aggregator, traced (not XLA on TensorFlow)."""
+    return _fn(aggregators.get(name), jit=False)
 
 
 def _merged_error(w, ref, gram):
@@ -137,12 +142,12 @@ def _merged_error(w, ref, gram):
 def test_finite_weights_on_every_finite_gram(name):
     # The extremes here; test_scale_invariance covers T = 5 at every scale.
     fn = _graph(name)
-    for dtype, scales in ((tf.float64, [1e-40, 1e-20, 1e20, 1e40]), (tf.float32, [1e-20, 1e20])):
+    for dtype, scales in (("float64", [1e-40, 1e-20, 1e20, 1e40]), ("float32", [1e-20, 1e20])):
         for kind, G in _grams(8).items():
             for scale in scales:
-                gram = tf.constant(G * scale, dtype)
-                assert np.isfinite(gram.numpy()).all()
-                w = fn(gram).numpy()
+                gram = (G * scale).astype(dtype)
+                assert np.isfinite(gram).all()
+                w = np.asarray(fn(gram))
                 assert w.shape == (8,) and np.isfinite(w).all(), (kind, scale, w)
 
 
@@ -153,41 +158,41 @@ def test_xla_equals_eager(name):
     cases += [("random", grams["random"] * 1e-6), ("random", _grams(5, seed=4)["random"] * 1e6)]
     # float32, the training dtype (float64 under XLA: test_imtl.py
     # for the QP methods and IMTL; each compile costs seconds).
-    for dtype in (tf.float32,):
+    for dtype in ("float32",):
         agg = aggregators.get(name)
         xla = _fn(agg, jit=True)
         for kind, G in cases:
-            gram = tf.constant(G, dtype)
-            eager = _fn(agg)(gram).numpy()
+            gram = G.astype(dtype)
+            eager = np.asarray(_fn(agg)(gram))
             tol = XLA_TOL.get((name, dtype), _tol(name, dtype, kind))
-            assert _merged_error(xla(gram).numpy(), eager, G) <= tol, (name, dtype, kind)
+            assert _merged_error(np.asarray(xla(gram)), eager, G) <= tol, (name, dtype, kind)
 
 
 @pytest.mark.parametrize("name", SCALE_INVARIANT)
 def test_scale_invariance(name):
     fn = (
-        tf.function(_fn(_make(name, invariant=True)))
+        _fn(_make(name, invariant=True), jit=False)
         if name in ("upgrad", "dualproj")
         else _graph(name)
     )
-    for dtype, scales in ((tf.float64, [1e-40, 1e-8, 1e20, 1e40]), (tf.float32, [1e-20, 1e20])):
+    for dtype, scales in (("float64", [1e-40, 1e-8, 1e20, 1e40]), ("float32", [1e-20, 1e20])):
         for kind, G in _grams(5, seed=5).items():
             if kind == "zero":
                 continue
-            base = fn(tf.constant(G, dtype)).numpy()
+            base = np.asarray(fn(G.astype(dtype)))
             for scale in scales:
-                w = fn(tf.constant(G * scale, dtype)).numpy()
+                w = np.asarray(fn((G * scale).astype(dtype)))
                 assert _merged_error(w, base, G) <= _tol(name, dtype, kind), (kind, scale, w, base)
 
 
 def test_cagrad_is_scale_invariant_where_its_constants_are_negligible():
-    fn = tf.function(_fn(aggregators.CAGrad()))
+    fn = _fn(aggregators.CAGrad(), jit=False)
     G = _grams(5, seed=5)["random"]
-    base = fn(tf.constant(G * 1e6, tf.float64)).numpy()
+    base = np.asarray(fn(G * 1e6))
     for scale in (1e10, 1e20, 1e40):
-        w = fn(tf.constant(G * scale, tf.float64)).numpy()
+        w = np.asarray(fn(G * scale))
         assert _merged_error(w, base, G) <= 1e-6
-    w = fn(tf.constant(G * 1e30, tf.float32)).numpy()  # entries near float32's top
+    w = np.asarray(fn((G * 1e30).astype(np.float32)))  # entries near float32's top
     assert _merged_error(w, base, G) <= 1e-4
 
 
@@ -199,15 +204,15 @@ def test_permutation_equivariance(name):
         perm = rng.permutation(5)
         inverse = np.argsort(perm)
         permuted = G[np.ix_(perm, perm)]
-        for dtype in (tf.float64, tf.float32):
+        for dtype in ("float64", "float32"):
             if name == "pcgrad":  # the same visiting orders, renamed
                 orders = np.array([[j for j in range(5) if j != i] for i in range(5)])
-                w = agg.weights(tf.constant(G, dtype), orders=orders).numpy()
+                w = np.asarray(agg.weights(G.astype(dtype), orders=orders))
                 renamed = inverse[orders[perm]]
-                wp = agg.weights(tf.constant(permuted, dtype), orders=renamed).numpy()
+                wp = np.asarray(agg.weights(permuted.astype(dtype), orders=renamed))
             else:
-                w = fn(tf.constant(G, dtype)).numpy()
-                wp = fn(tf.constant(permuted, dtype)).numpy()
+                w = np.asarray(fn(G.astype(dtype)))
+                wp = np.asarray(fn(permuted.astype(dtype)))
             assert _merged_error(wp, w[perm], permuted) <= _tol(name, dtype, kind), (kind, dtype)
 
 
@@ -222,10 +227,10 @@ def _single_task_factor(agg):
 @pytest.mark.parametrize("name", aggregators.NAMES)
 def test_one_task_returns_its_gradient(name):
     agg = aggregators.get(name)
-    for dtype in (tf.float64, tf.float32):
+    for dtype in ("float64", "float32"):
         # CAGrad's official 1e-8 constants shift its factor at small norms.
         for norm_sq in (1.0, 1e6) if name == "cagrad" else (1e-6, 1e6):
-            w = _fn(agg)(tf.constant([[norm_sq]], dtype)).numpy()
+            w = np.asarray(_fn(agg)(np.array([[norm_sq]], dtype)))
             np.testing.assert_allclose(w, [_single_task_factor(agg)], rtol=1e-5)
 
 
@@ -251,7 +256,7 @@ def _targets(name, num_tasks):
 
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
-@pytest.mark.parametrize("dtype", [tf.float64, tf.float32])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_dual_cone_solutions_satisfy_kkt_and_match_quadprog(name, dtype):
     solve = _qp.active_set_qp
     weights = {r: type(aggregators.get(name))(reg_eps=r).weights for r in (1e-4, 0.0)}
@@ -260,22 +265,23 @@ def test_dual_cone_solutions_satisfy_kkt_and_match_quadprog(name, dtype):
         for suffix, reg_eps in (("", 1e-4), ("_noreg", 0.0)):
             if name + suffix not in case:
                 continue
-            w = weights[reg_eps](tf.constant(G, dtype)).numpy()
+            w = np.asarray(weights[reg_eps](G.astype(dtype)))
             ref = np.array(case[name + suffix])
             # The reference solves the float64 QP; float32 rounds G (cond up to 1e4).
-            tol = 1e-10 if dtype == tf.float64 else 2e-3
+            tol = 1e-10 if dtype == "float64" else 2e-3
             assert _merged_error(w, ref, G) <= tol, (case["kind"], case["num_tasks"], w, ref)
-            gram = _cone_aggregators.normalized_regularized(tf.constant(G, dtype), 1e-4, reg_eps)
-            targets = tf.constant(_targets(name, len(G)), dtype)
-            v, steps = solve(gram, targets)
-            targets = targets.numpy().astype(np.float64)
-            assert int(steps) < _qp.max_steps(len(G))  # the cap never ends a solve
-            np.testing.assert_allclose(
-                v.numpy().sum(0), w, rtol=1e-6 if dtype == tf.float32 else 1e-12
+            gram = _cone_aggregators.normalized_regularized(
+                ops.convert_to_tensor(G, dtype), 1e-4, reg_eps
             )
-            Gn = gram.numpy().astype(np.float64)
-            kkt_tol = 1e-12 if dtype == tf.float64 else 1e-5
-            for u, row in zip(targets, v.numpy().astype(np.float64)):
+            targets = _targets(name, len(G)).astype(dtype)
+            v, steps = solve(gram, targets)
+            targets = targets.astype(np.float64)
+            assert int(steps) < _qp.max_steps(len(G))  # the cap never ends a solve
+            v = np.asarray(v)
+            np.testing.assert_allclose(v.sum(0), w, rtol=1e-6 if dtype == "float32" else 1e-12)
+            Gn = np.asarray(gram).astype(np.float64)
+            kkt_tol = 1e-12 if dtype == "float64" else 1e-5
+            for u, row in zip(targets, v.astype(np.float64)):
                 assert _kkt_violation(Gn, u, row) <= kkt_tol, (case["kind"], len(G))
 
 
@@ -284,12 +290,12 @@ def test_dual_cone_directions_conflict_with_no_task(name):
     weights = type(aggregators.get(name))(norm_eps=0.0, reg_eps=0.0).weights
     for case in SOME_REFERENCES:
         G = np.array(case["gram"])
-        for dtype, tol in ((tf.float64, 1e-12), (tf.float32, 1e-5)):
-            if dtype == tf.float32 and case["kind"] == "spread":
+        for dtype, tol in (("float64", 1e-12), ("float32", 1e-5)):
+            if dtype == "float32" and case["kind"] == "spread":
                 # Norms 1e8 apart: the QP's free block has condition ~1e16,
                 # beyond float32; float64 is checked.
                 continue
-            w = weights(tf.constant(G, dtype)).numpy().astype(np.float64)
+            w = np.asarray(weights(G.astype(dtype))).astype(np.float64)
             assert np.isfinite(w).all()
             norms = np.sqrt(np.diag(G))
             # g_i . d >= -tol ||g_i|| sum_j |w_j| ||g_j|| (the rounding scale of d)
@@ -297,12 +303,12 @@ def test_dual_cone_directions_conflict_with_no_task(name):
 
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
-@pytest.mark.parametrize("dtype", [tf.float64, tf.float32])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_dual_cone_without_normalisation_or_ridge_on_degenerate_grams(name, dtype):
     # UPGrad/DualProj(norm_eps=0, reg_eps=0) raised InvalidArgumentError on these.
     agg = type(aggregators.get(name))(norm_eps=0.0, reg_eps=0.0)
     for kind, G in _grams(4, seed=8).items():
-        w = agg.weights(tf.constant(G, dtype)).numpy()
+        w = np.asarray(agg.weights(G.astype(dtype)))
         assert np.isfinite(w).all(), kind
         if kind == "zero":
             np.testing.assert_allclose(w, np.full(4, 0.25))
@@ -310,13 +316,13 @@ def test_dual_cone_without_normalisation_or_ridge_on_degenerate_grams(name, dtyp
 
 # ------------------------------------------------------------ MGDA, ConFIG
 def test_mgda_matches_quadprog():
-    fn = tf.function(_fn(aggregators.MGDA()))
+    fn = _fn(aggregators.MGDA(), jit=False)
     for case in REFERENCES:
         if "mgda" not in case:
             continue
         G = np.array(case["gram"])
-        for dtype, tol in ((tf.float64, 1e-9), (tf.float32, 1e-3)):
-            w = fn(tf.constant(G, dtype)).numpy()
+        for dtype, tol in (("float64", 1e-9), ("float32", 1e-3)):
+            w = np.asarray(fn(G.astype(dtype)))
             assert _merged_error(w, case["mgda"], G) <= tol, (case["kind"], len(G))
 
 
@@ -325,7 +331,7 @@ def test_config_has_equal_cosines():
         if case["kind"] not in ("random", "spread"):
             continue
         G = np.array(case["gram"])
-        w = aggregators.ConFIG().weights(tf.constant(G)).numpy()
+        w = np.asarray(aggregators.ConFIG().weights(G))
         norms = np.sqrt(np.diag(G))
         cosines = (G @ w) / (norms * np.sqrt(w @ G @ w))
         np.testing.assert_allclose(cosines, cosines[0], rtol=1e-6)

@@ -4,69 +4,87 @@ and non-finite Grams, option checks."""
 
 import itertools
 
-import keras  # noqa: E402
+import keras
 import numpy as np
 import pytest
-import tensorflow as tf  # noqa: E402
-from aggregator_references import NEW, gram_of, random_jacobian, scaled_jacobian
+from aggregator_references import (
+    NEW,
+    compiled,
+    float64_on_jax,  # noqa: F401  (autouse)
+    gram_of,
+    jit_matches_eager_under_jax,
+    random_jacobian,
+    scaled_jacobian,
+)
 
-from keras_fastgrad import aggregators  # noqa: E402
+from keras_fastgrad import aggregators
+
+# The modes a test compares with eager calls: TensorFlow's graph and XLA;
+# JAX has one (`jax.jit`, XLA).
+MODES = ("function", "xla") if keras.backend.backend() == "tensorflow" else ("xla",)
 
 
 def _nan_gram():
     J = random_jacobian(3, seed=5, conflict=0.5)
     J[1, 7] = np.nan  # one NaN in one task's gradient
-    return tf.constant(J @ J.T, tf.float32)
+    return (J @ J.T).astype(np.float32)
 
 
 def _call(agg, gram):
     if isinstance(agg, aggregators.PCGrad):  # fixed visiting orders
         t = gram.shape[0]
-        orders = [[j for j in range(t) if j != i] for i in range(t)]
-        return agg.weights(gram, orders=tf.constant(orders, tf.int32, shape=(t, t - 1)))
+        orders = np.array([[j for j in range(t) if j != i] for i in range(t)], np.int32)
+        return agg.weights(gram, orders=orders.reshape(t, t - 1))
     return agg.weights(gram)
 
 
+def _dtype(x):
+    return keras.backend.standardize_dtype(x.dtype)
+
+
 @pytest.mark.parametrize("name", ["aligned", "imtl"])
-@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize("mode", ("eager",) + MODES)
 def test_nonfinite_gram_gives_nonfinite_weights_without_error(name, mode):
     agg = aggregators.get(name)
-    fn = {
-        "eager": agg.weights,
-        "function": tf.function(agg.weights),
-        "xla": tf.function(agg.weights, jit_compile=True),
-    }[mode]
+    fn = agg.weights if mode == "eager" else compiled(agg.weights, jit_compile=mode == "xla")
     gram = _nan_gram()
-    assert not np.all(np.isfinite(gram.numpy()))
-    w = fn(gram).numpy()  # `eigh` on a NaN Gram would raise on CPU
+    assert not np.all(np.isfinite(gram))
+    w = np.asarray(fn(gram))  # `eigh` on a NaN Gram would raise on CPU
     assert w.shape == (3,) and not np.any(np.isfinite(w))
-    inf_gram = tf.constant([[np.inf, 0.0], [0.0, 1.0]], tf.float64)
-    assert not np.any(np.isfinite(fn(inf_gram).numpy()))
+    inf_gram = np.array([[np.inf, 0.0], [0.0, 1.0]])
+    assert not np.any(np.isfinite(np.asarray(fn(inf_gram))))
 
 
 @pytest.mark.parametrize("name", aggregators.NAMES)
 def test_xla_and_graph_match_eager_and_keep_dtype(name):
     J = random_jacobian(3, seed=50, conflict=0.5)
     agg = aggregators.get(name)
-    gram32 = gram_of(J, tf.float32)
+    gram32 = gram_of(J, "float32")
     eager = _call(agg, gram32)
-    xla = tf.function(lambda g: _call(agg, g), jit_compile=True)(gram32)
-    graph = tf.function(lambda g: _call(agg, g))(gram32)
-    assert eager.dtype == tf.float32 and xla.dtype == tf.float32
-    assert eager.shape == (3,)
-    np.testing.assert_allclose(xla.numpy(), eager.numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(graph.numpy(), eager.numpy(), rtol=1e-4, atol=1e-5)
-    assert _call(agg, tf.cast(gram32, tf.float16)).dtype == tf.float16
+    assert _dtype(eager) == "float32" and eager.shape == (3,)
+    for mode in MODES:
+        traced = compiled(lambda g: _call(agg, g), jit_compile=mode == "xla")(gram32)
+        assert _dtype(traced) == "float32"
+        np.testing.assert_allclose(np.asarray(traced), np.asarray(eager), rtol=1e-4, atol=1e-5)
+    assert _dtype(_call(agg, gram_of(J, "float16"))) == "float16"
     w64 = _call(agg, gram_of(J))
-    assert w64.dtype == tf.float64
-    np.testing.assert_allclose(w64.numpy(), eager.numpy(), rtol=1e-3, atol=1e-4)
+    assert _dtype(w64) == "float64"
+    np.testing.assert_allclose(np.asarray(w64), np.asarray(eager), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's 32-bit default")
+@pytest.mark.parametrize("name", ["mean", "sum", "upgrad", "dualproj", "mgda", "cagrad"])
+def test_jax_jit_matches_eager_with_32_bit_types(name):
+    # As in a JAX training step: float32, 64-bit types off (the other tests
+    # here turn them on for their float64 cases).
+    jit_matches_eager_under_jax(aggregators.get(name))
 
 
 @pytest.mark.parametrize("name", aggregators.NAMES)
 def test_single_task_and_zero_gram_are_finite(name):
     agg = aggregators.get(name)
-    assert np.all(np.isfinite(_call(agg, tf.constant([[4.0]])).numpy()))
-    assert np.all(np.isfinite(_call(agg, tf.zeros([3, 3])).numpy()))
+    assert np.all(np.isfinite(np.asarray(_call(agg, np.array([[4.0]], np.float32)))))
+    assert np.all(np.isfinite(np.asarray(_call(agg, np.zeros([3, 3], np.float32)))))
 
 
 @pytest.mark.parametrize("name", aggregators.NAMES)
@@ -94,7 +112,7 @@ def test_get_keeps_arguments_and_errors():
     with pytest.raises(ValueError, match="`c` must be"):
         aggregators.CAGrad(c=-1.0)
     with pytest.raises(ValueError, match=r"`gram` must be a square matrix"):
-        aggregators.Mean().weights(tf.zeros([2, 3]))
+        aggregators.Mean().weights(np.zeros([2, 3]))
 
 
 def test_gram_telemetry():
@@ -102,10 +120,10 @@ def test_gram_telemetry():
     J[3] = 0.0
     t = aggregators.gram_telemetry(gram_of(J))
     norms = np.linalg.norm(J, axis=1)
-    np.testing.assert_allclose(t["norms"].numpy(), norms, rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(t["norms"]), norms, rtol=1e-10)
     safe = np.where(norms > 0, norms, 1.0)
     cosine = np.where(np.outer(norms, norms) > 0, (J @ J.T) / np.outer(safe, safe), 0.0)
-    np.testing.assert_allclose(t["cosine"].numpy(), cosine, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(t["cosine"]), cosine, rtol=1e-10, atol=1e-12)
     G = J @ J.T
     pairs = itertools.combinations(range(4), 2)
     assert int(t["num_conflicts"]) == sum(G[i, j] < 0 for i, j in pairs)
@@ -115,21 +133,20 @@ def test_gram_telemetry():
 def test_graph_and_xla_match_eager_on_conflicting_tasks(name):
     J = scaled_jacobian(4, seed=11, conflict=0.7)
     agg = aggregators.get(name)
-    for dtype, rtol in ((tf.float64, 1e-9), (tf.float32, 1e-4)):
+    for dtype, rtol in (("float64", 1e-9), ("float32", 1e-4)):
         gram = gram_of(J, dtype)
-        eager = agg.weights(gram).numpy()
-        graph = tf.function(agg.weights)(gram).numpy()
-        xla = tf.function(agg.weights, jit_compile=True)(gram).numpy()
-        np.testing.assert_allclose(graph, eager, rtol=rtol, atol=rtol * 1e-2)
-        np.testing.assert_allclose(xla, eager, rtol=rtol, atol=rtol * 1e-2)
-    w16 = agg.weights(gram_of(J, tf.float16))
-    assert w16.dtype == tf.float16
-    np.testing.assert_allclose(w16.numpy(), eager, rtol=5e-2, atol=5e-2)
+        eager = np.asarray(agg.weights(gram))
+        for mode in MODES:
+            traced = np.asarray(compiled(agg.weights, jit_compile=mode == "xla")(gram))
+            np.testing.assert_allclose(traced, eager, rtol=rtol, atol=rtol * 1e-2)
+    w16 = agg.weights(gram_of(J, "float16"))
+    assert _dtype(w16) == "float16"
+    np.testing.assert_allclose(np.asarray(w16), eager, rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("name", NEW)
 @pytest.mark.parametrize("case", ["zero_task", "identical", "opposite", "single", "zero"])
-@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_degenerate_grams_give_finite_weights(name, case, dtype):
     J = scaled_jacobian(3, seed=12, conflict=0.5)
     if case == "zero_task":
@@ -144,10 +161,10 @@ def test_degenerate_grams_give_finite_weights(name, case, dtype):
         J = np.zeros_like(J)
     agg = aggregators.get(name)
     fns = [agg.weights]
-    if dtype == tf.float32:  # XLA once per case (each compile takes seconds)
-        fns.append(tf.function(agg.weights, jit_compile=True))
+    if dtype == "float32":  # XLA once per case (each compile takes seconds)
+        fns.append(compiled(agg.weights))
     for fn in fns:
-        w = fn(gram_of(J, dtype)).numpy()
+        w = np.asarray(fn(gram_of(J, dtype)))
         assert w.shape == (len(J),) and np.isfinite(w).all(), (case, w)
     if case == "single":
         assert w[0] > 0
@@ -159,7 +176,7 @@ def test_degenerate_grams_give_finite_weights(name, case, dtype):
 def test_nonfinite_gram_gives_nonfinite_weights(name):
     gram = np.eye(3)
     gram[0, 1] = gram[1, 0] = np.nan
-    w = aggregators.get(name).weights(tf.constant(gram, tf.float32)).numpy()
+    w = np.asarray(aggregators.get(name).weights(gram.astype(np.float32)))
     assert not np.isfinite(w).all()
 
 
