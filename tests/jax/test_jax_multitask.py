@@ -174,8 +174,12 @@ def test_sum_is_keras_model_on_the_summed_losses(trunk, options):
 
 @pytest.mark.parametrize(
     "aggregator, trunk",
-    [(FixedWeights([2.0, 0.25]), "dense"), (TwoTaskMGDA(), "conv")],
-    ids=["fixed_weights", "mgda_conv"],
+    [
+        (FixedWeights([2.0, 0.25]), "dense"),
+        (TwoTaskMGDA(), "conv"),
+        (kf.aggregators.MGDA(), "dense"),
+    ],
+    ids=["fixed_weights", "closed_form_mgda_conv", "mgda"],
 )
 def test_merge_against_jax_grad_of_each_task(aggregator, trunk):
     x, y = data(trunk)
@@ -251,8 +255,9 @@ def test_nonfinite_task_batch_dropped_as_keras_model_without_it():
         np.testing.assert_allclose(got, want, atol=2e-6)
 
 
-def test_seed_generator_moves_every_step_under_jit():
-    aggregator = RandomWeights(seed=3)
+@pytest.mark.parametrize("make", [RandomWeights, kf.aggregators.PCGrad], ids=["random", "pcgrad"])
+def test_seed_generator_moves_every_step_under_jit(make):
+    aggregator = make(seed=3)
     start = aggregator.seed_generator.state.numpy()
     model = compiled(two_heads(kf.FastGradModel, multitask=aggregator), lr=0.01)
     x, y = data()
@@ -335,3 +340,26 @@ def test_same_weights_and_logs_as_the_tensorflow_step(tmp_path):
         for got, want in zip(model.get_weights(), tf_run["weights"], strict=True):
             np.testing.assert_allclose(got, want, atol=1e-5)
         assert history.history["nonfinite_count"][-1] == 2.0
+
+
+def test_gradvac_targets_moved_saved_and_loaded(tmp_path):
+    x, y = data()
+    plain = two_heads()
+    grads = per_task_gradients(plain, x, y)
+    shared = [k for k, v in enumerate(plain.trainable_variables) if v.path.startswith("trunk/")]
+    g_a = np.concatenate([grads["a"][k].ravel() for k in shared])
+    g_b = np.concatenate([grads["b"][k].ravel() for k in shared])
+    cosine = g_a @ g_b / np.linalg.norm(g_a) / np.linalg.norm(g_b)
+    model = compiled(two_heads(kf.FastGradModel, multitask=kf.aggregators.GradVac(beta=0.5)))
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # one step from targets 0
+    targets = model.multitask.state_variables[0].numpy()
+    # Each pair's target moved from 0 by beta times the pair's cosine.
+    np.testing.assert_allclose(targets, [[0.0, 0.5 * cosine], [0.5 * cosine, 0.0]], atol=1e-6)
+    path = str(tmp_path / "gradvac.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded.fit(x[:8], {k: v[:8] for k, v in y.items()}, epochs=1, verbose=0)  # builds, trains
+    assert loaded.multitask.state_variables[0].shape == (2, 2)
+    fresh = keras.saving.load_model(path)
+    fresh.multitask.build(2)  # the loaded targets, before any step
+    np.testing.assert_allclose(fresh.multitask.state_variables[0].numpy(), targets)
