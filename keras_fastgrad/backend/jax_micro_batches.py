@@ -34,7 +34,7 @@ from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend import jax_batchnorm, jax_weighting
-from keras_fastgrad.step.splitting import slice_sizes
+from keras_fastgrad.step.splitting import first_input, slice_sizes
 
 
 def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, check_extra_terms):
@@ -56,7 +56,7 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
         `(unscaled_loss, y_pred, non_trainable, metrics)` of the batch.
     """
     tv, ntv, ov, mv = state
-    n = keras.tree.flatten(x)[0].shape[0]
+    n = first_input(x).shape[0]
     sizes = slice_sizes(n, model.micro_batches)
     facts = {}
 

@@ -21,11 +21,11 @@ arrays are global). Without accumulation nothing is measurable
 (`noise_scale.measurable`).
 """
 
-import keras
 from keras import ops
 
 from keras_fastgrad.maths import noise_scale as maths
 from keras_fastgrad.step import noise_scale
+from keras_fastgrad.step.splitting import first_input
 
 # The noise scale's slots in the step's `new` dict, as `NoiseScale` orders
 # its variables.
@@ -75,7 +75,7 @@ def record_small(model, new, grads, x, normaliser, include, batch):
     if not measured(model):
         return
     noise_scale.check_batch(*batch)
-    rows = ops.convert_to_tensor(float(keras.tree.flatten(x)[0].shape[0]))
+    rows = ops.convert_to_tensor(float(first_input(x).shape[0]))
     measures = maths.small_batch(squared_norm(grads), rows, normaliser)
     window = new["gns_window"]
     new["gns_window"] = window + ops.where(include, measures, ops.zeros_like(measures))

@@ -38,6 +38,7 @@ from keras_fastgrad.backend import jax_noise_scale as noise
 from keras_fastgrad.backend import jax_telemetry as telemetry
 from keras_fastgrad.backend import jax_units as units
 from keras_fastgrad.backend.jax_state import Slots
+from keras_fastgrad.step.splitting import first_input
 
 
 def train_step(model, state, data):
@@ -111,7 +112,7 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
             model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms
         )
     tv, ntv, ov, mv = state
-    rows = keras.tree.flatten(x)[0].shape[0]
+    rows = first_input(x).shape[0]
     found = {"mean": True}
 
     def loss_fn(trainable):
@@ -216,7 +217,7 @@ def _metrics(model, mv, new_mv, unscaled_loss, streak, keep, batch):
     x, y, y_pred, sample_weight = batch
     metrics = model.metrics_variables
     with_streak = [(model.fastgrad_step_state.divergence.streak, streak)]
-    rows = keras.tree.flatten(x)[0].shape[0]
+    rows = first_input(x).shape[0]
     with keras.StatelessScope(state_mapping=[*zip(metrics, new_mv), *with_streak]) as scope:
         compat.loss_tracker(model).update_state(unscaled_loss, sample_weight=rows)
         logs = model.compute_metrics(x, y, y_pred, sample_weight)

@@ -37,11 +37,11 @@ matrix (`keras_fastgrad.backend.jax_multitask`).
 
 import math
 
-import keras
 from keras import ops
 
 from keras_fastgrad.backend import jax_noise_scale
 from keras_fastgrad.maths import telemetry as maths
+from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS, UPDATE_RATIO
 
 LOCATION_KEYS = ("nonfinite_first_index", "nonfinite_num_variables")
@@ -85,7 +85,7 @@ def record_input_shape(model, new, x):
     count) differs from the previous one's; only while the key is asked."""
     if "input_shape_changes" not in requested(model):
         return
-    first = keras.tree.flatten(x)[0]
+    first = first_input(x)
     rows, size = float(first.shape[0]), float(math.prod(first.shape))
     changed = (new["last_batch"] >= 0.0) & (
         (new["last_batch"] != rows) | (new["last_size"] != size)
