@@ -14,9 +14,16 @@ from keras import ops
 
 from keras_fastgrad._validation import check_int, check_number
 from keras_fastgrad.aggregators import _base as aggregators
-from keras_fastgrad.aggregators._utils.numerics import _dtype, _eps, _finite_or_nan, _tiny
+from keras_fastgrad.aggregators._utils.numerics import (
+    _compiled,
+    _dtype,
+    _eps,
+    _finite_or_nan,
+    _tiny,
+)
 
 
+@_compiled(static_argnames=("reg_eps", "max_iter"))
 def nash_weights(gram, reg_eps=1e-6, max_iter=50):
     """`alpha > 0` with `(G_n + reg_eps I) alpha = 1 / alpha`, `G_n = G / ||G||_F`.
 

@@ -1,11 +1,19 @@
-"""Aligned-MTL (`aggregators/_aligned_mtl.py`) against the official ProcrustesSolver's equations."""
+"""Aligned-MTL (`aggregators/_aligned_mtl.py`) against the official ProcrustesSolver's equations.
 
-import keras  # noqa: E402
+Backend-neutral: runs under TensorFlow and JAX."""
+
+import keras
 import numpy as np
 import pytest
-from aggregator_references import aligned_np, gram_of, merged_of, random_jacobian
+from aggregator_references import (
+    aligned_np,
+    float64_on_jax,  # noqa: F401  (autouse)
+    gram_of,
+    merged_of,
+    random_jacobian,
+)
 
-from keras_fastgrad import aggregators  # noqa: E402
+from keras_fastgrad import aggregators
 
 
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])
@@ -18,7 +26,7 @@ def test_aligned_matches_official(num_tasks):
     np.testing.assert_allclose(merged, expected, rtol=1e-6, atol=1e-9)
     # Balanced: the aligned gradients J^T B are orthogonal with equal norms
     # sqrt(lam_min), so the merged direction has equal components on each.
-    B = agg.balance_matrix(gram_of(J)).numpy()
+    B = np.asarray(agg.balance_matrix(gram_of(J)))
     np.testing.assert_allclose(B, B_ref, rtol=1e-6, atol=1e-9)
     aligned = J.T @ B
     eye = np.eye(num_tasks)
@@ -53,3 +61,20 @@ def test_aligned_fit_drops_a_nan_sample_and_keeps_weights_finite():
         model.evaluate(np.delete(x, 5, 0), [t[np.arange(16) != 5] for t in y], verbose=0)
     ).all()
     assert len(history.history["loss"]) == 1
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="jax.jit (JAX backend)")
+def test_aligned_under_jax_jit_matches_eager_and_official():
+    import jax
+
+    J = random_jacobian(3, seed=43, conflict=0.5) * np.arange(1, 4)[:, None]
+    agg = aggregators.AlignedMTL(task_weights=[1.0, 2.0, 0.5])
+    with jax.enable_x64(False):  # the JAX step's default 32-bit types
+        gram = gram_of(J, "float32")
+        jitted = np.asarray(jax.jit(agg.weights)(gram))
+        eager = np.asarray(agg.weights(gram))
+        nan = np.asarray(jax.jit(agg.weights)(np.full((3, 3), np.nan, np.float32)))
+    assert jitted.dtype == np.float32 and np.isnan(nan).all()
+    np.testing.assert_allclose(jitted, eager, rtol=1e-5)
+    B = aligned_np(J)[1]  # the official balance matrix; w = B omega
+    np.testing.assert_allclose(jitted, B @ [1.0, 2.0, 0.5], rtol=1e-3)

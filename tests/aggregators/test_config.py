@@ -1,8 +1,17 @@
-"""ConFIG (`aggregators/_config.py`) against the official equations: equal cosines."""
+"""ConFIG (`aggregators/_config.py`) against the official equations: equal cosines.
 
+Backend-neutral: runs under TensorFlow and JAX."""
+
+import keras
 import numpy as np
 import pytest
-from aggregator_references import P_SMALL, config_np, gram_of, scaled_jacobian
+from aggregator_references import (
+    P_SMALL,
+    config_np,
+    float64_on_jax,  # noqa: F401  (autouse)
+    gram_of,
+    scaled_jacobian,
+)
 
 from keras_fastgrad import aggregators
 
@@ -10,7 +19,7 @@ from keras_fastgrad import aggregators
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])
 def test_config_matches_official_and_has_equal_cosines(num_tasks):
     J = scaled_jacobian(num_tasks, seed=50 + num_tasks, conflict=0.6)
-    merged = aggregators.ConFIG().weights(gram_of(J)).numpy() @ J
+    merged = np.asarray(aggregators.ConFIG().weights(gram_of(J))) @ J
     np.testing.assert_allclose(merged, config_np(J), rtol=1e-8, atol=1e-10)
     cosines = J @ merged / (np.linalg.norm(J, axis=1) * np.linalg.norm(merged))
     np.testing.assert_allclose(cosines, cosines[0], rtol=1e-8)
@@ -22,7 +31,7 @@ def test_config_matches_official_and_has_equal_cosines(num_tasks):
 def test_config_zero_gradient_task_is_ignored():
     J = scaled_jacobian(3, seed=5, conflict=0.5)
     J[1] = 0.0
-    w = aggregators.ConFIG().weights(gram_of(J)).numpy()
+    w = np.asarray(aggregators.ConFIG().weights(gram_of(J)))
     assert np.isfinite(w).all() and w[1] == 0.0
     np.testing.assert_allclose(w @ J, config_np(J[[0, 2]]), rtol=1e-8)
 
@@ -33,5 +42,19 @@ def test_config_keeps_small_real_directions_of_a_float64_gram():
     rng = np.random.default_rng(13)
     J = rng.normal(size=(3, P_SMALL))
     J[1] = J[0] + 1e-3 * rng.normal(size=P_SMALL)
-    merged = aggregators.ConFIG().weights(gram_of(J)).numpy() @ J
+    merged = np.asarray(aggregators.ConFIG().weights(gram_of(J))) @ J
     np.testing.assert_allclose(merged, config_np(J), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="jax.jit (JAX backend)")
+def test_config_under_jax_jit_matches_eager_and_official():
+    import jax
+
+    J = scaled_jacobian(4, seed=54, conflict=0.6)
+    with jax.enable_x64(False):  # the JAX step's default 32-bit types
+        gram = gram_of(J, "float32")
+        jitted = np.asarray(jax.jit(aggregators.ConFIG().weights)(gram))
+        eager = np.asarray(aggregators.ConFIG().weights(gram))
+    assert jitted.dtype == np.float32
+    np.testing.assert_allclose(jitted, eager, rtol=1e-5)
+    np.testing.assert_allclose(jitted @ J, config_np(J), rtol=1e-3, atol=1e-5)
