@@ -5,7 +5,6 @@ MirroredStrategy runner (`mirrored_multitask.py`) share."""
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import keras_fastgrad
 
@@ -60,7 +59,12 @@ def reference_model(model):
 
 
 def task_gradients(ref, x, y, loss_weights=None):
-    """{task: [np gradient per trainable variable]}, one tape per task."""
+    """{task: [np gradient per trainable variable]}, one tape per task
+    (on JAX: `jax.grad` of each task's loss on the state's values)."""
+    if keras.backend.backend() == "jax":
+        return _jax_task_gradients(ref, x, y, loss_weights)
+    import tensorflow as tf
+
     grads = {}
     for t in y:
         with tf.GradientTape() as tape:
@@ -73,6 +77,21 @@ def task_gradients(ref, x, y, loss_weights=None):
             for v, gi in zip(ref.trainable_variables, g)
         ]
     return grads
+
+
+def _jax_task_gradients(ref, x, y, loss_weights=None):
+    import jax
+    import jax.numpy as jnp
+
+    trainable = [v.value for v in ref.trainable_variables]
+    non_trainable = [v.value for v in ref.non_trainable_variables]
+
+    def loss(values, t):
+        pred = ref.stateless_call(values, non_trainable, x)[0][t]
+        w = 1.0 if loss_weights is None else loss_weights[t]
+        return w * jnp.mean(jnp.square(pred - y[t]))
+
+    return {t: [np.asarray(g).astype("float64") for g in jax.grad(loss)(trainable, t)] for t in y}
 
 
 def shared_mask(model):
