@@ -172,6 +172,29 @@ def test_sum_is_keras_model_on_the_summed_losses(trunk, options):
     assert model.telemetry_counters()["updates"] == (4.0 if options else 8.0)
 
 
+def test_sum_under_loss_scaling_is_keras_model():
+    x, y = data()
+    y["b"][3, 0] = np.inf  # batch 0: dropped, the scale halved (as Keras' own)
+    model = two_heads(kf.FastGradModel, multitask="sum", telemetry=True)
+    model.compile(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+        loss=LOSSES,
+        loss_weights=LOSS_WEIGHTS,
+    )
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    plain = two_heads()
+    plain.compile(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+        loss=LOSSES,
+        loss_weights=LOSS_WEIGHTS,
+    )
+    plain.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-6)
+    assert history.history["loss_scale"] == [2.0**14]
+    assert history.history["nonfinite_count"] == [1.0]
+
+
 @pytest.mark.parametrize(
     "aggregator, trunk",
     [
