@@ -84,6 +84,12 @@ try:
     message = None
 except ImportError as error:
     message = str(error)
+writer = keras_fastgrad.callbacks.GradientNormLogger(tensorboard_dir={tmp!r})
+try:  # refused in `on_train_begin`, before any step
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[writer])
+    board_message = None
+except ImportError as error:
+    board_message = str(error)
 print(json.dumps({{
     "imported_tf_at_import": imported_tf,
     "tensorflow_loaded": "tensorflow" in sys.modules,
@@ -93,6 +99,7 @@ print(json.dumps({{
     "loaded": [type(loaded).__name__, loaded.accumulation_steps, loaded.clip_norm],
     "loaded_gap": loaded_gap,
     "message": message,
+    "board_message": board_message,
     "refused_by": refused_by,
 }}))
 """
@@ -125,6 +132,8 @@ def test_trains_saves_and_loads_without_tensorflow(tmp_path):
     assert result["loaded_gap"] == 0.0
     message = result["message"]
     assert "`tf.zeros`" in message and "'jax'" in message and "pip install tensorflow" in message
+    board = result["board_message"]
+    assert "`tensorboard_dir` needs TensorFlow" in board and "`tensorboard_dir=None`" in board
 
 
 def test_import_and_fit_do_not_import_installed_tensorflow(tmp_path):
