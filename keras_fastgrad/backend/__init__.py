@@ -28,8 +28,8 @@ the optional `grad_norm/<layer>`, `update_ratio`, `agc_clipped_fraction`
 batch (`keras_fastgrad.backend.jax_noise_scale`);
 `keras.distribution.DataParallel` (the step's arrays are global: its sums,
 counts and norms are the whole batch's; other distributions refused);
-`multitask` in parameter space, with accumulation, and its telemetry keys
-(`keras_fastgrad.backend.jax_multitask`; `multitask_space="features"` and
+`multitask` in parameter and features space, with accumulation, and its
+telemetry keys (`keras_fastgrad.backend.jax_multitask`, `jax_features`;
 `micro_batches` with `multitask` refused).
 """
 
@@ -46,7 +46,8 @@ JAX_SUPPORTS = (
     "a plain model's fit), RetraceWatch, profile_step, "
     "the gradient noise scale (gns_* keys, GradientNoiseScale) with accumulation_steps, "
     "keras.distribution.DataParallel, "
-    "multitask (parameter space, with accumulation_steps) and its task_* telemetry keys"
+    "multitask (parameter and features space, with accumulation_steps) and its task_* "
+    "telemetry keys"
 )
 
 # The options whose non-default values the JAX step does not implement yet.
@@ -98,12 +99,6 @@ def check_options(options, defaults):
             raise not_on_jax(f"`{name}`", f"{name}={options[name]!r}")
     if options["multitask"] is None:
         return
-    if options["multitask_space"] != "parameters":
-        raise not_on_jax(
-            '`multitask_space="features"`',
-            f"multitask_space={options['multitask_space']!r}",
-            'use `multitask_space="parameters"` (the default) on JAX, or ',
-        )
     if options["micro_batches"] > 1:
         raise not_on_jax(
             "`micro_batches` with `multitask`",

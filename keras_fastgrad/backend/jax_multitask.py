@@ -63,6 +63,43 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         fifth entry: the task telemetry logs (`{}` without telemetry).
     """
     tv, ntv, ov, mv = state
+    program, found, scale = losses_program(
+        model, slots, state, x, y, sample_weight, accumulating, check_extra_terms
+    )
+    closed, shapes = jax.make_jaxpr(program, return_shape=True)(list(tv))
+    num_tasks = len(task_names(model))
+    reaching = _reaching_tasks(closed, num_tasks, len(tv))
+    run = jax_core.jaxpr_as_fun(closed)
+    structure = jax.tree_util.tree_structure(shapes)
+
+    def traced(*trainable):
+        return jax.tree_util.tree_unflatten(structure, run(*trainable))
+
+    losses, pullback, (aux, d) = jax.vjp(traced, *tv, has_aux=True)
+    per_loss = [  # one backward pass per task (and the regularisation)
+        unscaled(pullback(one_hot(losses, i)), d, scale) for i in range(len(losses))
+    ]
+    per_task, regularization = per_loss[:num_tasks], per_loss[num_tasks:]
+    own, groups = maths.split_by_reaching_tasks(reaching)
+    gram, stacked = maths.gram(per_task, groups, num_tasks)
+    if accumulating:  # the true gradients' (the merge keeps D_j)
+        gram = gram / ops.square(ops.cast(d, "float32"))
+    weights, commit = weigh(model, gram, ntv)
+    by_index = maths.merge(per_task, own, groups, stacked, weights)
+    merged = [by_index.get(k, ops.zeros_like(g)) for k, g in enumerate(per_task[0])]
+    if regularization:
+        merged = [m + r for m, r in zip(merged, regularization[0])]
+    updates = commit(merged, all_finite(list(losses)))
+    return merged, d, found["mean"], with_updates(model, aux, updates, gram)
+
+
+def losses_program(model, slots, state, x, y, sample_weight, accumulating, check_extra_terms):
+    """`(program, found, scale)`: `program(trainable)` is `(losses, (aux,
+    D))`, the task losses then the regularisation (if any) as
+    differentiated (times the loss scale, or accumulating, the share `D`),
+    Keras' `aux` and the share; `found["mean"]` is set when it is traced;
+    `scale` the loss scale's value (`None` without loss scaling)."""
+    _, ntv, ov, mv = state
     rows = keras.tree.flatten(x)[0].shape[0]
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
     found = {"mean": True}
@@ -81,43 +118,38 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         d = ops.convert_to_tensor(1.0)
         if shares is not None:
             d, found["mean"], by_rows = shares.share()
-            check_extra_terms(model, found["mean"], by_rows)
+            check_extra_terms(model, found["mean"], by_rows, shares.describe)
         factor = d if scale is None else scale
         losses = tasks + ([] if regularization is None else [regularization])
         if accumulating or scale is not None:
             losses = [loss * ops.cast(factor, loss.dtype) for loss in losses]
         return tuple(losses), (aux, d)
 
-    closed, shapes = jax.make_jaxpr(program, return_shape=True)(list(tv))
-    num_tasks = len(task_names(model))
-    reaching = _reaching_tasks(closed, num_tasks, len(tv))
-    run = jax_core.jaxpr_as_fun(closed)
-    structure = jax.tree_util.tree_structure(shapes)
+    return program, found, scale
 
-    def traced(*trainable):
-        return jax.tree_util.tree_unflatten(structure, run(*trainable))
 
-    losses, pullback, (aux, d) = jax.vjp(traced, *tv, has_aux=True)
-    unscale = d / ops.cast(scale, "float32") if scale is not None else None
-    per_loss = []
-    for i in range(len(losses)):  # one backward pass per task (and regularisation)
-        cotangent = tuple(
-            ops.ones_like(v) if j == i else ops.zeros_like(v) for j, v in enumerate(losses)
-        )
-        grads = [ops.cast(g, "float32") for g in pullback(cotangent)]
-        per_loss.append(grads if unscale is None else [g * unscale for g in grads])
-    per_task, regularization = per_loss[:num_tasks], per_loss[num_tasks:]
-    merged, gram, updates = _merge(
-        model, per_task, reaching, d if accumulating else None, ntv, all_finite(list(losses))
-    )
-    if regularization:
-        merged = [m + r for m, r in zip(merged, regularization[0])]
+def one_hot(values, i):
+    """The cotangent that picks `values[i]` (a tuple like `values`)."""
+    return tuple(ops.ones_like(v) if j == i else ops.zeros_like(v) for j, v in enumerate(values))
+
+
+def unscaled(grads, d, scale):
+    """float32 gradients of the unscaled losses (times `D`, accumulating)."""
+    grads = [ops.cast(g, "float32") for g in grads]
+    if scale is None:
+        return grads
+    factor = d / ops.cast(scale, "float32")
+    return [g * factor for g in grads]
+
+
+def with_updates(model, aux, updates, gram):
+    """Keras' `aux` with the aggregator's variables' new values in its
+    non-trainable values and the task telemetry as a fifth entry."""
     unscaled_loss, y_pred, new_ntv, new_mv = aux
     new_ntv = list(new_ntv)
     for i, value in updates.items():
         new_ntv[i] = value
-    aux = (unscaled_loss, y_pred, new_ntv, new_mv, _logs(model, gram))
-    return merged, d, found["mean"], aux
+    return unscaled_loss, y_pred, new_ntv, new_mv, _logs(model, gram)
 
 
 def _compute(model):
@@ -156,30 +188,29 @@ def _reaching_tasks(closed, num_tasks, num_trainable):
     return [tuple(t for t in range(num_tasks) if k in reached[t]) for k in range(num_trainable)]
 
 
-def _merge(model, per_task, reaching, share, ntv, losses_finite):
-    """The merged task gradient (zeros where no task reaches a variable),
-    the Gram matrix of the true gradients, and `{ntv position: value}` of
-    the aggregator's variables after the step."""
+def weigh(model, gram, ntv):
+    """The aggregator's float32 weights for `gram` (of the true gradients)
+    and `commit(merged, losses_finite)`: `{ntv position: value}` of its
+    variables after the step (a seed generator's moved every step, a
+    stateful aggregator's state only where the merged gradient and the
+    losses are finite, as on TensorFlow)."""
     aggregator = model.fastgrad_step_state.merger.aggregator
-    own, groups = maths.split_by_reaching_tasks(reaching)
-    gram, stacked = maths.gram(per_task, groups, len(per_task))
-    if share is not None:  # the true gradients' (the merge keeps D_j)
-        gram = gram / ops.square(ops.cast(share, "float32"))
     where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
     variables = multitask_variables(model)
     mapping = [(v, ntv[where[id(v)]]) for v in variables]
     with keras.StatelessScope(state_mapping=mapping) as scope:
         weights, new_state = aggregator.weights_and_state(gram)
-    weights = ops.cast(weights, "float32")
-    by_index = maths.merge(per_task, own, groups, stacked, weights)
-    merged = [by_index.get(k, ops.zeros_like(g)) for k, g in enumerate(per_task[0])]
-    updates = {where[id(v)]: _current(scope, v) for v in variables}  # seeds: every step
-    if new_state:  # moved only where the merge is finite (as on TensorFlow)
-        keep = all_finite(merged) & losses_finite
-        for variable, value in zip(aggregator.state_variables, new_state):
-            i = where[id(variable)]
-            updates[i] = ops.where(keep, ops.cast(value, ntv[i].dtype), ntv[i])
-    return merged, gram, updates
+    updates = {where[id(v)]: _current(scope, v) for v in variables}
+
+    def commit(merged, losses_finite):
+        if new_state:
+            keep = all_finite(merged) & losses_finite
+            for variable, value in zip(aggregator.state_variables, new_state):
+                i = where[id(variable)]
+                updates[i] = ops.where(keep, ops.cast(value, ntv[i].dtype), ntv[i])
+        return updates
+
+    return ops.cast(weights, "float32"), commit
 
 
 def _logs(model, gram):

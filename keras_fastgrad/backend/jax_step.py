@@ -104,7 +104,10 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     when accumulating), the share, whether the window divides by its sum,
     and Keras' `aux` (`unscaled_loss, y_pred, non_trainable, metrics`)."""
     if model.fastgrad_step_state.merger is not None:  # the task gradients, merged
-        return jax_multitask.gradients(
+        merge = jax_multitask
+        if model.multitask_space == "features":
+            from keras_fastgrad.backend import jax_features as merge
+        return merge.gradients(
             model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms
         )
     if model.micro_batches > 1:
@@ -138,7 +141,7 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
         d = ops.convert_to_tensor(1.0)
         if shares is not None:
             d, found["mean"], by_rows = shares.share()
-            _check_extra_terms(model, found["mean"], by_rows)
+            _check_extra_terms(model, found["mean"], by_rows, shares.describe)
             if slots.scaler is None:  # folded into the unscaling otherwise
                 loss = loss * ops.cast(d, loss.dtype)
         return loss, (aux, d)
@@ -151,28 +154,44 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     return grads, d, found["mean"], aux
 
 
-def _check_extra_terms(model, mean, by_rows):
+def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
     """Refuses (trace time) loss terms beyond the output losses that a
-    window cannot weight exactly (`compile_loss.check_extra_terms` on TF)."""
+    window cannot weight exactly: first by TensorFlow's rule
+    (`compile_loss.check_extra_terms`: the same `ValueError` and fix where
+    no backend can weight them), then the cases TensorFlow weighs and the
+    JAX step does not yet (`NotImplementedError`)."""
+    import types
+
     from keras_fastgrad.backend import not_on_jax
     from keras_fastgrad.step.compile_loss import (
+        LossTerms,
+        check_extra_terms,
         default_compute_loss,
         layer_losses,
         regularized_variables,
     )
 
-    extra = not default_compute_loss(model) or layer_losses(model)
-    extra = extra or regularized_variables(model)
-    if extra and not (mean and by_rows):
+    options = [
+        f"{name}={getattr(model, name)}"
+        for name in ("accumulation_steps", "micro_batches")
+        if getattr(model, name) > 1
+    ]
+    known, rows, weights = (
+        default_compute_loss(model),
+        layer_losses(model),
+        regularized_variables(model),
+    )
+    present = lambda found: 0.0 if found else None  # noqa: E731 (a placeholder part)
+    share = types.SimpleNamespace(mean=mean, by_rows=by_rows, describe=describe)
+    check_extra_terms(
+        model, share, options, LossTerms(None, None, present(weights), present(rows), known)
+    )
+    if (not known or rows or weights) and not (mean and by_rows):
         raise not_on_jax(
             "Combining micro-batches of a loss with terms beyond the output losses (regularisers, "
             "`add_loss`, an overridden `compute_loss`) under a masked, weighted or "
             '`reduction="sum"` output loss',
-            ", ".join(
-                f"{name}={getattr(model, name)}"
-                for name in ("accumulation_steps", "micro_batches")
-                if getattr(model, name) > 1
-            ),
+            ", ".join(options),
         )
 
 

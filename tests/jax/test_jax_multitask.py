@@ -157,8 +157,12 @@ def compiled(model, lr=1.0):
 
 @pytest.mark.parametrize(
     "trunk, options",
-    [("embedding", {}), ("dense", {"accumulation_steps": 2})],
-    ids=["embedding", "accumulation"],
+    [
+        ("embedding", {}),
+        ("dense", {"accumulation_steps": 2}),
+        ("conv", {"multitask_space": "features", "accumulation_steps": 2}),
+    ],
+    ids=["embedding", "accumulation", "features_space"],
 )
 def test_sum_is_keras_model_on_the_summed_losses(trunk, options):
     x, y = data(trunk)
@@ -315,7 +319,7 @@ for options in {configs!r}:
                 "weights": [w.tolist() for w in model.get_weights()]}})
 print("RESULT" + json.dumps(out))
 """
-_CONFIGS = [{}, {"accumulation_steps": 3}]
+_CONFIGS = [{}, {"accumulation_steps": 3}, {"multitask_space": "features"}]
 
 
 def test_same_weights_and_logs_as_the_tensorflow_step(tmp_path):

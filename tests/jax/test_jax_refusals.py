@@ -12,11 +12,8 @@ NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
 
 @pytest.mark.parametrize(
     "option, name",
-    [
-        ({"multitask": "sum", "multitask_space": "features"}, '`multitask_space="features"`'),
-        ({"multitask": "sum", "micro_batches": 2}, "`micro_batches` with `multitask`"),
-    ],
-    ids=["features_space", "micro_batches"],
+    [({"multitask": "sum", "micro_batches": 2}, "`micro_batches` with `multitask`")],
+    ids=["micro_batches"],
 )
 def test_options_refused_at_construction(option, name):
     with pytest.raises(NotImplementedError, match=f"{name}.*{NOT_YET}"):

@@ -1,0 +1,129 @@
+"""`multitask_space="features"` on Keras' JAX backend: the tasks merged in
+the shared representation `Z`, as on TensorFlow
+(`keras_fastgrad.multitask.feature_space`; MGDA-UB's "upper bound").
+
+The shared layer (`multitask_features`, or the deepest tensor every output
+depends on: `representation.find_features`) is captured during the forward
+pass, and its output `Z` handed on as `stop_gradient(Z) + delta`, `delta`
+an input of zeros: one forward pass (`jax.vjp` of `(trainable, delta) ->
+(losses, Z)`) then
+
+1. one pullback per task (heads only): `dL_t / delta = dL_t / dZ` and the
+   gradient of the paths that skip `Z` (the heads', a tied variable's
+   direct part), the regularisation's likewise;
+2. the Gram matrix `G[s, t] = <dZ_s, dZ_t>` (divided by `D_j^2` when
+   accumulating), the aggregator's weights `w` (`jax_multitask.weigh`);
+3. ONE trunk pullback with the cotangent `sum_t w_t dZ_t` (plus the
+   regularisation's `dZ`) on `Z`: the trunk gets
+   `sum_t w_t dL_t / dtheta`; the heads keep their plain gradients.
+
+Imported by the JAX step only for a model in features space (the shared
+layer's capture is `keras_fastgrad.multitask.representation`'s).
+"""
+
+import jax
+from keras import ops, tree
+
+from keras_fastgrad.backend import jax_multitask as parameter_space
+from keras_fastgrad.maths.finite import all_finite
+from keras_fastgrad.multitask import representation
+from keras_fastgrad.step.task_losses import task_names
+
+
+def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extra_terms):
+    """As `jax_multitask.gradients`, merged in `Z` space."""
+    tv, ntv = state[0], state[1]
+    cut = _Cut(model)
+
+    def program(trainable, deltas):
+        cut.begin(deltas)
+        with cut:
+            losses, aux = losses_program(trainable)
+        return (losses, tuple(cut.features)), aux
+
+    losses_program, found, scale = parameter_space.losses_program(
+        model, slots, state, x, y, sample_weight, accumulating, check_extra_terms
+    )
+    shapes = jax.eval_shape(lambda t: program(t, None)[0][1], list(tv))
+    zeros = tuple(ops.zeros(s.shape, s.dtype) for s in shapes)
+    (losses, features), pullback, (aux, d) = jax.vjp(program, list(tv), zeros, has_aux=True)
+    num_tasks = len(task_names(model))
+    no_features = tuple(ops.zeros_like(z) for z in features)
+    direct, dz = None, []
+    for i in range(len(losses)):  # heads only: one pullback per task
+        grads, dz_i = pullback((parameter_space.one_hot(losses, i), no_features))
+        direct = grads if direct is None else [a + b for a, b in zip(direct, grads)]
+        dz.append(dz_i)
+    flat = ops.stack(
+        [
+            ops.concatenate([ops.reshape(ops.cast(g, "float32"), (-1,)) for g in dz_t])
+            for dz_t in dz[:num_tasks]
+        ]
+    )
+    flat = flat * _unscale(d, scale)
+    gram = ops.matmul(flat, ops.transpose(flat))
+    if accumulating:  # the true gradients' (the merge keeps D_j)
+        gram = gram / ops.square(ops.cast(d, "float32"))
+    weights, commit = parameter_space.weigh(model, gram, ntv)
+    cotangent = []
+    for k, z in enumerate(features):
+        c = sum(weights[t] * ops.cast(dz[t][k], "float32") for t in range(num_tasks))
+        if len(dz) > num_tasks:  # the regularisation's (e.g. on `Z` itself)
+            c = c + ops.cast(dz[num_tasks][k], "float32")
+        cotangent.append(ops.cast(c, z.dtype))
+    no_losses = tuple(ops.zeros_like(v) for v in losses)
+    trunk, _ = pullback((no_losses, tuple(cotangent)))  # ONE trunk pass
+    grads = [a + b for a, b in zip(direct, trunk)]
+    grads = parameter_space.unscaled(grads, d, scale)
+    updates = commit(grads, all_finite(list(losses)))
+    return grads, d, found["mean"], parameter_space.with_updates(model, aux, updates, gram)
+
+
+def _unscale(d, scale):
+    return 1.0 if scale is None else d / ops.cast(scale, "float32")
+
+
+class _Cut(representation.Capture):
+    """While active: the shared layer's floating outputs `Z` recorded and
+    handed on as `stop_gradient(Z) + delta` (after `begin(deltas)`; as they
+    are while `deltas` is `None`: only their shapes are read)."""
+
+    def __init__(self, model):
+        super().__init__(model, tape=None)
+        self.deltas = None
+
+    def begin(self, deltas):
+        self.deltas, self.features, self.calls = deltas, [], 0
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if not self.features:
+            raise ValueError(
+                "`multitask_features` must name a layer that runs in the forward "
+                f"pass. Received: multitask_features={self.layer.name!r}, "
+                "which did not run. Fix: name the trunk's last layer."
+            )
+
+    def record(self, outputs):
+        self.calls += 1
+        if self.calls > 1:
+            raise ValueError(
+                "`multitask_features` must name a layer that runs once per "
+                f"forward pass. Received: multitask_features={self.layer.name!r}"
+                ", which ran more than once. Fix: name the layer whose single "
+                "output all tasks read."
+            )
+        flat = list(tree.flatten(outputs))
+        indices = self.indices
+        if indices is None:
+            indices = [i for i, t in enumerate(flat) if _floating(t)]
+        for k, i in enumerate(indices):
+            self.features.append(flat[i])
+            if self.deltas is not None:
+                flat[i] = jax.lax.stop_gradient(flat[i]) + self.deltas[k]
+        return tree.pack_sequence_as(outputs, flat)
+
+
+def _floating(value):
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
