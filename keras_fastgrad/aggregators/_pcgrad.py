@@ -20,8 +20,10 @@ class PCGrad(Aggregator):
     `pcgrad_weights`); `w = sum_i c_i`. Each call draws new orders from the
     aggregator's `keras.random.SeedGenerator` (`seed_generator`, whose
     state is a variable: new orders per call inside a compiled TensorFlow
-    step too; build the aggregator outside any `tf.function`; on JAX the
-    step threads that state); `orders` (int `[T, T-1]`, row `i` the
+    step too; build the aggregator outside any `tf.function`). Under
+    `jax.jit`, map `seed_generator.state` in a `keras.StatelessScope` and
+    return its new value, as the JAX step does (else the traced state
+    leaks into the variable). `orders` (int `[T, T-1]`, row `i` the
     visiting order of task `i`) fixes them.
 
     Args:
