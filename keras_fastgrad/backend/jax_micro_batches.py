@@ -81,7 +81,7 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
                 )
             d, mean, by_rows = shares.share()
             facts["mean"] = mean
-            check_extra_terms(model, mean, by_rows)
+            check_extra_terms(model, mean, by_rows, shares.describe)
             if slots.scaler is None:  # (scaled: `D_i` after, in float32)
                 loss = loss * ops.cast(d, loss.dtype)
             return loss, (aux, d)

@@ -26,4 +26,5 @@ class LossShares(weighting.LossShares):
         """`(D, mean, by_rows)`: the float32 normaliser (gradient-free),
         whether the window divides by its sum, whether it counts rows."""
         share = super().share()
+        self.describe = share.describe  # the reduction in words (for errors)
         return share.actual, share.mean, share.by_rows
