@@ -56,7 +56,7 @@ class CAGrad(Aggregator):
         return {"c": self.c, "rescale": self.rescale, "max_iter": self.max_iter}
 
 
-@_compiled(static_argnames=("c", "rescale", "max_iter"))
+@_compiled(static_argnames=("rescale", "max_iter"))
 def cagrad_weights(gram, c=0.5, rescale=1, max_iter=1000):
     """CAGrad (Liu et al., 2021), the official `cagrad` function in Gram space.
 

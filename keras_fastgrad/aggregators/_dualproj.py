@@ -1,11 +1,8 @@
 """DualProj (Quinton & Rey, 2024): the mean of the task gradients,
 projected onto their dual cone."""
 
-from keras import ops
-
 from keras_fastgrad.aggregators import _base as aggregators
 from keras_fastgrad.aggregators._utils.dual_cone import _DualCone
-from keras_fastgrad.aggregators._utils.numerics import _finite_or_nan
 
 
 @aggregators._register
@@ -26,17 +23,14 @@ class DualProj(_DualCone):
     Example:
 
     >>> gram = np.array([[1.0, -2.0], [-2.0, 5.0]])  # the mean conflicts
-    >>> w = ops.convert_to_numpy(DualProj(reg_eps=0.0).weights(gram))
+    >>> w = np.asarray(DualProj(reg_eps=0.0).weights(gram))
     >>> w.round(4).tolist()
     [1.0, 0.5]
     >>> (gram @ w).round(4).tolist()  # <g_i, w^T J> >= 0
     [0.0, 0.5]
-    >>> ops.convert_to_numpy(DualProj().weights(np.eye(2))).round(4).tolist()  # the mean
+    >>> np.asarray(DualProj().weights(np.eye(2))).round(4).tolist()  # the mean
     [0.5, 0.5]
     """
 
     name = "dualproj"
-
-    def _weights(self, gram):
-        mean = ops.full([1, gram.shape[0]], 1.0 / gram.shape[0], dtype=gram.dtype)
-        return _finite_or_nan(gram, lambda g: self._project(g, mean)[0])
+    _targets = "mean"

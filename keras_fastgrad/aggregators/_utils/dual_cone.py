@@ -8,11 +8,10 @@ from keras import ops
 
 from keras_fastgrad._validation import check_int, check_number
 from keras_fastgrad.aggregators import _base as aggregators
-from keras_fastgrad.aggregators._utils.numerics import _compiled
+from keras_fastgrad.aggregators._utils.numerics import _compiled, _finite_or_nan
 from keras_fastgrad.aggregators._utils.qp import active_set_qp
 
 
-@_compiled()
 def dual_cone_weights(gram, targets):
     """Row `k`: `v = argmin v^T G v  s.t.  v >= targets[k]`, exactly.
 
@@ -52,6 +51,37 @@ def normalized_regularized(gram, norm_eps, reg_eps):
     return gram + reg_eps * ops.eye(gram.shape[0], dtype=gram.dtype)
 
 
+@_compiled(static_argnames=("targets",))
+def projected_weights(gram, targets, norm_eps, reg_eps):
+    """UPGrad's or DualProj's weights: `sum_k v(u_k)`, `v(u)` the dual-cone
+    weights of `u` on the normalised and regularised `G`.
+
+    One compiled program for the whole computation (on JAX each op run
+    eagerly would compile on its own); under `jax.jit` the options are
+    traced, so that they do not make programs of their own.
+
+    Args:
+        gram: `[T, T]` positive semi-definite float tensor.
+        targets: `"each"`, the rows `u_k = e_k / T` (UPGrad), or `"mean"`,
+            the one row `u = 1/T` (DualProj).
+        norm_eps: float, as `normalized_regularized`.
+        reg_eps: float, as `normalized_regularized`.
+
+    Returns:
+        `[T]` weights, NaN where `gram` is not finite.
+    """
+    num_tasks, dtype = gram.shape[0], gram.dtype
+    if targets == "each":
+        u = ops.eye(num_tasks, dtype=dtype) / num_tasks
+    else:
+        u = ops.full([1, num_tasks], 1.0 / num_tasks, dtype=dtype)
+
+    def solve(g):
+        return ops.sum(dual_cone_weights(normalized_regularized(g, norm_eps, reg_eps), u), 0)
+
+    return _finite_or_nan(gram, solve)
+
+
 class _DualCone(aggregators.Aggregator):
     """Shared options of UPGrad and DualProj.
 
@@ -81,9 +111,10 @@ class _DualCone(aggregators.Aggregator):
         config.pop("max_iter", None)  # saved by earlier versions; ignored
         return cls(**config)
 
-    def _project(self, gram, targets):
-        gram = normalized_regularized(gram, self.norm_eps, self.reg_eps)
-        return dual_cone_weights(gram, targets)
+    _targets = None  # "each" (UPGrad) or "mean" (DualProj)
+
+    def _weights(self, gram):
+        return projected_weights(gram, self._targets, self.norm_eps, self.reg_eps)
 
     def get_config(self):
         return {"norm_eps": self.norm_eps, "reg_eps": self.reg_eps}

@@ -21,7 +21,7 @@ replaced by the identity, so shapes stay static under XLA.
 
 from keras import ops
 
-from keras_fastgrad.aggregators._utils.numerics import _eps, _tiny
+from keras_fastgrad.aggregators._utils.numerics import _compiled, _eps, _tiny
 
 
 def max_steps(num_tasks):
@@ -77,6 +77,7 @@ def _restricted_solve(gram, lower, free, simplex, jitter):
     return z, ops.matmul(z, gram) + mu
 
 
+@_compiled(static_argnames=("simplex",))
 def active_set_qp(gram, lower, simplex=False, start=None):
     """Row `k`: `argmin_x x^T G x  s.t.  x >= lower[k]` (and `sum(x) = 1`).
 
