@@ -5,7 +5,7 @@ import numpy as np
 from keras import ops
 
 from keras_fastgrad.aggregators._base import Aggregator, _check_gram, _register
-from keras_fastgrad.aggregators._utils.numerics import _RANK_EPS, _dtype
+from keras_fastgrad.aggregators._utils.numerics import _RANK_EPS, _compiled, _dtype
 
 
 @_register
@@ -61,6 +61,7 @@ class AlignedMTL(Aggregator):
         return {"task_weights": self.task_weights}
 
 
+@_compiled()
 def aligned_balance_matrix(gram):
     """Aligned-MTL balance matrix `B = sqrt(l_min) V L^{-1/2} V^T`.
 

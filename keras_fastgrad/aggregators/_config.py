@@ -6,7 +6,13 @@ from keras import ops
 
 from keras_fastgrad.aggregators import _base as aggregators
 from keras_fastgrad.aggregators._utils.linalg import symmetric_pinv
-from keras_fastgrad.aggregators._utils.numerics import _dtype, _eps, _finite_or_nan, _tiny
+from keras_fastgrad.aggregators._utils.numerics import (
+    _compiled,
+    _dtype,
+    _eps,
+    _finite_or_nan,
+    _tiny,
+)
 
 
 @aggregators._register
@@ -39,6 +45,7 @@ class ConFIG(aggregators.Aggregator):
         return _finite_or_nan(gram, config_weights)
 
 
+@_compiled()
 def config_weights(gram):
     """ConFIG task weights from the Gram matrix (see `ConFIG`)."""
     num_tasks, dtype = gram.shape[0], _dtype(gram.dtype)

@@ -18,9 +18,10 @@ from keras import ops
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._validation import check_number
 from keras_fastgrad.aggregators import _base as aggregators
-from keras_fastgrad.aggregators._utils.numerics import _dtype, _eps, _tiny
+from keras_fastgrad.aggregators._utils.numerics import _compiled, _dtype, _eps, _tiny
 
 
+@_compiled(static_argnames=("beta",))
 def gradvac_weights(gram, targets, beta):
     """GradVac in coefficient space: `(weights, new_targets)`.
 

@@ -5,7 +5,7 @@ from keras import ops
 
 from keras_fastgrad.aggregators._base import Aggregator, _register
 from keras_fastgrad.aggregators._utils.linalg import symmetric_pinv
-from keras_fastgrad.aggregators._utils.numerics import _dtype, _eps, _max_diag
+from keras_fastgrad.aggregators._utils.numerics import _compiled, _dtype, _eps, _max_diag
 
 
 @_register
@@ -39,6 +39,7 @@ class IMTL(Aggregator):
         return imtl_weights(gram)
 
 
+@_compiled()
 def imtl_weights(gram):
     """IMTL-G (Liu et al., 2021) from the Gram matrix, zero gradients allowed.
 

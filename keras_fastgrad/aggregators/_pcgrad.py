@@ -6,7 +6,7 @@ import numpy as np
 from keras import ops
 
 from keras_fastgrad.aggregators._base import Aggregator, _check_gram, _register
-from keras_fastgrad.aggregators._utils.numerics import _tiny
+from keras_fastgrad.aggregators._utils.numerics import _compiled, _tiny
 
 
 @_register
@@ -81,6 +81,7 @@ def random_orders(num_tasks, uniform):
     return ops.argsort(keys, axis=1)[:, : num_tasks - 1]
 
 
+@_compiled()
 def pcgrad_weights(gram, orders):
     """PCGrad (Yu et al., 2020, Algorithm 1) in coefficient space.
 
