@@ -461,14 +461,12 @@ class FastGradModel(keras.Model):
 
         Raises:
             ValueError: for a name that is not a telemetry key.
-            NotImplementedError: on Keras' JAX backend, for a multi-task
-                key (`multitask` is not on JAX yet).
 
         The train function is rebuilt (retraced) on the next `fit` when the
         set of keys grows.
         """
         keys = list(keys)
-        _backend.check_telemetry_keys(keys)  # JAX: no multi-task keys
+        _backend.check_telemetry_keys(keys)  # (JAX: every key is measured)
         readouts.enable_telemetry(self, keys)
 
     def telemetry_counters(self):
