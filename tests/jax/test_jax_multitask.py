@@ -390,3 +390,26 @@ def test_gradvac_targets_moved_saved_and_loaded(tmp_path):
     fresh = keras.saving.load_model(path)
     fresh.multitask.build(2)  # the loaded targets, before any step
     np.testing.assert_allclose(fresh.multitask.state_variables[0].numpy(), targets)
+
+
+def test_reaching_inputs_through_calls_loops_and_cuts():
+    from keras_fastgrad.backend.jax_reaching import reaching_inputs
+
+    @jax.jit
+    def head(h, w):  # a sub-program (`jit`): walked inside
+        return jnp.sum(h * w), jnp.sum(jax.lax.stop_gradient(w) * 0.0 + h)
+
+    def f(trunk, w_a, w_b, w_c):
+        h = jax.nn.relu(trunk)  # (a custom_jvp call)
+        a, only_h = head(h, w_a)  # w_a cut by stop_gradient in the 2nd output
+
+        def step(carry, _):  # a loop: one equation, all its inputs
+            return carry * w_b, None
+
+        loop, _ = jax.lax.scan(step, h, None, length=2)
+        mask = (w_c > 0).astype("float32")  # a comparison: no gradient
+        return a, only_h, jnp.sum(loop), jnp.sum(mask * h)
+
+    args = [jnp.ones(3)] * 4
+    closed = jax.make_jaxpr(f)(*args)
+    assert reaching_inputs(closed, 4) == [{0, 1}, {0}, {0, 2}, {0}]
