@@ -56,7 +56,7 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         x, y, sample_weight: The micro-batch.
         accumulating: Python bool, whether micro-batches are combined.
         check_extra_terms: `jax_step`'s check of the loss terms a window
-            cannot weight, called as `(model, mean, by_rows)`.
+            cannot weight, called as `(model, mean, by_rows, describe)`.
 
     Returns:
         `(grads, D, mean, aux)` as `jax_step._gradients`, `aux` with a
