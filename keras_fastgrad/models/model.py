@@ -270,6 +270,7 @@ class FastGradModel(keras.Model):
         if _backend.is_jax():  # no `tf.distribute` there
             self._fg_prepare_state()
             _backend.check_model(self)
+            self._fg_keep_for_a_refusal()  # (the step's variables now built)
             return super().make_train_function(force=force)
         _options.check_jit_compile_under_strategy(self.jit_compile, self.distribute_strategy)
         _options.check_steps_per_execution_under_strategy(
@@ -333,7 +334,9 @@ class FastGradModel(keras.Model):
         if jax_batch:  # `(state, data)`: Keras' JAX trainer
             from keras_fastgrad.backend import jax_step  # imports jax
 
-            return jax_step.train_step(self, data, *jax_batch)
+            result = jax_step.train_step(self, data, *jax_batch)
+            self.fastgrad_step_state.kept_arrays = None  # traced: Keras keeps the state now
+            return result
         state = self.fastgrad_step_state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = _step.gradients(self, state, x, y, sample_weight)
@@ -378,8 +381,17 @@ class FastGradModel(keras.Model):
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if not integration.builds_itself(self):
-            return super()._maybe_symbolic_build(iterator, data_batch)
-        integration.build_for_training(self, iterator, data_batch)
+            super()._maybe_symbolic_build(iterator, data_batch)
+        else:
+            integration.build_for_training(self, iterator, data_batch)
+        self._fg_keep_for_a_refusal()
+
+    def _fg_keep_for_a_refusal(self):
+        """In a JAX `fit` until its first step is traced: the arrays of every
+        variable of the state tuple built so far (`fit`'s `except` gives
+        them back if tracing raises)."""
+        if self.fastgrad_step_state.kept_arrays is not None:
+            self.fastgrad_step_state.kept_arrays = compat.attached_values(_state_variables(self))
 
     def fit(self, *args, **kwargs):
         if _backend.is_jax():
@@ -388,9 +400,19 @@ class FastGradModel(keras.Model):
             args, kwargs = integration.with_divergence_stop(self, args, kwargs)
         state = self.fastgrad_step_state
         state.in_fit = True
+        # JAX: the arrays Keras' fit detaches, kept until the first step is
+        # traced (`train_step` drops them): a refusal raised while tracing
+        # leaves the model its weights (`compat.attached_values`).
+        self.fastgrad_step_state.kept_arrays = (
+            compat.attached_values(_state_variables(self)) if _backend.is_jax() else None
+        )
         try:
             return super().fit(*args, **kwargs)
+        except BaseException:
+            compat.reattach(self.fastgrad_step_state.kept_arrays or [])
+            raise
         finally:
+            self.fastgrad_step_state.kept_arrays = None
             state.in_fit = False
 
     def evaluate(self, *args, **kwargs):
@@ -537,3 +559,14 @@ def _checked_options(**options):
 # `model.save("m.h5")` writes `model.__class__.__name__`): the alias lets
 # `keras.models.load_model("m.h5")` find the class without `custom_objects`.
 keras.saving.get_custom_objects().setdefault("FastGradModel", FastGradModel)
+
+
+def _state_variables(model):
+    """Every variable of Keras' JAX state tuple (those built so far)."""
+    optimizer = getattr(model, "optimizer", None)
+    return [
+        *model.trainable_variables,
+        *model.non_trainable_variables,
+        *(optimizer.variables if optimizer is not None else []),
+        *model.metrics_variables,
+    ]

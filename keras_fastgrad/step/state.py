@@ -93,6 +93,9 @@ class StepState(compat.KerasSaveable):
             epoch's end, not at the end of an `evaluate`).
         evaluating: int, depth of `evaluate` calls in progress.
         flush_function: the traced partial-window flush, or `None`.
+        kept_arrays: JAX, in `fit` until its first step is traced: the
+            `(variable, array)` pairs Keras' fit detaches (given back if
+            tracing raises: `models.model`); `None` otherwise.
     """
 
     def __init__(self, model):
@@ -112,6 +115,7 @@ class StepState(compat.KerasSaveable):
         self.in_fit = False
         self.evaluating = 0
         self.flush_function = None
+        self.kept_arrays = None
         self._built_for = None
         self._loaded_window_facts = None
 

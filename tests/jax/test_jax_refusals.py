@@ -75,3 +75,24 @@ def test_a_distribution_other_than_data_parallel_refused():
         ):
             model.fit(x, y, verbose=0)
     assert model.telemetry_counters()["updates"] == 0.0
+
+
+def test_a_refusal_while_the_first_step_is_traced_leaves_the_model_its_weights():
+    # Keras' JAX fit detaches the arrays from the variables before the first
+    # step; a refusal raised while that step is traced (here TF's rule for a
+    # weight regulariser under reduction="sum" with accumulation) used to
+    # leave the model without values: `get_weights` raised a TypeError.
+    inputs = keras.Input((3,))
+    layer = keras.layers.Dense(1, kernel_regularizer="l2")
+    model = kf.FastGradModel(inputs, layer(inputs), accumulation_steps=3)
+    model.compile("adam", keras.losses.MeanSquaredError(reduction="sum"))
+    x, y = np.ones((12, 3), "float32"), np.ones((12, 1), "float32")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"`accumulation_steps=3` cannot weight.*Fix:"):
+        model.fit(x, y, batch_size=2, verbose=0)
+    after = model.get_weights()
+    assert len(after) == len(before)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    np.testing.assert_allclose(
+        np.asarray(model.predict(x, verbose=0)), x @ before[0] + before[1], rtol=1e-6
+    )
