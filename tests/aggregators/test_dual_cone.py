@@ -91,7 +91,6 @@ def test_max_iter_is_deprecated_and_old_configs_load(name):
         assert type(loaded) is cls and loaded.get_config() == {"norm_eps": 1e-4, "reg_eps": 0.0}
 
 
-@pytest.mark.tensorflow_only(reason="trains a multitask model (on JAX: test_in_models.py)")
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
 def test_keras_files_saved_with_max_iter_load_and_train(name):
 

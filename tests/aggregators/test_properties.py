@@ -31,6 +31,7 @@ not unique (duplicated tasks, a zero gradient) or that belong to a
 gradient negligible at the dtype's precision do not count.
 """
 
+import keras
 import numpy as np
 import pytest
 from aggregator_references import (
@@ -57,6 +58,11 @@ SINGULAR = ("rank_deficient", "duplicate", "zero_task", "opposite")
 def _tol(name, dtype, kind="random"):
     if dtype == "float32" and name in CUTOFF_METHODS and kind in SINGULAR:
         return 5e-3
+    if dtype == "float64" and name == "cagrad":
+        # Frank-Wolfe stops at a duality gap of 16 eps: the weights are
+        # known to ~sqrt(16 eps) = 6e-8 (under JAX, XLA's sums round a
+        # permuted G differently and the two runs stop 1.2e-8 apart).
+        return 1e-7
     return TOL[dtype]
 
 
@@ -278,7 +284,11 @@ def test_dual_cone_solutions_satisfy_kkt_and_match_quadprog(name, dtype):
             targets = targets.astype(np.float64)
             assert int(steps) < _qp.max_steps(len(G))  # the cap never ends a solve
             v = np.asarray(v)
-            np.testing.assert_allclose(v.sum(0), w, rtol=1e-6 if dtype == "float32" else 1e-12)
+            # Under JAX the weights come from one XLA program (fused: float32
+            # rounds otherwise), the normalised Gram here from eager ops.
+            jax = keras.backend.backend() == "jax"
+            rtol = {"float64": 1e-12, "float32": 2e-4 if jax else 1e-6}
+            np.testing.assert_allclose(v.sum(0), w, rtol=rtol[dtype])
             Gn = np.asarray(gram).astype(np.float64)
             kkt_tol = 1e-12 if dtype == "float64" else 1e-5
             for u, row in zip(targets, v.astype(np.float64)):

@@ -1,4 +1,4 @@
-"""Pairwise Frank-Wolfe on the simplex (MGDA, CAGrad)."""
+"""Pairwise Frank-Wolfe on the simplex (MGDA, CAGrad), in `keras.ops`."""
 
 from keras import ops
 

@@ -1,5 +1,5 @@
 """An exact active-set solver for the small quadratic programs of the
-aggregators, in-graph.
+aggregators, in-graph (`keras.ops`: TensorFlow and JAX).
 
 `min_x x^T G x  s.t.  x >= lower` (and optionally `sum(x) = 1`), `G` a
 `T x T` positive semi-definite Gram matrix, `T` static and small (the task
