@@ -21,6 +21,9 @@ def optimizer(name, **kwargs):
 
 
 # ------------------------------------------------------- loss_scale_factor
+@pytest.mark.tensorflow_only(
+    reason="a fixed loss_scale_factor is refused on JAX (tests/jax/test_jax_refusals.py)"
+)
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_loss_scale_factor_trains_like_keras_model(name):
     x, y = data(n=12)
@@ -36,6 +39,9 @@ def test_loss_scale_factor_trains_like_keras_model(name):
     assert model.optimizer.loss_scale_factor == FACTOR
 
 
+@pytest.mark.tensorflow_only(
+    reason="a fixed loss_scale_factor is refused on JAX (tests/jax/test_jax_refusals.py)"
+)
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_loss_scale_factor_with_accumulation_and_clipping(name):
     # 12 samples, batches of 4, windows of 2: one full window and a partial
@@ -57,6 +63,9 @@ def test_loss_scale_factor_with_accumulation_and_clipping(name):
     assert int(model.optimizer.iterations.numpy()) == 4
 
 
+@pytest.mark.tensorflow_only(
+    reason="a fixed loss_scale_factor is refused on JAX (tests/jax/test_jax_refusals.py)"
+)
 def test_loss_scale_factor_grad_norm_is_the_true_gradient_norm():
     # One update (8 samples, batches of 4, windows of 2): `grad_norm` is the
     # norm of the unscaled gradient of the 8-sample loss at the start.
