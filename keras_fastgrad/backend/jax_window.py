@@ -114,15 +114,18 @@ def apply_partial_window(model):
         flush = lambda *values: _flush(model, *values)  # noqa: E731
         state.flush_function = jax.jit(flush) if model.jit_compile else flush
     groups = (model.trainable_variables, model.non_trainable_variables, model.optimizer.variables)
-    values = state.flush_function(*([v.value for v in group] for group in groups))
+    *values, logs = state.flush_function(*([v.value for v in group] for group in groups))
     for group, new_values in zip(groups, values):
         for variable, value in zip(group, new_values):
             variable.assign(value)
-    return {**model.telemetry_counters(), **noise.host_logs(model)}
+    # The telemetry keys after the flush (its `grad_norm`, as on TF), the counters.
+    logs = {k: float(v) for k, v in logs.items()}
+    return {**logs, **model.telemetry_counters(), **noise.host_logs(model)}
 
 
 def _flush(model, tv, ntv, ov):
-    """The pending window applied, on values (see `apply_partial_window`)."""
+    """The pending window applied, on values (see `apply_partial_window`),
+    and the telemetry keys after it."""
     slots = Slots(model)
     noise.add_slots(model, slots)
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
@@ -131,6 +134,7 @@ def _flush(model, tv, ntv, ov):
     gated = bool(model.skip_nonfinite) or slots.scaler is not None
     pending = new["included"] > 0
     tv, ov = window_update(model, slots, list(tv), list(ov), new, sums, mean, pending, gated)
+    logs = telemetry.logs(model, slots, new, ov, len(tv))
     ntv = list(ntv)
     for key, i in slots.ntv.items():
         ntv[i] = ops.cast(new[key], ntv[i].dtype)
@@ -139,4 +143,4 @@ def _flush(model, tv, ntv, ov):
     for i in slots.sums:
         ntv[i] = ops.zeros_like(ntv[i])
     ntv = jax_batchnorm.apply_window(model, ntv)  # BatchNorm's one step from the window
-    return tv, ntv, ov
+    return tv, ntv, ov, logs

@@ -46,6 +46,32 @@ def test_grad_norm_is_the_global_norm_of_jax_grad():
     assert expected > 0.1
 
 
+def test_grad_norm_after_the_epochs_partial_window_is_that_windows():
+    # 3 batches of 16: accumulation 2 leaves the third pending at the
+    # epoch's end; its flush is the epoch's last update, so the logged
+    # `grad_norm` is the norm of jax.grad of the mean loss over its 16 rows
+    # at the weights after the first window (SGD on the first 32 rows). The
+    # epoch's logs kept the first window's norm before.
+    x, y = data()
+    x, y = x[:48], y[:48]
+    plain = mlp()
+    plain.compile(keras.optimizers.SGD(0.1), "mse")
+    plain.fit(x[:32], y[:32], batch_size=32, shuffle=False, verbose=0)
+    weights = [v.value for v in plain.trainable_variables]
+    non_trainable = [v.value for v in plain.non_trainable_variables]
+
+    def loss(trainable):
+        pred, _ = plain.stateless_call(trainable, non_trainable, x[32:])
+        return jnp.mean((pred - y[32:]) ** 2)
+
+    expected = np.sqrt(sum(np.sum(np.square(np.asarray(g))) for g in jax.grad(loss)(weights)))
+    model = mlp(kf.FastGradModel, accumulation_steps=2, telemetry=True)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert history.history["updates"] == [2.0]
+    np.testing.assert_allclose(history.history["grad_norm"], [expected], rtol=1e-5)
+
+
 @pytest.mark.parametrize("clip_norm, clipped", [(1e-6, 4.0), (1e2, 0.0)])
 def test_counters_by_hand(clip_norm, clipped):
     x, y = data()
