@@ -42,6 +42,7 @@ from keras_fastgrad.backend import jax_batchnorm, jax_reaching, jax_weighting
 from keras_fastgrad.backend.jax_state import multitask_variables
 from keras_fastgrad.maths import multitask as maths
 from keras_fastgrad.maths.finite import all_finite
+from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import task_losses, task_names
 from keras_fastgrad.step.telemetry import CONFLICTS, COSINE_PREFIX, NORM_PREFIX
 
@@ -100,7 +101,7 @@ def losses_program(model, slots, state, x, y, sample_weight, accumulating, check
     Keras' `aux` and the share; `found["mean"]` is set when it is traced;
     `scale` the loss scale's value (`None` without loss scaling)."""
     _, ntv, ov, mv = state
-    rows = keras.tree.flatten(x)[0].shape[0]
+    rows = first_input(x).shape[0]
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
     found = {"mean": True}
 

@@ -54,8 +54,7 @@ References:
 
 import contextlib
 
-import tensorflow as tf
-
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.multitask.representation import Capture, find_features  # noqa: F401
 from keras_fastgrad.step.gradients import to_float32_list
 from keras_fastgrad.step.replicas import num_replicas, replica_sum

@@ -50,9 +50,8 @@ References:
     https://arxiv.org/abs/2001.06782
 """
 
-import tensorflow as tf
-
 from keras_fastgrad import aggregators
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.step import finite
 from keras_fastgrad.step.gradients import to_float32_list

@@ -7,10 +7,10 @@ layer's `call` for the duration of one forward pass (trace time) and cuts
 
 import threading
 
-import tensorflow as tf
 from keras import tree
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 
 _LOCK = threading.Lock()
 _THREAD = threading.local()  # MirroredStrategy traces replicas in threads

@@ -74,6 +74,23 @@ model.save(path)
 loaded = keras.saving.load_model(path)
 loaded_gap = float(np.max(np.abs(loaded.predict(x, verbose=0) - model.predict(x, verbose=0))))
 
+
+
+def two_heads(cls, **options):  # `multitask` (its merger's module) without TensorFlow
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,))
+    trunk = keras.layers.Dense(4, activation="tanh")(inputs)
+    heads = {{"a": keras.layers.Dense(1)(trunk), "b": keras.layers.Dense(1)(trunk)}}
+    model = cls(inputs, heads, **options)
+    model.compile(keras.optimizers.SGD(0.1), {{"a": "mse", "b": "mse"}})
+    model.fit(x, {{"a": y[:, :1], "b": y[:, 1:]}}, batch_size=8, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+merged = two_heads(keras_fastgrad.FastGradModel, multitask="sum")  # Sum == the summed losses
+multitask_gap = max(
+    float(np.max(np.abs(a - b))) for a, b in zip(merged, two_heads(keras.Model))
+)
 refused_by = sorted(set(BLOCK.refused))
 
 # What a TensorFlow-only path says when it is reached without TensorFlow.
@@ -96,6 +113,7 @@ print(json.dumps({{
     "updates": int(model.optimizer.iterations.numpy()),
     "clipped_fraction": history.history["clipped_fraction"],
     "weights_gap": gap,
+    "multitask_gap": multitask_gap,
     "loaded": [type(loaded).__name__, loaded.accumulation_steps, loaded.clip_norm],
     "loaded_gap": loaded_gap,
     "message": message,
@@ -128,6 +146,7 @@ def test_trains_saves_and_loads_without_tensorflow(tmp_path):
     assert result["updates"] == 4  # 2 epochs x 4 batches / 2 per update
     assert result["clipped_fraction"] == [1.0, 1.0]
     assert result["weights_gap"] < 1e-6, result["weights_gap"]
+    assert result["multitask_gap"] < 1e-6, result["multitask_gap"]
     assert result["loaded"] == ["FastGradModel", 2, 0.05]
     assert result["loaded_gap"] == 0.0
     message = result["message"]
