@@ -1,10 +1,16 @@
 """Models, data and the reference runs shared by tests/jax."""
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 
 import keras_fastgrad as kf
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/jax: scripts import jax_helpers from it
+ROOT = os.path.dirname(os.path.dirname(HERE))
 ROWS = 58  # batches of 16: 16, 16, 16, 10 (an uneven last batch)
 
 
@@ -91,3 +97,20 @@ def fastgrad_run(
         verbose=0,
     )
     return model, history
+
+
+def run_on_tensorflow(script, timeout=300):
+    """Runs `script` in a fresh Python under `KERAS_BACKEND=tensorflow` (from
+    the repository's root); fails the test with its stderr if it fails.
+    Returns its stdout."""
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -10,17 +10,12 @@ differ from the big batch's by design); for the weights, Keras' own
 micro-batch forward); a file written by the TensorFlow step.
 """
 
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
+from jax_helpers import HERE, run_on_tensorflow
 
 from keras_fastgrad import FastGradModel
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def conv_bn(cls=keras.Model, **options):
@@ -214,17 +209,7 @@ np.save({path!r} + ".npy", np.stack([bn.moving_mean.numpy(), bn.moving_variance.
 # (full-tier) test of tests/jax would never run.
 def test_a_window_pending_on_tensorflow_resumes_on_jax(tmp_path):
     path = str(tmp_path / "tf.keras")
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run(
-        [sys.executable, "-c", _WRITE_ON_TF.format(tests=tests, path=path)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_on_tensorflow(_WRITE_ON_TF.format(tests=HERE, path=path))
     loaded = keras.saving.load_model(path)
     window = np.asarray(loaded.fastgrad_step_state.batchnorm.window)
     np.testing.assert_allclose(window[0], 8.0)  # TF's pending pool, loaded

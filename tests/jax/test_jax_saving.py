@@ -1,17 +1,11 @@
 """Files written on JAX load with equal weights and step state; a file
 written on TensorFlow (with a window pending) loads on JAX."""
 
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
-from jax_helpers import data, max_diff, mlp
+from jax_helpers import HERE, data, max_diff, mlp, run_on_tensorflow
 
 import keras_fastgrad as kf
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _trained_with_pending_window():
@@ -62,17 +56,7 @@ np.save({path!r} + ".after.npy", np.concatenate([w.ravel() for w in model.get_we
 
 def test_a_file_saved_on_tensorflow_loads_and_resumes(tmp_path):
     path = str(tmp_path / "tf.keras")
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run(
-        [sys.executable, "-c", _WRITE_ON_TF.format(tests=tests, path=path)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_on_tensorflow(_WRITE_ON_TF.format(tests=HERE, path=path))
     loaded = keras.saving.load_model(path)
     weights = np.concatenate([w.ravel() for w in loaded.get_weights()])
     np.testing.assert_array_equal(weights, np.load(path + ".npy"))

@@ -4,9 +4,6 @@
 (the same script, in a TensorFlow process)."""
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import jax
@@ -14,7 +11,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
-from jax_helpers import ROWS, data, mlp
+from jax_helpers import HERE, ROWS, data, mlp, run_on_tensorflow
 
 import keras_fastgrad as kf
 
@@ -138,16 +135,11 @@ _NONFINITE = [4.0, 7.0, 4.0, 4.0]
 
 
 def test_same_keys_and_values_as_the_tensorflow_step(tmp_path):
-    helpers = os.path.dirname(os.path.abspath(__file__))
+    helpers = HERE
     weights = str(tmp_path / "weights.npz")
     np.savez(weights, *mlp().get_weights())
     script = _TF_SCRIPT.format(helpers=helpers, configs=_CONFIGS, weights=weights)
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow"}
-    run = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    tf_runs = json.loads(run.stdout.split("RESULT", 1)[1])
+    tf_runs = json.loads(run_on_tensorflow(script, timeout=240).split("RESULT", 1)[1])
     x, y = data()
     histories = []
     for options, tf_history, count in zip(_CONFIGS, tf_runs, _NONFINITE, strict=True):
