@@ -219,7 +219,27 @@ def test_permutation_equivariance(name):
             else:
                 w = np.asarray(fn(G.astype(dtype)))
                 wp = np.asarray(fn(permuted.astype(dtype)))
-            assert _merged_error(wp, w[perm], permuted) <= _tol(name, dtype, kind), (kind, dtype)
+            tol = _tol(name, dtype, kind)
+            if dtype == "float32" and name in CUTOFF_METHODS and kind in SINGULAR:
+                tol = max(tol, 3 * _float32_sensitivity(fn, G))
+            assert _merged_error(wp, w[perm], permuted) <= tol, (kind, dtype)
+
+
+def _float32_sensitivity(fn, G, draws=8):
+    """How far the EXACT (float64) answer moves when `G` moves by float32
+    rounding (symmetric noise of `eps32 * max|G|`): the median merged error.
+    No float32 computation can be closer than this to the exact answer, nor
+    two of them to each other. (Aligned-MTL on the `duplicate` Gram: its
+    eigenvalues 9e-7 and 3e-6 of the top one are within float32's reach of
+    zero; the exact answer moves by 7e-3 median, 2e-2 at most, measured.)"""
+    rng = np.random.default_rng(0)
+    exact = np.asarray(fn(G.astype("float64")))
+    errors = []
+    for _ in range(draws):
+        noise = rng.normal(size=G.shape) * np.finfo(np.float32).eps * np.abs(G).max()
+        moved = np.asarray(fn((G + (noise + noise.T) / 2).astype("float64")))
+        errors.append(_merged_error(moved, exact, G))
+    return float(np.median(errors))
 
 
 def _single_task_factor(agg):
