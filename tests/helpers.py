@@ -66,6 +66,50 @@ def as_numpy(g):
     return g.numpy()
 
 
+def reference_gradients(model, loss_fn, variables=None):
+    """The value of `loss_fn()` and its gradients, on any Keras backend.
+
+    A reference independent of keras_fastgrad: `loss_fn` is a
+    zero-argument closure that calls `model` (and, e.g., a Keras loss or
+    `model.compute_loss`) and returns a scalar. TensorFlow: a
+    `tf.GradientTape` over the variables' values. JAX: `jax.value_and_grad`
+    over the values, mapped onto the variables by a `keras.StatelessScope`
+    that collects the layers' `add_loss` terms (activity regularisers), so
+    that `model.losses` holds them as on TensorFlow.
+
+    Args:
+        model: A built Keras model.
+        loss_fn: Callable `() -> scalar tensor`.
+        variables: The variables to differentiate for (defaults to
+            `model.trainable_variables`).
+
+    Returns:
+        `(value, grads)`: the loss as a Python float and one
+        numpy array per variable (dense; a sparse gradient densified, a
+        variable the loss does not reach gets zeros).
+    """
+    variables = list(model.trainable_variables if variables is None else variables)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def of_values(values):
+            mapping = list(zip(variables, values))
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+                return loss_fn()
+
+        value, grads = jax.value_and_grad(of_values)([v.value for v in variables])
+        grads = [np.asarray(g) for g in grads]
+    else:
+        with tf.GradientTape() as tape:
+            value = loss_fn()
+        grads = tape.gradient(value, [v.value for v in variables])
+        grads = [
+            np.zeros(v.shape, v.dtype) if g is None else as_numpy(g)
+            for v, g in zip(variables, grads)
+        ]
+    return float(value), grads
+
+
 def np_agc(g, w, lam, eps=1e-3, unit_axis=-1):
     """Paper, eq. 3: G_i <- lam * max(||W_i||, eps) / ||G_i|| * G_i if that
     ratio is < 1, per unit i (`unit_axis`: the axis indexing the units;
