@@ -1,8 +1,9 @@
 """`FastGradModel(clip_adaptive=...)`: adaptive gradient clipping in the step.
 
 Reference for every update: the gradient of a plain `keras.Model` with the
-same initial weights on the whole (big) batch, taken with a
-`tf.GradientTape`, clipped by `np_agc` (tests/helpers.py: a numpy transcription of the
+same initial weights on the whole (big) batch, taken with
+`helpers.reference_gradients` (a `tf.GradientTape`, or `jax.value_and_grad`),
+clipped by `np_agc` (tests/helpers.py: a numpy transcription of the
 NFNets paper's equation, unit by unit with a loop),
 then one SGD step `w - lr * g` in numpy. Lambda is the median ratio
 `||G_i|| / ||W_i||` of the reference gradient, so some units are clipped
@@ -14,8 +15,7 @@ clipped something).
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from helpers import as_numpy, between_middle, data, mlp, np_agc
+from helpers import between_middle, data, mlp, np_agc, reference_gradients
 
 import keras_fastgrad
 
@@ -40,11 +40,11 @@ def weights_and_units(model):
 
 def keras_gradient(model, x, y, loss):
     """The plain model's gradient of its loss on the whole batch."""
-    with tf.GradientTape() as tape:
-        value = keras.losses.get(loss)(y, model(x, training=True))
-        value = tf.reduce_mean(value)
-    grads = tape.gradient(value, [v.value for v in model.trainable_variables])
-    return [as_numpy(g) for g in grads]
+
+    def value():
+        return keras.ops.mean(keras.losses.get(loss)(y, model(x, training=True)))
+
+    return reference_gradients(model, value)[1]
 
 
 def median_lambda(model, grads):
@@ -354,7 +354,7 @@ def test_unit_norm_beyond_float32_drops_the_update_loudly(accumulation_steps):
     # factor `max_norm / inf` would zero the unit silently. The update is
     # dropped and counted; without AGC it is applied (finite).
     def huge(y_true, y_pred):
-        return 1e22 * tf.reduce_mean(y_pred, axis=-1)
+        return 1e22 * keras.ops.mean(y_pred, axis=-1)
 
     x, y = data(n=8, outputs=2)
     for options, applied in (({}, True), ({"clip_adaptive": 0.01}, False)):
