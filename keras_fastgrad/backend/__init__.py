@@ -29,8 +29,9 @@ batch (`keras_fastgrad.backend.jax_noise_scale`);
 `keras.distribution.DataParallel` (the step's arrays are global: its sums,
 counts and norms are the whole batch's; other distributions refused);
 `multitask` in parameter and features space, with accumulation, and its
-telemetry keys (`keras_fastgrad.backend.jax_multitask`, `jax_features`;
-`micro_batches` with `multitask` refused).
+telemetry keys (`keras_fastgrad.backend.jax_multitask`, `jax_features`),
+with `micro_batches` in parameter space (`jax_micro_batches`: the task
+gradients summed over the slices, merged once).
 """
 
 import keras
@@ -46,8 +47,8 @@ JAX_SUPPORTS = (
     "a plain model's fit), RetraceWatch, profile_step, "
     "the gradient noise scale (gns_* keys, GradientNoiseScale) with accumulation_steps, "
     "keras.distribution.DataParallel, "
-    "multitask (parameter and features space, with accumulation_steps) and its task_* "
-    "telemetry keys"
+    "multitask (parameter and features space, with accumulation_steps; with micro_batches "
+    "in parameter space) and its task_* telemetry keys"
 )
 
 # The options whose non-default values the JAX step does not implement yet.
@@ -97,15 +98,6 @@ def check_options(options, defaults):
     for name in _JAX_REFUSED_OPTIONS:
         if options[name] != defaults[name]:
             raise not_on_jax(f"`{name}`", f"{name}={options[name]!r}")
-    if options["multitask"] is None:
-        return
-    if options["micro_batches"] > 1:
-        raise not_on_jax(
-            "`micro_batches` with `multitask`",
-            f"micro_batches={options['micro_batches']!r}, multitask={options['multitask']!r}",
-            "use `accumulation_steps` with smaller batches (supported with "
-            "`multitask` on JAX), or ",
-        )
 
 
 def check_model(model):

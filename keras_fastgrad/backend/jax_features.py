@@ -6,7 +6,8 @@ The shared layer (`multitask_features`, or the deepest tensor every output
 depends on: `representation.find_features`) is captured during the forward
 pass, and its output `Z` handed on as `stop_gradient(Z) + delta`, `delta`
 an input of zeros: one forward pass (`jax.vjp` of `(trainable, delta) ->
-(losses, Z)`) then
+(losses, Z)`, traced once: a task whose loss does not read `Z` is refused
+from the trace, as TensorFlow refuses it from the tape's `None`) then
 
 1. one pullback per task (heads only): `dL_t / delta = dL_t / dZ` and the
    gradient of the paths that skip `Z` (the heads', a tied variable's
@@ -22,9 +23,11 @@ layer's capture is `keras_fastgrad.multitask.representation`'s).
 """
 
 import jax
+from jax.extend import core as jax_core
 from keras import ops, tree
 
 from keras_fastgrad.backend import jax_multitask as parameter_space
+from keras_fastgrad.backend import jax_reaching
 from keras_fastgrad.maths.finite import all_finite
 from keras_fastgrad.multitask import representation
 from keras_fastgrad.step.task_losses import task_names
@@ -46,8 +49,17 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
     )
     shapes = jax.eval_shape(lambda t: program(t, None)[0][1], list(tv))
     zeros = tuple(ops.zeros(s.shape, s.dtype) for s in shapes)
-    (losses, features), pullback, (aux, d) = jax.vjp(program, list(tv), zeros, has_aux=True)
-    num_tasks = len(task_names(model))
+    closed, out_shapes = jax.make_jaxpr(program, return_shape=True)(list(tv), zeros)
+    names = task_names(model)
+    num_tasks = len(names)
+    _check_every_task_reads_z(closed, names, len(tv), len(zeros), cut.layer.name)
+    run = jax_core.jaxpr_as_fun(closed)
+    structure = jax.tree_util.tree_structure(out_shapes)
+
+    def traced(trainable, deltas):
+        return jax.tree_util.tree_unflatten(structure, run(*trainable, *deltas))
+
+    (losses, features), pullback, (aux, d) = jax.vjp(traced, list(tv), zeros, has_aux=True)
     no_features = tuple(ops.zeros_like(z) for z in features)
     direct, dz = None, []
     for i in range(len(losses)):  # heads only: one pullback per task
@@ -77,6 +89,23 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
     grads = parameter_space.unscaled(grads, d, scale)
     updates = commit(grads, all_finite(list(losses)))
     return grads, d, found["mean"], parameter_space.with_updates(model, aux, updates, gram)
+
+
+def _check_every_task_reads_z(closed, names, num_trainable, num_features, layer):
+    """Refuses (trace time) a shared layer some task's loss does not read,
+    as the TensorFlow step (`feature_space._head_gradients`: the tape's
+    `None`) does: read from the traced program (`jax_reaching`), whose
+    inputs are the trainable values then the `Z` offsets, its first
+    outputs the task losses."""
+    reached = jax_reaching.reaching_inputs(closed, len(names))
+    for name, inputs in zip(names, reached):
+        if any(num_trainable + k not in inputs for k in range(num_features)):
+            raise ValueError(
+                "`multitask_features` must name a layer on every task's path. "
+                f"Received: multitask_features={layer!r}; task "
+                f"{name!r} does not read its output. Fix: name a layer all "
+                "outputs depend on (the trunk's last layer)."
+            )
 
 
 def _unscale(d, scale):

@@ -30,11 +30,14 @@ under a mean reduction; otherwise refused by name, as under accumulation.
 
 import jax
 import keras
+from jax.extend import core as jax_core
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend import jax_batchnorm, jax_weighting
+from keras_fastgrad.backend import jax_batchnorm, jax_multitask, jax_weighting
+from keras_fastgrad.maths import multitask as maths
 from keras_fastgrad.step.splitting import first_input, slice_sizes
+from keras_fastgrad.step.task_losses import task_names
 
 
 def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, check_extra_terms):
@@ -56,13 +59,9 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
         `(unscaled_loss, y_pred, non_trainable, metrics)` of the batch.
     """
     tv, ntv, ov, mv = state
-    n = first_input(x).shape[0]
-    sizes = slice_sizes(n, model.micro_batches)
     facts = {}
 
-    def one_slice(carry, piece):
-        sums, loss_sum, d_sum, layer_state, metric_state = carry
-        px, py, psw = piece
+    def one_slice(layer_state, metric_state, px, py, psw):
         rows = keras.tree.flatten(px)[0].shape[0]
 
         def loss_fn(trainable):
@@ -87,15 +86,118 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
             return loss, (aux, d)
 
         (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+        grads = [ops.cast(g, "float32") for g in grads]
+        if slots.scaler is not None:  # the scaled loss times `D_i` could overflow
+            grads = [g * d for g in grads]
+        return [grads], d, aux
+
+    (sums,), loss_sum, d_sum, aux = scan_slices(model, state, (x, y, sample_weight), one_slice, 1)
+    grads = sums
+    if slots.scaler is not None:
+        inverse = 1.0 / ops.cast(ov[slots.ov["scale"]], "float32")
+        grads = [g * inverse for g in grads]
+    return _per_batch(grads, loss_sum, d_sum, facts["mean"], accumulating, aux)
+
+
+def sliced_task_gradients(
+    model, slots, state, x, y, sample_weight, accumulating, check_extra_terms
+):
+    """With `multitask` (parameter space): each task's gradient summed over
+    the slices on its own (the whole batch's task gradients, times
+    `sum_i D_i`), merged ONCE after the slices, as TensorFlow's
+    `step.slicing` merges them: the same update as the un-split step.
+
+    Args and returns as `sliced_gradients`; `aux` has a fifth entry, the
+    task telemetry logs (`jax_multitask.gradients`').
+    """
+    tv, ntv, _, _ = state
+    num_tasks = len(task_names(model))
+    facts = {"reaching": []}
+
+    def one_slice(layer_state, metric_state, px, py, psw):
+        program, found, scale = jax_multitask.losses_program(
+            model,
+            slots,
+            (tv, layer_state, state[2], metric_state),
+            px,
+            py,
+            psw,
+            True,
+            check_extra_terms,
+        )
+        closed, shapes = jax.make_jaxpr(program, return_shape=True)(list(tv))
+        facts["reaching"].append(jax_multitask.reaching_tasks(closed, num_tasks, len(tv)))
+        run = jax_core.jaxpr_as_fun(closed)
+        structure = jax.tree_util.tree_structure(shapes)
+
+        def traced(*trainable):
+            return jax.tree_util.tree_unflatten(structure, run(*trainable))
+
+        losses, pullback, (aux, d) = jax.vjp(traced, *tv, has_aux=True)
+        facts["mean"], facts["regularized"] = found["mean"], len(losses) > num_tasks
+        rows = [  # one backward pass per task (and the regularisation): times `D_i`
+            jax_multitask.unscaled(pullback(jax_multitask.one_hot(losses, i)), d, scale)
+            for i in range(len(losses))
+        ]
+        if len(rows) == num_tasks:  # (no regularisation: its row stays zero)
+            rows.append([ops.zeros(t.shape, "float32") for t in tv])
+        return rows, d, aux
+
+    sums, loss_sum, d_sum, aux = scan_slices(
+        model, state, (x, y, sample_weight), one_slice, num_tasks + 1
+    )
+    mean = facts["mean"]
+    per_task, regularization = sums[:num_tasks], sums[num_tasks]
+    reaching = [  # (every slice's trace reaches the same; united, never fewer)
+        tuple(sorted(set().union(*ts))) for ts in zip(*facts["reaching"])
+    ]
+    own, groups = maths.split_by_reaching_tasks(reaching)
+    gram, stacked = maths.gram(per_task, groups, num_tasks)
+    if mean:  # the batch's true gradients' (the sums carry `sum_i D_i`)
+        gram = gram / ops.square(d_sum)
+    weights, commit = jax_multitask.weigh(model, gram, ntv)
+    by_index = maths.merge(per_task, own, groups, stacked, weights)
+    merged = [by_index.get(k, ops.zeros_like(g)) for k, g in enumerate(per_task[0])]
+    if facts["regularized"]:
+        merged = [m + r for m, r in zip(merged, regularization)]
+    updates = commit(merged, ops.isfinite(loss_sum))
+    grads, d, mean, aux = _per_batch(merged, loss_sum, d_sum, mean, accumulating, aux)
+    return grads, d, mean, jax_multitask.with_updates(model, aux, updates, gram)
+
+
+def scan_slices(model, state, batch, one_slice, num_rows):
+    """Runs `one_slice` on each slice of `batch`, in order, the layers'
+    and metrics' state carried from slice to slice.
+
+    Args:
+        model: The `FastGradModel`.
+        state: `(trainable, non_trainable, optimizer, metrics)` values.
+        batch: `(x, y, sample_weight)`.
+        one_slice: `(layer_state, metric_state, x, y, sample_weight) ->
+            (rows, D_i, (unscaled_loss, y_pred, layer_state, metric_state))`,
+            `rows` `num_rows` lists of float32 gradients (times `D_i`).
+        num_rows: int, how many gradient lists `one_slice` returns.
+
+    Returns:
+        `(sums, loss_sum, d_sum, (None, y_pred, non_trainable, metrics))`:
+        each row's gradients summed over the slices, the slices' losses
+        times their `D_i` summed, the `D_i` summed, and the whole batch's
+        predictions and the state after the last slice.
+    """
+    tv, ntv, _, mv = state
+    x = batch[0]
+    sizes = slice_sizes(first_input(x).shape[0], model.micro_batches)
+    facts = {}
+
+    def body(carry, piece):
+        sums, loss_sum, d_sum, layer_state, metric_state = carry
+        rows, d, aux = one_slice(layer_state, metric_state, *piece)
         unscaled, y_pred, new_layer_state, new_metric_state = aux
         flat = keras.tree.flatten(y_pred)
         facts["structure"] = y_pred
         masks = [compat.get_keras_mask(p) for p in flat]
-        grads = [ops.cast(g, "float32") for g in grads]
-        if slots.scaler is not None:  # the scaled loss times `D_i` could overflow
-            grads = [g * d for g in grads]
         carry = (
-            [s + g for s, g in zip(sums, grads)],
+            [[s + g for s, g in zip(total, row)] for total, row in zip(sums, rows)],
             loss_sum + ops.cast(unscaled, "float32") * d,
             d_sum + d,
             _like(new_layer_state, layer_state),
@@ -104,7 +206,7 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
         return carry, (flat, masks)
 
     carry = (
-        [ops.zeros(t.shape, "float32") for t in tv],
+        [[ops.zeros(t.shape, "float32") for t in tv] for _ in range(num_rows)],
         ops.zeros((), "float32"),
         ops.zeros((), "float32"),
         list(ntv),
@@ -118,25 +220,25 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
                 t[s : s + c * z], (c, z, *t.shape[1:])
             )
         )
-        pieces = tuple(
-            None if s is None else keras.tree.map_structure(take, s) for s in (x, y, sample_weight)
-        )
-        carry, out = jax.lax.scan(one_slice, carry, pieces)
+        pieces = tuple(None if s is None else keras.tree.map_structure(take, s) for s in batch)
+        carry, out = jax.lax.scan(body, carry, pieces)
         outputs.append(out)
         start += count * size
     sums, loss_sum, d_sum, new_ntv, new_mv = carry
-    mean = facts["mean"]
-    unscaled_loss = ops.divide_no_nan(loss_sum, d_sum) if mean else loss_sum
     y_pred = _whole_batch(outputs, facts["structure"])
-    grads = sums
-    if slots.scaler is not None:
-        inverse = 1.0 / ops.cast(ov[slots.ov["scale"]], "float32")
-        grads = [g * inverse for g in grads]
+    return sums, loss_sum, d_sum, (None, y_pred, new_ntv, new_mv)
+
+
+def _per_batch(grads, loss_sum, d_sum, mean, accumulating, aux):
+    """`(grads, D, mean, aux)` from the slices' sums: the batch's loss and,
+    not accumulating under a mean reduction, its gradient (the sums
+    divided by `sum_i D_i`)."""
+    unscaled_loss = ops.divide_no_nan(loss_sum, d_sum) if mean else loss_sum
     if not accumulating and mean:
         inverse = ops.divide_no_nan(1.0, d_sum)
         grads = [g * inverse for g in grads]
     d = d_sum if mean else ops.convert_to_tensor(1.0)
-    return grads, d, mean, (unscaled_loss, y_pred, new_ntv, new_mv)
+    return grads, d, mean, (unscaled_loss, *aux[1:])
 
 
 def _groups(sizes):

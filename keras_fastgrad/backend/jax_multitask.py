@@ -69,7 +69,7 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
     )
     closed, shapes = jax.make_jaxpr(program, return_shape=True)(list(tv))
     num_tasks = len(task_names(model))
-    reaching = _reaching_tasks(closed, num_tasks, len(tv))
+    reaching = reaching_tasks(closed, num_tasks, len(tv))
     run = jax_core.jaxpr_as_fun(closed)
     structure = jax.tree_util.tree_structure(shapes)
 
@@ -181,7 +181,7 @@ def _compute(model):
     return compute
 
 
-def _reaching_tasks(closed, num_tasks, num_trainable):
+def reaching_tasks(closed, num_tasks, num_trainable):
     """Per trainable variable, the tuple of tasks whose loss reaches it
     (read from the traced program; its first inputs are the trainable
     values, its first outputs the task losses)."""

@@ -104,12 +104,14 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     when accumulating), the share, whether the window divides by its sum,
     and Keras' `aux` (`unscaled_loss, y_pred, non_trainable, metrics`)."""
     if model.fastgrad_step_state.merger is not None:  # the task gradients, merged
-        merge = jax_multitask
-        if model.multitask_space == "features":
-            from keras_fastgrad.backend import jax_features as merge
-        return merge.gradients(
-            model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms
-        )
+        merged = jax_multitask.gradients
+        if model.micro_batches > 1:  # summed over the slices, merged once
+            merged = jax_micro_batches.sliced_task_gradients
+        elif model.multitask_space == "features":
+            from keras_fastgrad.backend import jax_features
+
+            merged = jax_features.gradients
+        return merged(model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms)
     if model.micro_batches > 1:
         return jax_micro_batches.sliced_gradients(
             model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms

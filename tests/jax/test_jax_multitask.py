@@ -24,8 +24,9 @@ LOSSES = {"a": "mse", "b": "mse"}
 LOSS_WEIGHTS = {"a": 1.0, "b": 0.5}
 
 
-def two_heads(cls=keras.Model, trunk="dense", **options):
-    """A trunk and two heads; head `b` has two layers (its own variables)."""
+def two_heads(cls=keras.Model, trunk="dense", regularizer=None, **options):
+    """A trunk and two heads; head `b` has two layers (its own variables);
+    `regularizer`: an L2 factor on the dense trunk's kernel."""
     keras.utils.set_random_seed(0)
     if trunk == "conv":
         inputs = keras.Input((5, 5, 2))
@@ -37,7 +38,8 @@ def two_heads(cls=keras.Model, trunk="dense", **options):
         h = keras.layers.GlobalAveragePooling1D()(h)
     else:
         inputs = keras.Input((4,))
-        h = keras.layers.Dense(6, activation="tanh", name="trunk")(inputs)
+        l2 = None if regularizer is None else keras.regularizers.L2(regularizer)
+        h = keras.layers.Dense(6, activation="tanh", name="trunk", kernel_regularizer=l2)(inputs)
     a = keras.layers.Dense(2, name="a")(h)
     b = keras.layers.Dense(1, name="b")(
         keras.layers.Dense(3, activation="tanh", name="b_hidden")(h)
@@ -161,19 +163,53 @@ def compiled(model, lr=1.0):
         ("embedding", {}),
         ("dense", {"accumulation_steps": 2}),
         ("conv", {"multitask_space": "features", "accumulation_steps": 2}),
+        ("dense", {"micro_batches": 3}),
+        ("conv", {"micro_batches": 3, "accumulation_steps": 2}),
     ],
-    ids=["embedding", "accumulation", "features_space"],
+    ids=["embedding", "accumulation", "features_space", "micro_batches", "micro_accumulation"],
 )
 def test_sum_is_keras_model_on_the_summed_losses(trunk, options):
+    # (micro_batches=3: batches of 8 rows in slices of 3, 3 and 2.)
     x, y = data(trunk)
     model = compiled(two_heads(kf.FastGradModel, trunk, multitask="sum", **options), lr=0.1)
-    big = 2 * (len(x) // 4) if options else len(x) // 4  # acc 2 of 8 rows = batches of 16
+    steps = options.get("accumulation_steps", 1)
+    big = steps * (len(x) // 4)  # acc 2 of 8 rows = batches of 16
     model.fit(x, y, batch_size=len(x) // 4, epochs=2, shuffle=False, verbose=0)
     plain = compiled(two_heads(keras.Model, trunk), lr=0.1)
     plain.fit(x, y, batch_size=big, epochs=2, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, atol=2e-6)
-    assert model.telemetry_counters()["updates"] == (4.0 if options else 8.0)
+    assert model.telemetry_counters()["updates"] == 8.0 / steps
+
+
+def test_micro_batches_merge_the_batchs_task_gradients_once():
+    # The slices' task gradients summed are the batch's: MGDA's min-norm
+    # point is the un-split step's, the trunk's L2 gradient added after the
+    # merge. Merging each slice would not be (the last assertion tells them
+    # apart). (PCGrad: tests/multitask/test_multitask_models.py, on a GRU.)
+    x, y = data(rows=14)
+    w = np.linspace(0.5, 2.0, 14).astype("float32")
+    runs = {}
+    for name, options, batch in (
+        ("whole", {}, 7),
+        ("sliced", {"micro_batches": 3}, 7),  # slices of 3, 2 and 2 rows
+        ("per_slice", {}, 3),
+    ):
+        model = two_heads(
+            kf.FastGradModel, multitask="mgda", telemetry=True, regularizer=0.05, **options
+        )
+        history = compiled(model, lr=0.1).fit(
+            x, y, sample_weight=w, batch_size=batch, epochs=2, shuffle=False, verbose=0
+        )
+        runs[name] = (model.get_weights(), history.history)
+    (whole, h_whole), (sliced, h_sliced) = runs["whole"], runs["sliced"]
+    assert h_whole["task_conflicts"][0] == 1.0  # a conflict to resolve
+    for got, want in zip(sliced, whole, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for key in ("loss", "task_grad_norm/a", "task_grad_norm/b", "task_cosine/a/b"):
+        np.testing.assert_allclose(h_sliced[key], h_whole[key], rtol=1e-5, err_msg=key)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(runs["per_slice"][0], whole))
+    assert diff > 1e-4
 
 
 def test_sum_under_loss_scaling_is_keras_model():
@@ -319,7 +355,12 @@ for options in {configs!r}:
                 "weights": [w.tolist() for w in model.get_weights()]}})
 print("RESULT" + json.dumps(out))
 """
-_CONFIGS = [{}, {"accumulation_steps": 3}, {"multitask_space": "features"}]
+_CONFIGS = [
+    {},
+    {"accumulation_steps": 3},
+    {"multitask_space": "features"},
+    {"micro_batches": 3},
+]
 
 
 def test_same_weights_and_logs_as_the_tensorflow_step(tmp_path):

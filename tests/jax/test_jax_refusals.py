@@ -10,18 +10,8 @@ import keras_fastgrad as kf
 NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
 
 
-@pytest.mark.parametrize(
-    "option, name",
-    [({"multitask": "sum", "micro_batches": 2}, "`micro_batches` with `multitask`")],
-    ids=["micro_batches"],
-)
-def test_options_refused_at_construction(option, name):
-    with pytest.raises(NotImplementedError, match=f"{name}.*{NOT_YET}"):
-        mlp(kf.FastGradModel, **option)
-    with pytest.raises(NotImplementedError, match=name):
-        kf.fastgrad(mlp(), **option)
-    with pytest.raises(NotImplementedError, match=name):
-        kf.FastGradSequential([keras.Input((3,)), keras.layers.Dense(1)], **option)
+# (No option is refused at construction any more: `micro_batches` with
+# `multitask` trains on JAX, tests/jax/test_jax_multitask.py.)
 
 
 def test_batchnorm_window_statistics_train_no_longer_refused():
