@@ -1,14 +1,15 @@
 """FastGradModel(multitask_space="features") against references by hand.
 
-The references run a forward pass written out with TensorFlow ops on copies
-of the weights (`z = tanh(x K + b)`, `pred_t = z K_t + b_t`, the task loss
-`w_t * mean((pred_t - y_t)^2)`), take `dZ_t` and each task's parameter
-gradients with their own `tf.GradientTape`, form the Gram matrix of the
-flattened `dZ_t` in numpy and get the task weights from numpy versions of
-the papers' rules (PCGrad: Algorithm 1 on the vectors, the weights recovered
-by least squares; MGDA: the exact min-norm point by enumerating the active
-sets). The expected update is `sum_t w_t dL_t/dtheta` on the trunk and the
-plain `sum_t dL_t/dphi` on the heads; the model trains with SGD.
+The references are the forward pass and its gradients written out in numpy
+(float64) on copies of the weights (`z = tanh(x K + b)`, `pred_t = z K_t +
+b_t`, the task loss `w_t * mean((pred_t - y_t)^2)`, differentiated by hand:
+`dZ_t` and each task's parameter gradients), the Gram matrix of the
+flattened `dZ_t`, and the task weights from numpy versions of the papers'
+rules (PCGrad: Algorithm 1 on the vectors, the weights recovered by least
+squares; MGDA: the exact min-norm point by enumerating the active sets).
+The expected update is `sum_t w_t dL_t/dtheta` on the trunk and the plain
+`sum_t dL_t/dphi` on the heads; the model trains with SGD. Runs on both
+backends.
 """
 
 import itertools
@@ -17,7 +18,6 @@ import keras
 import multitask_helpers
 import numpy as np
 import pytest
-import tensorflow as tf
 from aggregator_references import mgda_np, pcgrad_np
 from multitask_helpers import LR, compiled
 
@@ -48,25 +48,49 @@ def weights_of(model):
     }
 
 
+def conflicting(model):
+    """`model` with weights of a fixed numpy draw (the same on every
+    backend, whose initialisers draw differently) under which the two tasks
+    conflict over `Z` (and over the trunk) on `make_data()`."""
+    rng = np.random.default_rng(0)
+    paths = ["trunk/kernel", "trunk/bias", "a/kernel", "a/bias", "b/kernel", "b/bias"]
+    values = {}
+    for p in paths:
+        layer, name = p.split("/")
+        shape = getattr(model.get_layer(layer), name).shape
+        values[p] = rng.normal(scale=0.5, size=shape).astype("float32")
+    for layer in ("trunk", "a", "b"):
+        model.get_layer(layer).set_weights([values[f"{layer}/kernel"], values[f"{layer}/bias"]])
+    return model
+
+
 # -------------------------------------------------------------- reference
 def by_hand(model, x, y, loss_weights=None):
-    """(dZ [T, B*4], {task: {path: gradient}}) from a hand-written forward."""
-    w = {v.path: tf.constant(v.numpy()) for v in model.trainable_variables}
+    """(dZ [T, B*4], {task: {path: gradient}}) from the forward pass and its
+    gradients written out in numpy (float64)."""
+    w = {
+        "/".join(v.path.split("/")[-2:]): v.numpy().astype("float64")
+        for v in model.trainable_variables
+    }
+    x = x.astype("float64")
+    z = np.tanh(x @ w["trunk/kernel"] + w["trunk/bias"])
     dz, grads = [], {}
     for t in y:
-        with tf.GradientTape(persistent=True) as tape:
-            tape.watch(list(w.values()))
-            z = tf.tanh(x @ w["trunk/kernel"] + w["trunk/bias"])
-            tape.watch(z)
-            pred = z @ w[f"{t}/kernel"] + w[f"{t}/bias"]
-            scale = 1.0 if loss_weights is None else loss_weights[t]
-            loss = scale * tf.reduce_mean(tf.square(pred - y[t]))
-        dz.append(tape.gradient(loss, z).numpy().astype("float64").ravel())
-        g = tape.gradient(loss, w)
-        grads[t] = {
-            p: (np.zeros(w[p].shape) if gi is None else gi.numpy().astype("float64"))
-            for p, gi in g.items()
-        }
+        scale = 1.0 if loss_weights is None else loss_weights[t]
+        residual = z @ w[f"{t}/kernel"] + w[f"{t}/bias"] - y[t]
+        d_pred = 2.0 * scale * residual / residual.size  # d mean((pred - y)^2)
+        d_z = d_pred @ w[f"{t}/kernel"].T
+        d_pre = d_z * (1.0 - z**2)  # tanh'
+        grads[t] = {p: np.zeros_like(v) for p, v in w.items()}
+        grads[t].update(
+            {
+                "trunk/kernel": x.T @ d_pre,
+                "trunk/bias": d_pre.sum(axis=0),
+                f"{t}/kernel": z.T @ d_pred,
+                f"{t}/bias": d_pred.sum(axis=0),
+            }
+        )
+        dz.append(d_z.ravel())
     return np.stack(dz), grads
 
 
@@ -98,7 +122,9 @@ def assert_step(before, after, gradient, rtol=1e-5, atol=1e-6):
 @pytest.mark.parametrize("method", ["pcgrad", "mgda"])
 def test_two_tasks_update_is_weighted_sum_with_weights_from_z_gram(method, jit_compile):
     loss_weights = {"a": 1.0, "b": 0.4}
-    model = compiled(build(multitask=method, telemetry=True), loss_weights, jit_compile=jit_compile)
+    model = compiled(
+        conflicting(build(multitask=method, telemetry=True)), loss_weights, jit_compile=jit_compile
+    )
     x, y = make_data()
     dz, grads = by_hand(model, x, y, loss_weights)
     gram = dz @ dz.T
@@ -172,7 +198,7 @@ def test_regularization_gradient_is_added():
 def test_a_variable_both_upstream_of_z_and_read_by_a_head():
     # `tied` runs twice: under the trunk (upstream of Z) and directly in
     # head b's path. Its update is the merged part through Z plus its plain
-    # direct part; the reference splits them with two copies of the kernel.
+    # direct part; the reference (numpy, by hand) follows each path.
     keras.utils.set_random_seed(3)
     inputs = keras.Input((3,))
     tied = keras.layers.Dense(3, use_bias=False, name="tied")
@@ -184,22 +210,28 @@ def test_a_variable_both_upstream_of_z_and_read_by_a_head():
     )
     assert find_features(model) == ("trunk", 0)
     x, y = make_data()
-    w = {v.path: tf.constant(v.numpy()) for v in model.trainable_variables}
-    direct = tf.constant(w["tied/kernel"].numpy())  # the head's copy
+    w = {v.path: v.numpy().astype("float64") for v in model.trainable_variables}
+    x64 = x.astype("float64")
+    h = x64 @ w["tied/kernel"]
+    z = np.tanh(h @ w["trunk/kernel"] + w["trunk/bias"])
     dz, grads = [], {}
-    for t in "ab":
-        with tf.GradientTape(persistent=True) as tape:
-            tape.watch(list(w.values()) + [direct])
-            z = tf.tanh(x @ w["tied/kernel"] @ w["trunk/kernel"] + w["trunk/bias"])
-            tape.watch(z)
-            feed = z if t == "a" else tf.concat([z, x @ direct], 1)
-            loss = tf.reduce_mean(tf.square(feed @ w[f"{t}/kernel"] + w[f"{t}/bias"] - y[t]))
-        dz.append(tape.gradient(loss, z).numpy().astype("float64").ravel())
+    for t in "ab":  # by hand: d mean((pred - y)^2), back through each path
+        feed = z if t == "a" else np.concatenate([z, h], axis=1)
+        residual = feed @ w[f"{t}/kernel"] + w[f"{t}/bias"] - y[t]
+        d_pred = 2.0 * residual / residual.size
+        d_feed = d_pred @ w[f"{t}/kernel"].T
+        d_z = d_feed[:, :4]
+        d_pre = d_z * (1.0 - z**2)  # tanh'
+        dz.append(d_z.ravel())
         grads[t] = {
-            p: (0.0 if g is None else g.numpy().astype("float64"))
-            for p, g in tape.gradient(loss, w).items()
+            "trunk/kernel": h.T @ d_pre,
+            "trunk/bias": d_pre.sum(axis=0),
+            "tied/kernel": x64.T @ (d_pre @ w["trunk/kernel"].T),  # through Z
+            f"{t}/kernel": feed.T @ d_pred,
+            f"{t}/bias": d_pred.sum(axis=0),
         }
-        grads[t]["tied_direct"] = tape.gradient(loss, direct)
+        if t == "b":  # the head's direct read of `tied`'s output
+            grads[t]["tied_direct"] = x64.T @ d_feed[:, 4:]
     dz = np.stack(dz)
     weights = mgda_np(dz @ dz.T)
     assert abs(weights[0] - weights[1]) > 0.05
@@ -207,7 +239,7 @@ def test_a_variable_both_upstream_of_z_and_read_by_a_head():
         p: sum(wt * grads[t][p] for wt, t in zip(weights, "ab"))
         for p in ("tied/kernel", "trunk/kernel", "trunk/bias")
     }
-    expected["tied/kernel"] = expected["tied/kernel"] + grads["b"]["tied_direct"].numpy()
+    expected["tied/kernel"] = expected["tied/kernel"] + grads["b"]["tied_direct"]
     expected.update(
         {p: grads[p.split("/")[0]][p] for p in ("a/kernel", "a/bias", "b/kernel", "b/bias")}
     )
