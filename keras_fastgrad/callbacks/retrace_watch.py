@@ -2,6 +2,7 @@
 why it probably did."""
 
 import warnings
+import weakref
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import backend
@@ -81,7 +82,7 @@ class RetraceWatch(_base.FastGradCallback):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._start = self.model.train_step_trace_count
-        self._function = self.model.train_function
+        self._function = _reference(self.model.train_function)
         self._traces = 0
         self._warned = False
         self._pending = None  # (epoch, batch, cause) of a trace over the limit
@@ -99,8 +100,8 @@ class RetraceWatch(_base.FastGradCallback):
         model = self.model
         if not model.run_eagerly:  # eager steps run train_step each call
             traces = model.train_step_trace_count - self._start
-            replaced = model.train_function is not self._function
-            self._function = model.train_function
+            replaced = model.train_function is not self._function()
+            self._function = _reference(model.train_function)
             if traces > self._traces and traces > self.max_traces:
                 if not self._warned:
                     cause = "replaced" if replaced else "shapes"
@@ -176,3 +177,14 @@ class RetraceWatch(_base.FastGradCallback):
                 "dimensions."
             )
         warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _reference(function):
+    """A weak reference to the train function where it takes one: holding
+    it would keep JAX's trace of it alive, and a rebuilt `jax.jit` of the
+    same step would then reuse that trace (no retrace while watched, and
+    a stale step after a change the rebuild was for)."""
+    try:
+        return weakref.ref(function)
+    except TypeError:  # (`None`, or an object without weak references)
+        return lambda: function

@@ -23,6 +23,8 @@ from keras_fastgrad.callbacks import (
     TapeVariableCounter,
 )
 
+ON_JAX = keras.backend.backend() == "jax"
+
 
 @pytest.fixture(autouse=True)
 def fresh_session():
@@ -442,11 +444,20 @@ def test_warns_once_by_name_about_variables_without_gradient():
 def test_retrace_watch_counts_traces_per_fit():
     model = mlp()
     model.compile(optimizer="sgd", loss="mse")
-    x, y = data(n=14)  # short last batch: no retrace under Keras 3 `fit`
+    x, y = data(n=14)  # a short last batch (2 rows)
+    if ON_JAX:  # `jax.jit` traces the step again for the short batch's shape
+        with pytest.warns(
+            UserWarning, match=r"traced the train step 2 times.*last batch of epoch 0"
+        ):
+            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[RetraceWatch()])
+        assert history.history["train_traces"] == [2.0, 2.0]
+    else:  # no retrace under Keras 3 `fit` on TensorFlow (a dynamic batch dimension)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[RetraceWatch()])
+        assert history.history["train_traces"] == [1.0, 1.0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[RetraceWatch()])
-        assert history.history["train_traces"] == [1.0, 1.0]
         history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[RetraceWatch()])
         assert history.history["train_traces"] == [0.0]  # step reused
     model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
@@ -480,6 +491,26 @@ def test_retrace_watch_warns_once_when_the_step_is_rebuilt_during_fit():
             verbose=0,
             callbacks=[Rebuild(), RetraceWatch(max_traces=2)],
         )
+
+
+class AskGradNorm(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:  # a new key: the train function is rebuilt
+            self.model.enable_telemetry(["grad_norm"])
+            self.model.make_train_function()
+
+
+def test_retrace_watch_keeps_no_train_function_alive():
+    # On JAX a rebuilt `jax.jit` of the same step reuses the trace of a
+    # train function still alive: a watch holding the old one made the
+    # rebuilt step run stale (without the key asked for since).
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data()
+    watch = RetraceWatch(max_traces=2)
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[AskGradNorm(), watch])
+    assert history.history["train_traces"] == [1.0, 2.0]
+    assert len(history.history["grad_norm"]) == 1  # epoch 1's
 
 
 class ScriptedTraces(keras_fastgrad.FastGradModel):
@@ -675,8 +706,10 @@ def test_clip_fraction_needs_a_clipping_model():
 
 
 def test_retrace_watch_warns_about_xla_recompiles_on_a_short_last_batch():
-    # 10 samples in batches of 4: the last batch has 2 rows. Keras 3 does
-    # not retrace, but XLA compiles the step for the new shape.
+    # 10 samples in batches of 4: the last batch has 2 rows. Keras 3 on
+    # TensorFlow does not retrace, but XLA compiles the step for the new
+    # shape; on JAX, `jax.jit` traces (and compiles) it again: the trace
+    # count says so.
     x, y = (
         np.random.default_rng(0).normal(size=(10, 3)).astype("float32"),
         np.zeros((10, 1), "float32"),
@@ -684,10 +717,12 @@ def test_retrace_watch_warns_about_xla_recompiles_on_a_short_last_batch():
     inputs = keras.Input((3,))
     model = keras_fastgrad.FastGradModel(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    with pytest.warns(
-        UserWarning, match=r"input shape changed at batch 2 of epoch 0.*drop_remainder=True"
-    ):
+    warning = r"input shape changed at batch 2 of epoch 0.*drop_remainder=True"
+    if ON_JAX:
+        warning = r"traced the train step 2 times.*last batch of epoch 0.*drop_remainder=True"
+    with pytest.warns(UserWarning, match=warning) as caught:
         history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[RetraceWatch()])
+    assert len([w for w in caught if "RetraceWatch" in str(w.message)]) == 1
     assert history.history["input_shape_changes"] == [1.0]
 
 
