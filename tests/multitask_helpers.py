@@ -51,6 +51,23 @@ def make_data(n=8, num_tasks=2, signs=(1.0, -3.0, 2.0), seed=0, noise=0.0):
     return x, y
 
 
+def conflicting(model):
+    """`build()`'s two-task `model` with weights of a fixed numpy draw (the
+    same on every backend, whose initialisers draw differently) under which
+    the tasks conflict over the trunk and over `Z` on `make_data()` (also
+    with `n=6`, `noise=0.3`, loss weights 1 and 0.4)."""
+    rng = np.random.default_rng(0)
+    paths = ["trunk/kernel", "trunk/bias", "a/kernel", "a/bias", "b/kernel", "b/bias"]
+    values = {}
+    for p in paths:
+        layer, name = p.split("/")
+        shape = getattr(model.get_layer(layer), name).shape
+        values[p] = rng.normal(scale=0.5, size=shape).astype("float32")
+    for layer in ("trunk", "a", "b"):
+        model.get_layer(layer).set_weights([values[f"{layer}/kernel"], values[f"{layer}/bias"]])
+    return model
+
+
 def reference_model(model):
     """A plain keras.Model with the same architecture and weights."""
     ref = build(keras.Model, num_tasks=len(model.output_names))

@@ -19,7 +19,7 @@ import multitask_helpers
 import numpy as np
 import pytest
 from aggregator_references import mgda_np, pcgrad_np
-from multitask_helpers import LR, compiled
+from multitask_helpers import LR, compiled, conflicting
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
@@ -46,22 +46,6 @@ def weights_of(model):
         "/".join(v.path.split("/")[-2:]): v.numpy().astype("float64")
         for v in model.trainable_variables
     }
-
-
-def conflicting(model):
-    """`model` with weights of a fixed numpy draw (the same on every
-    backend, whose initialisers draw differently) under which the two tasks
-    conflict over `Z` (and over the trunk) on `make_data()`."""
-    rng = np.random.default_rng(0)
-    paths = ["trunk/kernel", "trunk/bias", "a/kernel", "a/bias", "b/kernel", "b/bias"]
-    values = {}
-    for p in paths:
-        layer, name = p.split("/")
-        shape = getattr(model.get_layer(layer), name).shape
-        values[p] = rng.normal(scale=0.5, size=shape).astype("float32")
-    for layer in ("trunk", "a", "b"):
-        model.get_layer(layer).set_weights([values[f"{layer}/kernel"], values[f"{layer}/bias"]])
-    return model
 
 
 # -------------------------------------------------------------- reference

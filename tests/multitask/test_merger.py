@@ -20,6 +20,7 @@ from multitask_helpers import (  # noqa: F401 (mirrored_multitask.py reads them 
     assert_step,
     build,
     compiled,
+    conflicting,
     expected_gradient,
     flat,
     make_data,
@@ -49,7 +50,7 @@ def test_task_losses_and_regularization_sum_to_compute_loss():
     np.testing.assert_allclose(got, float(total), rtol=1e-6)
     # Each task loss is its weight times the (sample-weighted) output loss.
     for t, w, loss in zip("ab", (0.3, 2.0), tasks):
-        err = np.square(y_pred[t].numpy() - y[t])[:, 0]
+        err = np.square(keras.ops.convert_to_numpy(y_pred[t]) - y[t])[:, 0]
         np.testing.assert_allclose(float(loss), w * np.mean(err * sw), rtol=1e-5)
 
 
@@ -58,7 +59,7 @@ def test_task_losses_and_regularization_sum_to_compute_loss():
 def test_pcgrad_two_conflicting_tasks_match_algorithm1(jit_compile):
     loss_weights = {"a": 1.0, "b": 0.4}
     model = compiled(
-        build(multitask="pcgrad", telemetry=True),
+        conflicting(build(multitask="pcgrad", telemetry=True)),
         loss_weights=loss_weights,
         jit_compile=jit_compile,
     )
@@ -185,7 +186,7 @@ def test_linear_methods_match_numpy(method):
 # ------------------------------------------------------- the rest of the chain
 def test_regularization_gradient_is_added_after_merging():
     l2 = 0.05
-    model = compiled(build(multitask="pcgrad", regularizer=keras.regularizers.L2(l2)))
+    model = compiled(conflicting(build(multitask="pcgrad", regularizer=keras.regularizers.L2(l2))))
     x, y = make_data()
     grads = task_gradients(reference_model(model), x, y)
     mask = shared_mask(model)
@@ -202,7 +203,7 @@ def test_regularization_gradient_is_added_after_merging():
 def test_accumulation_merges_each_micro_batch_then_accumulates():
     # 6 samples in batches of 4 and 2: one update with the sample-weighted
     # mean of the two micro-batches' merged gradients.
-    model = compiled(build(multitask="pcgrad", accumulation_steps=2, telemetry=True))
+    model = compiled(conflicting(build(multitask="pcgrad", accumulation_steps=2, telemetry=True)))
     x, y = make_data(n=6)
     ref = reference_model(model)
     mask = shared_mask(model)
