@@ -7,13 +7,24 @@ way. The cost is checked on the traced graph, not by timing: the large
 tensors the merge writes are at most one `[T, P_k]` copy of the task
 gradients (the stack the Gram matmul and `w^T J` read) and the merged
 gradient per shared variable, nothing else.
+
+`TaskMerger` is the TensorFlow step's merge (tf ops, `IndexedSlices`, a
+`tf.function` graph): its tests are TensorFlow's. The JAX step's merge
+(`keras_fastgrad.maths.multitask`, `keras.ops`) is checked against the same
+numpy reference on both backends (`test_maths_merge_matches_numpy...`).
 """
 
 import numpy as np
-import tensorflow as tf
+import pytest
+from keras import ops
 
 from keras_fastgrad import aggregators
-from keras_fastgrad.multitask.merger import TaskMerger
+from keras_fastgrad.maths import multitask as maths
+
+TENSORFLOW_MERGE = pytest.mark.tensorflow_only(
+    reason="TaskMerger is the TensorFlow step's merge (tf ops, IndexedSlices, a tf.function "
+    "graph); JAX's is keras_fastgrad.maths.multitask, tested below on both backends"
+)
 
 
 class RowSums(aggregators.Aggregator):
@@ -22,7 +33,7 @@ class RowSums(aggregators.Aggregator):
     name = "row_sums"
 
     def _weights(self, gram):
-        return 1.0 + tf.reduce_sum(gram, axis=1) / tf.linalg.trace(gram)
+        return 1.0 + ops.sum(gram, axis=1) / ops.trace(gram)
 
 
 def _row_sums_np(gram):
@@ -36,6 +47,8 @@ REACHING = [(0, 1, 2), (0, 1), (2,), (1, 2), ()]
 
 
 def _gradients(seed=0):
+    import tensorflow as tf
+
     rng = np.random.default_rng(seed)
     values = [
         [rng.normal(size=s) if t in r else None for s, r in zip(SHAPES, REACHING)] for t in range(3)
@@ -84,7 +97,12 @@ def _reference(values, reg=None):
     return gram, w, merged
 
 
+@TENSORFLOW_MERGE
 def test_merge_matches_numpy_for_partly_shared_and_sparse_gradients():
+    import tensorflow as tf
+
+    from keras_fastgrad.multitask.merger import TaskMerger
+
     per_task, values = _gradients()
     reg_np = [None, np.full((3,), 0.5), None, None, np.ones((2, 2))]
     reg = [None if r is None else tf.constant(r, tf.float32) for r in reg_np]
@@ -101,7 +119,12 @@ def test_merge_matches_numpy_for_partly_shared_and_sparse_gradients():
             )
 
 
+@TENSORFLOW_MERGE
 def test_merge_with_grad_scale_divides_the_gram_only():
+    import tensorflow as tf
+
+    from keras_fastgrad.multitask.merger import TaskMerger
+
     per_task, values = _gradients(seed=1)
     merged, info = TaskMerger(RowSums()).merge(per_task, share=tf.constant(2.0))
     scaled = [[None if v is None else v / 2.0 for v in row] for row in values]
@@ -115,11 +138,49 @@ def test_merge_with_grad_scale_divides_the_gram_only():
     assert expected[2] is not None and np.allclose(merged[2].numpy(), expected[2])
 
 
+def test_maths_merge_matches_numpy_for_partly_shared_gradients():
+    # The JAX step's merge (`maths.multitask`, keras.ops): the reaching-task
+    # split, the Gram matrix and `w^T J_k` against the numpy reference.
+    values = _dense_gradients()
+    own, groups = maths.split_by_reaching_tasks(REACHING)
+    assert own == {2: 2} and groups == {(0, 1, 2): [0], (0, 1): [1], (1, 2): [3]}
+    per_task = [
+        [
+            ops.zeros(s, "float32") if v is None else ops.convert_to_tensor(v, "float32")
+            for s, v in zip(SHAPES, row)
+        ]
+        for row in values
+    ]
+    gram, stacked = maths.gram(per_task, groups, 3)
+    weights = RowSums().weights(gram)
+    merged = maths.merge(per_task, own, groups, stacked, weights)
+    expected_gram, w, expected = _reference(values)
+    np.testing.assert_allclose(ops.convert_to_numpy(gram), expected_gram, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ops.convert_to_numpy(weights), w, rtol=1e-5)
+    assert sorted(merged) == [k for k, want in enumerate(expected) if want is not None]
+    for k, got in merged.items():
+        np.testing.assert_allclose(ops.convert_to_numpy(got), expected[k], rtol=1e-5, atol=1e-5)
+
+
+def _dense_gradients(seed=0):
+    """Task gradients as `_gradients` draws them, dense (numpy; `None`
+    where the task does not reach the variable)."""
+    rng = np.random.default_rng(seed)
+    values = [
+        [rng.normal(size=s) if t in r else None for s, r in zip(SHAPES, REACHING)] for t in range(3)
+    ]
+    return values
+
+
 # ---------------------------------------------------------------- the graph
 VIEWS = {"Reshape", "Identity", "Placeholder", "Squeeze", "ExpandDims", "ReadVariableOp", "Const"}
 
 
 def _merge_graph(num_tasks=4, shapes=((300, 200), (200,), (200, 100), (100,))):
+    import tensorflow as tf
+
+    from keras_fastgrad.multitask.merger import TaskMerger
+
     merger = TaskMerger("pcgrad")
 
     @tf.function(autograph=False)
@@ -136,6 +197,7 @@ def _size(tensor):
     return int(np.prod(shape.as_list())) if shape.rank else 1
 
 
+@TENSORFLOW_MERGE
 def test_merge_writes_at_most_one_copy_of_the_task_gradients():
     num_tasks = 4
     graph, shapes = _merge_graph(num_tasks)
