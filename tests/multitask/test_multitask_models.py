@@ -7,14 +7,17 @@
   on the masked GRU: the update equals `sum_t w_t dL_t/dtheta` on the trunk
   (the heads' plain gradients), with `w` the exact MGDA weights (numpy) of
   the Gram matrix of `dL_t/dZ`, all computed with Keras layers called
-  directly and `tf.GradientTape`, the masked means written out by hand.
+  directly and `helpers.reference_gradients` (a tape on TensorFlow,
+  `jax.value_and_grad` on JAX), the masked means written out by hand.
+  Runs on both backends.
 """
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from aggregator_references import mgda_np
+from helpers import reference_gradients
+from keras import ops
 
 import keras_fastgrad
 
@@ -120,22 +123,24 @@ def test_micro_batches_with_masks_on_several_outputs_warn_that_rows_weigh():
 def _features_reference(trunk, trunk_vars, heads, x, y, loss_fns):
     """(trunk gradients per task, head gradients, Gram of dL_t/dZ) from the
     model's own layers called directly (`z = trunk(x)`, `head(z)`) before
-    the step, one tape per task."""
+    the step, each task's gradients apart (`helpers.reference_gradients`:
+    a tape on TensorFlow, `jax.value_and_grad` on JAX); `dL_t/dZ` as the
+    gradient for a variable holding `Z`."""
     per_task, head_grads, dz = [], {}, []
+    z = keras.Variable(keras.ops.convert_to_numpy(trunk(x)))  # (trainable: a tape watches it)
     for t, head in heads.items():
-        with tf.GradientTape(persistent=True) as tape:
-            z = trunk(x)
-            tape.watch(z)
-            loss = loss_fns[t](y[t], head(z))
-        dz.append(tape.gradient(loss, z).numpy().astype("float64").ravel())
-        per_task.append(
-            [
-                tf.convert_to_tensor(g).numpy().astype("float64")
-                for g in tape.gradient(loss, trunk_vars)
-            ]
+        _, (g_z, *g_head) = reference_gradients(
+            head,
+            lambda t=t, head=head: loss_fns[t](y[t], head(z.value)),
+            [z, *head.trainable_variables],
         )
-        for v, g in zip(head.trainable_variables, tape.gradient(loss, head.trainable_variables)):
-            head_grads[v.path] = g.numpy().astype("float64")
+        dz.append(g_z.astype("float64").ravel())
+        for v, g in zip(head.trainable_variables, g_head):
+            head_grads[v.path] = g.astype("float64")
+        _, g_trunk = reference_gradients(
+            head, lambda t=t, head=head: loss_fns[t](y[t], head(trunk(x))), trunk_vars
+        )
+        per_task.append([g.astype("float64") for g in g_trunk])
     dz = np.stack(dz)
     return per_task, head_grads, dz @ dz.T
 
@@ -165,13 +170,13 @@ def test_features_space_on_a_conv_trunk_with_per_pixel_losses():
     scale = {"a": 1.0, "b": 0.7}
     # "mse" per pixel (mean over the channel axis), then the mean over
     # batch, height and width; times the loss weight.
-    loss_fns = {t: (lambda yt, p, t=t: scale[t] * tf.reduce_mean(tf.square(p - yt))) for t in heads}
+    loss_fns = {t: (lambda yt, p, t=t: scale[t] * ops.mean(ops.square(p - yt))) for t in heads}
     _check_features_step(
         model,
         lambda images: conv2(conv1(images)),
         conv1.trainable_variables + conv2.trainable_variables,
         heads,
-        tf.constant(x),
+        x,
         y,
         loss_fns,
     )
@@ -184,19 +189,19 @@ def test_features_space_on_a_masked_gru():
     x, y = sequence_data(8, seed=4, sign=-np.sign(k_a @ k_b))
     embed, gru = model.get_layer("embed"), model.get_layer("gru")
     heads = {t: model.get_layer(t) for t in ("a", "b")}
-    mask = tf.constant((x != 0).astype("float32"))
+    mask = (x != 0).astype("float32")
 
     def masked_mse(yt, p):
         """Mean of the per-timestep squared error over the valid steps."""
-        per_step = tf.reduce_mean(tf.square(p - yt), axis=-1)
-        return tf.reduce_sum(per_step * mask) / tf.reduce_sum(mask)
+        per_step = ops.mean(ops.square(p - yt), axis=-1)
+        return ops.sum(per_step * mask) / np.sum(mask)
 
     _check_features_step(
         model,
-        lambda tokens: gru(embed(tokens), mask=tf.not_equal(tokens, 0)),  # the padding mask
+        lambda tokens: gru(embed(tokens), mask=ops.not_equal(tokens, 0)),  # the padding mask
         embed.trainable_variables + gru.trainable_variables,
         heads,
-        tf.constant(x),
+        x,
         y,
         {t: masked_mse for t in heads},
     )
