@@ -133,6 +133,14 @@ def own_losses(layer):
     return layer._get_own_losses()
 
 
+def has_own_losses(layer):
+    """Whether `layer` itself added losses (`add_loss`, its activity
+    regulariser) in its last call. After a stateless call (Keras' JAX
+    trainer) the losses went with the call's `StatelessScope`; Keras keeps
+    their ids (`_loss_ids`) until the layer's next call."""
+    return bool(layer._get_own_losses()) or bool(getattr(layer, "_loss_ids", None))
+
+
 def losses_overridden(model):
     """Whether `model.losses` was replaced (Keras' `_losses_override`)."""
     return bool(getattr(model, "_losses_override", None))
@@ -504,6 +512,7 @@ PRIVATE_NAMES = (
     ("keras.Model", "_symbolic_build"),
     ("keras.Model", "_flatten_layers"),
     ("keras.Model", "_get_own_losses"),
+    ("keras.Model", "_loss_ids"),
     ("keras.Model", "_losses_override"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy"),
     ("keras.layers.BatchNormalization", "_moments"),

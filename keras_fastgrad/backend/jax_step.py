@@ -62,7 +62,7 @@ def train_step(model, state, data):
     grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
     unscaled_loss, y_pred, new_ntv, new_mv, *task_logs = aux  # (multitask: its telemetry)
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
-        model.fastgrad_step_state.accumulator.mean_reduction = mean
+        _record_mean_reduction(model.fastgrad_step_state, mean, len(tv))
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     finite = units.all_finite(grads) & ops.all(ops.isfinite(unscaled_loss))
     drops = bool(model.skip_nonfinite) or slots.scaler is not None
@@ -156,12 +156,25 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     return grads, d, found["mean"], aux
 
 
+def _record_mean_reduction(step_state, mean, num_variables):
+    """The window's reduction for the flush, and for a file saved with the
+    window pending (`state_files`: a `reduction="sum"` window loaded as a
+    mean one would be divided by its micro-batches' count)."""
+    step_state.accumulator.mean_reduction = mean
+    known = step_state.window_facts()  # (every variable gets a gradient array on JAX)
+    step_state.set_window_facts(known[0] if known else [False] * num_variables, mean)
+
+
 def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
     """Refuses (trace time) loss terms beyond the output losses that a
-    window cannot weight exactly: first by TensorFlow's rule
-    (`compile_loss.check_extra_terms`: the same `ValueError` and fix where
-    no backend can weight them), then the cases TensorFlow weighs and the
-    JAX step does not yet (`NotImplementedError`)."""
+    window cannot weight exactly: by TensorFlow's rule
+    (`compile_loss.check_extra_terms`: the same `ValueError` and fix), then
+    the one case TensorFlow weighs and the JAX step does not yet
+    (`NotImplementedError`): `micro_batches` under `reduction="sum"`, where
+    TensorFlow counts the weight regularisation once per batch and weights
+    the layers' per-row losses by each slice's share of the rows. Elsewhere
+    each micro-batch's loss, terms included, is weighted by its share `D_j`
+    on both backends (exact where TensorFlow's rule lets it through)."""
     import types
 
     from keras_fastgrad.backend import not_on_jax
@@ -169,7 +182,6 @@ def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
         LossTerms,
         check_extra_terms,
         default_compute_loss,
-        layer_losses,
         regularized_variables,
     )
 
@@ -178,21 +190,18 @@ def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
         for name in ("accumulation_steps", "micro_batches")
         if getattr(model, name) > 1
     ]
-    known, rows, weights = (
-        default_compute_loss(model),
-        layer_losses(model),
-        regularized_variables(model),
-    )
+    # (the layers' losses went with Keras' stateless call: their ids remain)
+    rows = any(compat.has_own_losses(layer) for layer in compat.flatten_layers(model))
+    known, weights = default_compute_loss(model), regularized_variables(model)
     present = lambda found: 0.0 if found else None  # noqa: E731 (a placeholder part)
     share = types.SimpleNamespace(mean=mean, by_rows=by_rows, describe=describe)
-    check_extra_terms(
-        model, share, options, LossTerms(None, None, present(weights), present(rows), known)
-    )
-    if (not known or rows or weights) and not (mean and by_rows):
+    merged = model.fastgrad_step_state.merger is not None
+    terms = LossTerms(None, None, present(weights), present(rows), known)
+    check_extra_terms(model, share, options, terms, merged=merged)
+    if model.micro_batches > 1 and not mean and (rows or weights):
         raise not_on_jax(
-            "Combining micro-batches of a loss with terms beyond the output losses (regularisers, "
-            "`add_loss`, an overridden `compute_loss`) under a masked, weighted or "
-            '`reduction="sum"` output loss',
+            '`micro_batches` with a `reduction="sum"` output loss and terms beyond the output '
+            "losses (weight regularisers, activity regularisers, `add_loss`)",
             ", ".join(options),
         )
 

@@ -194,7 +194,7 @@ def check_extra_terms(model, share, options, terms, merged=False):
 def _row_terms(model):
     names = []
     for layer in compat.flatten_layers(model):
-        if compat.own_losses(layer):
+        if compat.has_own_losses(layer):
             regularizer = getattr(layer, "activity_regularizer", None)
             kind = "activity regulariser" if regularizer is not None else "add_loss"
             names.append(f"{kind} of layer '{layer.name}'")
