@@ -29,6 +29,7 @@ class Slots:
 
     def __init__(self, model):
         state = model.fastgrad_step_state
+        check_trainable_unchanged(model)
         ntv = model.non_trainable_variables
         where = {id(v): i for i, v in enumerate(ntv)}
         own = {id(v) for v in step_variables(model)}
@@ -67,6 +68,34 @@ class Slots:
                 "scale": ov[id(self.scaler.dynamic_scale)],
                 "counter": ov[id(self.scaler.step_counter)],
             }
+
+
+def check_trainable_unchanged(model):
+    """Refuses (trace time) trainable variables other than those the
+    step's state, and the optimizer, were built for: a layer's
+    `trainable` set without a new `compile`. On TensorFlow the traced step
+    keeps training the variables it was traced with (and
+    `TapeVariableCounter` warns); Keras' JAX step takes the trainable
+    values anew each call, and `keras.Model` fails there too, in the
+    optimizer.
+
+    Raises:
+        ValueError: naming the counts, the frozen layers and the fix.
+    """
+    built = len(model.fastgrad_step_state.telemetry.layer_of_variable)
+    now = len(model.trainable_variables)
+    if now == built:
+        return
+    frozen = [layer.name for layer in model.layers if layer.weights and not layer.trainable]
+    raise ValueError(
+        "The model's trainable variables changed after `compile`: the step "
+        f"and the optimizer were built for {built}, the model now has {now} "
+        "(a layer's `trainable` set without a new `compile`; frozen layers "
+        f"now: {frozen}). On Keras' JAX backend the step cannot keep training "
+        "the variables it was built for (`keras.Model` fails here too). "
+        f"Received: {now} trainable variables, built for {built}. Fix: call "
+        "`model.compile(...)` again after changing `trainable`."
+    )
 
 
 def step_variables(model):

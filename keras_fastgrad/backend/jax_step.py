@@ -58,6 +58,7 @@ def train_step(model, state, data):
     slots = Slots(model)
     noise.add_slots(model, slots)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    telemetry.record_trace_facts(model, state, x, y, sample_weight)  # (trace time)
     accumulating = model.fastgrad_step_state.accumulator is not None
     grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
     unscaled_loss, y_pred, new_ntv, new_mv, *task_logs = aux  # (multitask: its telemetry)

@@ -10,7 +10,11 @@ values (`jax_step`), with the names and meanings they have on TensorFlow.
 - `loss_scale`: the current loss scale (1 without loss scaling).
 - `tape_variables`: on JAX there is no tape: the number of trainable
   variables the gradient (`jax.value_and_grad`) is taken for, a trace-time
-  constant, as the tape's watched variables are on TensorFlow.
+  constant, as the tape's watched variables are on TensorFlow. While it is
+  requested, the trace also finds the variables the loss does not reach
+  (`record_trace_facts`: JAX gives them a zero gradient where TensorFlow's
+  tape gives `None`), for `model.variables_without_gradient` and
+  `TapeVariableCounter`'s warning.
 - `input_shape_changes`: micro-batches whose first input's shape differed
   from the previous one's (counted while the key is requested).
 
@@ -37,11 +41,14 @@ matrix (`keras_fastgrad.backend.jax_multitask`).
 
 import math
 
+import jax
 from keras import ops
 
 from keras_fastgrad.backend import jax_noise_scale
+from keras_fastgrad.backend.jax_reaching import reaching_inputs
 from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step.splitting import first_input
+from keras_fastgrad.step.state import TraceFacts
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS, UPDATE_RATIO
 
 LOCATION_KEYS = ("nonfinite_first_index", "nonfinite_num_variables")
@@ -78,6 +85,40 @@ def record_ungated(model, new, grads, finite):
     if requested(model) & set(COUNT_KEYS):
         new["nonfinite_count"] += ops.cast(~finite, "float32")
         record_location(model, new, grads, ~finite)
+
+
+def record_trace_facts(model, state, x, y, sample_weight):
+    """The traced step's facts (`StepState.facts`, as TensorFlow's tape
+    records them): how many variables the gradient is taken for and which
+    of them the loss does not reach (read from the program of Keras'
+    `compute_loss_and_updates` over the trainable values,
+    `jax_reaching.reaching_inputs`: one more trace of the forward pass).
+    Only while `tape_variables` is requested (`TapeVariableCounter`,
+    `telemetry=True`); a trace that does not look leaves no facts (`None`).
+    Under `run_eagerly=True` (no trace) the first step looks, once."""
+    tv, ntv, ov, mv = state
+    traced = any(isinstance(v, jax.core.Tracer) for v in tv[:1])
+    step_state = model.fastgrad_step_state
+    if "tape_variables" not in requested(model):
+        if traced:
+            step_state.facts = None
+        return
+    if not traced and step_state.facts is not None:
+        return
+
+    def loss_of(trainable):
+        loss, _ = model.compute_loss_and_updates(
+            trainable, ntv, mv, x, y, sample_weight, training=True, optimizer_variables=ov
+        )
+        return loss
+
+    reached = reaching_inputs(jax.make_jaxpr(loss_of)(list(tv)), 1)[0]
+    grad_is_none = [i not in reached for i in range(len(tv))]
+    step_state.facts = TraceFacts(
+        tape_variables=len(tv),
+        no_gradient=[v.path for v, none in zip(model.trainable_variables, grad_is_none) if none],
+        grad_is_none=grad_is_none,
+    )
 
 
 def record_input_shape(model, new, x):

@@ -28,6 +28,16 @@ class TapeVariableCounter(_base.FastGradCallback):
       still trains or ignores the variables it was traced with. Freezing a
       layer changes the counts once you recompile.
 
+    On Keras' JAX backend there is no tape: `tape_variables` is the number
+    of trainable variables the gradient (`jax.value_and_grad`) is taken
+    for, all of them. JAX gives a variable the loss does not reach a zero
+    gradient (TensorFlow's tape: `None`); the traced step finds such
+    variables from its program while this callback is attached (one more
+    trace of the forward pass), and the same warning names them. Changing
+    `trainable` without a new `compile` is an error on JAX (as for
+    `keras.Model`: the optimizer was built for the variables it had), not
+    a warning.
+
     Raises:
         ValueError: at `fit`, when the model is not a `FastGradModel`.
 

@@ -400,6 +400,7 @@ def test_tape_variables_count_drops_when_a_layer_is_frozen():
     assert history.history["trainable_variables"] == [2.0]
 
 
+@pytest.mark.skipif(ON_JAX, reason="an error on JAX (the next test), as for keras.Model")
 def test_warns_once_when_trainable_changed_without_recompile():
     model = mlp()
     model.compile(optimizer="sgd", loss="mse")
@@ -413,6 +414,33 @@ def test_warns_once_when_trainable_changed_without_recompile():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once already
         model.fit(x, y, batch_size=4, verbose=0, callbacks=[counter])
+
+
+@pytest.mark.skipif(not ON_JAX, reason="a warning on TensorFlow (the test above)")
+def test_trainable_changed_without_recompile_is_refused_on_jax():
+    # Keras' JAX step takes the trainable values anew each call: the
+    # optimizer, built for 4, cannot take 2. keras.Model fails too.
+    x, y = data()
+    for cls, error in (
+        (keras.Model, r"built with 4 variables"),
+        (
+            keras_fastgrad.FastGradModel,
+            r"built for 4.*now has 2.*\['hidden'\].*Fix: call `model.compile",
+        ),
+    ):
+        model = mlp(cls)
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=4, verbose=0)
+        model.get_layer("hidden").trainable = False
+        start = model.get_weights()
+        with pytest.raises(ValueError, match=error):
+            model.fit(x, y, batch_size=4, verbose=0)
+    # Refused while tracing: the weights are the model's still (Keras' JAX
+    # `fit` had detached them; keras.Model is left without them).
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), start))
+    model.compile(optimizer="sgd", loss="mse")  # the fix
+    history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[TapeVariableCounter()])
+    assert history.history["tape_variables"] == [2.0]
 
 
 class WithSpareWeight(keras.layers.Layer):
@@ -438,6 +466,39 @@ def test_warns_once_by_name_about_variables_without_gradient():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.fit(x, y, batch_size=4, verbose=0, callbacks=[counter])
+
+
+class Unreached(keras.layers.Layer):
+    """`kernel` reaches the loss; `spare` is unused, `cut` reaches it only
+    behind `stop_gradient`, `index` only through an argmax (an integer)."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 1), name="kernel")
+        self.spare = self.add_weight(shape=(), name="spare")
+        self.cut = self.add_weight(shape=(), name="cut")
+        self.index = self.add_weight(shape=(3,), name="index")
+
+    def call(self, x):
+        picked = keras.ops.cast(keras.ops.argmax(self.index), x.dtype)
+        return x @ self.kernel + keras.ops.stop_gradient(self.cut) + picked
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["traced", "eager"])
+def test_variables_the_loss_does_not_reach_are_named(run_eagerly):
+    # (On JAX their gradient is zeros, not None: found from the program.)
+    inputs = keras.Input((3,))
+    model = keras_fastgrad.FastGradModel(inputs, Unreached(name="odd")(inputs))
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=run_eagerly)
+    assert model.variables_without_gradient is None  # nothing traced yet
+    unreached = [model.get_layer("odd").spare, model.get_layer("odd").cut]
+    unreached.append(model.get_layer("odd").index)
+    before = [np.array(v) for v in unreached]
+    x, y = data()
+    with pytest.warns(UserWarning, match=re.escape("['odd/spare', 'odd/cut', 'odd/index']")):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[TapeVariableCounter()])
+    assert model.variables_without_gradient == ["odd/spare", "odd/cut", "odd/index"]
+    for variable, value in zip(unreached, before):  # never updated, as the warning says
+        np.testing.assert_array_equal(np.array(variable), value)
 
 
 # --------------------------------------------------------------- RetraceWatch
