@@ -113,7 +113,9 @@ def sliced_gradients(
         grads = regularized
     else:  # the whole batch's task gradients, merged once
         names = task_names(model)
-        grads = _merged_tasks(names, merger, sums, regularized, actual_sum, loss_sum)
+        # (the Gram of the batch's gradients: divided by its normaliser,
+        # 1 under `"sum"`, not by the slices' count of shares of 1)
+        grads = _merged_tasks(names, merger, sums, regularized, real, loss_sum)
     rows = first_input(x).shape[:1]
     y_pred = _whole_batch_predictions(outputs, masks, facts["shapes"], rows, out_spec)
     share = Share(real, real, facts["mean"])

@@ -18,6 +18,7 @@ import pytest
 from aggregator_references import mgda_np
 from helpers import reference_gradients
 from keras import ops
+from multitask_helpers import build, flat, make_data, reference_model, shared_mask, task_gradients
 
 import keras_fastgrad
 
@@ -107,6 +108,23 @@ def test_micro_batches_with_multitask_on_a_gru_equal_the_unsplit_step(method):
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-4, atol=1e-6, err_msg=path)
         assert np.abs(got[path] - initial[path]).max() > 1e-5, f"{path} did not move"
     np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+
+
+def test_micro_batches_under_a_sum_reduction_merge_the_batchs_gram():
+    # `reduction="sum"`: each slice's share is 1 and the slices' summed
+    # task gradients are the batch's own: the Gram matrix the aggregator
+    # weighs (and the task telemetry) is the batch's, not divided by the
+    # slices' count squared. Reference: `n` times each task's mean-loss
+    # gradient over the trunk (`multitask_helpers.task_gradients`).
+    x, y = make_data(n=8)
+    model = build(multitask="mgda", telemetry=True, micro_batches=2)
+    sums = {t: keras.losses.MeanSquaredError(reduction="sum") for t in "ab"}
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss=sums)
+    grads = task_gradients(reference_model(model), x, y)
+    norms = [8.0 * np.linalg.norm(flat(grads[t], shared_mask(model))) for t in "ab"]
+    logs = model.train_on_batch(x, y, return_dict=True)
+    got = [logs["task_grad_norm/a"], logs["task_grad_norm/b"]]
+    np.testing.assert_allclose(got, norms, rtol=1e-5)
 
 
 def test_micro_batches_with_masks_on_several_outputs_warn_that_rows_weigh():
