@@ -7,6 +7,9 @@
 - A refused `fastgrad()` / `compile` leaves the model as it was: class,
   config and the next `fit` equal an untouched copy's (`keras.Model`).
 - Another Keras backend is refused at `import keras_fastgrad`.
+
+Runs on both backends: the steps of their own take Keras' JAX form,
+`train_step(state, data)`, under `KERAS_BACKEND=jax`.
 """
 
 import importlib.util
@@ -28,10 +31,17 @@ from keras_fastgrad.models.model import OPTION_NAMES
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+ON_JAX = keras.backend.backend() == "jax"
+
+
 # ------------------------------------------- 3. a train_step of its own
-def own_train_step(model, data):
-    """A GAN-like step: its own tape and its own optimizer (made in
-    `compile`), no `FastGradModel.train_step`."""
+def own_train_step(model, *step_args):
+    """A GAN-like step: its own gradient and its own optimizer (made in
+    `compile`), no `FastGradModel.train_step`. Keras calls it with
+    `(data)` on TensorFlow, `(state, data)` on JAX."""
+    if ON_JAX:
+        return _own_jax_step(model, *step_args)
+    (data,) = step_args
     x, y = data
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
@@ -41,6 +51,42 @@ def own_train_step(model, data):
     grads = tape.gradient(loss, [v.value for v in variables])
     model.own_optimizer.apply(grads, variables)
     return {"loss": loss}
+
+
+def _squared_error(y, y_pred):
+    pairs = zip(y, y_pred) if isinstance(y_pred, list) else [(y, y_pred)]
+    return sum(keras.ops.mean(keras.ops.square(t - p)) for t, p in pairs)
+
+
+def _own_jax_step(model, state, data):
+    """The same step in the form of Keras' JAX guide: stateless, on the
+    state tuple (its optimizer is the compiled one: Keras threads only its
+    variables)."""
+    import jax
+
+    trainable, non_trainable, optimizer_variables, metrics = state
+    x, y = data
+
+    def loss_of(values):
+        y_pred, updated = model.stateless_call(values, non_trainable, x)
+        return _squared_error(y, y_pred), updated
+
+    (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+    trainable, optimizer_variables = model.own_optimizer.stateless_apply(
+        optimizer_variables, grads, trainable
+    )
+    return {"loss": loss}, (trainable, non_trainable, optimizer_variables, metrics)
+
+
+def _own_optimizer(model):
+    """The step's own optimizer, made in `compile`; on JAX the compiled
+    one (`compile(optimizer=SGD(0.1))`): only its variables ride in the
+    state tuple."""
+    return model.optimizer if ON_JAX else keras.optimizers.SGD(0.1)
+
+
+def _compile_kwargs(kwargs):
+    return {"optimizer": keras.optimizers.SGD(0.1), **kwargs} if ON_JAX else kwargs
 
 
 def _two_layers(model, heads):
@@ -63,11 +109,11 @@ class OwnStep(FastGradModel):
         return _forward(self, x)
 
     def compile(self, **kwargs):
-        super().compile(**kwargs)
-        self.own_optimizer = keras.optimizers.SGD(0.1)
+        super().compile(**_compile_kwargs(kwargs))
+        self.own_optimizer = _own_optimizer(self)
 
-    def train_step(self, data):
-        return own_train_step(self, data)
+    def train_step(self, *step_args):  # TF: (data); JAX: (state, data)
+        return own_train_step(self, *step_args)
 
 
 class PlainOwnStep(keras.Model):  # the reference: the same step on keras.Model
@@ -77,12 +123,12 @@ class PlainOwnStep(keras.Model):  # the reference: the same step on keras.Model
 
     call = OwnStep.call
 
-    def train_step(self, data):
-        return own_train_step(self, data)
+    def train_step(self, *step_args):
+        return own_train_step(self, *step_args)
 
     def compile(self, **kwargs):
-        super().compile(**kwargs)
-        self.own_optimizer = keras.optimizers.SGD(0.1)
+        super().compile(**_compile_kwargs(kwargs))
+        self.own_optimizer = _own_optimizer(self)
 
 
 def _own_step_pair(heads, **options):
@@ -152,7 +198,8 @@ def test_own_step_refused_under_run_eagerly_too():
     model.compile(loss="mse", run_eagerly=True)
     with pytest.raises(ValueError, match=r"Received: clip_norm=1\.0"):
         model.fit(x, y, batch_size=4, verbose=0)
-    assert int(model.own_optimizer.iterations.numpy()) == 1
+    # On JAX the step returns its new state: raised, it is never kept.
+    assert int(model.own_optimizer.iterations.numpy()) == (0 if ON_JAX else 1)
 
 
 def test_own_step_refuses_a_callbacks_telemetry():
@@ -176,23 +223,28 @@ class Extends(FastGradModel):
     def call(self, x):
         return self.out(self.conv(x))
 
-    def train_step(self, data):
-        logs = super().train_step(data)
-        return {**logs, "twice_the_loss": 2.0 * logs["loss"]}
+    def train_step(self, *step_args):  # TF: (data); JAX: (state, data)
+        return _with_twice_the_loss(super().train_step(*step_args))
+
+
+def _with_twice_the_loss(outputs):
+    """The step's logs with one more key (JAX: `(logs, state)`)."""
+    logs, state = outputs if ON_JAX else (outputs, None)
+    logs = {**logs, "twice_the_loss": 2.0 * logs["loss"]}
+    return (logs, state) if ON_JAX else logs
 
 
 class Chained(Extends):  # an override of an override, both calling super
-    def train_step(self, data):
-        return super().train_step(data)
+    def train_step(self, *step_args):
+        return super().train_step(*step_args)
 
 
 class Direct(Extends):  # names the class instead of `super()`, via a helper
-    def train_step(self, data):
-        return self._step(data)
+    def train_step(self, *step_args):
+        return self._step(*step_args)
 
-    def _step(self, data):
-        logs = FastGradModel.train_step(self, data)
-        return {**logs, "twice_the_loss": 2.0 * logs["loss"]}
+    def _step(self, *step_args):
+        return _with_twice_the_loss(FastGradModel.train_step(self, *step_args))
 
 
 @pytest.mark.parametrize("cls", [Extends, Chained, Direct], ids=lambda c: c.__name__)
@@ -313,7 +365,8 @@ def test_a_refused_fastgrad_leaves_the_model_as_it_was(build, optimizer, options
     assert "fastgrad_step_state" not in vars(model)
     for m in (model, untouched):
         m.fit(x, y, batch_size=3, epochs=2, verbose=0, shuffle=False)
-    assert model.optimizer.iterations.numpy() == untouched.optimizer.iterations.numpy()
+    iterations = [keras.ops.convert_to_numpy(m.optimizer.iterations) for m in (model, untouched)]
+    assert iterations[0] == iterations[1]
     assert max_weight_diff(model, untouched) == 0.0
 
 
@@ -402,7 +455,8 @@ def test_the_jax_backend_imports():
     assert done.returncode == 0 and "imported jax" in done.stdout, done.stderr[-2000:]
 
 
-def test_the_tests_run_under_tensorflow():
-    # conftest.py selects it, for this process and every subprocess.
-    assert os.environ["KERAS_BACKEND"] == "tensorflow"
-    assert keras.backend.backend() == "tensorflow"
+def test_the_tests_run_under_the_backend_asked_for():
+    # conftest.py selects TensorFlow, for this process and every
+    # subprocess, unless the run asked for JAX (`KERAS_BACKEND=jax`).
+    assert os.environ["KERAS_BACKEND"] in ("tensorflow", "jax")
+    assert keras.backend.backend() == os.environ["KERAS_BACKEND"]
