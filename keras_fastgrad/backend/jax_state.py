@@ -72,29 +72,41 @@ class Slots:
 
 def check_trainable_unchanged(model):
     """Refuses (trace time) trainable variables other than those the
-    step's state, and the optimizer, were built for: a layer's
-    `trainable` set without a new `compile`. On TensorFlow the traced step
-    keeps training the variables it was traced with (and
-    `TapeVariableCounter` warns); Keras' JAX step takes the trainable
-    values anew each call, and `keras.Model` fails there too, in the
-    optimizer.
+    step's state, and the optimizer, were built for. On TensorFlow the
+    traced step keeps training the variables it was traced with (and
+    `TapeVariableCounter` warns), and a layer may create variables in its
+    first training call; Keras' JAX step takes the trainable values anew
+    each call and cannot create variables: `keras.Model` fails there too,
+    in the optimizer.
 
     Raises:
-        ValueError: naming the counts, the frozen layers and the fix.
+        ValueError: naming the counts, the likely cause and the fix.
     """
     built = len(model.fastgrad_step_state.telemetry.layer_of_variable)
     now = len(model.trainable_variables)
     if now == built:
         return
     frozen = [layer.name for layer in model.layers if layer.weights and not layer.trainable]
+    if now < built:
+        cause = f"a layer's `trainable` set to False without a new `compile`; frozen layers now: {frozen}"
+        fix = "call `model.compile(...)` again after changing `trainable`"
+    else:
+        cause = (
+            "a layer made variables inside the train step, e.g. one used only "
+            "with `training=True`, or a layer's `trainable` set to True "
+            "without a new `compile`"
+        )
+        fix = (
+            "make every variable before `fit` (call the model once on a batch "
+            "with `training=True`, or create them in the layer's `build`), and "
+            "call `model.compile(...)` again after changing `trainable`"
+        )
     raise ValueError(
-        "The model's trainable variables changed after `compile`: the step "
-        f"and the optimizer were built for {built}, the model now has {now} "
-        "(a layer's `trainable` set without a new `compile`; frozen layers "
-        f"now: {frozen}). On Keras' JAX backend the step cannot keep training "
-        "the variables it was built for (`keras.Model` fails here too). "
-        f"Received: {now} trainable variables, built for {built}. Fix: call "
-        "`model.compile(...)` again after changing `trainable`."
+        "The model's trainable variables changed after the step was built: "
+        f"the step and the optimizer were built for {built}, the model now has "
+        f"{now} ({cause}). Keras' JAX step cannot train other variables than "
+        "those (`keras.Model` fails here too). Received: "
+        f"{now} trainable variables, built for {built}. Fix: {fix}."
     )
 
 

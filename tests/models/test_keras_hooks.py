@@ -6,6 +6,14 @@ trains; and it builds an unbuilt model symbolically only under a
 distribution strategy, so `run_eagerly=True` models may run eager-only
 Python in `call`. Each test trains a plain `keras.Model` the same way as the
 reference.
+
+On Keras' JAX backend `keras.Model` does neither: its step runs on the
+state it is handed (a layer cannot create variables inside it: the
+optimizer, built before, gets more variables than it was built for) and
+`fit` always builds the model symbolically first (eager-only Python in
+`call` fails there). There the tests expect `keras.Model`'s failure from
+both, then train the late variables made before `fit` (one call with
+`training=True`) like `keras.Model`.
 """
 
 import keras
@@ -15,6 +23,8 @@ import tensorflow as tf
 from helpers import data, max_weight_diff
 
 import keras_fastgrad
+
+ON_JAX = keras.backend.backend() == "jax"
 
 
 def _dense(units, seed, name):
@@ -58,19 +68,21 @@ def _eager_only_class(base):
 
         def call(self, x):
             h = keras.ops.tanh(self.hidden(x))
-            if float(tf.reduce_sum(x)) > -1e9:  # a Python `if` on a value
+            if float(keras.ops.sum(x)) > -1e9:  # a Python `if` on a value
                 h = h * 2.0
-            if np.all(np.isfinite(x.numpy())):
+            if np.all(np.isfinite(np.asarray(x))):
                 h = h + 1.0
             return self.out(h)
 
     return EagerOnly
 
 
-def _train(model, batch_size, build=False, run_eagerly=False, epochs=2):
+def _train(model, batch_size, build=False, run_eagerly=False, epochs=2, made_first=False):
     x, y = data(n=12)
     if build:
         model.build((None, 3))
+    if made_first:  # every variable, the training-only ones too, before `fit`
+        model(x[:1], training=True)
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", run_eagerly=run_eagerly)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return model
@@ -83,16 +95,31 @@ def _assert_same_weights(model, reference):
     assert max_weight_diff(model, reference) < 1e-6
 
 
+def _late_variables_fail_as_in_keras_model(options, batch_size, **kwargs):
+    """JAX: `keras.Model` and `FastGradModel` fail on variables made inside
+    the step (Keras' optimizer check; ours names the cause and the fix)."""
+    for base, base_options, error in (
+        (keras.Model, {}, r"corresponding 1:1 to .*built with 4 variables"),
+        (
+            keras_fastgrad.FastGradModel,
+            options,
+            r"built for 4, the model now has 6 \(a layer made variables inside the train step.*"
+            r"Fix: make every variable before `fit`",
+        ),
+    ):
+        with pytest.raises(ValueError, match=error):
+            _train(_aux_head_class(base)(**base_options), batch_size, **kwargs)
+
+
 @pytest.mark.parametrize("build", [False, True], ids=["unbuilt", "build_shape"])
 @pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
 def test_training_only_layer_trains_like_keras_model(build, run_eagerly):
-    reference = _train(_aux_head_class(keras.Model)(), 3, build=build, run_eagerly=run_eagerly)
-    model = _train(
-        _aux_head_class(keras_fastgrad.FastGradModel)(),
-        3,
-        build=build,
-        run_eagerly=run_eagerly,
-    )
+    if ON_JAX:
+        if not run_eagerly:  # (eagerly: Keras' check of the layer's own list)
+            _late_variables_fail_as_in_keras_model({}, 3, build=build)
+    kwargs = {"build": build, "run_eagerly": run_eagerly, "made_first": ON_JAX}
+    reference = _train(_aux_head_class(keras.Model)(), 3, **kwargs)
+    model = _train(_aux_head_class(keras_fastgrad.FastGradModel)(), 3, **kwargs)
     assert len(model.trainable_variables) == 6  # the head's too
     _assert_same_weights(model, reference)
 
@@ -101,11 +128,14 @@ def test_training_only_layer_trains_like_keras_model(build, run_eagerly):
 def test_training_only_layer_is_accumulated(build):
     # Two micro-batches of 3 per update equal one batch of 6: the
     # accumulators must cover the head's variables too.
-    reference = _train(_aux_head_class(keras.Model)(), 6, build=build)
+    if ON_JAX:
+        _late_variables_fail_as_in_keras_model({"accumulation_steps": 2}, 3, build=build)
+    reference = _train(_aux_head_class(keras.Model)(), 6, build=build, made_first=ON_JAX)
     model = _train(
         _aux_head_class(keras_fastgrad.FastGradModel)(accumulation_steps=2),
         3,
         build=build,
+        made_first=ON_JAX,
     )
     assert len(model.fastgrad_step_state.accumulator.variables) > len(model.trainable_variables)
     assert int(model.optimizer.iterations.numpy()) == 4
@@ -118,6 +148,11 @@ def test_training_only_layer_is_accumulated(build):
 )
 def test_run_eagerly_with_eager_only_call_trains_like_keras_model(options, build):
     batch_size = 3 * options.get("accumulation_steps", 1)
+    if ON_JAX:
+        for base, base_options in ((keras.Model, {}), (keras_fastgrad.FastGradModel, options)):
+            with pytest.raises(RuntimeError, match=SYMBOLIC_BUILD_FAILS):
+                _train(_eager_only_class(base)(**base_options), 3, build=build, run_eagerly=True)
+        return
     reference = _train(_eager_only_class(keras.Model)(), batch_size, build=build, run_eagerly=True)
     model = _train(
         _eager_only_class(keras_fastgrad.FastGradModel)(**options),
@@ -128,16 +163,25 @@ def test_run_eagerly_with_eager_only_call_trains_like_keras_model(options, build
     _assert_same_weights(model, reference)
 
 
+# JAX: Keras' `fit` and `train_on_batch` build the model symbolically first.
+SYMBOLIC_BUILD_FAILS = "Unable to automatically build the model"
+
+
 def test_run_eagerly_train_on_batch_with_eager_only_call():
     x, y = data(n=6)
     models = []
     for base in (keras.Model, keras_fastgrad.FastGradModel):
         model = _eager_only_class(base)()
         model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", run_eagerly=True)
+        if ON_JAX:  # as keras.Model fails
+            with pytest.raises(RuntimeError, match=SYMBOLIC_BUILD_FAILS):
+                model.train_on_batch(x, y)
+            continue
         for _ in range(3):
             model.train_on_batch(x, y)
         models.append(model)
-    _assert_same_weights(models[1], models[0])
+    if not ON_JAX:
+        _assert_same_weights(models[1], models[0])
 
 
 def mirrored_training_only_layer(strategy):
@@ -198,6 +242,8 @@ def _fit_twice(base, source):
     keras.utils.set_random_seed(11)
     x, y = data(n=12)
     model = _aux_head_class(base)()
+    if ON_JAX:  # its late variables made before `fit` (see the module docstring)
+        model(x[:1], training=True)
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
     seen = []
     if source == "pydataset":
