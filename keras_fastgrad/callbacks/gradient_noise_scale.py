@@ -57,12 +57,12 @@ class GradientNoiseScale(_base.FastGradCallback):
 
     >>> import keras, numpy as np, keras_fastgrad
     >>> inputs = keras.Input((3,))
-    >>> model = keras_fastgrad.FastGradModel(
-    ...     inputs, keras.layers.Dense(1)(inputs), micro_batches=4)
+    >>> model = keras_fastgrad.FastGradModel(  # (any backend: accumulation)
+    ...     inputs, keras.layers.Dense(1)(inputs), accumulation_steps=4)
     >>> model.compile(optimizer="sgd", loss="mse")
     >>> x = np.random.default_rng(0).normal(size=(64, 3))
     >>> gns = keras_fastgrad.callbacks.GradientNoiseScale(decay=0.5, verbose=0)
-    >>> history = model.fit(x, x.sum(1, keepdims=True), batch_size=16,
+    >>> history = model.fit(x, x.sum(1, keepdims=True), batch_size=4,
     ...                     verbose=0, callbacks=[gns])
     >>> sorted(k for k in history.history if k.startswith("gns"))
     ['gns_grad_sq', 'gns_simple', 'gns_trace']

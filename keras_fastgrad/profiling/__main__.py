@@ -115,7 +115,10 @@ def parse_args(argv):
         "--batch-size", type=int, default=None, help=f"batch size (default {BUILTIN_BATCH})"
     )
     parser.add_argument(
-        "--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}"
+        "--modes",
+        default=",".join(default_modes()),
+        help=f"comma-separated subset of {','.join(MODES)} (default: every mode "
+        "the backend has; on JAX all but function)",
     )
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed rounds (default 20, 5 with --quick)"
@@ -133,6 +136,14 @@ def parse_args(argv):
     if problem:
         parser.error(problem)  # usage and the message on stderr, exit status 2
     return args
+
+
+def default_modes():
+    """Every mode, but `function` on JAX (TensorFlow's graph without XLA:
+    no JAX counterpart; `profile_step` would report it skipped)."""
+    if keras.backend.backend() == "jax":
+        return tuple(m for m in MODES if m != "function")
+    return tuple(MODES)
 
 
 def check_args(args):

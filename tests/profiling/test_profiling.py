@@ -16,6 +16,12 @@ from keras_fastgrad.profiling.measure import PhaseTimes, StepProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ON_JAX = keras.backend.backend() == "jax"
+# The compiled step of each backend (as `fit` runs it by default): TF's
+# graph (`tf.function`), JAX's `jax.jit` ("xla"; "function" has no JAX
+# counterpart: reported skipped, tests/jax/test_jax_profiling.py).
+COMPILED = "xla" if ON_JAX else "function"
+COMPILED_LABEL = "jax.jit (XLA)" if ON_JAX else "tf.function"
 
 
 def mlp(cls=keras_fastgrad.FastGradModel, features=4, width=8, depth=1, **options):
@@ -71,9 +77,9 @@ def state_of(model):
 def test_phases_are_ordered_on_a_model_big_enough(cls):
     model = mlp(cls, features=256, width=512, depth=3)
     result = keras_fastgrad.profile_step(
-        model, batch(128, 256), modes=("function",), repeats=9, warmup=2, verbose=0
+        model, batch(128, 256), modes=(COMPILED,), repeats=9, warmup=2, verbose=0
     )
-    t = result.phases["function"]
+    t = result.phases[COMPILED]
     # Medians of interleaved rounds; 5% slack for a shared machine.
     assert t.forward_ms < t.forward_backward_ms * 1.05, t
     assert t.forward_backward_ms <= t.step_ms * 1.05, t
@@ -101,17 +107,17 @@ def test_runs_on_functional_and_subclassed_models(model_fn):
     result = keras_fastgrad.profile_step(
         model,
         batch(),
-        modes=("eager", "function", "mixed_bfloat16"),
+        modes=("eager", COMPILED, "mixed_bfloat16"),
         repeats=2,
         warmup=1,
         verbose=0,
     )
-    assert list(result.phases) == ["eager", "function", "mixed_bfloat16"], result.skipped
+    assert list(result.phases) == ["eager", COMPILED, "mixed_bfloat16"], result.skipped
     assert result.tape_variables == result.trainable_variables == 4
     assert result.traces == 1
     assert result.batch_size == 16
-    assert result.speedup("function") > 0
-    assert "tf.function" in result.table()
+    assert result.speedup(COMPILED) > 0
+    assert COMPILED_LABEL in result.table()
 
 
 @pytest.mark.parametrize("cls", [keras_fastgrad.FastGradModel, keras.Model])
@@ -130,7 +136,7 @@ def test_weights_and_optimizer_state_are_unchanged(cls):
     x, y = batch()
     model.fit(x, y, batch_size=8, verbose=0)  # optimizer state is not zero
     before = state_of(model)
-    modes = ("eager", "function")  # XLA: same restore; it runs in the CLI test
+    modes = ("eager", COMPILED)  # (TF's XLA: same restore; it runs in the CLI test)
     result = keras_fastgrad.profile_step(model, (x, y), modes=modes, repeats=2, warmup=1, verbose=0)
     assert set(result.phases) == set(modes), result.skipped
     after = state_of(model)
@@ -144,7 +150,7 @@ def test_global_dtype_policy_is_restored(monkeypatch):
     model = mlp()
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     result = keras_fastgrad.profile_step(
-        model, batch(), modes=("function", "mixed_float16"), repeats=1, warmup=1, verbose=0
+        model, batch(), modes=(COMPILED, "mixed_float16"), repeats=1, warmup=1, verbose=0
     )
     assert "mixed_float16" in result.phases, result.skipped
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
@@ -154,10 +160,10 @@ def test_global_dtype_policy_is_restored(monkeypatch):
 
     monkeypatch.setattr(keras.saving, "deserialize_keras_object", broken)
     result = keras_fastgrad.profile_step(
-        model, batch(), modes=("function", "mixed_float16"), repeats=1, warmup=1, verbose=0
+        model, batch(), modes=(COMPILED, "mixed_float16"), repeats=1, warmup=1, verbose=0
     )
     assert "cannot rebuild" in result.skipped["mixed_float16"]
-    assert list(result.phases) == ["function"]
+    assert list(result.phases) == [COMPILED]
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
     assert "skipped: RuntimeError: cannot rebuild" in result.table()
 
@@ -179,7 +185,7 @@ def test_dataset_input_is_timed_and_short_batches_are_noticed():
     x, y = batch(10)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # 4, 4, 2
     result = keras_fastgrad.profile_step(
-        mlp(), dataset, modes=("function",), repeats=6, warmup=1, verbose=0
+        mlp(), dataset, modes=(COMPILED,), repeats=6, warmup=1, verbose=0
     )
     assert result.batch_size == 4
     assert result.data_ms > 0
@@ -189,18 +195,21 @@ def test_dataset_input_is_timed_and_short_batches_are_noticed():
 
 
 def test_keras_tape_watches_frozen_variables_fastgrad_does_not():
-    for cls, watched in ((keras.Model, 4), (keras_fastgrad.FastGradModel, 2)):
+    # On JAX there is no tape: both take the gradient for the trainable
+    # values only (Keras' JAX step, `jax.value_and_grad`).
+    keras_watches = 2 if ON_JAX else 4
+    for cls, watched in ((keras.Model, keras_watches), (keras_fastgrad.FastGradModel, 2)):
         model = mlp(cls)
         model.layers[1].trainable = False
         model.compile(
             optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         )
         result = keras_fastgrad.profile_step(
-            model, batch(), modes=("function",), repeats=1, warmup=1, verbose=0
+            model, batch(), modes=(COMPILED,), repeats=1, warmup=1, verbose=0
         )
         assert (result.tape_variables, result.trainable_variables) == (watched, 2)
         advice = " ".join(result.recommendations())
-        assert ("tape watches 4 variables" in advice) == (cls is keras.Model)
+        assert ("tape watches 4 variables" in advice) == (watched == 4)
 
 
 def synthetic_profile(**changes):
@@ -328,7 +337,7 @@ def test_every_mode_skipped_still_reports(monkeypatch):
 
 def test_array_batch_size_takes_the_first_samples():
     result = keras_fastgrad.profile_step(
-        mlp(), batch(64), batch_size=8, modes=("function",), repeats=1, warmup=1, verbose=0
+        mlp(), batch(64), batch_size=8, modes=(COMPILED,), repeats=1, warmup=1, verbose=0
     )
     assert result.batch_size == 8
 
@@ -347,13 +356,13 @@ def test_cli_profiles_a_saved_model(tmp_path, capsys):
                 "--model",
                 str(tmp_path / name),
                 "--modes",
-                "function",
+                COMPILED,
                 "--batch-size",
                 "16",
                 "--quick",
             ]
         )
-        assert result.batch_size == 16 and "function" in result.phases
+        assert result.batch_size == 16 and COMPILED in result.phases, result.skipped
     assert "Recommendations:" in capsys.readouterr().out
 
 
@@ -382,7 +391,7 @@ def test_cli_runs_quick_and_writes_the_png(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for text in (
         "builtin_mlp",
-        "tf.function + XLA",
+        "jax.jit (XLA)" if ON_JAX else "tf.function + XLA",
         "mixed_float16",
         "input pipeline",
         "traces of the compiled step: 1",
@@ -464,11 +473,14 @@ def test_xla_mode_runs_adaptive_clipping():
     inputs = keras.Input((4,))
     outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="relu")(inputs))
     model = keras_fastgrad.FastGradModel(inputs, outputs, clip_adaptive=0.01)
-    model.compile(
-        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(  # (JAX's "auto" would be True; TF's is False on a CPU)
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
     )
     assert not model.jit_compile
+    modes = ("eager", "xla") if ON_JAX else ("function", "xla")
     result = keras_fastgrad.profile_step(
-        model, batch(), modes=("function", "xla"), repeats=2, warmup=1, verbose=0
+        model, batch(), modes=modes, repeats=2, warmup=1, verbose=0
     )
-    assert set(result.phases) == {"function", "xla"}, result.skipped
+    assert set(result.phases) == set(modes), result.skipped
