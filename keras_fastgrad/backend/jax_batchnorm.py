@@ -59,6 +59,23 @@ def pool(model):
     return Pool(model)
 
 
+def _scalar_loss(compute):
+    """`compute` whose loss is a scalar on a batch of no rows too: Keras'
+    losses leave the values of no rows unreduced (shape `(0,)`), which
+    `jax.grad` refuses; their sum, 0, is what TensorFlow's tape
+    differentiates there (a zero gradient; the loss logged as 0). (The
+    multi-task step's losses, a tuple of task losses, pass as they are.)"""
+
+    def scalar(*args, **kwargs):
+        out = compute(*args, **kwargs)
+        loss, (unscaled, *rest) = out
+        if tuple(getattr(loss, "shape", ())) != (0,):
+            return out
+        return ops.sum(loss), (ops.sum(unscaled), *rest)
+
+    return scalar
+
+
 def forward(model, compute, trainable, ntv, *args, **kwargs):
     """`compute(trainable, ntv, *args, **kwargs)` (Keras'
     `compute_loss_and_updates` on the state's values) with each BatchNorm's moments combined into the window's slot of the
@@ -71,6 +88,7 @@ def forward(model, compute, trainable, ntv, *args, **kwargs):
         ValueError: (trace time) for a BatchNorm that assigns its moving
             statistics without Keras' moments computation.
     """
+    compute = _scalar_loss(compute)
     where = pool(model)
     if where is None:
         return compute(trainable, ntv, *args, **kwargs)

@@ -23,6 +23,7 @@ streak) is theirs, variable for variable.
 
 import jax
 import keras
+import numpy as np
 from keras import ops
 
 from keras_fastgrad import _compat as compat
@@ -248,7 +249,10 @@ def _metrics(model, mv, new_mv, unscaled_loss, streak, keep, batch):
     x, y, y_pred, sample_weight = batch
     metrics = model.metrics_variables
     with_streak = [(model.fastgrad_step_state.divergence.streak, streak)]
-    rows = first_input(x).shape[0]
+    # Weighted by its rows, as Keras does; a batch of no rows by the smallest
+    # normal float32 (as the TF step's `train_step._tracked`): a period that
+    # kept only such batches logs 0.0 as Keras, not the tracker's NaN of nothing.
+    rows = max(float(first_input(x).shape[0]), float(np.finfo(np.float32).tiny))
     with keras.StatelessScope(state_mapping=[*zip(metrics, new_mv), *with_streak]) as scope:
         compat.loss_tracker(model).update_state(unscaled_loss, sample_weight=rows)
         logs = model.compute_metrics(x, y, y_pred, sample_weight)
