@@ -468,7 +468,10 @@ class FastGradModel(keras.Model):
     def variables_without_gradient(self):
         """Paths of trainable variables that got no gradient in the traced
         step (unused, or cut off by `stop_gradient`); `None` before the
-        first trace."""
+        first trace. On JAX (where such a variable gets zeros, not `None`)
+        they are read from the traced program only while the
+        `tape_variables` key is requested (TapeVariableCounter,
+        `telemetry=True`); `None` otherwise."""
         return self.fastgrad_step_state.no_gradient
 
     def layer_norm_keys(self):
