@@ -41,11 +41,9 @@ matrix (`keras_fastgrad.backend.jax_multitask`).
 
 import math
 
-import jax
 from keras import ops
 
 from keras_fastgrad.backend import jax_noise_scale
-from keras_fastgrad.backend.jax_reaching import reaching_inputs
 from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
@@ -96,6 +94,10 @@ def record_trace_facts(model, state, x, y, sample_weight):
     Only while `tape_variables` is requested (`TapeVariableCounter`,
     `telemetry=True`); a trace that does not look leaves no facts (`None`).
     Under `run_eagerly=True` (no trace) the first step looks, once."""
+    import jax  # here: this module is imported on TensorFlow too, where JAX may be absent
+
+    from keras_fastgrad.backend.jax_reaching import reaching_inputs
+
     tv, ntv, ov, mv = state
     traced = any(isinstance(v, jax.core.Tracer) for v in tv[:1])
     step_state = model.fastgrad_step_state
