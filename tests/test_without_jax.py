@@ -6,13 +6,10 @@ the JAX step (telemetry, TapeVariableCounter, accumulation, clipping)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from subprocesses import run_python
 
 _SCRIPT = """
 import json, sys, traceback
@@ -61,16 +58,7 @@ print("RESULT" + json.dumps(out))
 
 def test_trains_on_tensorflow_with_jax_unimportable():
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.split("RESULT", 1)[1])
+    out = json.loads(run_python(_SCRIPT, env).split("RESULT", 1)[1])
     assert out["backend"] == "tensorflow"
     assert out["refused"] == [] or all("keras_fastgrad" not in r for r in out["refused"]), out[
         "refused"

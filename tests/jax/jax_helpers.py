@@ -1,8 +1,6 @@
 """Models, data and the reference runs shared by tests/jax."""
 
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -103,14 +101,9 @@ def run_on_tensorflow(script, timeout=300):
     """Runs `script` in a fresh Python under `KERAS_BACKEND=tensorflow` (from
     the repository's root); fails the test with its stderr if it fails.
     Returns its stdout."""
+    # (imported here: the scripts run on TF import this module with only
+    # tests/jax on their path)
+    from subprocesses import run_python
+
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run_python(script, env, ROOT, timeout)

@@ -7,14 +7,13 @@ against the TensorFlow step's (a TensorFlow process)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
+from jax_helpers import run_on_tensorflow
 from keras import ops
 
 import keras_fastgrad as kf
@@ -366,12 +365,7 @@ def test_same_weights_and_logs_as_the_tensorflow_step(tmp_path):
     weights = str(tmp_path / "weights.npz")
     np.savez(weights, *two_heads(keras.Model, "embedding").get_weights())
     script = _TF_SCRIPT.format(helpers=helpers, configs=_CONFIGS, weights=weights)
-    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    run = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    tf_runs = json.loads(run.stdout.split("RESULT", 1)[1])
+    tf_runs = json.loads(run_on_tensorflow(script, timeout=240).split("RESULT", 1)[1])
     x, y = data("embedding")
     y["b"][20, 0] = np.nan  # batch 2 of each epoch: dropped on both
     for options, tf_run in zip(_CONFIGS, tf_runs, strict=True):

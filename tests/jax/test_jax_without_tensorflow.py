@@ -10,8 +10,8 @@ model itself (the loaded file's predictions)."""
 
 import json
 import os
-import subprocess
-import sys
+
+from subprocesses import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -124,16 +124,7 @@ print(json.dumps({{
 
 
 def _run(script, env, cwd):
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(run_python(script, env, cwd).strip().splitlines()[-1])
 
 
 def test_trains_saves_and_loads_without_tensorflow(tmp_path):
