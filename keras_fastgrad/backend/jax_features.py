@@ -23,7 +23,6 @@ layer's capture is `keras_fastgrad.multitask.representation`'s).
 """
 
 import jax
-from jax.extend import core as jax_core
 from keras import ops, tree
 
 from keras_fastgrad.backend import jax_multitask as parameter_space
@@ -49,16 +48,10 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
     )
     shapes = jax.eval_shape(lambda t: program(t, None)[0][1], list(tv))
     zeros = tuple(ops.zeros(s.shape, s.dtype) for s in shapes)
-    closed, out_shapes = jax.make_jaxpr(program, return_shape=True)(list(tv), zeros)
+    closed, traced = jax_reaching.traced_program(program, list(tv), zeros)
     names = task_names(model)
     num_tasks = len(names)
     _check_every_task_reads_z(closed, names, len(tv), len(zeros), cut.layer.name)
-    run = jax_core.jaxpr_as_fun(closed)
-    structure = jax.tree_util.tree_structure(out_shapes)
-
-    def traced(trainable, deltas):
-        return jax.tree_util.tree_unflatten(structure, run(*trainable, *deltas))
-
     (losses, features), pullback, (aux, d) = jax.vjp(traced, list(tv), zeros, has_aux=True)
     no_features = tuple(ops.zeros_like(z) for z in features)
     direct, dz = None, []

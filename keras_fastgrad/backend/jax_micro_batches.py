@@ -30,12 +30,10 @@ under a mean reduction; otherwise refused by name, as under accumulation.
 
 import jax
 import keras
-from jax.extend import core as jax_core
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend import jax_batchnorm, jax_multitask, jax_weighting
-from keras_fastgrad.maths import multitask as maths
+from keras_fastgrad.backend import jax_batchnorm, jax_multitask, jax_reaching, jax_weighting
 from keras_fastgrad.step.splitting import first_input, slice_sizes
 from keras_fastgrad.step.task_losses import task_names
 
@@ -125,14 +123,8 @@ def sliced_task_gradients(
             True,
             check_extra_terms,
         )
-        closed, shapes = jax.make_jaxpr(program, return_shape=True)(list(tv))
+        closed, traced = jax_reaching.traced_program(program, list(tv))
         facts["reaching"].append(jax_multitask.reaching_tasks(closed, num_tasks, len(tv)))
-        run = jax_core.jaxpr_as_fun(closed)
-        structure = jax.tree_util.tree_structure(shapes)
-
-        def traced(*trainable):
-            return jax.tree_util.tree_unflatten(structure, run(*trainable))
-
         losses, pullback, (aux, d) = jax.vjp(traced, *tv, has_aux=True)
         facts["mean"], facts["regularized"] = found["mean"], len(losses) > num_tasks
         rows = [  # one backward pass per task (and the regularisation): times `D_i`
@@ -151,16 +143,15 @@ def sliced_task_gradients(
     reaching = [  # (every slice's trace reaches the same; united, never fewer)
         tuple(sorted(set().union(*ts))) for ts in zip(*facts["reaching"])
     ]
-    own, groups = maths.split_by_reaching_tasks(reaching)
-    gram, stacked = maths.gram(per_task, groups, num_tasks)
-    if mean:  # the batch's true gradients' (the sums carry `sum_i D_i`)
-        gram = gram / ops.square(d_sum)
-    weights, commit = jax_multitask.weigh(model, gram, ntv)
-    by_index = maths.merge(per_task, own, groups, stacked, weights)
-    merged = [by_index.get(k, ops.zeros_like(g)) for k, g in enumerate(per_task[0])]
-    if facts["regularized"]:
-        merged = [m + r for m, r in zip(merged, regularization)]
-    updates = commit(merged, ops.isfinite(loss_sum))
+    merged, updates, gram = jax_multitask.merge(  # the sums carry `sum_i D_i`
+        model,
+        per_task,
+        reaching,
+        ntv,
+        d_sum if mean else None,
+        regularization if facts["regularized"] else None,
+        ops.isfinite(loss_sum),
+    )
     grads, d, mean, aux = _per_batch(merged, loss_sum, d_sum, mean, accumulating, aux)
     return grads, d, mean, jax_multitask.with_updates(model, aux, updates, gram)
 

@@ -33,7 +33,6 @@ any telemetry key is requested.
 
 import jax
 import keras
-from jax.extend import core as jax_core
 from keras import ops
 
 from keras_fastgrad import _compat as compat
@@ -67,30 +66,23 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
     program, found, scale = losses_program(
         model, slots, state, x, y, sample_weight, accumulating, check_extra_terms
     )
-    closed, shapes = jax.make_jaxpr(program, return_shape=True)(list(tv))
+    closed, traced = jax_reaching.traced_program(program, list(tv))
     num_tasks = len(task_names(model))
     reaching = reaching_tasks(closed, num_tasks, len(tv))
-    run = jax_core.jaxpr_as_fun(closed)
-    structure = jax.tree_util.tree_structure(shapes)
-
-    def traced(*trainable):
-        return jax.tree_util.tree_unflatten(structure, run(*trainable))
-
     losses, pullback, (aux, d) = jax.vjp(traced, *tv, has_aux=True)
     per_loss = [  # one backward pass per task (and the regularisation)
         unscaled(pullback(one_hot(losses, i)), d, scale) for i in range(len(losses))
     ]
-    per_task, regularization = per_loss[:num_tasks], per_loss[num_tasks:]
-    own, groups = maths.split_by_reaching_tasks(reaching)
-    gram, stacked = maths.gram(per_task, groups, num_tasks)
-    if accumulating:  # the true gradients' (the merge keeps D_j)
-        gram = gram / ops.square(ops.cast(d, "float32"))
-    weights, commit = weigh(model, gram, ntv)
-    by_index = maths.merge(per_task, own, groups, stacked, weights)
-    merged = [by_index.get(k, ops.zeros_like(g)) for k, g in enumerate(per_task[0])]
-    if regularization:
-        merged = [m + r for m, r in zip(merged, regularization[0])]
-    updates = commit(merged, all_finite(list(losses)))
+    divisor = ops.cast(d, "float32") if accumulating else None  # the merge keeps D_j
+    merged, updates, gram = merge(
+        model,
+        per_loss[:num_tasks],
+        reaching,
+        ntv,
+        divisor,
+        per_loss[num_tasks] if len(per_loss) > num_tasks else None,
+        all_finite(list(losses)),
+    )
     return merged, d, found["mean"], with_updates(model, aux, updates, gram)
 
 
@@ -187,6 +179,39 @@ def reaching_tasks(closed, num_tasks, num_trainable):
     values, its first outputs the task losses)."""
     reached = jax_reaching.reaching_inputs(closed, num_tasks)
     return [tuple(t for t in range(num_tasks) if k in reached[t]) for k in range(num_trainable)]
+
+
+def merge(model, per_task, reaching, ntv, divisor, regularization, losses_finite):
+    """The merged gradient of the task gradients (the tail of the chain,
+    shared with `jax_micro_batches`): the Gram matrix over the shared
+    variables, the aggregator's weights, the merge
+    (`keras_fastgrad.maths.multitask`), the regularisation's gradient added.
+
+    Args:
+        model: The `FastGradModel`.
+        per_task: Per task, its float32 gradients (one per trainable).
+        reaching: Per trainable variable, the tasks reaching it.
+        ntv: The non-trainable values (the aggregator's state among them).
+        divisor: `None`, or the factor the gradients carry (`D`): the
+            Gram is divided by its square, the true gradients'.
+        regularization: `None` or the regularisation's gradients.
+        losses_finite: Boolean scalar, whether the losses are finite (the
+            aggregator's state moves only then).
+
+    Returns:
+        `(merged, updates, gram)`: the merged gradients, the aggregator's
+        `{ntv position: value}` after the step and the Gram matrix.
+    """
+    own, groups = maths.split_by_reaching_tasks(reaching)
+    gram, stacked = maths.gram(per_task, groups, len(per_task))
+    if divisor is not None:
+        gram = gram / ops.square(divisor)
+    weights, commit = weigh(model, gram, ntv)
+    by_index = maths.merge(per_task, own, groups, stacked, weights)
+    merged = [by_index.get(k, ops.zeros_like(g)) for k, g in enumerate(per_task[0])]
+    if regularization is not None:
+        merged = [m + r for m, r in zip(merged, regularization)]
+    return merged, commit(merged, losses_finite), gram
 
 
 def weigh(model, gram, ntv):
