@@ -220,6 +220,13 @@ def output_losses(compile_loss):
     return compile_loss._flat_losses
 
 
+def output_loss_metrics(compile_loss):
+    """`CompileLoss`'s per-output loss metrics (`<output>_loss`, one `Mean`
+    per output of a model with several; none for one output, or on a
+    Keras without them)."""
+    return list(getattr(compile_loss, "metrics", None) or [])
+
+
 def set_output_losses(compile_loss, entries):
     """Replaces `CompileLoss`'s per-output entries."""
     compile_loss._flat_losses = list(entries)

@@ -121,6 +121,47 @@ def case_nan_on_one_replica():
     return result
 
 
+def case_per_output_losses_nan_on_one_replica():
+    # A two-output model; replica 1's half of global batch 2 has a NaN in
+    # output b's target: the whole global batch is dropped, and Keras'
+    # `a_loss` / `b_loss` leave it out as `loss` does. Reference: the
+    # single device trained without that global batch.
+    def two_outputs():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((4,))
+        trunk = keras.layers.Dense(8, activation="tanh")(inputs)
+        outputs = {"a": keras.layers.Dense(1, name="a")(trunk)}
+        outputs["b"] = keras.layers.Dense(2, name="b")(trunk)
+        return inputs, outputs
+
+    def losses():
+        return {"optimizer": keras.optimizers.SGD(0.1), "loss": {"a": "mse", "b": "mse"}}
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 4)).astype("float32")
+    y = {"a": rng.normal(size=(24, 1)), "b": rng.normal(size=(24, 2))}
+    y = {k: v.astype("float32") for k, v in y.items()}
+    ys = {k: v.copy() for k, v in y.items()}
+    ys["b"][8 + 5, 0] = np.nan
+    keep = np.r_[0:8, 16:24]
+    reference = train(
+        lambda: keras.Model(*two_outputs()),
+        losses,
+        x[keep],
+        {k: v[keep] for k, v in y.items()},
+        {"batch_size": 8},
+        False,
+    )
+    return compare(
+        lambda: keras_fastgrad.FastGradModel(*two_outputs(), telemetry=True),
+        losses,
+        x,
+        ys,
+        {"batch_size": 8},
+        reference,
+    )
+
+
 def case_mixed_float16_overflow_on_one_replica():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:

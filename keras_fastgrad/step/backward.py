@@ -17,7 +17,12 @@ import warnings
 
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step import noise_scale
-from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
+from keras_fastgrad.step.compile_loss import (
+    check_extra_terms,
+    loss_terms,
+    output_loss_metrics,
+    present_terms,
+)
 from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import (
     num_replicas,
@@ -42,8 +47,9 @@ class Batch(
             "normaliser",
             "mean_reduction",
             "small_batches",
+            "output_metrics_before",
         ],
-        defaults=(None,),
+        defaults=(None, ()),
     )
 ):
     """What the forward and backward pass of one micro-batch produced.
@@ -61,7 +67,10 @@ class Batch(
             or nothing combined).
         small_batches: The `noise_scale.small_batch` measures of this
             replica's micro-batch (or of its slices, summed); `None` unless
-            the noise scale is measured."""
+            the noise scale is measured.
+        output_metrics_before: `compile_loss.output_loss_metrics`' pairs
+            (Keras' per-output loss metrics before this micro-batch), for
+            `keep_output_loss_metrics` when it is dropped."""
 
 
 def gradients(model, state, x, y, sample_weight):
@@ -69,8 +78,9 @@ def gradients(model, state, x, y, sample_weight):
     gradients unscaled and, where micro-batches are combined (accumulation,
     replicas, slices), weighted by the micro-batch's share of the window
     (`weighting`: folded into the loss). Returns a `Batch`."""
-    with _recording_batchnorm(state):
-        return _gradients(model, state, x, y, sample_weight)
+    with _recording_batchnorm(state), output_loss_metrics(model) as before:
+        batch = _gradients(model, state, x, y, sample_weight)
+    return batch._replace(output_metrics_before=tuple(before))
 
 
 def _gradients(model, state, x, y, sample_weight):

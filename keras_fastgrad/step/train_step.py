@@ -32,6 +32,7 @@ from keras_fastgrad.step.adaptive_clipping import (
 from keras_fastgrad.step.applying import apply_if
 from keras_fastgrad.step.backward import Batch, gradients
 from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
+from keras_fastgrad.step.compile_loss import keep_output_loss_metrics
 from keras_fastgrad.step.gradients import scale
 from keras_fastgrad.step.replicas import (
     distributed,
@@ -89,6 +90,7 @@ def update_or_drop(model, state, batch, verdict):
         if marks is None:  # the check was the norm: where, only if asked
             marks = functools.partial(finite.marks, batch.grads, batch.loss)
         record_drop(model, state, marks, verdict.counts_towards_streak)
+        keep_output_loss_metrics(batch.output_metrics_before, False)
 
     tf.cond(verdict.keep, apply, drop)
     return model.get_metrics_result()
@@ -266,6 +268,7 @@ def metrics_logs(model, keep, batch):
     micro-batch (its NaN would make them NaN for the rest of the epoch),
     as global results: one `cond`, in replica context."""
     loss = compat.unscale_loss_for_distribution(batch.loss)
+    keep_output_loss_metrics(batch.output_metrics_before, keep)
     if type(model).compute_metrics is not keras.Model.compute_metrics:
         # A user override may return other keys: call it as Keras does.
         loss, weight = _tracked(loss, batch.num_samples)

@@ -126,6 +126,17 @@ def test_nan_on_one_replica_is_dropped_on_every_replica(mirrored):
     )
 
 
+def test_per_output_losses_leave_out_a_batch_dropped_on_one_replica(mirrored):
+    # Reference: keras.Model on one device trained without that global batch.
+    result = mirrored["per_output_losses_nan_on_one_replica"]
+    _assert_same_as_single_device(result)
+    assert result["history"]["nonfinite_count"] == [1.0]
+    for key in ("a_loss", "b_loss", "loss"):
+        np.testing.assert_allclose(
+            result["history"][key], result["reference_history"][key], rtol=1e-5, err_msg=key
+        )
+
+
 def test_mixed_float16_overflow_on_one_replica(mirrored):
     result = mirrored["mixed_float16_overflow_on_one_replica"]
     # float16 forward on half batches vs full batches: rounding only.

@@ -376,3 +376,47 @@ def test_state_saved_in_the_earlier_layout_still_resumes():
     # The 4th batch completed the window in both (same weights after it).
     assert int(resumed.optimizer.iterations.numpy()) == 1
     assert max_weight_diff(resumed, source) < 1e-7
+
+
+# ------------------------------------------- per-output loss metrics
+def two_outputs(cls):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    trunk = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = {
+        "a": keras.layers.Dense(1, name="a")(trunk),
+        "b": keras.layers.Dense(2, name="b")(trunk),
+    }
+    return cls(inputs, outputs)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"accumulation_steps": 2}, {"micro_batches": 2}, {"clip_norm": 1.0}],
+    ids=["default", "accumulation", "micro_batches", "clip_norm"],
+)
+def test_a_dropped_batch_leaves_the_per_output_losses_as_they_were(options):
+    # Keras' per-output `a_loss` / `b_loss` are updated while the loss is
+    # computed, before the step knows the batch is finite: a dropped batch
+    # must add nothing to them, as to `loss`. Reference: keras.Model's own
+    # logs on the kept batches alone (learning rate 0: no update moves the
+    # weights, so dropping a batch changes only what is averaged).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(18, 4)).astype("float32")
+    y = {
+        "a": rng.normal(size=(18, 1)).astype("float32"),
+        "b": rng.normal(size=(18, 2)).astype("float32"),
+    }
+    y["b"][5, 1] = np.nan  # batch 1 of 4 rows (the last batch has 2)
+    model = two_outputs(lambda i, o: keras_fastgrad.FastGradModel(i, o, **options))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss={"a": "mse", "b": "mse"})
+    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    kept = np.r_[0:4, 8:18]  # the same batches, without batch 1
+    reference = two_outputs(keras.Model)
+    reference.compile(optimizer=keras.optimizers.SGD(0.0), loss={"a": "mse", "b": "mse"})
+    expected = reference.fit(
+        x[kept], {k: v[kept] for k, v in y.items()}, batch_size=4, shuffle=False, verbose=0
+    ).history
+    for key in ("a_loss", "b_loss", "loss"):
+        np.testing.assert_allclose(history.history[key], expected[key], rtol=1e-5, err_msg=key)
+    assert model.telemetry_counters()["nonfinite_count"] == 1

@@ -384,10 +384,11 @@ def test_same_weights_and_logs_as_the_tensorflow_step(tmp_path):
         assert sorted(history.history) == sorted(tf_run["logs"]), options
         assert any(k.startswith("task_cosine/") for k in history.history)
         for key, values in tf_run["logs"].items():
-            if key in ("a_loss", "b_loss"):
-                # Keras' per-output loss metrics of the dropped micro-batch:
-                # counted on TF (updated inside the tape), not on JAX (the
-                # step's metrics are left as they were, for every model).
+            if key in ("a_loss", "b_loss") and "micro_batches" in options:
+                # Keras' per-output loss metrics, updated once per slice: TF's
+                # slices (in a loop, batch size unknown) count alike, JAX's
+                # by their rows (3, 3, 2). The dropped micro-batch is left
+                # out on both (compared in the other configurations).
                 continue
             np.testing.assert_allclose(
                 history.history[key], values, rtol=1e-4, atol=1e-6, err_msg=f"{key} {options}"
