@@ -19,6 +19,8 @@ options in the config), `models/readouts.py` (what the step measured),
 `models/partial_window.py` (`apply_partial_window`).
 """
 
+import functools
+
 import keras
 
 from keras_fastgrad import _compat as compat
@@ -271,7 +273,16 @@ class FastGradModel(keras.Model):
             self._fg_prepare_state()
             _backend.check_model(self)
             self._fg_keep_for_a_refusal()  # (the step's variables now built)
-            return super().make_train_function(force=force)
+            # Keras jits `self.train_step`; `jax.jit` caches its traces per
+            # function, and bound methods of one model compare equal, so a
+            # rebuild would reuse the old trace (the old options, log keys)
+            # wherever something still holds the old train function. A new
+            # `partial` each time is a new function: traced anew.
+            object.__setattr__(self, "train_step", functools.partial(type(self).train_step, self))
+            try:
+                return super().make_train_function(force=force)
+            finally:
+                vars(self).pop("train_step", None)
         _options.check_jit_compile_under_strategy(self.jit_compile, self.distribute_strategy)
         _options.check_steps_per_execution_under_strategy(
             self.steps_per_execution, self.distribute_strategy

@@ -247,3 +247,26 @@ def test_retrace_watch_counts_the_jitted_steps_traces():
             x, y, batch_size=29, epochs=2, verbose=0, callbacks=[kf.callbacks.RetraceWatch()]
         )
     assert history.history["train_traces"] == [1.0, 1.0]
+
+
+def test_a_rebuilt_train_function_is_traced_anew_while_the_old_one_is_held():
+    # `jax.jit` caches its traces per function and Keras jits the bound
+    # `model.train_step`: bound methods of one model compare equal, so while
+    # anything holds the old train function (a user's callback, a profiler),
+    # a rebuild reused the old trace, here one traced without the
+    # `grad_norm` key. Reference: the same two fits, the old one not held.
+    def two_fits(hold):
+        x, y = data()
+        model = mlp(kf.FastGradModel)
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        model.fit(x, y, batch_size=ROWS, verbose=0)  # no telemetry key asked for
+        held = model.train_function if hold else None
+        history = model.fit(
+            x, y, batch_size=ROWS, verbose=0, callbacks=[kf.callbacks.GradientNormLogger()]
+        )
+        assert held is None or held is not model.train_function
+        return history.history
+
+    held, reference = two_fits(hold=True), two_fits(hold=False)
+    assert held.get("grad_norm") == reference["grad_norm"]
+    assert held["loss"] == reference["loss"]
