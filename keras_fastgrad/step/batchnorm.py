@@ -118,7 +118,7 @@ class WindowMoments:
 
     def reset_state(self):
         """An empty window (nothing pooled yet)."""
-        self.window.assign(keras.ops.zeros_like(self.window))  # (from the host)
+        self.window.assign(keras.ops.zeros(self.window.shape, self.window.dtype))  # (from the host)
 
     # ------------------------------------------------- in the forward pass
     def recording(self):

@@ -227,7 +227,7 @@ class NoiseScale:
     def reset_state(self):
         """An empty window and no estimate yet (the decay kept)."""
         for v in (self.window, self.ema_grad_sq, self.ema_trace, self.ema_weight):
-            v.assign(keras.ops.zeros_like(v))  # (from the host, on either backend)
+            v.assign(keras.ops.zeros(v.shape, v.dtype))  # (from the host, on either backend)
 
     def set_decay(self, decay):
         """Sets the EMAs' decay (from the host)."""

@@ -321,6 +321,34 @@ def test_a_file_whose_step_state_does_not_fit_leaves_no_pooled_moments(tmp_path)
     assert_moving_close(model, keras_on_concatenation(conv_bn, x[5:], y[5:]))
 
 
+def test_a_file_without_the_pooled_window_starts_it_empty_on_every_backend(tmp_path):
+    # A unit the file lacks starts fresh (`state_files`: `reset_state`,
+    # from the host). On JAX `ops.zeros_like` of a variable raised there,
+    # so such a file failed to load (found by the full-tier test above).
+    # Units: the BatchNorm window and the noise scale's window and EMAs.
+    x, y = image_data()
+    saved = conv_bn(FastGradModel, accumulation_steps=2, batchnorm_statistics="micro_batch")
+    saved.compile(optimizer="sgd", loss="mse")
+    saved.train_on_batch(x[:5], y[:5])
+    path = str(tmp_path / "no_units.weights.h5")
+    saved.save_weights(path)
+    model = conv_bn(FastGradModel, accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.enable_telemetry(["gns_simple"])
+    model.train_on_batch(x[:5], y[:5])  # mid-window: moments and small batches pooled
+    model.train_on_batch(x[5:], y[5:])  # a window: the noise scale's EMAs set
+    state = model.fastgrad_step_state
+    units = [state.batchnorm, state.noise_scale]
+    model.train_on_batch(x[:5], y[:5])  # mid-window again
+    assert all(np.any(keras.ops.convert_to_numpy(u.window)) for u in units)
+    model.load_weights(path)
+    for unit in units:
+        for v in unit.variables[:4]:  # (the noise scale's decay is kept)
+            assert not np.any(keras.ops.convert_to_numpy(v)), v.path
+    for got, want in zip(model.get_weights(), saved.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
 # ------------------------------------ synchronized=True and micro_batches
 def mirrored_synchronized_micro_batches(strategy):
     """`synchronized=True` with `micro_batches` under `strategy` (two
@@ -355,6 +383,7 @@ def mirrored_synchronized_micro_batches(strategy):
     return results
 
 
+@pytest.mark.tensorflow_only(reason="Keras: synchronized=True exists on TensorFlow only")
 def test_synchronized_batchnorm_with_micro_batches_runs_without_a_strategy():
     # One device: the layer's all-reduce is a no-op, nothing to refuse; it
     # normalises each slice as the unsynchronized layer does.
