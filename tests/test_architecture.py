@@ -105,6 +105,8 @@ MODEL_ATTRIBUTES = {
     "_fg_attachment": "the callbacks' attachment on a plain model (never saved)",
     "_fg_cloned_options": "a clone's options, from `__new__` to `__init__` (popped there)",
     "_loss_tracker": "Keras' own `loss` metric, replaced by one that reports NaN periods",
+    "train_step": "JAX: a new function for Keras to jit while it makes the train function "
+    "(removed right after; `jax.jit` would reuse the bound method's old trace)",
 }
 _MODEL_NAMES = ("model", "instance")
 

@@ -3,6 +3,8 @@ step returns (`enable_telemetry`, `layer_norm_keys`) and its cumulative
 counters (`telemetry_counters`). The model's methods of the same names
 delegate here; all of it reads `model.fastgrad_step_state`."""
 
+import keras
+
 from keras_fastgrad.step.telemetry import (
     AGC_CLIPPED_FRACTION,
     LOG_KEYS,
@@ -50,4 +52,5 @@ def telemetry_counters(model):
     telemetry = model.fastgrad_step_state.telemetry
     if telemetry is None:
         return dict.fromkeys(COUNTERS, 0.0)
-    return {name: float(getattr(telemetry, name).numpy()) for name in COUNTERS}
+    # (`float` of the value: `.numpy()` of a variable warns on JAX with NumPy 2)
+    return {name: float(keras.ops.convert_to_tensor(getattr(telemetry, name))) for name in COUNTERS}
