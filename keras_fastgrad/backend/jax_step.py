@@ -21,6 +21,8 @@ and updates (`nonfinite_count`, `updates`, `clipped_updates`, the divergence
 streak) is theirs, variable for variable.
 """
 
+import contextlib
+
 import jax
 import keras
 import numpy as np
@@ -38,7 +40,7 @@ from keras_fastgrad.backend import (
 from keras_fastgrad.backend import jax_noise_scale as noise
 from keras_fastgrad.backend import jax_telemetry as telemetry
 from keras_fastgrad.backend import jax_units as units
-from keras_fastgrad.backend.jax_state import Slots
+from keras_fastgrad.backend.jax_state import Slots, check_trainable_unchanged
 from keras_fastgrad.step.splitting import first_input
 
 
@@ -59,9 +61,10 @@ def train_step(model, state, data):
     slots = Slots(model)
     noise.add_slots(model, slots)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    telemetry.record_trace_facts(model, state, x, y, sample_weight)  # (trace time)
     accumulating = model.fastgrad_step_state.accumulator is not None
-    grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
+    with _variables_made_in_the_step_refused(model):
+        telemetry.record_trace_facts(model, state, x, y, sample_weight)  # (trace time)
+        grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
     unscaled_loss, y_pred, new_ntv, new_mv, *task_logs = aux  # (multitask: its telemetry)
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
         _record_mean_reduction(model.fastgrad_step_state, mean, len(tv))
@@ -99,6 +102,35 @@ def train_step(model, state, data):
     logs.update(telemetry.logs(model, slots, new, ov, len(tv)))
     logs.update(task_logs[0] if task_logs else {})
     return logs, (tv, out_ntv, ov, mv)
+
+
+@contextlib.contextmanager
+def _variables_made_in_the_step_refused(model):
+    """A layer that makes its variables in the traced forward pass (one used
+    only with `training=True`, built lazily) fails inside Keras' stateless
+    call (a shape mismatch of the state's values, or a traced initial value
+    turned into NumPy): refused by name instead, wherever the variables'
+    count did change (`jax_state.check_trainable_unchanged`, which `Slots`
+    ran before the forward pass, when it still matched)."""
+    try:
+        yield
+    except Exception as error:
+        try:
+            check_trainable_unchanged(model)
+            unbuilt = [layer.name for layer in compat.flatten_layers(model) if not layer.built]
+            if unbuilt:  # (its variables' creation failed under the trace)
+                raise ValueError(
+                    "The train step failed while a layer made its variables inside it "
+                    f"(a layer made variables inside the train step: {unbuilt} were not "
+                    "built before `fit`, e.g. used only with `training=True`). Keras' JAX "
+                    "step cannot create variables (`keras.Model` fails here too). "
+                    f"Received: unbuilt layers {unbuilt}. Fix: make every variable before "
+                    "`fit` (call the model once on a batch with `training=True`, or create "
+                    "them in the layer's `build`)."
+                )
+        except ValueError as refusal:
+            raise refusal from error
+        raise
 
 
 def _gradients(model, slots, state, x, y, sample_weight, accumulating):
