@@ -8,10 +8,9 @@ JAX the pending window's update on values
 
 import functools
 
-import keras
-
 from keras_fastgrad import backend as _backend
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.models.readouts import host_value
 from keras_fastgrad.step import train_step as _step
 
 
@@ -19,7 +18,7 @@ def pending_micro_batches(model):
     """int: the micro-batches accumulated in the open window (0 without
     accumulation, or when the last window was applied)."""
     acc = model.fastgrad_step_state.accumulator
-    return 0 if acc is None else int(keras.ops.convert_to_tensor(acc.micro_step)) % acc.steps
+    return 0 if acc is None else int(host_value(acc.micro_step)) % acc.steps
 
 
 def refuse_without_optimizer(model, pending):

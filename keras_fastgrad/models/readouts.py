@@ -3,7 +3,7 @@ step returns (`enable_telemetry`, `layer_norm_keys`) and its cumulative
 counters (`telemetry_counters`). The model's methods of the same names
 delegate here; all of it reads `model.fastgrad_step_state`."""
 
-import keras
+import numpy as np
 
 from keras_fastgrad.step.telemetry import (
     AGC_CLIPPED_FRACTION,
@@ -52,5 +52,12 @@ def telemetry_counters(model):
     telemetry = model.fastgrad_step_state.telemetry
     if telemetry is None:
         return dict.fromkeys(COUNTERS, 0.0)
-    # (`float` of the value: `.numpy()` of a variable warns on JAX with NumPy 2)
-    return {name: float(keras.ops.convert_to_tensor(getattr(telemetry, name))) for name in COUNTERS}
+    return {name: host_value(getattr(telemetry, name)) for name in COUNTERS}
+
+
+def host_value(variable):
+    """A scalar variable's value now, as a Python float: TensorFlow's
+    `.numpy()` (a distributed variable's too), NumPy of the JAX array
+    (`.numpy()` of a Keras variable warns on JAX with NumPy 2)."""
+    value = variable.value
+    return float(value.numpy() if hasattr(value, "numpy") else np.asarray(value))
