@@ -141,3 +141,24 @@ def between_middle(ratios):
     k = len(r) // 2
     assert r[k - 1] < r[k]
     return float(np.sqrt(r[k - 1] * r[k]))
+
+
+class TrainingBranch(keras.Model):
+    """A subclass whose training call adds a branch (its own weights) that
+    inference skips (built by its first training call unless called so)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.body = keras.layers.Dense(6, activation="tanh")
+        self.extra = keras.layers.Dense(6)
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        h = self.body(x)
+        if training:
+            h = h + 0.5 * self.extra(h)
+        return self.head(h)
+
+
+class FGTrainingBranch(keras_fastgrad.FastGradModel, TrainingBranch):
+    pass

@@ -108,26 +108,15 @@ def train_step(model, state, data):
 def _variables_made_in_the_step_refused(model):
     """A layer that makes its variables in the traced forward pass (one used
     only with `training=True`, built lazily) fails inside Keras' stateless
-    call (a shape mismatch of the state's values, or a traced initial value
-    turned into NumPy): refused by name instead, wherever the variables'
-    count did change (`jax_state.check_trainable_unchanged`, which `Slots`
-    ran before the forward pass, when it still matched)."""
+    call (a shape mismatch of the state's values): refused by name instead,
+    wherever the variables' count did change
+    (`jax_state.check_trainable_unchanged`, which `Slots` ran before the
+    forward pass, when it still matched)."""
     try:
         yield
     except Exception as error:
         try:
             check_trainable_unchanged(model)
-            unbuilt = [layer.name for layer in compat.flatten_layers(model) if not layer.built]
-            if unbuilt:  # (its variables' creation failed under the trace)
-                raise ValueError(
-                    "The train step failed while a layer made its variables inside it "
-                    f"(a layer made variables inside the train step: {unbuilt} were not "
-                    "built before `fit`, e.g. used only with `training=True`). Keras' JAX "
-                    "step cannot create variables (`keras.Model` fails here too). "
-                    f"Received: unbuilt layers {unbuilt}. Fix: make every variable before "
-                    "`fit` (call the model once on a batch with `training=True`, or create "
-                    "them in the layer's `build`)."
-                )
         except ValueError as refusal:
             raise refusal from error
         raise

@@ -12,6 +12,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from helpers import FGTrainingBranch, TrainingBranch
 
 import keras_fastgrad
 
@@ -347,27 +348,6 @@ def test_batchnorm_model_default_options_train_exactly_like_keras(build):
 
 
 # ------------------------------------------- clip_norm beyond an MLP
-class TrainingBranch(keras.Model):
-    """A subclass whose training call adds a branch (its own weights) that
-    inference skips."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.body = keras.layers.Dense(6, activation="tanh")
-        self.extra = keras.layers.Dense(6)
-        self.head = keras.layers.Dense(1)
-
-    def call(self, x, training=False):
-        h = self.body(x)
-        if training:
-            h = h + 0.5 * self.extra(h)
-        return self.head(h)
-
-
-class FGTrainingBranch(FG, TrainingBranch):
-    pass
-
-
 def _clip_case(name):
     """`(keras.Model, FastGradModel builder, x, y, loss)` for one model."""
     rng = np.random.default_rng(12)

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+from helpers import FGTrainingBranch
 from jax_helpers import data, mlp
 
 import keras_fastgrad as kf
@@ -88,37 +89,20 @@ def test_a_refusal_while_the_first_step_is_traced_leaves_the_model_its_weights()
     )
 
 
-class _LazyTrainingLayer(kf.FastGradModel):
-    """A layer used only with `training=True`, built by the first training
-    call (inside the traced step)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(6, activation="tanh")
-        self.extra = keras.layers.Dense(6)
-        self.out = keras.layers.Dense(1)
-
-    def call(self, x, training=False):
-        h = self.hidden(x)
-        if training:
-            h = self.extra(h)
-        return self.out(h)
-
-
 @pytest.mark.parametrize("telemetry", [False, True])
 def test_variables_made_inside_the_step_refused_by_name(telemetry):
     # Keras' stateless call failed first, with a shape mismatch of the
     # state's values ("Invalid variable value in StatelessScope"): the step
     # checked the variables' count before the forward pass made the layer.
     x, y = data()
-    model = _LazyTrainingLayer(telemetry=telemetry)
+    model = FGTrainingBranch(telemetry=telemetry)  # its `extra` layer: training only
     model(x[:1])  # built without the training-only layer
     model.compile(keras.optimizers.SGD(0.1), "mse")
-    before = [w.copy() for w in model.hidden.get_weights() + model.out.get_weights()]
+    before = [w.copy() for w in model.body.get_weights() + model.head.get_weights()]
     with pytest.raises(ValueError, match=r"made variables inside the train step.*Fix: make every"):
         model.fit(x, y, batch_size=16, verbose=0)
     # The layers built before `fit` keep their weights (the refused layer's
     # own variables are left as the failed trace made them).
-    after = model.hidden.get_weights() + model.out.get_weights()
+    after = model.body.get_weights() + model.head.get_weights()
     for got, want in zip(after, before, strict=True):
         np.testing.assert_array_equal(got, want)
