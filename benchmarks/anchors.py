@@ -18,7 +18,18 @@ a difference in what the two steps promise.
 Such a gate costs `keras.Model` itself the overlap of its update with the
 backward pass (`bench_gate.py`): the gated anchor is the one a safe step
 is measured against.
+
+- with log keys: `GatedModel(extra_logs=K)` returns K more scalar log keys,
+  each read from a float32 variable it assigns in the step, as the
+  telemetry keys are (`FastGradModel` with callbacks attached). Keras'
+  TensorFlow train function hands its outputs back through a
+  `tf.experimental.Optional` unpacked on the host at every call
+  (`keras/src/backend/tensorflow/trainer.py`, `function`:
+  `opt_outputs.get_value()`), a cost per output that any log key pays,
+  on `keras.Model` too: this anchor pays it for as many keys.
 """
+
+import functools
 
 import keras
 import tensorflow as tf
@@ -53,9 +64,12 @@ class GatedModel(keras.Model):
     when every gradient is finite (`gate=False`: exactly Keras' step, for
     checking that this copy of it is faithful)."""
 
-    def __init__(self, *args, gate=True, **kwargs):
+    def __init__(self, *args, gate=True, extra_logs=0, **kwargs):
         super().__init__(*args, **kwargs)
         self.gate = gate
+        self.extra_logs = [
+            tf.Variable(0.0, trainable=False, name=f"log_{i}") for i in range(extra_logs)
+        ]
 
     def make_train_function(self, force=False):
         # The optimizer's variables must exist before its `apply` is traced
@@ -86,17 +100,25 @@ class GatedModel(keras.Model):
             apply_if_finite(self.optimizer, grads, variables)
         else:
             self.optimizer.apply_gradients(zip(grads, variables))
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        for i, variable in enumerate(self.extra_logs):  # assigned, then read
+            variable.assign(tf.cast(loss, tf.float32))
+            logs[f"log_{i}"] = tf.convert_to_tensor(variable.value())
+        return logs
 
 
-def keras_model(build, gated, optimizer, loss, jit_compile=False, mixed=False):
+def keras_model(build, gated, optimizer, loss, jit_compile=False, mixed=False, extra_logs=0):
     """A compiled anchor: `build(cls)` returns the uncompiled model of
-    class `cls` (`GatedModel` when `gated`, else `keras.Model`);
+    class `cls` (`GatedModel` when `gated`, else `keras.Model`; with
+    `extra_logs`, `GatedModel(gate=gated, extra_logs=extra_logs)`);
     `optimizer` is a new optimizer (its own accumulation or clipping set).
     `mixed`: wrapped in `keras.optimizers.LossScaleOptimizer` (which gates
     its update on the gradients itself: under `mixed_float16` the ungated
     anchor is gated too)."""
-    model = build(GatedModel if gated else keras.Model)
+    if extra_logs:
+        model = build(functools.partial(GatedModel, gate=gated, extra_logs=extra_logs))
+    else:
+        model = build(GatedModel if gated else keras.Model)
     if mixed:
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)

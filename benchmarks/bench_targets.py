@@ -31,6 +31,15 @@ Rows (`--rows`, keys in brackets) and targets:
   telemetry they switch on is in the timed step (their per-batch
   Python work in `fit` is not)                                   <= 1.06
 - [callbacks_gated] the same / the gated Keras clipping           <= 1.06
+- [callbacks_logs], [callbacks_logs_gated] the same / Keras' clipping
+  (ungated, gated) returning as many more log keys (5), each read from a
+  variable it assigns in the step (`anchors.GatedModel(extra_logs=5)`):
+  the anchor that does the same work. Keras' TensorFlow train function
+  unpacks its outputs on the host at every call (a
+  `tf.experimental.Optional`), a cost per log key that `keras.Model`
+  pays alike                                                      <= 1.06
+- [logs_cost] Keras' clipping with those 5 log keys / without: what the
+  keys cost the anchor itself (reported)
 - [callbacks_own] clip_norm=1 with the three callbacks / clip_norm=1
   alone: what the callbacks add to the step (reported; `step ms`
   shows it in milliseconds, a fixed cost per step: five more outputs
@@ -186,7 +195,14 @@ SIDES = {
     "keras_acc_gated": ("gated", {}, {"gradient_accumulation_steps": 4}, False),
     "keras_clip": ("keras", {}, {"global_clipnorm": 1.0}, False),
     "keras_clip_gated": ("gated", {}, {"global_clipnorm": 1.0}, False),
+    # Keras' clipping returning as many more log keys as the callbacks add
+    "keras_clip_logs": ("keras_logs", {}, {"global_clipnorm": 1.0}, False),
+    "keras_clip_logs_gated": ("gated_logs", {}, {"global_clipnorm": 1.0}, False),
 }
+
+# The log keys the three callbacks switch on (`grad_norm`, the three
+# `nonfinite_*`, `tape_variables`): checked when their side is built.
+CALLBACK_LOG_KEYS = 5
 
 # row: (pair, numerator side, denominator side, target; `target_of` for
 # the ones that depend on the model)
@@ -231,6 +247,24 @@ ROWS = {
         "<= 1.06",
     ),
     "callbacks_own": ("clip_norm=1 + 3 callbacks / clip_norm=1", "clip_callbacks", "clip", None),
+    "callbacks_logs": (
+        "clip_norm=1 + 3 callbacks / global_clipnorm=1 with 5 log keys",
+        "clip_callbacks",
+        "keras_clip_logs",
+        "<= 1.06",
+    ),
+    "callbacks_logs_gated": (
+        "clip_norm=1 + 3 callbacks / global_clipnorm=1 gated with 5 log keys",
+        "clip_callbacks",
+        "keras_clip_logs_gated",
+        "<= 1.06",
+    ),
+    "logs_cost": (
+        "global_clipnorm=1 with 5 log keys / global_clipnorm=1 (Keras' cost per key)",
+        "keras_clip_logs",
+        "keras_clip",
+        None,
+    ),
     "agc": ("clip_adaptive=0.01 / default", "agc", "default", "<= 1.03"),
     "same": ("keras.Model / keras.Model alike (A/A: the noise)", "keras_twin", "keras", None),
     "acc_same": (
@@ -286,18 +320,30 @@ def timed_side(side, model_name, args, steps, data):
     """`step_fn` of one side on one model, built and compiled here."""
     _, build, _, _, loss, optimizer, _ = MODELS[model_name]
     kind, options, optimizer_options, with_callbacks = SIDES[side]
-    if args.mixed and kind == "gated":  # LossScaleOptimizer gates already
-        kind = "keras"
+    if args.mixed and kind.startswith("gated"):  # LossScaleOptimizer gates already
+        kind = kind.replace("gated", "keras")
     if kind == "fg":
         model = build(keras_fastgrad.FastGradModel, **options)
         model.compile(optimizer=optimizer(), loss=loss(), jit_compile=args.xla)
     else:
         model = keras_model(
-            build, kind == "gated", optimizer(**optimizer_options), loss(), args.xla, args.mixed
+            build,
+            kind.startswith("gated"),
+            optimizer(**optimizer_options),
+            loss(),
+            args.xla,
+            args.mixed,
+            extra_logs=CALLBACK_LOG_KEYS if kind.endswith("_logs") else 0,
         )
     callbacks = three_callbacks() if with_callbacks else []
     # (`step_fn` reads each step's loss when a GPU is present: timed to its end)
-    return step_fn(model, data, steps, callbacks=callbacks)
+    run = step_fn(model, data, steps, callbacks=callbacks)
+    if with_callbacks and len(model.fastgrad_step_state.log_keys) != CALLBACK_LOG_KEYS:
+        raise RuntimeError(
+            f"The three callbacks switch on {sorted(model.fastgrad_step_state.log_keys)}: "
+            f"set CALLBACK_LOG_KEYS to their number (now {CALLBACK_LOG_KEYS})."
+        )
+    return run
 
 
 def mode_suffix(args):

@@ -128,6 +128,22 @@ def test_ungated_copy_is_keras_step(anchors):
     assert np.isnan(reference.trainable_variables[0].numpy()).any()
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_anchor_with_log_keys_trains_like_keras_model(anchors, gated):
+    # (the `callbacks_logs` rows' anchor: Keras' clipping, five more keys)
+    x, y = batches("dense")
+    options = {"global_clipnorm": 0.05}
+    reference, _ = trained(anchors, dense, False, x, y, **options)
+    model = anchors.keras_model(
+        dense, gated, keras.optimizers.Adam(1e-2, **options), LOSS, extra_logs=5
+    )
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert isinstance(model, anchors.GatedModel) and model.gate is gated
+    assert [f"log_{i}" for i in range(5)] == [k for k in history.history if k != "loss"]
+    for mine, theirs in zip(model.trainable_variables, reference.trainable_variables):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_gated_anchor_skips_a_nonfinite_gradient(anchors, name):
     check_skips_a_nonfinite_gradient(anchors, name, None)

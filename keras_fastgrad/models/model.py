@@ -31,6 +31,7 @@ from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
 from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step, partial_window, readouts
+from keras_fastgrad.step import log_packing
 from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
 from keras_fastgrad.step.divergence import TrainingLoss
@@ -292,7 +293,17 @@ class FastGradModel(keras.Model):
             batchnorm_layers(self), self.micro_batches, self.distribute_strategy
         )
         self._fg_prepare_state()
-        return super().make_train_function(force=force)
+        # Keras traces `self.train_step` as it finds it now: the step with
+        # its telemetry keys packed into one output, handed back one by one
+        # (`step.log_packing`: Keras unpacks every output on the host).
+        state = self.fastgrad_step_state
+        object.__setattr__(self, "train_step", log_packing.packing_step(self.train_step, state))
+        try:
+            super().make_train_function(force=force)
+        finally:
+            vars(self).pop("train_step", None)
+        self.train_function = log_packing.unpacking(self.train_function, state)
+        return self.train_function
 
     def _fg_prepare_state(self):
         """The step's state for the model as it trains now (its trainable

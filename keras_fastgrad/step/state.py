@@ -104,6 +104,9 @@ class StepState(compat.KerasSaveable):
         self._model_ref = weakref.ref(model)
         self.merger = None
         self.log_keys = set()
+        # the telemetry keys the traced step logged, and those its train
+        # function carries packed (`log_packing`)
+        self.telemetry_names = self.packed_names = ()
         self.telemetry = self.divergence = self.accumulator = None
         self.batchnorm = None
         self.noise_scale = None

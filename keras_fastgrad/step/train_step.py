@@ -314,14 +314,20 @@ def _update_metrics(model, batch, loss, num_samples=None):
 
 
 def with_telemetry(state, logs):
-    """The step's logs plus the requested telemetry keys."""
+    """The step's logs plus the requested telemetry keys (their names
+    recorded in `state.telemetry_names`: the train function carries them
+    packed, `keras_fastgrad.step.log_packing`)."""
+    state.telemetry_names = ()
     if state.log_keys:
         measured = state.telemetry.logs(
             state.scaling.current_scale(), state.tape_variables, keys=state.log_keys
         )
-        logs.update(measured)
         if state.merger is not None:  # task keys, from the Gram matrix
-            logs.update(state.merger.logs())
+            measured.update(state.merger.logs())
         if state.noise_scale is not None:
-            logs.update({k: v for k, v in state.noise_scale.logs().items() if k in state.log_keys})
+            measured.update(
+                {k: v for k, v in state.noise_scale.logs().items() if k in state.log_keys}
+            )
+        state.telemetry_names = tuple(measured)
+        logs.update(measured)
     return for_keras_reduction(logs)
