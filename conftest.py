@@ -127,9 +127,15 @@ def pytest_runtest_makereport(item, call):
     """In the full tier (`-m full`), a test that skips itself (a module it
     needs is missing, `pytest.importorskip`) fails, naming the fix: that
     tier runs everything it selects. A skip declared by a `skip` or
-    `skipif` mark (the installed versions) stays a skip."""
+    `skipif` mark (the installed versions) or by `tensorflow_only` under
+    JAX stays a skip, and an expected failure (`xfail`) stays one."""
     report = yield
-    declared = item.get_closest_marker("skip") or item.get_closest_marker("skipif")
+    declared = (
+        item.get_closest_marker("skip")
+        or item.get_closest_marker("skipif")
+        or (item.get_closest_marker("tensorflow_only") and keras.backend.backend() == "jax")
+        or hasattr(report, "wasxfail")
+    )
     if report.skipped and _selects_the_full_tier(item.config) and not declared:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"

@@ -207,5 +207,10 @@ def test_accumulated_embedding_update_is_the_dense_big_batch_step(optimizer):
     for a, b in zip(sparse_big, ours_big):
         np.testing.assert_array_equal(b, a)
     # The difference being documented is real (a test that could not fail
-    # otherwise): the sparse step is not the dense one.
-    assert max(float(np.abs(a - b).max()) for a, b in zip(sparse_big, dense_big)) > 1e-4
+    # otherwise): the sparse step is not the dense one. (On JAX an
+    # Embedding's gradient is dense: there the two steps are one.)
+    apart = max(float(np.abs(a - b).max()) for a, b in zip(sparse_big, dense_big))
+    if keras.backend.backend() == "tensorflow":
+        assert apart > 1e-4
+    else:
+        assert apart < 1e-6

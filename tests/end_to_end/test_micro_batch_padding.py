@@ -8,13 +8,14 @@ moments saw them. Reference: a plain `keras.Model` (or `keras.Sequential`)
 with the same initial weights, trained on the same, un-split batches; for
 BatchNorm (each slice normalised by its own moments), the same model
 called on each slice of `numpy.array_split` and one SGD step on the whole
-batch's loss, written out with `tf.GradientTape`.
+batch's loss, its gradient taken by the tests' backend-neutral
+reference (`helpers.reference_gradients`).
 """
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from helpers import reference_gradients
 
 import keras_fastgrad
 
@@ -182,15 +183,17 @@ def ghost_batchnorm_step(x, y, slices, lr):
     ref.compile(loss="mse")
     bn = next(la for la in ref.layers if isinstance(la, keras.layers.BatchNormalization))
     moving = [bn.moving_mean.numpy(), bn.moving_variance.numpy()]
-    with tf.GradientTape() as tape:
+
+    def loss_fn():
         preds = [ref(part, training=True) for part in np.array_split(x, slices)]
-        loss = ref.compute_loss(x, y, tf.concat(preds, 0))
-    grads = tape.gradient(loss, ref.trainable_variables)
+        return ref.compute_loss(x, y, keras.ops.concatenate(preds, 0))
+
+    loss, grads = reference_gradients(ref, loss_fn)  # (either backend)
     for v, g in zip(ref.trainable_variables, grads):
-        v.assign(v - lr * g)
-    bn.moving_mean.assign(moving[0])  # put back what the calls moved
+        v.assign(v.numpy() - lr * g)
+    bn.moving_mean.assign(moving[0])  # put back what the calls moved (TensorFlow)
     bn.moving_variance.assign(moving[1])
-    return ref, float(loss)
+    return ref, loss
 
 
 @pytest.mark.parametrize("rows, slices", [(22, 3), (7, 4), (1, 2), (24, 3)])
@@ -209,7 +212,7 @@ def test_batchnorm_normalises_each_slice_by_its_real_rows(rows, slices):
     # The moving statistics: one step from the whole batch's moments.
     bn = next(la for la in model.layers if isinstance(la, keras.layers.BatchNormalization))
     start = batchnorm(keras.Model)
-    features = start.layers[1](x).numpy()
+    features = keras.ops.convert_to_numpy(start.layers[1](x))
     np.testing.assert_allclose(bn.moving_mean.numpy(), 0.5 * features.mean(0), atol=1e-6)
     np.testing.assert_allclose(
         bn.moving_variance.numpy(), 0.5 + 0.5 * features.var(0), rtol=1e-5, atol=1e-6
@@ -223,7 +226,7 @@ def test_batchnorm_micro_batch_statistics_move_per_real_slice(rows, slices):
     x, y = data_for(batchnorm, rows, seed=5)
     model = batchnorm(FG, micro_batches=slices, batchnorm_statistics="micro_batch")
     model.compile(optimizer=keras.optimizers.SGD(0.2), loss="mse")
-    features = batchnorm(keras.Model).layers[1](x).numpy()
+    features = keras.ops.convert_to_numpy(batchnorm(keras.Model).layers[1](x))
     model.train_on_batch(x, y)
     mean, var = np.zeros(4), np.ones(4)
     for part in np.array_split(features, slices):

@@ -73,6 +73,11 @@ def test_weights_file_loads_bit_exact(case):
     assert_bit_exact(model, case)
 
 
+@pytest.mark.tensorflow_only(
+    reason="the reference rebuilds the file's model from its seed, and Keras' JAX "
+    "backend draws other initial weights from it; on JAX these files load bit-exact "
+    "(above) and a window saved on TensorFlow resumes (tests/jax/test_jax_saving.py)"
+)
 @pytest.mark.parametrize("case", ["mid_window", "sequential", "fastgrad_subclass"])
 def test_half_full_window_resumes_exactly(case):
     # The 4th batch completes the saved window: the same weights as 4
