@@ -69,3 +69,16 @@ def check_number(name, value, minimum=0.0, maximum=None, open_min=False):
     if not ok:
         raise ValueError(f"`{name}` must be a number {rule}. Received: {name}={value!r}")
     return float(value)
+
+
+def check_ran_once(calls, layer_name):
+    """`multitask_features` names a layer that ran at most once in this
+    forward pass (`calls`: its calls so far; the captures of
+    `multitask.representation` and, on JAX, `backend.jax_features`)."""
+    if calls > 1:
+        raise ValueError(
+            "`multitask_features` must name a layer that runs once per "
+            f"forward pass. Received: multitask_features={layer_name!r}"
+            ", which ran more than once. Fix: name the layer whose single "
+            "output all tasks read."
+        )

@@ -25,6 +25,7 @@ layer's capture is `keras_fastgrad.multitask.representation`'s).
 import jax
 from keras import ops, tree
 
+from keras_fastgrad._validation import check_ran_once
 from keras_fastgrad.backend import jax_multitask as parameter_space
 from keras_fastgrad.backend import jax_reaching
 from keras_fastgrad.maths.finite import all_finite
@@ -128,13 +129,7 @@ class _Cut(representation.Capture):
 
     def record(self, outputs):
         self.calls += 1
-        if self.calls > 1:
-            raise ValueError(
-                "`multitask_features` must name a layer that runs once per "
-                f"forward pass. Received: multitask_features={self.layer.name!r}"
-                ", which ran more than once. Fix: name the layer whose single "
-                "output all tasks read."
-            )
+        check_ran_once(self.calls, self.layer.name)
         flat = list(tree.flatten(outputs))
         indices = self.indices
         if indices is None:

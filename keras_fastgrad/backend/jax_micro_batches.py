@@ -63,8 +63,11 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
         rows = keras.tree.flatten(px)[0].shape[0]
 
         def loss_fn(trainable):
-            with jax_weighting.LossShares(model, rows) as shares:
-                loss, aux = jax_batchnorm.forward(  # (BatchNorm moments pooled)
+            (loss, aux), d, facts["mean"] = jax_weighting.forward_with_share(
+                model,
+                rows,
+                True,  # (every slice is weighed)
+                lambda: jax_batchnorm.forward(  # (BatchNorm moments pooled)
                     model,
                     model.compute_loss_and_updates,
                     trainable,
@@ -75,10 +78,9 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
                     psw,
                     training=True,
                     optimizer_variables=ov,
-                )
-            d, mean, by_rows = shares.share()
-            facts["mean"] = mean
-            check_extra_terms(model, mean, by_rows, shares.describe)
+                ),
+                check_extra_terms,
+            )
             if slots.scaler is None:  # (scaled: `D_i` after, in float32)
                 loss = loss * ops.cast(d, loss.dtype)
             return loss, (aux, d)

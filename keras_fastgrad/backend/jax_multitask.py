@@ -98,20 +98,15 @@ def losses_program(model, slots, state, x, y, sample_weight, accumulating, check
     found = {"mean": True}
 
     def program(trainable):
-        shares = jax_weighting.LossShares(model, rows) if accumulating else None
-        if shares is not None:
-            shares.__enter__()
-        try:
-            (tasks, regularization), aux = jax_batchnorm.forward(
+        ((tasks, regularization), aux), d, found["mean"] = jax_weighting.forward_with_share(
+            model,
+            rows,
+            accumulating,
+            lambda: jax_batchnorm.forward(
                 model, _compute(model), trainable, ntv, mv, x, y, sample_weight
-            )
-        finally:
-            if shares is not None:
-                shares.__exit__(None, None, None)
-        d = ops.convert_to_tensor(1.0)
-        if shares is not None:
-            d, found["mean"], by_rows = shares.share()
-            check_extra_terms(model, found["mean"], by_rows, shares.describe)
+            ),
+            check_extra_terms,
+        )
         factor = d if scale is None else scale
         losses = tasks + ([] if regularization is None else [regularization])
         if accumulating or scale is not None:

@@ -144,11 +144,11 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     found = {"mean": True}
 
     def loss_fn(trainable):
-        shares = jax_weighting.LossShares(model, rows) if accumulating else None
-        if shares is not None:
-            shares.__enter__()
-        try:
-            loss, aux = jax_batchnorm.forward(  # (BatchNorm window moments pooled)
+        (loss, aux), d, found["mean"] = jax_weighting.forward_with_share(
+            model,
+            rows,
+            accumulating,
+            lambda: jax_batchnorm.forward(  # (BatchNorm window moments pooled)
                 model,
                 model.compute_loss_and_updates,
                 trainable,
@@ -159,16 +159,11 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
                 sample_weight,
                 training=True,
                 optimizer_variables=ov,
-            )
-        finally:
-            if shares is not None:
-                shares.__exit__(None, None, None)
-        d = ops.convert_to_tensor(1.0)
-        if shares is not None:
-            d, found["mean"], by_rows = shares.share()
-            _check_extra_terms(model, found["mean"], by_rows, shares.describe)
-            if slots.scaler is None:  # folded into the unscaling otherwise
-                loss = loss * ops.cast(d, loss.dtype)
+            ),
+            _check_extra_terms,
+        )
+        if accumulating and slots.scaler is None:  # folded into the unscaling otherwise
+            loss = loss * ops.cast(d, loss.dtype)
         return loss, (aux, d)
 
     (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)

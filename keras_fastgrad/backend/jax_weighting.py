@@ -3,6 +3,8 @@
 `keras.ops`, `keras_fastgrad.maths.weighting`), its share read as the
 tuple the JAX step threads through `jax.value_and_grad`'s aux."""
 
+from keras import ops
+
 from keras_fastgrad.step import weighting
 
 
@@ -28,3 +30,25 @@ class LossShares(weighting.LossShares):
         share = super().share()
         self.describe = share.describe  # the reduction in words (for errors)
         return share.actual, share.mean, share.by_rows
+
+
+def forward_with_share(model, rows, accumulating, forward, check_extra_terms):
+    """`forward()` under `LossShares` when `accumulating`, the share read
+    and the extra loss terms checked after: `(result, D, mean)`; without
+    accumulation `(forward(), 1.0, True)` (nothing to weigh).
+
+    Args:
+        model: The model whose loss `forward` computes.
+        rows: The micro-batch's rows.
+        accumulating: Python bool.
+        forward: Zero-argument callable, the forward pass and loss.
+        check_extra_terms: `(model, mean, by_rows, describe)`, raises for
+            extra loss terms the share cannot weigh.
+    """
+    if not accumulating:
+        return forward(), ops.convert_to_tensor(1.0), True
+    with LossShares(model, rows) as shares:
+        result = forward()
+    d, mean, by_rows = shares.share()
+    check_extra_terms(model, mean, by_rows, shares.describe)
+    return result, d, mean

@@ -11,6 +11,7 @@ from keras import tree
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad._validation import check_ran_once
 
 _LOCK = threading.Lock()
 _THREAD = threading.local()  # MirroredStrategy traces replicas in threads
@@ -179,13 +180,7 @@ class Capture:
 
     def record(self, outputs):
         self.calls += 1
-        if self.calls > 1:
-            raise ValueError(
-                "`multitask_features` must name a layer that runs once per "
-                f"forward pass. Received: multitask_features={self.layer.name!r}"
-                ", which ran more than once. Fix: name the layer whose single "
-                "output all tasks read."
-            )
+        check_ran_once(self.calls, self.layer.name)
         flat = list(tree.flatten(outputs))
         indices = self.indices
         if indices is None:

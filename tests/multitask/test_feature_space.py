@@ -465,3 +465,28 @@ def test_save_load_keeps_the_options(tmp_path):
 # Under MirroredStrategy (the global Gram matrix): mirrored_multitask.py
 # with this module's model, run with every MirroredStrategy case in one
 # process by end_to_end/test_distributed.py.
+
+
+def test_a_features_layer_that_runs_twice_is_refused():
+    # A shared layer named as `multitask_features` has no single output the
+    # tasks read: refused by name, with the fix (both backends).
+    inputs = keras.Input((3,))
+    trunk = keras.layers.Dense(3, activation="tanh", name="trunk")
+    z1 = trunk(inputs)
+    outputs = {
+        "a": keras.layers.Dense(1, name="a")(z1),
+        "b": keras.layers.Dense(1, name="b")(trunk(z1)),
+    }
+    model = compiled(
+        keras_fastgrad.FastGradModel(
+            inputs,
+            outputs,
+            multitask="mgda",
+            multitask_space="features",
+            multitask_features="trunk",
+        )
+    )
+    x = np.ones((4, 3), "float32")
+    y = {"a": np.ones((4, 1), "float32"), "b": np.ones((4, 1), "float32")}
+    with pytest.raises(ValueError, match="multitask_features='trunk', which ran more than once"):
+        model.train_on_batch(x, y)
