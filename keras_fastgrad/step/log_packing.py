@@ -5,7 +5,7 @@ Keras' TensorFlow train function hands the step's outputs back through a
 (`keras/src/backend/tensorflow/trainer.py`: `opt_outputs.get_value()`),
 and that unpacking costs ~15-20 us per output on these 2-core CPUs
 (`benchmarks/bench_targets.py`, row `logs_cost`: five more scalar log keys
-cost `keras.Model` itself ~6% of a 1.5 ms step). The telemetry keys are
+cost `keras.Model` itself 4-15% of a 1.5 ms step, 1.09 in the latest run). The telemetry keys are
 many (nine with `telemetry=True`, five for the three usual callbacks), so
 the train function the model makes carries them stacked in one float32
 vector under `PACKED_KEY`, and hands the logs back with the keys as they
