@@ -44,6 +44,7 @@ import math
 from keras import ops
 
 from keras_fastgrad.backend import jax_noise_scale
+from keras_fastgrad.maths import finite
 from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
@@ -66,10 +67,9 @@ def record_location(model, new, grads, dropped):
     clip factor, was) and how many were; only while a key asks."""
     if not requested(model) & set(LOCATION_KEYS):
         return
-    if grads:
-        bad = ops.stack([~ops.all(ops.isfinite(g)) for g in grads])
-        num = ops.sum(ops.cast(bad, "float32"))
-        first = ops.where(num > 0, ops.cast(ops.argmax(bad), "float32"), -1.0)
+    if grads:  # (TensorFlow's `summarize` of its marks: a sum that overflows counts)
+        first, num = finite.summarize(finite.marks(grads), with_loss=False)
+        first, num = ops.cast(first, "float32"), ops.cast(num, "float32")
     else:
         num, first = ops.zeros((), "float32"), ops.convert_to_tensor(-1.0)
     new["first_index"] = ops.where(dropped, first, new["first_index"])

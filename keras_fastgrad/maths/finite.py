@@ -70,6 +70,43 @@ def is_finite(marks_vector):
     return ops.all(ops.isfinite(marks_vector))
 
 
+def summarize(marks_vector, with_loss=True):
+    """Where a micro-batch went bad, from its `marks` vector.
+
+    Args:
+        marks_vector: float32 vector from `marks` (a static length).
+        with_loss: Python bool, whether its last entry is the loss's (then
+            it is left out of the count, and reported by neither value).
+
+    Returns:
+        Tuple `(first_bad, num_bad)`: the int32 index of the first
+        non-finite gradient, or -1 when every gradient is finite (the loss
+        alone was non-finite, or the model has no trainable variables); the
+        int32 number of non-finite gradients (a gradient whose element sum
+        overflows float32 counts: the check drops it).
+
+    Example:
+
+    >>> first, n = summarize(marks(
+    ...     [keras.ops.array([1.0]), None, keras.ops.array([float("nan")])],
+    ...     keras.ops.array(0.5)))
+    >>> int(first), int(n)
+    (2, 1)
+    >>> [int(v) for v in summarize(keras.ops.array([1.0, float("inf")]), with_loss=False)]
+    [1, 1]
+    """
+    bad = ops.cast(ops.logical_not(ops.isfinite(marks_vector)), "int32")
+    if with_loss:  # the loss's entry (last) weighs 0 in the count
+        num_grads = marks_vector.shape[0] - 1
+        num_bad = ops.sum(bad * ops.convert_to_tensor([1] * num_grads + [0], "int32"))
+    else:
+        num_bad = ops.sum(bad)
+    # The first bad entry is a gradient's whenever one is bad (the loss's
+    # entry comes last), and only then is it reported.
+    first = ops.argmax(bad, axis=0)
+    return ops.where(num_bad > 0, first, -1), num_bad
+
+
 def all_finite(grads):
     """Boolean scalar: every element of every gradient is finite (`True`
     for none).

@@ -24,6 +24,7 @@ from keras_fastgrad.step.gradients import values
 
 # Written once for both backends (`keras_fastgrad.maths.finite`).
 is_finite = _maths.is_finite
+summarize = _maths.summarize
 
 
 def _values(grads):
@@ -65,30 +66,3 @@ def from_flags(flags):
     """Back from replica-summed flags to a `marks` vector (NaN where any
     replica was non-finite)."""
     return tf.where(flags > 0, float("nan"), 0.0)
-
-
-def summarize(marks_vector):
-    """Where a micro-batch went bad, from its `marks` vector.
-
-    Returns:
-        Tuple `(first_bad, num_bad)`: the int32 index of the first
-        non-finite gradient, or -1 when every gradient is finite (the loss
-        alone was non-finite, or the model has no trainable variables); the
-        int32 number of non-finite gradients.
-
-    Example:
-
-    >>> first, n = summarize(marks(
-    ...     [tf.constant([1.0]), None, tf.constant([float("nan")])],
-    ...     tf.constant(0.5)))
-    >>> int(first), int(n)
-    (2, 1)
-    """
-    bad = tf.cast(tf.logical_not(tf.math.is_finite(marks_vector)), tf.int32)
-    # The last entry is the loss's: weighed 0 in the count of gradients.
-    num_grads = marks_vector.shape[0] - 1
-    num_bad = tf.reduce_sum(bad * tf.constant([1] * num_grads + [0]))
-    # The first bad entry is a gradient's whenever one is bad (the loss's
-    # entry comes last), and only then is it reported.
-    first = tf.argmax(bad, output_type=tf.int32)
-    return tf.where(num_bad > 0, first, -1), num_bad

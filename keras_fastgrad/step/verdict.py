@@ -1,8 +1,8 @@
 """The finite check of one micro-batch: a `Verdict` (keep or drop).
 
 Global over replicas (one small all-reduce); folded into the gradient's
-norm where the update needs that norm anyway (`clip_norm` or `grad_norm`
-on one replica without accumulation). Also the bookkeeping that follows
+norm where the update needs that norm anyway (`clip_norm` on one replica
+without accumulation). Also the bookkeeping that follows
 the verdict outside the update's `cond`: the loss-scale update, BatchNorm
 moments and noise-scale measures of a kept micro-batch, and (in the drop
 branch) `record_drop`.
@@ -57,7 +57,7 @@ class Verdict(
         norm: `None`, or the gradient's global norm as `(unit, root)`
             (`clipping.scaled_norm`) when the check was made on it: one
             replica, no accumulation, and the update needs the norm anyway
-            (`clip_norm`, or `grad_norm` logged). The norm is finite
+            (`clip_norm`). The norm is finite
             exactly when every gradient is (its squares never overflow), so
             it replaces the per-gradient sums; `keep` then also requires
             a clip factor that is a normal float (`clipping.fits_clip`)."""
@@ -98,9 +98,16 @@ def finite_check(model, state, batch):
 def _checks_norm(model, state, batch):
     """Whether the check is the norm the update computes anyway: the
     update is the micro-batch's own gradient as it is (`single_cond`, not
-    divided by a normaliser: no `micro_batches`), and clipping or the
-    `grad_norm` key needs its norm."""
-    wanted = model.clip_norm is not None or "grad_norm" in state.log_keys
+    divided by a normaliser: no `micro_batches`), and clipping needs its
+    norm.
+
+    Not for the `grad_norm` key alone: the norm's check is exact (every
+    element finite), the sums' drops a gradient whose element sum
+    overflows float32 too, so a key (`GradientNormLogger`,
+    `telemetry=True`) would change which micro-batches train. Without
+    `clip_norm` the check is the sums', whatever is logged (the norm is
+    then one more pass, in the update)."""
+    wanted = model.clip_norm is not None
     # With `clip_adaptive` the update's norm is the adaptively clipped one.
     wanted = wanted and model.clip_adaptive is None
     return wanted and not batch.mean_reduction and single_cond(model, state)

@@ -261,6 +261,37 @@ def test_a_nonfinite_loss_with_finite_gradients_is_dropped(options):
         assert h.history["nonfinite_num_variables"] == [0.0]
 
 
+@pytest.mark.parametrize("logging", ["telemetry", "GradientNormLogger", None])
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_a_gradient_whose_sum_overflows_is_dropped_and_located_alike_on_every_backend(
+    accumulation_steps, logging
+):
+    # A zero-initialised linear model (kernel, then bias) on one row x =
+    # [1e19, 1e19], target 1e19: the loss is (0 - 1e19)^2 = 1e38 (finite),
+    # the kernel's gradient 2 * (0 - 1e19) * x = [-2e38, -2e38], each
+    # element finite but their sum -4e38 beyond float32 (~3.4e38): the
+    # check drops the micro-batch (documented: no update could use it) and
+    # locates it at the kernel, variable 0, one variable; the bias's
+    # gradient (-2e19) is finite. The same on TensorFlow and JAX, and
+    # whatever is logged: `grad_norm` (the logger's, telemetry's) once made
+    # the TensorFlow step check the norm instead, which applied it.
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
+    options = {"telemetry": True} if logging == "telemetry" else {}
+    model = FG(inputs, outputs, accumulation_steps=accumulation_steps, **options)
+    model.compile(optimizer="sgd", loss="mse")
+    logger = [keras_fastgrad.callbacks.GradientNormLogger()] if logging else []
+    x, y = np.full((1, 2), 1e19, "float32"), np.full((1, 1), 1e19, "float32")
+    h = model.fit(x, y, epochs=accumulation_steps, verbose=0, callbacks=logger)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert not np.any(model.get_weights()[0]) and not np.any(model.get_weights()[1])
+    if logging == "telemetry":
+        assert h.history["nonfinite_count"][-1] == accumulation_steps
+        assert h.history["nonfinite_first_index"][-1] == 0.0
+        assert h.history["nonfinite_num_variables"][-1] == 1.0
+        assert h.history["updates"][-1] == 0.0
+
+
 # ------------------------------------------------ no trainable weights
 def warns_on_tensorflow(*args, **kwargs):
     if keras.backend.backend() == "tensorflow":
