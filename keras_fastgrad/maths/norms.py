@@ -45,7 +45,7 @@ def scaled_norm(parts):
     """The global L2 norm of `parts` as `(unit, root)`, `norm = unit * root`.
 
     Args:
-        parts: List of dense float32 tensors (no `None`).
+        parts: List of dense tensors (no `None`), measured in float32.
 
     Returns:
         Tuple of float32 scalars `(unit, root)`: `unit` is 1, or 2**80 when
@@ -61,6 +61,9 @@ def scaled_norm(parts):
     """
     if not parts:
         return ops.convert_to_tensor(1.0), ops.convert_to_tensor(0.0)
+    # Measured in float32 (a float16 gradient's squares overflow early);
+    # no op for the float32 gradients the steps hand in.
+    parts = [ops.cast(p, "float32") for p in parts]
     halves = _half_squares(parts)
     fits = ops.isfinite(halves)
     # The rescale is a value, not a constant: XLA rewrites `square(p * c)`

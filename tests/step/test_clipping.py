@@ -8,13 +8,26 @@ the dense form of the gradients (`np.linalg.norm` of the concatenation,
 expected value is taken from the units' own output.
 """
 
+import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from helpers import as_numpy, sparse
 
-from keras_fastgrad.step import finite
-from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+
+    from keras_fastgrad.step import finite
+    from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
+else:  # the JAX step's unit (`jax_units.global_norm`: `maths.norms`, dense)
+    from keras_fastgrad.backend.jax_units import global_norm
+TF_ONLY = pytest.mark.tensorflow_only(
+    reason="None entries, tf.IndexedSlices, TF's clip signature and tf.function"
+)
+
+
+def const(value, dtype="float32"):
+    return keras.ops.convert_to_tensor(np.asarray(value, dtype))
+
 
 NAN, INF = float("nan"), float("inf")
 
@@ -31,36 +44,39 @@ class TestGlobalNorm:
         rng = np.random.default_rng(0)
         a = rng.normal(size=(3, 4)).astype(np.float32)
         b = rng.normal(size=(5,)).astype(np.float32)
-        norm = global_norm([tf.constant(a), tf.constant(b)])
-        assert norm.dtype == tf.float32
+        norm = global_norm([const(a), const(b)])
+        assert keras.backend.standardize_dtype(norm.dtype) == "float32"
         np.testing.assert_allclose(float(norm), np_global_norm(a, b), rtol=1e-6)
 
     def test_by_hand_three_four_twelve(self):
         # sqrt(3^2 + 4^2 + 12^2) = sqrt(169) = 13
-        norm = global_norm([tf.constant([3.0, 4.0]), tf.constant([[12.0]])])
+        norm = global_norm([const([3.0, 4.0]), const([[12.0]])])
         assert float(norm) == 13.0
 
+    @TF_ONLY
     def test_none_entries_are_skipped(self):
         norm = global_norm([None, tf.constant([3.0]), None, tf.constant([4.0])])
         assert float(norm) == 5.0
 
+    @TF_ONLY
     def test_all_none_or_empty_list_is_zero(self):
         assert float(global_norm([None, None])) == 0.0
         assert float(global_norm([])) == 0.0
 
     def test_all_zero_gradients_give_zero(self):
-        assert float(global_norm([tf.zeros([3]), tf.zeros([2, 2])])) == 0.0
+        assert float(global_norm([keras.ops.zeros([3]), keras.ops.zeros([2, 2])])) == 0.0
 
     def test_squares_that_overflow_float32_give_the_finite_true_norm(self):
         # (1e30)^2 = 1e60 overflows float32 (max ~3.4e38); the norm does not.
         a = np.array([1e30, -2e30], np.float32)
         b = np.array([[2e30], [1.0]], np.float32)
-        norm = float(global_norm([tf.constant(a), tf.constant(b)]))
+        norm = float(global_norm([const(a), const(b)]))
         assert np.isfinite(norm)
         # By hand: sqrt(1 + 4 + 4) * 1e30 = 3e30 (the 1.0 is negligible).
         np.testing.assert_allclose(norm, 3e30, rtol=1e-6)
         np.testing.assert_allclose(norm, np_global_norm(a, b), rtol=1e-6)
 
+    @TF_ONLY
     def test_overflowing_squares_with_sparse_duplicates(self):
         # Rows 1 and 1 add up to 4e20 before squaring: dense row 1 = [4e20, 3e20]
         slices, dense = sparse([[1e20, 1e20], [3e20, 2e20]], [1, 1], rows=3)
@@ -70,20 +86,21 @@ class TestGlobalNorm:
 
     def test_norm_beyond_float32_range_is_infinite(self):
         # sqrt(2) * 3e38 = 4.2e38 does not fit in float32: documented limit.
-        norm = float(global_norm([tf.constant([3e38, 3e38])]))
+        norm = float(global_norm([const([3e38, 3e38])]))
         assert norm == INF
 
     def test_infinite_entry_gives_an_infinite_norm(self):
-        norm = float(global_norm([tf.constant([1.0, INF]), tf.constant([2.0])]))
+        norm = float(global_norm([const([1.0, INF]), const([2.0])]))
         assert norm == INF  # np.linalg.norm([1, inf, 2]) == inf
 
     def test_negative_infinite_entry_gives_an_infinite_norm(self):
-        assert float(global_norm([tf.constant([-INF, 3.0])])) == INF
+        assert float(global_norm([const([-INF, 3.0])])) == INF
 
     def test_nan_entry_gives_a_nan_norm(self):
-        norm = float(global_norm([tf.constant([1.0, NAN]), tf.constant([1e30])]))
+        norm = float(global_norm([const([1.0, NAN]), const([1e30])]))
         assert np.isnan(norm)  # np.linalg.norm([1, nan, 1e30]) is nan
 
+    @TF_ONLY
     def test_indexed_slices_are_measured_as_their_dense_gradient(self):
         # Duplicate index 0: rows [1, 2] + [2, 2] = [3, 4] -> norm 5 by hand;
         # summing squares of the stored rows instead would give sqrt(13).
@@ -95,10 +112,11 @@ class TestGlobalNorm:
 
     def test_float16_gradients_are_measured_in_float32(self):
         # 300^2 * 2 = 180000 overflows float16 (max 65504), not float32.
-        norm = global_norm([tf.constant([300.0, 300.0], tf.float16)])
-        assert norm.dtype == tf.float32
+        norm = global_norm([const([300.0, 300.0], "float16")])
+        assert keras.backend.standardize_dtype(norm.dtype) == "float32"
         np.testing.assert_allclose(float(norm), 300.0 * np.sqrt(2.0), rtol=1e-6)
 
+    @TF_ONLY
     def test_under_xla_overflow_and_sparse(self):
         slices, dense = sparse([[1e30, 0.0], [1e30, 0.0]], [2, 2], rows=3)
         a = np.array([3e30, 1.0], np.float32)
@@ -117,6 +135,7 @@ class TestGlobalNorm:
 # -------------------------------------------------------- clip_by_global_norm
 
 
+@TF_ONLY
 class TestClipByGlobalNorm:
     def test_scales_by_clip_over_norm_when_norm_exceeds_clip(self):
         grads = [tf.constant([3.0, 0.0]), tf.constant([[4.0]])]
