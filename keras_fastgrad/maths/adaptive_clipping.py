@@ -112,7 +112,16 @@ def clip_weight(g, w, rows, clipping, eps=DEFAULT_EPSILON, norm=l2_norm):
     return g * ops.minimum(1.0, max_norm / g_norm), g_norm, max_norm, units
 
 
-def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=True):
+def clip_unitwise(
+    grads,
+    weights,
+    rows,
+    clipping,
+    eps=DEFAULT_EPSILON,
+    count=True,
+    clip_one=clip_weight,
+    add_n=None,
+):
     """Adaptive gradient clipping of each weight's dense gradient, unit-wise.
 
     Args:
@@ -125,6 +134,11 @@ def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=Tru
         eps: Python float > 0, the smallest weight norm a unit is
             measured by (zero-initialised weights can still move).
         count: Python bool, whether to count the clipped units.
+        clip_one: `clip_one(g, w, rows, clipping, eps)` -> `(clipped,
+            g_norm, max_norm, units)`: one weight (`clip_weight`, or a
+            backend's own: TensorFlow's keeps a sparse gradient sparse).
+        add_n: Optional `add_n(list)`, the sum of a list of scalars (a
+            backend's one op); Python's `sum` by default.
 
     Returns:
         A `Clipped`.
@@ -139,15 +153,16 @@ def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=Tru
     >>> float(out.clipped_units), out.num_units
     (1.0, 1)
     """
+    add_n = add_n or (lambda xs: sum(xs[1:], xs[0]))
     clipped, norms, counts, num_units = [], [], [], 0
     for g, w, row_units in zip(grads, weights, rows):
         if g is None:
             clipped.append(None)
             continue
-        g, g_norm, max_norm, units = clip_weight(g, w, row_units, clipping, eps)
+        g, g_norm, max_norm, units = clip_one(g, w, row_units, clipping, eps)
         clipped.append(g)
         num_units += units
-        norms.append(ops.sum(g_norm))
+        norms.append(g_norm if len(g_norm.shape) == 0 else ops.sum(g_norm))
         if count:
             counts.append(ops.sum(ops.cast(g_norm > max_norm, "float32")))
     if not norms:
@@ -155,5 +170,5 @@ def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=Tru
         return Clipped(clipped, ops.convert_to_tensor(True), zero if count else None, 0)
     # Unit norms are >= 0 and at most ~1.8e19 when finite: their sum is
     # finite iff each one is.
-    all_finite = ops.isfinite(sum(norms[1:], norms[0]))
-    return Clipped(clipped, all_finite, sum(counts[1:], counts[0]) if count else None, num_units)
+    all_finite = ops.isfinite(add_n(norms))
+    return Clipped(clipped, all_finite, add_n(counts) if count else None, num_units)

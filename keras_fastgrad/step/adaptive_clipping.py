@@ -44,7 +44,6 @@ from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths import adaptive_clipping as agc_maths
 from keras_fastgrad.maths.adaptive_clipping import (
     DEFAULT_EPSILON,
-    Clipped,
     unit_axes,
 )
 from keras_fastgrad.step.gradients import summed_slices
@@ -65,22 +64,10 @@ def row_unit_variables(model):
 
 
 def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=True):
-    """Adaptive gradient clipping of each weight's gradient, unit-wise.
-
-    Args:
-        grads: List of gradients (float32 tensors, `tf.IndexedSlices` or
-            `None`), the update's final gradient.
-        weights: List of the weights' current values, in the same order.
-        rows: List of Python bools: the units are rows (an embedding table).
-        clipping: Python float > 0, `lambda`: the largest ratio of a
-            unit's gradient norm to its weight norm.
-        eps: Python float > 0, the smallest weight norm a unit is
-            measured by (zero-initialised weights can still move).
-        count: Python bool, whether to count the clipped units (`False`:
-            `clipped_units` is `None`, and the step saves the ops).
-
-    Returns:
-        A `Clipped`.
+    """Adaptive gradient clipping of each weight's gradient, unit-wise:
+    `keras_fastgrad.maths.adaptive_clipping.clip_unitwise` (its arguments,
+    a `Clipped`), with TensorFlow's fused norm, and a table's sparse
+    gradient (`tf.IndexedSlices`) clipped on its rows and kept sparse.
 
     Example:
 
@@ -93,23 +80,14 @@ def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=Tru
     # One constant each, shared by every weight's ops.
     bounds = (tf.constant(clipping, tf.float32), tf.constant(eps, tf.float32))
     norm = _xla_norm if compat.in_xla_context() else _fused_norm
-    clipped, finite_parts, counts, num_units = [], [], [], 0
-    for g, w, row_units in zip(grads, weights, rows):
-        if g is None:
-            clipped.append(None)
-            continue
-        g, g_norm, max_norm, units = _clip_weight(g, w, row_units, bounds, norm)
-        clipped.append(g)
-        num_units += units
-        finite_parts.append(g_norm if g_norm.shape.rank == 0 else tf.reduce_sum(g_norm))
-        if count:
-            counts.append(tf.reduce_sum(tf.cast(g_norm > max_norm, tf.float32)))
-    if not finite_parts:
-        return Clipped(clipped, tf.constant(True), tf.constant(0.0), num_units)
-    # Unit norms are >= 0 and at most ~1.8e19 when finite: their sum is
-    # finite iff each one is.
-    all_finite = tf.math.is_finite(tf.add_n(finite_parts))
-    return Clipped(clipped, all_finite, tf.add_n(counts) if count else None, num_units)
+
+    def clip_one(g, w, row_units, clipping, eps):
+        return _clip_weight(g, w, row_units, bounds, norm)
+
+    # The loop is the maths' (`keras_fastgrad.maths.adaptive_clipping`).
+    return agc_maths.clip_unitwise(
+        grads, weights, rows, clipping, eps, count, clip_one=clip_one, add_n=tf.add_n
+    )
 
 
 def _clip_weight(g, w, row_units, bounds, norm):
