@@ -16,18 +16,19 @@ with Adam's bias correction, and `B_simple = EMA(S) / EMA(|G|^2)`.
 """
 
 import numpy as np
-import tensorflow as tf
+from helpers import reference_gradients
 
 
 def squared_gradient_norm(model, loss_fn, x, y):
-    """`|grad of the mean loss on (x, y)|^2` of a plain Keras model (float64)."""
-    with tf.GradientTape() as tape:
-        loss = loss_fn(y, model(x, training=True))
-        loss += sum(model.losses) if model.losses else 0.0
-    grads = tape.gradient(loss, model.trainable_variables)
-    return sum(
-        float(np.sum(np.square(tf.convert_to_tensor(g).numpy(), dtype=np.float64))) for g in grads
-    )
+    """`|grad of the mean loss on (x, y)|^2` of a plain Keras model (float64;
+    `helpers.reference_gradients`: any Keras backend)."""
+
+    def loss():
+        value = loss_fn(y, model(x, training=True))
+        return value + sum(model.losses) if model.losses else value
+
+    _, grads = reference_gradients(model, loss)
+    return sum(float(np.sum(np.square(np.asarray(g, np.float64)))) for g in grads)
 
 
 def paper_estimates(small_sq, small_sizes, big_sq, big_size):
