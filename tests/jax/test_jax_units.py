@@ -91,6 +91,40 @@ def test_all_finite_and_the_loss_scale_rule_on_values():
     assert seen == [(8.0, 1), (16.0, 0), (8.0, 0), (8.0, 0)]
 
 
+@pytest.mark.parametrize("growth_steps", [1, 3])
+def test_the_loss_scale_rule_is_keras_loss_scale_optimizers_on_jax(growth_steps):
+    # The reference: Keras' own `LossScaleOptimizer` on JAX, driven
+    # through the same finite / non-finite sequence (a NaN gradient for a
+    # non-finite step), compared after every step (as tests/step's
+    # test_loss_scaling.py does for TensorFlow's `LossScaling`).
+    from keras_fastgrad.maths.loss_scale import next_scale
+
+    v = keras.Variable([1.0, 2.0])
+    lso = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=64.0, dynamic_growth_steps=growth_steps
+    )
+    lso.build([v])
+    # JAX's optimizers are applied statelessly (as Keras' JAX trainer does).
+    ov, tv = [w.value for w in lso.variables], [v.value]
+    at_scale = [id(w) for w in lso.variables].index(id(lso.dynamic_scale))
+    at_counter = [id(w) for w in lso.variables].index(id(lso.step_counter))
+    scale = keras.ops.array(64.0)
+    counter = ov[at_counter]
+    pattern = [True, True, True, True, False, True, True, False, False, True, True, True]
+    # (Keras' default of 2000 steps: tested on TensorFlow, whose rule this
+    # is too; 2000 eager stateless steps here took 269 s.)
+    for i, finite in enumerate(pattern):
+        g = keras.ops.array([1.0, 1.0] if finite else [np.nan, 1.0])
+        tv, ov = lso.stateless_apply(ov, [g], tv)
+        scale, counter = next_scale(scale, counter, keras.ops.array(finite), growth_steps)
+        assert float(scale) == float(ov[at_scale]), (i, finite)
+        assert int(counter) == int(ov[at_counter]), (i, finite)
+    if growth_steps == 3:
+        # By hand: 4 finite (x2 at the 3rd: 128), F (64), T T, F F (16),
+        # T T T (x2: 32).
+        assert float(scale) == 32.0
+
+
 def test_a_pending_window_without_an_optimizer_is_refused_on_jax(tmp_path):
     # `models.partial_window`'s test and refusal, shared with TensorFlow.
     model = _linear(kf.FastGradModel, accumulation_steps=4)
