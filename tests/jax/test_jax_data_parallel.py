@@ -119,7 +119,8 @@ def results(tmp_path_factory):
     env = {
         **os.environ,
         "KERAS_BACKEND": "jax",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        # (after the tests' own flags: conftest.py's code generation level)
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
         "PYTHONPATH": os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")]),
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
