@@ -129,10 +129,13 @@ def accumulate_or_apply(model, state, batch, verdict):
         mean_reduction=batch.mean_reduction,
         otherwise=otherwise,
     )
-    apply_if(
-        tf.logical_and(window_complete, acc.has_samples()),
-        functools.partial(apply_window, model, state),
-    )
+    # A micro-batch never left out (`keep` is the Python `True`): the
+    # window's last one is in it, so a complete window holds samples (two
+    # scalar ops and a read fewer a step, `skip_nonfinite=False`).
+    ready = window_complete
+    if verdict.keep is not True:
+        ready = tf.logical_and(window_complete, acc.has_samples())
+    apply_if(ready, functools.partial(apply_window, model, state))
 
 
 def _divisor(batch, verdict):
