@@ -107,7 +107,9 @@ class WindowAccumulator:
                 written there would need a `merge_call` inside the `cond`.
 
         Returns:
-            Boolean scalar: `True` on the window's last micro-batch.
+            Boolean scalar: `True` on the window's last micro-batch when
+            the window holds an included one (a window of only left-out
+            micro-batches is not applied).
         """
 
         sparse_ok = not tf.distribute.has_strategy()  # sums are plain variables
@@ -137,15 +139,79 @@ class WindowAccumulator:
             tf.cond(include, add, leave_out)
             increment(self.normaliser, tf.where(include, normaliser, 0.0))
             increment(self.included, tf.cast(include, tf.int64))
-        # The count moves only once the micro-batch exists. On data of
-        # unknown size Keras' train function asks the iterator for one batch
-        # more than it has (`get_next` fails with `OutOfRange`, which ends the
-        # epoch); TensorFlow inlines the step into that function, and an
-        # increment that reads nothing of the batch would still run there:
-        # the window would count a micro-batch that never came.
+        self._count(weighted_grads, normaliser, include)
+        complete = tf.equal(self.micro_step % self.steps, 0)
+        if include is True:  # its last micro-batch is in it: no read
+            return complete
+        return tf.logical_and(complete, self.has_samples())
+
+    def add_or_apply(self, weighted_grads, normaliser, apply, mean_reduction=True):
+        """Adds one micro-batch that is never left out, in the form of
+        Keras' `gradient_accumulation_steps`: one `cond` on whether it is
+        the window's last. If it is, `apply(window_gradient)` runs with
+        this micro-batch added to the sums as they are read (the sums are
+        not written with it) and the window empties; if not, it is added
+        to the sums. The sums are then written only once the whole
+        gradient exists (the `cond`'s inputs), not beside the backward
+        pass, and the update step writes none: 1-3% of the step on the
+        benchmark MLP (`benchmarks/bench_targets.py`'s accumulation rows).
+
+        Without a strategy, and dense gradients only (`add` otherwise:
+        under a strategy the update leaves replica context before its
+        `cond`, `applying.apply_if`; sparse sums are added to their rows).
+
+        Args:
+            weighted_grads: As for `add` (dense or `None`).
+            normaliser: As for `add`.
+            apply: Callable taking the window's gradient (a list, `None`
+                where a variable has no gradient): the update.
+            mean_reduction: As for `add`.
+
+        Example:
+
+        >>> v = keras.Variable([0.0])
+        >>> acc = WindowAccumulator(steps=2)
+        >>> acc.build([v])
+        >>> applied = []
+        >>> acc.add_or_apply([tf.constant([4.0])], 4.0, applied.append)
+        >>> acc.add_or_apply([tf.constant([8.0])], 2.0, applied.append)
+        >>> applied[0][0].numpy().tolist(), float(acc.normaliser.numpy())  # (4 + 8) / 6
+        ([2.0], 0.0)
+        """
+        self.mean_reduction = mean_reduction
+        last = tf.equal((self.micro_step + 1) % self.steps, 0)
+
+        def apply_window():
+            window = [
+                None if g is None else tf.convert_to_tensor(total.value) + to_float32(g)
+                for total, g in zip(self.sums, weighted_grads)
+            ]
+            if mean_reduction:
+                total_normaliser = tf.convert_to_tensor(self.normaliser) + normaliser
+                inverse = tf.math.divide_no_nan(1.0, total_normaliser)
+                window = [None if g is None else g * inverse for g in window]
+            apply(window)
+            self.reset()
+
+        def add():
+            for total, g in zip(self.sums, weighted_grads):
+                if g is not None:
+                    increment(total, to_float32(g))
+            increment(self.normaliser, normaliser)
+            increment(self.included, tf.constant(1, tf.int64))
+
+        tf.cond(last, apply_window, add)
+        self._count(weighted_grads, normaliser, True)
+
+    def _count(self, weighted_grads, normaliser, include):
+        """Counts the micro-step, once the micro-batch exists. On data of
+        unknown size Keras' train function asks the iterator for one batch
+        more than it has (`get_next` fails with `OutOfRange`, which ends the
+        epoch); TensorFlow inlines the step into that function, and an
+        increment that reads nothing of the batch would still run there:
+        the window would count a micro-batch that never came."""
         with tf.control_dependencies(_of_the_batch(weighted_grads, normaliser, include)):
             increment(self.micro_step, tf.constant(1, tf.int64))
-        return tf.equal(self.micro_step % self.steps, 0)
 
     def has_samples(self):
         """Boolean scalar: the window holds an included micro-batch (its

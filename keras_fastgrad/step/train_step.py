@@ -99,8 +99,10 @@ def update_or_drop(model, state, batch, verdict):
 def accumulate_or_apply(model, state, batch, verdict):
     """Without accumulation: apply the (replica-summed) gradient, or record
     the drop. With it: add to the window, and apply the window once
-    complete. Drop bookkeeping rides in the other branch of a `cond` the
-    step has anyway, where it can."""
+    complete (every micro-batch kept, no strategy, dense gradients: both
+    in one `cond`, as Keras' accumulation does,
+    `WindowAccumulator.add_or_apply`). Drop bookkeeping rides in the other
+    branch of a `cond` the step has anyway, where it can."""
     acc = state.accumulator
     drop = functools.partial(record_drop, model, state)
     drop_args = (verdict.marks, verdict.counts_towards_streak)
@@ -122,20 +124,28 @@ def accumulate_or_apply(model, state, batch, verdict):
         otherwise = functools.partial(drop, *drop_args)
     elif verdict.all_finite is not True:  # (`True`: not checked, nothing to count)
         apply_if(not_finite, drop, args=drop_args)
-    window_complete = acc.add(
+    if verdict.keep is True and not distributed() and not _any_sparse(batch.grads):
+        # Never left out (no gate): Keras' form, the update in the `cond`.
+        acc.add_or_apply(
+            batch.grads,
+            verdict.global_normaliser,
+            functools.partial(update, model, state),
+            mean_reduction=batch.mean_reduction,
+        )
+        return
+    ready = acc.add(  # the window complete, holding an included micro-batch
         batch.grads,
         verdict.global_normaliser,
         verdict.keep,
         mean_reduction=batch.mean_reduction,
         otherwise=otherwise,
     )
-    # A micro-batch never left out (`keep` is the Python `True`): the
-    # window's last one is in it, so a complete window holds samples (two
-    # scalar ops and a read fewer a step, `skip_nonfinite=False`).
-    ready = window_complete
-    if verdict.keep is not True:
-        ready = tf.logical_and(window_complete, acc.has_samples())
     apply_if(ready, functools.partial(apply_window, model, state))
+
+
+def _any_sparse(grads):
+    """Whether a gradient is a `tf.IndexedSlices` (an `Embedding`'s)."""
+    return any(isinstance(g, tf.IndexedSlices) for g in grads)
 
 
 def _divisor(batch, verdict):

@@ -133,6 +133,25 @@ def test_unknown_size_data_partial_window_beyond_an_mlp(build):
     assert_same_training(ref, model)
 
 
+@pytest.mark.parametrize("build, steps_per_execution", [(rnn, 1), (mlp, 3)])
+def test_unknown_size_data_without_the_gate_counts_only_real_micro_batches(
+    build, steps_per_execution
+):
+    # `skip_nonfinite=False`: every micro-batch kept, the window in Keras'
+    # form (`WindowAccumulator.add_or_apply`, its update inside the
+    # window's `cond`). 5 batches of 3, windows of 3: big batches of 9 and
+    # 6 rows an epoch; the batch Keras asks for past the end never counts.
+    x, y = data_for(build, 15)
+    ref = compiled(build, keras.Model)
+    fit_big_batches(ref, x, y, [9, 6], epochs=2)
+    model = build(FG, accumulation_steps=3, skip_nonfinite=False)
+    model.compile(optimizer=sgd(), loss="mse", steps_per_execution=steps_per_execution)
+    model.fit(unknown_size(x, y, 3, "generator"), epochs=2, verbose=0)
+    assert_same_training(ref, model)
+    assert int(model.fastgrad_step_state.accumulator.micro_step.numpy()) == 0
+    assert model.telemetry_counters()["updates"] == 4
+
+
 # ---------------------------------------- 6: batches of no rows
 def with_empty_batches(x, y, batch, empty):
     """`tf.data` batches of `batch` rows, those numbered in `empty` filtered
