@@ -116,13 +116,7 @@ class WindowAccumulator:
         self.mean_reduction = mean_reduction
 
         def add():
-            for total, g in zip(self.sums, weighted_grads):
-                if g is None:
-                    continue
-                if isinstance(g, tf.IndexedSlices) and sparse_ok:
-                    total.value.scatter_add(to_float32(g))  # touched rows only
-                else:  # sync-on-read (replica) sums have no `scatter_add`
-                    increment(total, tf.cast(tf.convert_to_tensor(g), tf.float32))
+            self._add_to_sums(weighted_grads, sparse_ok)
 
         # A `cond`, not a multiplication by 0 (NaN * 0 is NaN) nor a
         # `where` (an extra pass over every gradient). Mirrored state is
@@ -132,9 +126,7 @@ class WindowAccumulator:
                 otherwise()
 
         if include is True:
-            add()
-            increment(self.normaliser, normaliser)
-            increment(self.included, tf.constant(1, tf.int64))
+            self._add_included(weighted_grads, normaliser, sparse_ok)
         else:
             tf.cond(include, add, leave_out)
             increment(self.normaliser, tf.where(include, normaliser, 0.0))
@@ -153,8 +145,9 @@ class WindowAccumulator:
         not written with it) and the window empties; if not, it is added
         to the sums. The sums are then written only once the whole
         gradient exists (the `cond`'s inputs), not beside the backward
-        pass, and the update step writes none: 1-3% of the step on the
-        benchmark MLP (`benchmarks/bench_targets.py`'s accumulation rows).
+        pass, and the update step writes none (measured once, the old and
+        this form side by side on the benchmark MLP: 1-3% faster;
+        docs/benchmarks.md, "sixth run").
 
         Without a strategy, and dense gradients only (`add` otherwise:
         under a strategy the update leaves replica context before its
@@ -187,21 +180,32 @@ class WindowAccumulator:
                 for total, g in zip(self.sums, weighted_grads)
             ]
             if mean_reduction:
-                total_normaliser = tf.convert_to_tensor(self.normaliser) + normaliser
-                inverse = tf.math.divide_no_nan(1.0, total_normaliser)
-                window = [None if g is None else g * inverse for g in window]
+                window = _divided(window, tf.convert_to_tensor(self.normaliser) + normaliser)
             apply(window)
             self.reset()
 
         def add():
-            for total, g in zip(self.sums, weighted_grads):
-                if g is not None:
-                    increment(total, to_float32(g))
-            increment(self.normaliser, normaliser)
-            increment(self.included, tf.constant(1, tf.int64))
+            self._add_included(weighted_grads, normaliser, sparse_ok=False)
 
         tf.cond(last, apply_window, add)
         self._count(weighted_grads, normaliser, True)
+
+    def _add_included(self, weighted_grads, normaliser, sparse_ok):
+        """Adds an included micro-batch: its sums, normaliser and count."""
+        self._add_to_sums(weighted_grads, sparse_ok)
+        increment(self.normaliser, normaliser)
+        increment(self.included, tf.constant(1, tf.int64))
+
+    def _add_to_sums(self, weighted_grads, sparse_ok):
+        """Adds the gradients to the sums (`sparse_ok`: an `IndexedSlices`
+        to its rows only)."""
+        for total, g in zip(self.sums, weighted_grads):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices) and sparse_ok:
+                total.value.scatter_add(to_float32(g))  # touched rows only
+            else:  # sync-on-read (replica) sums have no `scatter_add`
+                increment(total, tf.cast(tf.convert_to_tensor(g), tf.float32))
 
     def _count(self, weighted_grads, normaliser, include):
         """Counts the micro-step, once the micro-batch exists. On data of
@@ -230,8 +234,7 @@ class WindowAccumulator:
         sums = self.window_sums(grads_template)
         if not self.mean_reduction:
             return sums
-        inverse = tf.math.divide_no_nan(1.0, tf.convert_to_tensor(self.normaliser))
-        return [None if g is None else g * inverse for g in sums]
+        return _divided(sums, tf.convert_to_tensor(self.normaliser))
 
     def window_sums(self, grads_template=None):
         """`sum_j n_j g_j` over the window: in cross-replica context the
@@ -258,6 +261,13 @@ class WindowAccumulator:
         """Empties the window and starts the next one at micro-step 0."""
         self.reset()
         self.micro_step.assign(0)
+
+
+def _divided(sums, normaliser):
+    """`sums / normaliser` (`None` kept), 0 where the normaliser is 0, as
+    Keras' `divide_no_nan` reduction gives on the big batch."""
+    inverse = tf.math.divide_no_nan(1.0, normaliser)
+    return [None if g is None else g * inverse for g in sums]
 
 
 def _of_the_batch(weighted_grads, normaliser, include):
