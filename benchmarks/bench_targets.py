@@ -2,6 +2,7 @@
 
     python benchmarks/bench_targets.py [--quick] [--models a,b] [--rows a,b] [--rounds N]
                                        [--xla] [--mixed] [--cpu] [--markdown FILE]
+                                       [--build-order alternate|listed|reversed]
 
 Every ratio is step-level (`harness.step_fn`: each side's compiled
 `train_function` timed step by step on a repeating `tf.data` pipeline;
@@ -10,6 +11,12 @@ two sides alternating; per row the median, min and max of the per-round
 ratios, the ratio of each side's best round and `p25`, the ratio of each
 side's 25th-percentile step). Each model is built once per side, and a
 side that appears in two rows is one step function timed in both.
+`--build-order` (default `alternate`): the sides are built in the rows'
+order in odd-numbered processes of `run_all --processes N` (and outside
+it) and in the reverse order in even-numbered ones, so that a bias of
+the order sides are built in (an A/A pair once read 0.90-0.93 in all
+three processes, its second-built side faster) falls on both sides of
+every ratio across processes; `listed` or `reversed` fixes it.
 
 Rows (`--rows`, keys in brackets) and targets:
 - [gated] default (safe) / keras.Model with its update gated on every
@@ -101,6 +108,7 @@ from harness import (  # noqa: E402
     dataset_of,
     interleaved_step_ratios,
     machine,
+    process_number,
     report,
     step_fn,
     synthetic,
@@ -346,6 +354,14 @@ def timed_side(side, model_name, args, steps, data):
     return run
 
 
+def build_order(args):
+    """`--build-order`, `alternate` resolved: the rows' order in odd
+    processes of `run_all`, the reverse in even ones (`harness.process_number`)."""
+    if args.build_order != "alternate":
+        return args.build_order
+    return "listed" if process_number() % 2 else "reversed"
+
+
 def mode_suffix(args):
     return ("_xla" if args.xla else "") + ("_mixed" if args.mixed else "")
 
@@ -356,12 +372,17 @@ def measure(model_name, args, rounds, steps):
     steps = max(4, int(steps * scale) // 4 * 4)
     data = dataset_of(*data_of(batch * 16), batch)
     keys = rows_of(model_name, args)
+    order = list(dict.fromkeys(side for key in keys for side in ROWS[key][1:3]))
+    if build_order(args) == "reversed":
+        order.reverse()
     sides, start = {}, time.perf_counter()
-    for key in keys:
-        for side in ROWS[key][1:3]:
-            if side not in sides:
-                sides[side] = timed_side(side, model_name, args, steps, data)
-    print(f"{label}: {len(sides)} sides built in {time.perf_counter() - start:.0f} s", flush=True)
+    for side in order:
+        sides[side] = timed_side(side, model_name, args, steps, data)
+    print(
+        f"{label}: {len(sides)} sides built in {time.perf_counter() - start:.0f} s "
+        f"({build_order(args)} order)",
+        flush=True,
+    )
     mode = {"_xla": " [XLA]", "_mixed": " [mixed_float16]", "_xla_mixed": " [XLA, mixed_float16]"}
     pairs, targets = [], {}
     for key in keys:
@@ -411,6 +432,13 @@ def options(parser):
     parser.add_argument("--mixed", action="store_true", help="mixed_float16 on both sides")
     parser.add_argument("--cpu", action="store_true", help="on the CPU; refuses --mixed")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
+    parser.add_argument(
+        "--build-order",
+        choices=("alternate", "listed", "reversed"),
+        default="alternate",
+        help="build the sides in the rows' order, its reverse, or (default) the rows' "
+        "order in odd processes of run_all and the reverse in even ones",
+    )
 
 
 def main(argv=None):
@@ -431,7 +459,8 @@ def main(argv=None):
     mode = {"_xla": ", XLA", "_mixed": ", mixed_float16", "_xla_mixed": ", XLA, mixed_float16"}
     title = (
         f"Issue 28's targets, step-time ratios ({rounds} rounds of {steps} steps "
-        f"x each model's scale{mode.get(mode_suffix(args), '')})"
+        f"x each model's scale{mode.get(mode_suffix(args), '')}, sides built in "
+        f"{build_order(args)} order)"
     )
     # Model by model: a run cut short (gpu_check's time limit) keeps its tables.
     append(args.markdown, f"### {title}\n\n{machine()}{gpu_names()}\n\n")
@@ -449,7 +478,8 @@ def main(argv=None):
             keras.backend.clear_session()
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    report(title, results, targets, "targets" + mode_suffix(args))
+    extra = {"build_order": build_order(args)}
+    report(title, results, targets, "targets" + mode_suffix(args), extra=extra)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,14 @@ def load_average():
 
 
 LOAD_AT_START = load_average()
+
+
+def process_number():
+    """Which of `run_all --processes N`'s processes this is (1, 2, ...;
+    1 outside `run_all`): the environment's `FASTGRAD_BENCH_PROCESS`."""
+    return int(os.environ.get("FASTGRAD_BENCH_PROCESS", "1"))
+
+
 WRITTEN = []  # the JSON files `report` wrote in this process (for run_all)
 
 
@@ -236,8 +244,9 @@ def interleaved_step_ratios(pairs, rounds):
     return results
 
 
-def report(title, results, targets, out_name):
-    """Prints a table and writes JSON to benchmarks/out/<out_name>.json."""
+def report(title, results, targets, out_name, extra=None):
+    """Prints a table and writes JSON to benchmarks/out/<out_name>.json
+    (`extra`: a dict of more entries for it)."""
     load = {"at_start": LOAD_AT_START, "at_end": load_average()}
     print(f"\n{title}\n{machine()}")
     print(
@@ -260,7 +269,13 @@ def report(title, results, targets, out_name):
     WRITTEN.append(os.path.join(out_dir, f"{out_name}.json"))
     with open(WRITTEN[-1], "w") as f:
         json.dump(
-            {"machine": machine(), "load_average": load, "results": results, "targets": targets},
+            {
+                "machine": machine(),
+                "load_average": load,
+                **(extra or {}),
+                "results": results,
+                "targets": targets,
+            },
             f,
             indent=2,
         )

@@ -266,7 +266,8 @@ def run_processes(n, quick, only, timeout):
         command += ["--timeout", str(timeout)] + (["--quick"] if quick else [])
         command += ["--only", ",".join(sorted(only))] if only else []
         command += ["--args", shlex.join(EXTRA_ARGV)] if EXTRA_ARGV else []
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        # (`harness.process_number`: bench_targets alternates its build order)
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "FASTGRAD_BENCH_PROCESS": str(p + 1)}
         print(f"process {p + 1} of {n}", flush=True)
         start = time.perf_counter()
         done = subprocess.run(command, cwd=ROOT, env=env)

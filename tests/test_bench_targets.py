@@ -6,6 +6,7 @@ on a non-finite gradient."""
 
 import importlib.util
 import os
+import types
 
 import keras
 import numpy as np
@@ -182,7 +183,9 @@ def bench_targets(monkeypatch):
 
     reported = {}
     monkeypatch.setattr(  # leaves benchmarks/out/ alone
-        bench_targets, "report", lambda title, results, targets, out: reported.update(locals())
+        bench_targets,
+        "report",
+        lambda title, results, targets, out, extra=None: reported.update(locals()),
     )
     return bench_targets, reported
 
@@ -199,6 +202,7 @@ def test_bench_targets_main_times_a_row_against_its_anchor(bench_targets, tmp_pa
     assert list(reported["results"]) == names
     assert reported["targets"] == {names[0]: "<= 1.03", names[1]: "<= 1.06"}
     assert reported["out"] == "targets"
+    assert reported["extra"] == {"build_order": "listed"}  # (not under run_all: process 1)
     for stats in reported["results"].values():
         assert stats["rounds"] == 1 and stats["median"] > 0 and len(stats["step_ms"]) == 2
     assert all(name in table.read_text() for name in names)
@@ -206,6 +210,35 @@ def test_bench_targets_main_times_a_row_against_its_anchor(bench_targets, tmp_pa
         module.main(["--rows", "nope", "--models", "mlp_64x256_b64"])
     with pytest.raises(ValueError, match="`--mixed` is a GPU-only mode"):
         module.main(["--mixed", "--cpu"])
+
+
+def test_even_processes_build_the_sides_in_reverse_order(bench_targets, monkeypatch):
+    # `run_all --processes N` numbers its processes; the sides of the rows
+    # `gated` (default, keras_gated) and `acc_same` (keras_acc_twin,
+    # keras_acc) are built in that order in process 1, reversed in 2.
+    module, _ = bench_targets
+    built = []
+    monkeypatch.setattr(module, "timed_side", lambda side, *rest: built.append(side) or side)
+    monkeypatch.setattr(module, "interleaved_step_ratios", lambda pairs, rounds: {})
+    listed = ["default", "keras_gated", "keras_acc_twin", "keras_acc"]
+    for process, order, expected in (
+        ("1", "alternate", listed),
+        ("2", "alternate", listed[::-1]),
+        ("2", "listed", listed),
+        ("1", "reversed", listed[::-1]),
+    ):
+        monkeypatch.setenv("FASTGRAD_BENCH_PROCESS", process)
+        args = types.SimpleNamespace(
+            rows="gated,acc_same",
+            quick=False,
+            models=None,
+            mixed=False,
+            xla=False,
+            build_order=order,
+        )
+        built.clear()
+        module.measure("mlp_64x256_b64", args, rounds=1, steps=4)
+        assert built == expected, (process, order)
 
 
 @pytest.mark.slow  # two fresh processes: 7 models in graph mode, then 2 under XLA

@@ -19,7 +19,7 @@ from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 
 
 def clip(model, tv, grads, counted=None):
-    """`(grads, ok)`: the gradient clipped by `model.clip_adaptive`, and
+    """`(grads, ok)`: the gradient clipped by the `clip_adaptive` option, and
     whether the update may be applied (`ok` is `None`: AGC is off).
 
     Args:
@@ -31,7 +31,8 @@ def clip(model, tv, grads, counted=None):
             requested, its value (the fraction of units clipped) is put
             there under that key.
     """
-    if model.clip_adaptive is None:
+    options = model.fastgrad_step_state.options
+    if options.clip_adaptive is None:
         return grads, None
     count = counted is not None and AGC_CLIPPED_FRACTION in telemetry.measured_keys(model)
     tables = row_unit_variables(model)
@@ -39,8 +40,8 @@ def clip(model, tv, grads, counted=None):
         grads,
         tv,
         [id(v) in tables for v in model.trainable_variables],
-        model.clip_adaptive,
-        model.clip_adaptive_eps,
+        options.clip_adaptive,
+        options.clip_adaptive_eps,
         count=count,
     )
     if count:

@@ -49,7 +49,7 @@ class Pool:
             (where[id(layer.moving_mean)], where[id(layer.moving_variance)])
             for layer in self.layers
         ]
-        self.steps = model.accumulation_steps
+        self.steps = model.fastgrad_step_state.options.accumulation_steps
 
 
 def pool(model):

@@ -179,7 +179,7 @@ def scan_slices(model, state, batch, one_slice, num_rows):
     """
     tv, ntv, _, mv = state
     x = batch[0]
-    sizes = slice_sizes(first_input(x).shape[0], model.micro_batches)
+    sizes = slice_sizes(first_input(x).shape[0], model.fastgrad_step_state.options.micro_batches)
     facts = {}
 
     def body(carry, piece):

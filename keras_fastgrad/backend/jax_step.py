@@ -70,7 +70,7 @@ def train_step(model, state, data):
         _record_mean_reduction(model.fastgrad_step_state, mean, len(tv))
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     finite = units.all_finite(grads) & ops.all(ops.isfinite(unscaled_loss))
-    drops = bool(model.skip_nonfinite) or slots.scaler is not None
+    drops = bool(model.fastgrad_step_state.options.skip_nonfinite) or slots.scaler is not None
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
     failed = ~finite if scale is None else (~finite & (scale <= 1.0))
     telemetry.record_input_shape(model, new, x)
@@ -126,16 +126,17 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     """`(grads, D, mean, aux)`: the unscaled gradient (times the share `D`
     when accumulating), the share, whether the window divides by its sum,
     and Keras' `aux` (`unscaled_loss, y_pred, non_trainable, metrics`)."""
+    options = model.fastgrad_step_state.options
     if model.fastgrad_step_state.merger is not None:  # the task gradients, merged
         merged = jax_multitask.gradients
-        if model.micro_batches > 1:  # summed over the slices, merged once
+        if options.micro_batches > 1:  # summed over the slices, merged once
             merged = jax_micro_batches.sliced_task_gradients
-        elif model.multitask_space == "features":
+        elif options.multitask_space == "features":
             from keras_fastgrad.backend import jax_features
 
             merged = jax_features.gradients
         return merged(model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms)
-    if model.micro_batches > 1:
+    if options.micro_batches > 1:
         return jax_micro_batches.sliced_gradients(
             model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms
         )
@@ -203,10 +204,11 @@ def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
         regularized_variables,
     )
 
+    set_options = model.fastgrad_step_state.options
     options = [
-        f"{name}={getattr(model, name)}"
+        f"{name}={getattr(set_options, name)}"
         for name in ("accumulation_steps", "micro_batches")
-        if getattr(model, name) > 1
+        if getattr(set_options, name) > 1
     ]
     # (the layers' losses went with Keras' stateless call: their ids remain)
     rows = any(compat.has_own_losses(layer) for layer in compat.flatten_layers(model))
@@ -216,7 +218,7 @@ def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
     merged = model.fastgrad_step_state.merger is not None
     terms = LossTerms(None, None, present(weights), present(rows), known)
     check_extra_terms(model, share, options, terms, merged=merged)
-    if model.micro_batches > 1 and not mean and (rows or weights):
+    if set_options.micro_batches > 1 and not mean and (rows or weights):
         raise not_on_jax(
             '`micro_batches` with a `reduction="sum"` output loss and terms beyond the output '
             "losses (weight regularisers, activity regularisers, `add_loss`)",
@@ -231,7 +233,9 @@ def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
     counted = {}  # AGC's clipped fraction, when asked
     grads, agc_ok = jax_agc.clip(model, tv, grads, counted)  # (grads, None) when off
     adapted = grads  # `grad_norm`: after AGC, before `clip_norm` (as on TF)
-    grads, norm, was_clipped, ok = units.clip(model, grads, drops)
+    grads, norm, was_clipped, ok = units.clip(
+        model.fastgrad_step_state.options.clip_norm, grads, drops
+    )
     if norm is None and "grad_norm" in telemetry.requested(model):
         norm = units.global_norm(adapted)  # (no clipping here)
     ok = jax_agc.both(ok, agc_ok)

@@ -153,7 +153,7 @@ def measured_keys(model):
     """The optional keys the step measures (`agc_clipped_fraction` only
     with `clip_adaptive`)."""
     keys = [k for k, _ in optional_variables(model.fastgrad_step_state.telemetry)]
-    if model.clip_adaptive is None:
+    if model.fastgrad_step_state.options.clip_adaptive is None:
         keys = [k for k in keys if k != AGC_CLIPPED_FRACTION]
     return keys
 

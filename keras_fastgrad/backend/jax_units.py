@@ -23,18 +23,18 @@ def update_scale(slots, ov, finite, counts_growth):
     ov[i], ov[j] = next_scale(ov[i], ov[j], finite, growth_steps, counts_growth)
 
 
-def clip(model, grads, gated):
+def clip(clip_norm, grads, gated):
     """`(grads, norm, was_clipped, ok)`: clipped to `clip_norm`, the norm
     measured without overflow (`maths.norms`); `ok`: the norm is finite and
     its clip factor a normal float (else a `gated` update is dropped,
     `norms.fits_clip`; an ungated one gets a NaN factor, as Keras'
     clipping); `norm`/`was_clipped` `None` without."""
-    if model.clip_norm is None:
+    if clip_norm is None:
         return grads, None, None, None
     unit, root = norms.scaled_norm(grads)
-    factor, was_clipped = norms.clip_factor(model.clip_norm, unit, root, checked=gated)
+    factor, was_clipped = norms.clip_factor(clip_norm, unit, root, checked=gated)
     norm = unit * root
-    ok = ops.isfinite(norm) & norms.fits_clip(model.clip_norm, unit, root) if gated else None
+    ok = ops.isfinite(norm) & norms.fits_clip(clip_norm, unit, root) if gated else None
     return [g * factor for g in grads], norm, was_clipped, ok
 
 

@@ -17,7 +17,7 @@ from keras_fastgrad.backend.jax_state import Slots
 
 def accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep):
     """Adds the micro-batch to the window; applies a complete window."""
-    steps = model.accumulation_steps
+    steps = model.fastgrad_step_state.options.accumulation_steps
     sums = [ntv[i] for i in slots.sums]
     if keep is True:
         sums = [s + g for s, g in zip(sums, grads)]
@@ -44,7 +44,8 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
     normaliser, `divide_no_nan`), clipped, applied when finite (always when
     not `gated`: `skip_nonfinite=False` without loss scaling); then the
     counters and the loss scale's growth. Returns `(tv, ov)`."""
-    clipping = model.clip_norm is not None
+    options = model.fastgrad_step_state.options
+    clipping = options.clip_norm is not None
     measures = clipping or "grad_norm" in telemetry.requested(model)
 
     def window(t, o, s, normaliser):
@@ -57,7 +58,7 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
         counted = {}  # AGC's clipped fraction, when asked
         grads, agc_ok = jax_agc.clip(model, t, grads, counted)  # (grads, None) when off
         adapted = grads  # `grad_norm`: after AGC (as on TF)
-        grads, norm, was_clipped, ok = units.clip(model, grads, gated)
+        grads, norm, was_clipped, ok = units.clip(options.clip_norm, grads, gated)
         if measures and not clipping:  # the `grad_norm` key
             norm = units.global_norm(adapted)
         update_ok = True
@@ -89,7 +90,7 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
     telemetry.record_measures(new, optional, do_window, applied)
     if gated:
         units.record_dropped_update(new, do_window & ~update_ok)
-    elif model.clip_adaptive is not None:  # AGC's drop of a window
+    elif options.clip_adaptive is not None:  # AGC's drop of a window
         counted = jax_agc.counted(model, units.all_finite(sums))
         jax_agc.record_drop(new, do_window & ~update_ok, counted)
     units.record_update(new, applied, norm if measures else None, was_clipped if clipping else None)
@@ -131,7 +132,7 @@ def _flush(model, tv, ntv, ov):
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     sums = [ntv[i] for i in slots.sums]
     mean = model.fastgrad_step_state.accumulator.mean_reduction
-    gated = bool(model.skip_nonfinite) or slots.scaler is not None
+    gated = bool(model.fastgrad_step_state.options.skip_nonfinite) or slots.scaler is not None
     pending = new["included"] > 0
     tv, ov = window_update(model, slots, list(tv), list(ov), new, sums, mean, pending, gated)
     logs = telemetry.logs(model, slots, new, ov, len(tv))

@@ -36,6 +36,7 @@ from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
 from keras_fastgrad.step.divergence import TrainingLoss
 from keras_fastgrad.step.loss_scaling import LossScaling
+from keras_fastgrad.step.options import StepOptions
 from keras_fastgrad.step.state import StepState
 from keras_fastgrad.step.task_losses import check_task_count
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
@@ -230,7 +231,7 @@ class FastGradModel(keras.Model):
             from keras_fastgrad.multitask import TaskMerger
 
             merger = TaskMerger(self.multitask)
-        self.fastgrad_step_state.configure(merger, self.telemetry)
+        self.fastgrad_step_state.configure(StepOptions.of(type(self), options), merger)
         if self.telemetry and self.clip_adaptive is not None:
             self.fastgrad_step_state.log_keys.add(AGC_CLIPPED_FRACTION)
 
@@ -362,11 +363,11 @@ class FastGradModel(keras.Model):
         state = self.fastgrad_step_state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = _step.gradients(self, state, x, y, sample_weight)
-        verdict = _step.finite_check(self, state, batch)
+        verdict = _step.finite_check(state, batch)
         _step.pool_batchnorm_moments(state, verdict)
         _step.record_small_batches(state, batch, verdict)
         _step.update_loss_scale(state, verdict)
-        if _step.single_cond(self, state):
+        if _step.single_cond(state):
             logs = _step.update_or_drop(self, state, batch, verdict)
         else:
             _step.accumulate_or_apply(self, state, batch, verdict)

@@ -134,7 +134,7 @@ def _reduction(x, axes):
 
 def adaptive_clip(model, state, grads, clipped=None):
     """The step's unit: the update's gradient clipped by
-    `model.clip_adaptive` (unchanged when it is `None`), and whether the
+    the `clip_adaptive` option (unchanged when it is `None`), and whether the
     clipped update may be applied (`None`: AGC is off).
 
     Runs in the update branch, after accumulation, unscaling and the
@@ -143,7 +143,7 @@ def adaptive_clip(model, state, grads, clipped=None):
     `clipped`: the `Clipped` of `before_gate`, computed before the update's
     `cond`.
     """
-    if model.clip_adaptive is None:
+    if state.options.clip_adaptive is None:
         return grads, None
     out = _clipped(model, state, grads) if clipped is None else clipped
     if out.clipped_units is not None:
@@ -162,7 +162,7 @@ def before_gate(model, state, grads, divisor):
     weights are read before the update, as in it. `None` otherwise, or
     with AGC off."""
     if (
-        model.clip_adaptive is None
+        state.options.clip_adaptive is None
         or divisor is not None
         or state.noise_scale is not None
         or state.batchnorm is not None
@@ -178,21 +178,24 @@ def _clipped(model, state, grads):
         grads,
         [v.value for v in variables],
         [id(v) in tables for v in variables],
-        model.clip_adaptive,
-        model.clip_adaptive_eps,
+        state.options.clip_adaptive,
+        state.options.clip_adaptive_eps,
         count=AGC_CLIPPED_FRACTION in state.log_keys,
     )
 
 
-def counted_at_verdict(model, state):
+def counted_at_verdict(state):
     """Whether a non-finite update was already counted in
     `nonfinite_count` at its micro-batches' verdict: `skip_nonfinite=False`
     without loss scaling applies non-finite micro-batches and counts them
     while a `nonfinite_*` key is requested; AGC's check then drops their
     update, which counts only if its gradient was finite (an overflow).
     A trace-time Python bool."""
-    gated = model.skip_nonfinite or state.scaling.active
-    return model.clip_adaptive is not None and not gated and bool(state.log_keys & _COUNT_KEYS)
+    return (
+        state.options.clip_adaptive is not None
+        and not state.drops_nonfinite()
+        and bool(state.log_keys & _COUNT_KEYS)
+    )
 
 
 def both_finite(finite_update, agc_finite):

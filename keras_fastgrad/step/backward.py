@@ -91,9 +91,10 @@ def _gradients(model, state, x, y, sample_weight):
     if "input_shape_changes" in state.log_keys:  # only when read
         state.telemetry.record_input_shape(first)
     num_rows = tf.shape(first)[0]
-    weighted = state.accumulator is not None or num_replicas() > 1 or model.micro_batches > 1
+    slices = state.options.micro_batches
+    weighted = state.accumulator is not None or num_replicas() > 1 or slices > 1
     measure = state.noise_scale is not None
-    if model.micro_batches > 1:
+    if slices > 1:
         loss, y_pred, grads, share, *small = sliced_gradients(
             model,
             x,
@@ -101,10 +102,10 @@ def _gradients(model, state, x, y, sample_weight):
             sample_weight,
             variables,
             state.scaling,
-            model.micro_batches,
+            slices,
             merger=state.merger,
             measure=noise_scale.slice_measure() if measure else None,
-            options=_combining(model, state),
+            options=_combining(state),
         )
     else:
         loss, y_pred, grads, share = _batch_gradients(
@@ -133,15 +134,15 @@ def _small_batch(grads, num_rows, share):
     return noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)
 
 
-def _combining(model, state):
+def _combining(state):
     """The options that combine micro-batches into one update, as set
     (for `compile_loss.check_extra_terms`' messages); replicas alone do
     not count (Keras itself combines those)."""
     options = []
     if state.accumulator is not None:
-        options.append(f"accumulation_steps={model.accumulation_steps}")
-    if model.micro_batches > 1:
-        options.append(f"micro_batches={model.micro_batches}")
+        options.append(f"accumulation_steps={state.options.accumulation_steps}")
+    if state.options.micro_batches > 1:
+        options.append(f"micro_batches={state.options.micro_batches}")
     return options
 
 
@@ -174,7 +175,7 @@ def _loss_gradients(model, state, x, y, sample_weight, variables, shares):
         loss = terms.total
         share = None if shares is None else shares.share()
         if share is not None and state.accumulator is not None:
-            check_extra_terms(model, share, _combining(model, state), terms)
+            check_extra_terms(model, share, _combining(state), terms)
         weight = None if share is None else share.loss_weight(num_replicas())
         scaled_loss = scaling.scale(loss, weight)
     grads = tape.gradient(scaled_loss, [v.value for v in variables])
@@ -195,9 +196,7 @@ def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares)
             loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
         share = None if shares is None else shares.share()
         if share is not None and state.accumulator is not None:
-            check_extra_terms(
-                model, share, _combining(model, state), present_terms(model), merged=True
-            )
+            check_extra_terms(model, share, _combining(state), present_terms(model), merged=True)
         weight = None if share is None else share.loss_weight(num_replicas())
         scaled_tasks = [scaling.scale(t, weight) for t in tasks]
         if regularization is not None:

@@ -85,6 +85,8 @@ class StepState(compat.KerasSaveable):
         noise_decay: float, the noise scale's EMA decay.
         scaling: `LossScaling` around the optimizer, set when the train
             function is made.
+        options: `StepOptions`, the model's options as the units read
+            them (`configure`).
         merger: `TaskMerger`, `None` without `multitask`.
         log_keys: set of the telemetry keys the step returns.
         facts: `TraceFacts` of the latest trace (`None` before one).
@@ -102,6 +104,7 @@ class StepState(compat.KerasSaveable):
         # A weak reference: Keras' saving walks this entry's attributes, and
         # the model would lead it back in a loop.
         self._model_ref = weakref.ref(model)
+        self.options = None  # a `StepOptions` (`configure`)
         self.merger = None
         self.log_keys = set()
         # the telemetry keys the traced step logged, and those its train
@@ -122,14 +125,22 @@ class StepState(compat.KerasSaveable):
         self._built_for = None
         self._loaded_window_facts = None
 
-    def configure(self, merger, telemetry):
-        """The units the options choose: the task merger (a
+    def configure(self, options, merger):
+        """The model's options (a `StepOptions`: what the units read of
+        them) and the units they choose: the task merger (a
         `keras_fastgrad.multitask.TaskMerger` the model makes: the step
         does not import `multitask`; `None` without `multitask`) and the
         telemetry keys (all with `telemetry`)."""
+        self.options = options
         self.merger = merger
-        self.log_keys = set(LOG_KEYS) if telemetry else set()
-        self._all_telemetry = bool(telemetry)
+        self.log_keys = set(LOG_KEYS) if options.telemetry else set()
+        self._all_telemetry = bool(options.telemetry)
+
+    def drops_nonfinite(self):
+        """Whether a non-finite micro-batch or update is dropped (a Python
+        bool): with `skip_nonfinite`, or under loss scaling (whose own
+        rule skips it). Otherwise it is applied, as `keras.Model` does."""
+        return bool(self.options.skip_nonfinite or self.scaling.active)
 
     def set_noise_decay(self, decay):
         """The noise scale's EMA decay (a variable: no retrace)."""
@@ -157,15 +168,15 @@ class StepState(compat.KerasSaveable):
         with scope, keras.name_scope("fastgrad"):
             telemetry = StepTelemetry()
             telemetry.build([v.path for v in variables], optional)
-            divergence = DivergenceWatch(model.max_consecutive_nonfinite)
+            divergence = DivergenceWatch(self.options.max_consecutive_nonfinite)
             divergence.build()
             accumulator = None
-            if model.accumulation_steps > 1:
-                accumulator = WindowAccumulator(model.accumulation_steps)
+            if self.options.accumulation_steps > 1:
+                accumulator = WindowAccumulator(self.options.accumulation_steps)
                 accumulator.build(variables)
             batchnorm = None
             if pooled:
-                batchnorm = WindowMoments(batchnorm_layers(model), model.micro_batches > 1)
+                batchnorm = WindowMoments(batchnorm_layers(model), self.options.micro_batches > 1)
                 batchnorm.build()
             noise = None
             if self.log_keys & set(noise_scale.KEYS):

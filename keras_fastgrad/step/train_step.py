@@ -5,8 +5,9 @@
               or accumulate_or_apply -> update
     then metrics and telemetry logs
 
-Each takes the model (its options, its call and compiled loss) and its
-`StepState` explicitly and does one thing. The first units live in their
+Each takes the step's `StepState` explicitly (the options too, as
+`state.options`), the model only where it reads what the model alone has
+(its variables, its compiled metrics), and does one thing. The first units live in their
 own modules and are re-exported here, so that the chain reads in one place:
 `backward` (`gradients`: a `Batch`), `verdict` (`finite_check`: a
 `Verdict`, and what follows it outside the update's `cond`); the update's
@@ -89,7 +90,7 @@ def update_or_drop(model, state, batch, verdict):
         marks = verdict.marks
         if marks is None:  # the check was the norm: where, only if asked
             marks = functools.partial(finite.marks, batch.grads, batch.loss)
-        record_drop(model, state, marks, verdict.counts_towards_streak)
+        record_drop(state, marks, verdict.counts_towards_streak)
         keep_output_loss_metrics(batch.output_metrics_before, False)
 
     tf.cond(verdict.keep, apply, drop)
@@ -104,7 +105,7 @@ def accumulate_or_apply(model, state, batch, verdict):
     `WindowAccumulator.add_or_apply`). Drop bookkeeping rides in the other
     branch of a `cond` the step has anyway, where it can."""
     acc = state.accumulator
-    drop = functools.partial(record_drop, model, state)
+    drop = functools.partial(record_drop, state)
     drop_args = (verdict.marks, verdict.counts_towards_streak)
     not_finite = None if verdict.all_finite is True else tf.logical_not(verdict.all_finite)
     if acc is None:
@@ -184,66 +185,63 @@ def update(model, state, grads, normaliser=None, norm=None, agc=None):
     # Without the gate (`skip_nonfinite=False`, no loss scaling) a
     # non-finite update is applied, as keras.Model does: no check, and
     # clipping keeps its guard (every gradient NaN, as Keras' clipping).
-    gated = model.skip_nonfinite or state.scaling.active
+    gated = state.drops_nonfinite()
+    clip_norm = state.options.clip_norm
     checked = (
         not gated
         or norm is not None
-        or (normaliser is None and model.clip_norm is None and _checked_as_is(model, state))
+        or (normaliser is None and clip_norm is None and _checked_as_is(state))
     )
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     if state.noise_scale is not None:  # the big batch: unscaled, unclipped
         state.noise_scale.record_window(grads)
     grads, agc_finite = adaptive_clip(model, state, grads, agc)  # (grads, None) when off
-    grads, norm, was_clipped = _clipped(model, state, grads, norm, gated)
-    checked = checked or (agc_finite is not None and model.clip_norm is None)
-    finite_update = None if checked else _finite_update(model, state, grads, norm)
+    grads, norm, was_clipped = _clipped(state, grads, norm, gated)
+    checked = checked or (agc_finite is not None and clip_norm is None)
+    finite_update = None if checked else _finite_update(state, grads, norm)
     finite_update = both_finite(finite_update, agc_finite)
     _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
 
 
-def _checked_as_is(model, state):
+def _checked_as_is(state):
     """Whether the update's gradient is the micro-batch's own, already
     checked and dropped when not finite (one replica, no accumulation, the
     gradient not divided). Clipping keeps a finite gradient finite (the
     factor is computed without overflow, `clipping.clip_factor`), so the
     update then needs no check of its own: no `cond` but the step's one."""
-    return (
-        state.accumulator is None
-        and num_replicas() == 1
-        and (model.skip_nonfinite or state.scaling.active)
-    )
+    return state.accumulator is None and num_replicas() == 1 and state.drops_nonfinite()
 
 
-def _clipped(model, state, grads, scaled=None, gated=True):
+def _clipped(state, grads, scaled=None, gated=True):
     """The gradient clipped to `clip_norm` (if set) and its norm before
     (`None` when neither clipping nor `grad_norm` needs it); `scaled`: the
     norm as `(unit, root)`, when already computed; `gated`: the update is
     applied only with a finite norm."""
     norm = was_clipped = None
-    if "grad_norm" in state.log_keys or model.clip_norm is not None:
+    clip_norm = state.options.clip_norm
+    if "grad_norm" in state.log_keys or clip_norm is not None:
         unit, root = scaled or scaled_norm(grads)
         norm = unit * root
     state.telemetry.record_layer_norms(grads)
-    if model.clip_norm is not None:
+    if clip_norm is not None:
         # Gated: applied only with a finite norm (the verdict's `keep` when
         # the norm was the check, `_finite_update` otherwise): no guard.
-        grads, was_clipped = clip_by_global_norm(
-            grads, model.clip_norm, (unit, root), checked=gated
-        )
+        grads, was_clipped = clip_by_global_norm(grads, clip_norm, (unit, root), checked=gated)
     return grads, norm, was_clipped
 
 
-def _finite_update(model, state, grads, norm):
+def _finite_update(state, grads, norm):
     """Whether the update is finite (`None`: known to be). Each micro-batch
     was finite, but a window's or the replicas' sum of finite gradients can
     overflow: checked right before the update (free with clipping: the norm
     is finite iff they all are)."""
-    if model.clip_norm is not None:
+    clip_norm = state.options.clip_norm
+    if clip_norm is not None:
         # Finite, and the clip factor `clip_norm / norm` a normal float: a
         # norm beyond `clip_norm / tiny` (~1e38) would make it flush to 0
         # on CPU, a silently zero update; such an update is dropped, counted.
-        return tf.math.is_finite(norm) & fits_clip(model.clip_norm, 1.0, norm)
+        return tf.math.is_finite(norm) & fits_clip(clip_norm, 1.0, norm)
     if state.accumulator is not None or num_replicas() > 1:
         return finite.all_finite(grads)
     return None  # the micro-batch check covered these
@@ -263,7 +261,7 @@ def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
         state.divergence.record_update()
 
     def drop():
-        if counted_at_verdict(model, state):  # a non-finite one: counted once
+        if counted_at_verdict(state):  # a non-finite one: counted once
             apply_if(finite.all_finite(grads), telemetry.record_dropped_update)
         else:
             telemetry.record_dropped_update()

@@ -10,8 +10,6 @@ branch) `record_drop`.
 
 import collections
 
-import keras
-
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step import finite
 from keras_fastgrad.step.clipping import fits_clip, scaled_norm
@@ -63,14 +61,14 @@ class Verdict(
             a clip factor that is a normal float (`clipping.fits_clip`)."""
 
 
-def finite_check(model, state, batch):
+def finite_check(state, batch):
     """Is the micro-batch finite (on every replica: one small all-reduce,
     so every replica decides alike)? Returns a `Verdict`."""
-    if _checks_norm(model, state, batch):
-        return _norm_check(model, state, batch)
+    if _checks_norm(state, batch):
+        return _norm_check(state, batch)
     scaling = state.scaling
     total = batch.normaliser
-    if not (model.skip_nonfinite or scaling.active or state.log_keys & _COUNT_KEYS):
+    if not (state.drops_nonfinite() or state.log_keys & _COUNT_KEYS):
         # Nothing is dropped and no key reads the count (`nonfinite_*`: as
         # `keras.Model`, no check at all; `telemetry=True` or NonFiniteGuard
         # switch the count on).
@@ -82,7 +80,7 @@ def finite_check(model, state, batch):
         flags, total = replica_sum([finite.to_flags(marks), total])
         marks = finite.from_flags(flags)
     all_finite = finite.is_finite(marks)
-    drops = model.skip_nonfinite or scaling.active  # keep == finite
+    drops = state.drops_nonfinite()  # keep == finite
     return Verdict(
         marks=marks,
         all_finite=all_finite,
@@ -95,7 +93,7 @@ def finite_check(model, state, batch):
     )
 
 
-def _checks_norm(model, state, batch):
+def _checks_norm(state, batch):
     """Whether the check is the norm the update computes anyway: the
     update is the micro-batch's own gradient as it is (`single_cond`, not
     divided by a normaliser: no `micro_batches`), and clipping needs its
@@ -107,13 +105,13 @@ def _checks_norm(model, state, batch):
     `telemetry=True`) would change which micro-batches train. Without
     `clip_norm` the check is the sums', whatever is logged (the norm is
     then one more pass, in the update)."""
-    wanted = model.clip_norm is not None
+    wanted = state.options.clip_norm is not None
     # With `clip_adaptive` the update's norm is the adaptively clipped one.
-    wanted = wanted and model.clip_adaptive is None
-    return wanted and not batch.mean_reduction and single_cond(model, state)
+    wanted = wanted and state.options.clip_adaptive is None
+    return wanted and not batch.mean_reduction and single_cond(state)
 
 
-def _norm_check(model, state, batch):
+def _norm_check(state, batch):
     """The finite check folded into the gradient's norm: one `L2Loss` per
     gradient instead of one `Sum`, and no second check in the update."""
     scaling = state.scaling
@@ -121,8 +119,8 @@ def _norm_check(model, state, batch):
     all_finite = tf.math.is_finite(norm[1]) & tf.math.is_finite(batch.loss)
     keep = all_finite
     counts = failed(all_finite, scaling) if scaling.active else None
-    if model.clip_norm is not None:
-        keep = all_finite & fits_clip(model.clip_norm, *norm)
+    if state.options.clip_norm is not None:
+        keep = all_finite & fits_clip(state.options.clip_norm, *norm)
         if counts is not None:  # a refused clip factor always counts
             counts = counts | (all_finite & tf.logical_not(keep))
     return Verdict(
@@ -164,7 +162,7 @@ _WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
 _COUNT_KEYS = _WHERE_KEYS | {"nonfinite_count"}
 
 
-def record_drop(model, state, marks, counts=None):
+def record_drop(state, marks, counts=None):
     """Bookkeeping of a non-finite micro-batch (in the branch that runs
     only then): the count, where it went bad (when requested), and the
     divergence streak.
@@ -180,18 +178,18 @@ def record_drop(model, state, marks, counts=None):
         state.telemetry.record_drop(*finite.summarize(marks() if callable(marks) else marks))
     else:
         state.telemetry.record_drop()
-    if model.skip_nonfinite or state.scaling.active:
+    if state.drops_nonfinite():
         state.divergence.record_drop(counts)
 
 
-def single_cond(model, state):
+def single_cond(state):
     """No strategy, no accumulation, default metrics: the update and the
     metrics share one `cond` (`update_or_drop`). Under a strategy, one
     replica too, the optimizer cannot update inside a `cond` in replica
     context (`applying.apply_if`)."""
     return (
         state.accumulator is None
-        and (model.skip_nonfinite or state.scaling.active)
+        and state.drops_nonfinite()
         and not distributed()
-        and type(model).compute_metrics is keras.Model.compute_metrics
+        and state.options.keras_metrics
     )

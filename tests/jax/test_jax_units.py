@@ -46,14 +46,10 @@ def test_a_finite_gradient_of_norm_2e20_is_clipped_and_applied(accumulation_step
     assert counters["nonfinite_count"] == 0
 
 
-def _clipping(clip_norm):
-    return type("Options", (), {"clip_norm": clip_norm})()
-
-
 def test_clip_on_values_measures_past_the_overflow():
     grads = [keras.ops.array([-1.2e20]), keras.ops.array([[-1.6e20]])]
     for gated in (True, False):
-        clipped, norm, was_clipped, ok = units.clip(_clipping(1.0), grads, gated)
+        clipped, norm, was_clipped, ok = units.clip(1.0, grads, gated)
         np.testing.assert_allclose(float(norm), 2e20, rtol=1e-6)
         assert bool(was_clipped)
         assert ok is None if not gated else bool(ok)
@@ -63,13 +59,13 @@ def test_clip_on_values_measures_past_the_overflow():
     # A norm beyond `clip_norm / tiny` (a subnormal factor): a gated update
     # is refused (`ok` false), an ungated one gets NaN (Keras' guard).
     huge = [keras.ops.array([3e38, 3e38])]
-    _, _, _, ok = units.clip(_clipping(1.0), huge, True)
+    _, _, _, ok = units.clip(1.0, huge, True)
     assert not bool(ok)
-    clipped, _, _, _ = units.clip(_clipping(1.0), huge, False)
+    clipped, _, _, _ = units.clip(1.0, huge, False)
     assert np.isnan(keras.ops.convert_to_numpy(clipped[0])).all()
     # Below the clip: untouched.
     small = [keras.ops.array([0.3, 0.4])]
-    clipped, norm, was_clipped, ok = units.clip(_clipping(1.0), small, True)
+    clipped, norm, was_clipped, ok = units.clip(1.0, small, True)
     assert float(norm) == pytest.approx(0.5) and not bool(was_clipped) and bool(ok)
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(clipped[0]), np.float32([0.3, 0.4]))
 

@@ -328,3 +328,45 @@ def test_clip_adaptive_options_reach_every_constructor():
     assert (fast().clip_adaptive, fast().clip_adaptive_eps) == (None, 1e-3)  # the paper's eps
     with pytest.raises(ValueError, match=r"`clip_adaptive` must be a finite number > 0"):
         keras_fastgrad.fastgrad(mlp(), clip_adaptive=-1)
+
+
+# ------------------------------------- the options as the step reads them
+def test_the_step_reads_the_options_every_constructor_was_given():
+    # `StepOptions` (`state.options`) is what the step's units read: it
+    # must hold what the user gave, however the model was made or loaded.
+    from keras_fastgrad.models.model import OPTION_NAMES
+    from keras_fastgrad.step.options import NAMES
+
+    assert set(NAMES) == set(OPTION_NAMES)
+    given = {
+        "accumulation_steps": 3,
+        "clip_norm": 2.0,
+        "clip_adaptive": 0.05,
+        "clip_adaptive_eps": 0.01,
+        "skip_nonfinite": False,
+        "micro_batches": 2,
+        "max_consecutive_nonfinite": None,
+        "batchnorm_statistics": "micro_batch",
+    }
+    layers = [keras.Input((3,)), keras.layers.Dense(1)]
+    made = fast(**given)
+    for model in (
+        made,
+        keras_fastgrad.FastGradSequential(layers, **given),
+        keras_fastgrad.fastgrad(mlp(), **given),
+        type(made).from_config(made.get_config()),
+        keras.models.clone_model(made),
+    ):
+        options = model.fastgrad_step_state.options
+        assert {name: getattr(options, name) for name in given} == given, type(model)
+        assert options.multitask is None and options.keras_metrics
+
+
+def test_the_step_knows_a_class_with_its_own_metrics():
+    class OwnMetrics(keras_fastgrad.FastGradModel):
+        def compute_metrics(self, x, y, y_pred, sample_weight=None):
+            return super().compute_metrics(x, y, y_pred, sample_weight)
+
+    inputs = keras.Input((3,))
+    model = OwnMetrics(inputs, keras.layers.Dense(1)(inputs))
+    assert not model.fastgrad_step_state.options.keras_metrics
