@@ -36,7 +36,7 @@ class Pool:
 
     Args:
         model: The `FastGradModel`, its step state built with
-            `WindowMoments` (`pools_window(model)`).
+            `WindowMoments` (`batchnorm.pools_window`).
     """
 
     def __init__(self, model):

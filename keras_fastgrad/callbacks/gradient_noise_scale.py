@@ -7,6 +7,7 @@ import numbers
 from keras_fastgrad.callbacks import _base
 from keras_fastgrad.callbacks._tensorboard import SummaryWriter
 from keras_fastgrad.step import noise_scale
+from keras_fastgrad.step.replicas import replicas_of
 
 
 class GradientNoiseScale(_base.FastGradCallback):
@@ -81,7 +82,7 @@ class GradientNoiseScale(_base.FastGradCallback):
         self._writer = None
 
     def check_model(self, model):
-        noise_scale.check_measurable(model)
+        noise_scale.check_measurable(model.fastgrad_step_state.options, replicas_of(model))
         model.fastgrad_step_state.set_noise_decay(self.decay)
 
     def on_train_begin(self, logs=None):

@@ -58,12 +58,13 @@ def batchnorm_layers(model):
     ]
 
 
-def pools_window(model):
-    """Whether the step pools `model`'s BatchNorm statistics: the option
-    is `"window"`, a batch is split (accumulation or `micro_batches`) and
-    the model has a BatchNorm layer."""
-    split = model.accumulation_steps > 1 or model.micro_batches > 1
-    return model.batchnorm_statistics == "window" and split and bool(batchnorm_layers(model))
+def pools_window(options, layers):
+    """Whether the step pools the BatchNorm statistics of `layers` (the
+    model's, `batchnorm_layers`) under `options` (a `StepOptions`): the
+    option is `"window"`, a batch is split (accumulation or
+    `micro_batches`) and there is a BatchNorm layer."""
+    split = options.accumulation_steps > 1 or options.micro_batches > 1
+    return options.batchnorm_statistics == "window" and split and bool(layers)
 
 
 class WindowMoments:

@@ -61,51 +61,47 @@ def is_key(key):
     return key in KEYS
 
 
-def measurable(model):
-    """Whether `model`'s step holds gradients at two batch sizes
-    (accumulation, `micro_batches` or several replicas; on JAX,
-    accumulation: `keras_fastgrad.backend.jax_noise_scale`) and no task
-    merge (a merged gradient is not a sum of the slices' gradients)."""
+def measurable(options, replicas=1):
+    """Whether a step with `options` (a `StepOptions`) on `replicas`
+    replicas holds gradients at two batch sizes (accumulation,
+    `micro_batches` or several replicas; on JAX, accumulation:
+    `keras_fastgrad.backend.jax_noise_scale`) and no task merge (a merged
+    gradient is not a sum of the slices' gradients)."""
     if keras.backend.backend() == "jax":  # the window's micro-batches only
-        return model.accumulation_steps > 1 and model.multitask is None
-    strategy = getattr(model, "distribute_strategy", None)
-    many = (
-        model.accumulation_steps > 1
-        or model.micro_batches > 1
-        or (strategy is not None and strategy.num_replicas_in_sync > 1)
-    )
-    return many and model.multitask is None
+        return options.accumulation_steps > 1 and options.multitask is None
+    many = options.accumulation_steps > 1 or options.micro_batches > 1 or replicas > 1
+    return many and options.multitask is None
 
 
-def check_measurable(model):
-    """Raises unless `measurable(model)`, naming the fix."""
-    if model.multitask is not None:
+def check_measurable(options, replicas=1):
+    """Raises unless `measurable(options, replicas)`, naming the fix."""
+    if options.multitask is not None:
         raise ValueError(
             "The gradient noise scale (`GradientNoiseScale`, the `gns_*` "
             "telemetry keys) cannot be measured on a multi-task model: its "
             "merged gradient is not a sum of the micro-batches' gradients. "
-            f"Received: multitask={model.multitask!r}. Fix: measure the "
+            f"Received: multitask={options.multitask!r}. Fix: measure the "
             "summed loss (`multitask=None`)."
         )
-    if not measurable(model) and keras.backend.backend() == "jax":
+    if not measurable(options, replicas) and keras.backend.backend() == "jax":
         raise ValueError(
             "The gradient noise scale (`GradientNoiseScale`, the `gns_*` "
             "telemetry keys) needs gradients at two batch sizes; on Keras' "
             "JAX backend, the micro-batches of an accumulation window (not "
             "`micro_batches` slices, nor a `keras.distribution`'s devices). "
-            f"Received: accumulation_steps={model.accumulation_steps}, "
-            f"micro_batches={model.micro_batches} with "
+            f"Received: accumulation_steps={options.accumulation_steps}, "
+            f"micro_batches={options.micro_batches} with "
             "keras.backend.backend()='jax'. Fix: set `accumulation_steps>=2` "
             "(e.g. `FastGradModel(..., accumulation_steps=4)`), or train with "
             "`KERAS_BACKEND=tensorflow`."
         )
-    if not measurable(model):
+    if not measurable(options, replicas):
         raise ValueError(
             "The gradient noise scale (`GradientNoiseScale`, the `gns_*` "
             "telemetry keys) needs gradients at two batch sizes, but each "
             "update of this model uses one batch, whole. Received: "
-            f"accumulation_steps={model.accumulation_steps}, "
-            f"micro_batches={model.micro_batches}, one replica. Fix: set "
+            f"accumulation_steps={options.accumulation_steps}, "
+            f"micro_batches={options.micro_batches}, one replica. Fix: set "
             "`accumulation_steps>=2` or `micro_batches>=2` (e.g. "
             "`FastGradModel(..., micro_batches=4)`, or "
             "`keras_fastgrad.fastgrad(model, micro_batches=4)` for a plain "

@@ -43,6 +43,7 @@ from keras_fastgrad.step import noise_scale, state_files
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
 from keras_fastgrad.step.divergence import DivergenceWatch
+from keras_fastgrad.step.replicas import replicas_of
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 # The units with state only some models have, by attribute name: saved
@@ -154,10 +155,11 @@ class StepState(compat.KerasSaveable):
         (again only when they or the requested optional keys changed; a
         change of keys alone keeps the values)."""
         variables = model.trainable_variables
-        if self._all_telemetry and noise_scale.measurable(model):
+        if self._all_telemetry and noise_scale.measurable(self.options, replicas_of(model)):
             self.log_keys |= set(noise_scale.KEYS)  # `telemetry=True`: where measurable
         optional = sorted(k for k in self.log_keys if is_optional_key(k))
-        pooled = pools_window(model)
+        layers = batchnorm_layers(model)
+        pooled = pools_window(self.options, layers)
         key = (tuple(id(v) for v in variables), tuple(optional), pooled)
         if self._built_for == key:
             return
@@ -176,11 +178,11 @@ class StepState(compat.KerasSaveable):
                 accumulator.build(variables)
             batchnorm = None
             if pooled:
-                batchnorm = WindowMoments(batchnorm_layers(model), self.options.micro_batches > 1)
+                batchnorm = WindowMoments(layers, self.options.micro_batches > 1)
                 batchnorm.build()
             noise = None
             if self.log_keys & set(noise_scale.KEYS):
-                noise_scale.check_measurable(model)
+                noise_scale.check_measurable(self.options, replicas_of(model))
                 noise = noise_scale.NoiseScale(self.noise_decay)
                 noise.build()
         self.telemetry, self.divergence = telemetry, divergence
