@@ -478,8 +478,8 @@ def main(argv=None):
             keras.backend.clear_session()
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    extra = {"build_order": build_order(args)}
-    report(title, results, targets, "targets" + mode_suffix(args), extra=extra)
+    entries = {"build_order": build_order(args)}
+    report(title, results, targets, "targets" + mode_suffix(args), entries=entries)
 
 
 if __name__ == "__main__":

@@ -244,9 +244,9 @@ def interleaved_step_ratios(pairs, rounds):
     return results
 
 
-def report(title, results, targets, out_name, extra=None):
+def report(title, results, targets, out_name, entries=None):
     """Prints a table and writes JSON to benchmarks/out/<out_name>.json
-    (`extra`: a dict of more entries for it)."""
+    (`entries`: a dict of more entries for it)."""
     load = {"at_start": LOAD_AT_START, "at_end": load_average()}
     print(f"\n{title}\n{machine()}")
     print(
@@ -272,7 +272,7 @@ def report(title, results, targets, out_name, extra=None):
             {
                 "machine": machine(),
                 "load_average": load,
-                **(extra or {}),
+                **(entries or {}),
                 "results": results,
                 "targets": targets,
             },

@@ -185,7 +185,7 @@ def bench_targets(monkeypatch):
     monkeypatch.setattr(  # leaves benchmarks/out/ alone
         bench_targets,
         "report",
-        lambda title, results, targets, out, extra=None: reported.update(locals()),
+        lambda title, results, targets, out, entries=None: reported.update(locals()),
     )
     return bench_targets, reported
 
@@ -202,7 +202,7 @@ def test_bench_targets_main_times_a_row_against_its_anchor(bench_targets, tmp_pa
     assert list(reported["results"]) == names
     assert reported["targets"] == {names[0]: "<= 1.03", names[1]: "<= 1.06"}
     assert reported["out"] == "targets"
-    assert reported["extra"] == {"build_order": "listed"}  # (not under run_all: process 1)
+    assert reported["entries"] == {"build_order": "listed"}  # (not under run_all: process 1)
     for stats in reported["results"].values():
         assert stats["rounds"] == 1 and stats["median"] > 0 and len(stats["step_ms"]) == 2
     assert all(name in table.read_text() for name in names)
