@@ -70,7 +70,7 @@ def train_step(model, state, data):
         _record_mean_reduction(model.fastgrad_step_state, mean, len(tv))
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     finite = units.all_finite(grads) & ops.all(ops.isfinite(unscaled_loss))
-    drops = bool(model.fastgrad_step_state.options.skip_nonfinite) or slots.scaler is not None
+    drops = model.fastgrad_step_state.drops_nonfinite()
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
     failed = ~finite if scale is None else (~finite & (scale <= 1.0))
     telemetry.record_input_shape(model, new, x)
@@ -205,11 +205,7 @@ def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
     )
 
     set_options = model.fastgrad_step_state.options
-    options = [
-        f"{name}={getattr(set_options, name)}"
-        for name in ("accumulation_steps", "micro_batches")
-        if getattr(set_options, name) > 1
-    ]
+    options = set_options.combining()
     # (the layers' losses went with Keras' stateless call: their ids remain)
     rows = any(compat.has_own_losses(layer) for layer in compat.flatten_layers(model))
     known, weights = default_compute_loss(model), regularized_variables(model)

@@ -132,7 +132,7 @@ def _flush(model, tv, ntv, ov):
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     sums = [ntv[i] for i in slots.sums]
     mean = model.fastgrad_step_state.accumulator.mean_reduction
-    gated = bool(model.fastgrad_step_state.options.skip_nonfinite) or slots.scaler is not None
+    gated = model.fastgrad_step_state.drops_nonfinite()
     pending = new["included"] > 0
     tv, ov = window_update(model, slots, list(tv), list(ov), new, sums, mean, pending, gated)
     logs = telemetry.logs(model, slots, new, ov, len(tv))

@@ -105,7 +105,7 @@ def _gradients(model, state, x, y, sample_weight):
             slices,
             merger=state.merger,
             measure=noise_scale.slice_measure() if measure else None,
-            options=_combining(state),
+            options=state.options.combining(),
         )
     else:
         loss, y_pred, grads, share = _batch_gradients(
@@ -132,18 +132,6 @@ def _gradients(model, state, x, y, sample_weight):
 def _small_batch(grads, num_rows, share):
     """The noise scale's measures of the micro-batch (one small batch)."""
     return noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)
-
-
-def _combining(state):
-    """The options that combine micro-batches into one update, as set
-    (for `compile_loss.check_extra_terms`' messages); replicas alone do
-    not count (Keras itself combines those)."""
-    options = []
-    if state.accumulator is not None:
-        options.append(f"accumulation_steps={state.options.accumulation_steps}")
-    if state.options.micro_batches > 1:
-        options.append(f"micro_batches={state.options.micro_batches}")
-    return options
 
 
 def _recording_batchnorm(state):
@@ -175,7 +163,7 @@ def _loss_gradients(model, state, x, y, sample_weight, variables, shares):
         loss = terms.total
         share = None if shares is None else shares.share()
         if share is not None and state.accumulator is not None:
-            check_extra_terms(model, share, _combining(state), terms)
+            check_extra_terms(model, share, state.options.combining(), terms)
         weight = None if share is None else share.loss_weight(num_replicas())
         scaled_loss = scaling.scale(loss, weight)
     grads = tape.gradient(scaled_loss, [v.value for v in variables])
@@ -196,7 +184,9 @@ def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares)
             loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
         share = None if shares is None else shares.share()
         if share is not None and state.accumulator is not None:
-            check_extra_terms(model, share, _combining(state), present_terms(model), merged=True)
+            check_extra_terms(
+                model, share, state.options.combining(), present_terms(model), merged=True
+            )
         weight = None if share is None else share.loss_weight(num_replicas())
         scaled_tasks = [scaling.scale(t, weight) for t in tasks]
         if regularization is not None:

@@ -58,3 +58,20 @@ class StepOptions(collections.namedtuple("StepOptions", [*NAMES, "keras_metrics"
             )
         keras_metrics = model_class.compute_metrics is keras.Model.compute_metrics
         return cls(**options, keras_metrics=keras_metrics)
+
+    def combining(self):
+        """The options that combine micro-batches into one update, as set
+        (`compile_loss.check_extra_terms`' messages, on both backends);
+        replicas do not count (Keras itself combines those).
+
+        Example:
+
+        >>> import keras_fastgrad
+        >>> inputs = keras.Input((3,))
+        >>> model = keras_fastgrad.FastGradModel(
+        ...     inputs, keras.layers.Dense(1)(inputs), accumulation_steps=4)
+        >>> model.fastgrad_step_state.options.combining()
+        ['accumulation_steps=4']
+        """
+        names = ("accumulation_steps", "micro_batches")
+        return [f"{name}={getattr(self, name)}" for name in names if getattr(self, name) > 1]
