@@ -24,8 +24,8 @@ Keras' JAX `train_step` with its update in a `lax.cond` on a finite
 gradient) and Keras' `gradient_accumulation_steps=4`. Reported, no
 target: the time targets are `bench_jax.py`'s.
 
-Models (`--models`): `mlp_64x256_b64` and `transformer` (bench_targets'
-builders). About a minute on 2 cores (14 lowerings and compilations):
+Models (`--models`, any of bench_targets' builders): `mlp_64x256_b64` and
+`transformer` by default. About a minute on 2 cores (14 lowerings and compilations):
 not in `run_all`'s quick set; `run_all.py --only jax_graph` runs it.
 
 Writes benchmarks/out/jax_graph.json.
@@ -46,7 +46,7 @@ import keras  # noqa: E402
 from anchors_jax import JaxGatedModel  # noqa: E402
 from bench_jax import MICRO_BATCH_BN  # noqa: E402
 from bench_targets import MODELS  # noqa: E402
-from harness import report  # noqa: E402
+from harness import jax_state, report  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 
@@ -88,13 +88,7 @@ def counts(model_name, side):
     model = build(cls, **options)
     model.compile(optimizer=optimizer(**optimizer_options), loss=loss())
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # builds every variable
-    state = model._get_jax_state(  # what `fit` hands the train function
-        trainable_variables=True,
-        non_trainable_variables=True,
-        optimizer_variables=True,
-        metrics_variables=True,
-        purge_model_variables=False,
-    )
+    state = jax_state(model)  # what `fit` hands the train function
     data = (jax.numpy.asarray(x[:batch]), jax.numpy.asarray(y[:batch]))
     lowered = jax.jit(model.train_step).lower(state, data)
     stablehlo = stablehlo_ops(lowered.as_text())
@@ -117,10 +111,15 @@ def compiled_instructions(text):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", default=None, help=f"comma-separated, of {NAMES}")
+    parser.add_argument("--models", default=None, help=f"comma-separated, of {list(MODELS)}")
     args, _ = parser.parse_known_args(argv)  # (run_all's `--args` for bench_jax: --rounds)
     names = args.models.split(",") if args.models else NAMES
-    names = [n for n in names if n in NAMES]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        raise ValueError(
+            f"`--models` must name models of {list(MODELS)}. Received: {unknown}. "
+            "Fix: pick from that list."
+        )
     if keras.backend.backend() != "jax":
         raise RuntimeError(
             "bench_jax_graph.py counts Keras' JAX backend's step, but Keras was imported "

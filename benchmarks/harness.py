@@ -176,15 +176,7 @@ def jax_step_fn(model, x, y, batch, steps):
 
     model.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, epochs=1, verbose=0)
     function = model.train_function
-    state = [
-        model._get_jax_state(  # what `fit` hands the train function
-            trainable_variables=True,
-            non_trainable_variables=True,
-            optimizer_variables=True,
-            metrics_variables=True,
-            purge_model_variables=False,
-        )
-    ]
+    state = [jax_state(model)]
     batches = [
         (jax.numpy.asarray(x[i : i + batch]), jax.numpy.asarray(y[i : i + batch]))
         for i in range(0, len(x) - batch + 1, batch)
@@ -206,6 +198,18 @@ def jax_step_fn(model, x, y, batch, steps):
         return seconds
 
     return run
+
+
+def jax_state(model):
+    """The state `fit` hands a JAX train function: the values of `model`'s
+    trainable, non-trainable, optimizer and metrics variables."""
+    return model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+        purge_model_variables=False,
+    )
 
 
 def synced(function):

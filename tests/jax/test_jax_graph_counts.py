@@ -82,3 +82,5 @@ def test_main_reports_each_pair_with_both_counts(bench, monkeypatch):
         "JAX MLP 64-3x256-10: stablehlo ops: keras.Model gated / keras.Model (the gate alone)"
     ]
     assert gate["counts"][0] > gate["counts"][1]
+    with pytest.raises(ValueError, match="`--models` must name models of"):
+        bench.main(["--models", "mlp_64x256_b64,nope"])
