@@ -4,8 +4,8 @@
 
 Step-time ratios: each side's compiled train function, built by a `fit`
 with the callbacks attached and timed step by step (`harness.step_fn`),
-interleaved round by round (`harness.interleaved_step_ratios`: the median
-judged, `p25` and `best` beside it). What a callback puts into the step is
+interleaved in blocks of 4 steps (`harness.interleaved_step_ratios`: the
+ratio of median steps judged, `p25` and `best` beside it). What a callback puts into the step is
 timed; its per-batch Python work in `fit` is not. On bench_core's models
 `mlp_64x256_b64` (64 -> 3 x 256 -> 10, batch 64, ~1.5 ms a step, where a
 fixed cost shows most; `--quick` runs only this one), `mlp` (784 -> 3 x

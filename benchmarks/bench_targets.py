@@ -6,10 +6,11 @@
 
 Every ratio is step-level (`harness.step_fn`: each side's compiled
 `train_function` timed step by step on a repeating `tf.data` pipeline;
-`harness.interleaved_step_ratios`: rounds interleaved, the order of the
-two sides alternating; per row the median, min and max of the per-round
-ratios, the ratio of each side's best round and `p25`, the ratio of each
-side's 25th-percentile step). Each model is built once per side, and a
+`harness.interleaved_step_ratios`: each round runs the two sides in
+blocks of 4 steps, alternating A B B A ...; per row `median`, the ratio
+of the two sides' median step over every round (the figure judged),
+`min` and `max` of the per-round ratios, the ratio of each side's best
+round and `p25`, the ratio of each side's 25th-percentile step). Each model is built once per side, and a
 side that appears in two rows is one step function timed in both.
 `--build-order` (default `alternate`): the sides are built in the rows'
 order in odd-numbered processes of `run_all --processes N` (and outside
@@ -32,6 +33,8 @@ Rows (`--rows`, keys in brackets) and targets:
 - [clip_gated] clip_norm=1 / the same Keras clipping with the gate of
   `gated` (the like-for-like anchor: `clip` against ungated Keras
   pays the gate too)                                              <= 1.05
+- [clip_unsafe] clip_norm=1, skip_nonfinite=False / the ungated Keras
+  clipping: `clip` without the gate                               <= 1.05
 - [callbacks] clip_norm=1 with GradientNormLogger, NonFiniteGuard and
   TapeVariableCounter / optimizer(global_clipnorm=1): the callbacks
   are attached to the `fit` that builds the train function, so the
@@ -193,6 +196,7 @@ SIDES = {
     "acc": ("fg", {"accumulation_steps": 4}, {}, False),
     "acc_unsafe": ("fg", {"accumulation_steps": 4, "skip_nonfinite": False}, {}, False),
     "clip": ("fg", {"clip_norm": 1.0}, {}, False),
+    "clip_unsafe": ("fg", {"clip_norm": 1.0, "skip_nonfinite": False}, {}, False),
     "clip_callbacks": ("fg", {"clip_norm": 1.0}, {}, True),
     "agc": ("fg", {"clip_adaptive": 0.01}, {}, False),
     "keras": ("keras", {}, {}, False),
@@ -240,6 +244,12 @@ ROWS = {
         "clip_norm=1 / global_clipnorm=1 gated",
         "clip",
         "keras_clip_gated",
+        "<= 1.05",
+    ),
+    "clip_unsafe": (
+        "clip_norm=1, skip_nonfinite=False / global_clipnorm=1",
+        "clip_unsafe",
+        "keras_clip",
         "<= 1.05",
     ),
     "callbacks": (

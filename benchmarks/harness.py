@@ -93,7 +93,7 @@ def interleaved_ratios(pairs, rounds):
     sides from round to round. Returns {name: dict(median, min, max, n)} of
     the per-round ratios numerator / denominator.
     """
-    return _summaries(_interleaved(pairs, rounds, time_call), sum_of=None)
+    return _summaries(_interleaved(pairs, rounds, time_call))
 
 
 def _interleaved(pairs, rounds, measure):
@@ -111,13 +111,11 @@ def _interleaved(pairs, rounds, measure):
     return measured
 
 
-def _summaries(measured, sum_of):
+def _summaries(measured):
     """The per-round ratios' median, min and max, and the best-of-rounds
-    ratio, from `_interleaved`'s measures; `sum_of`: how a measure becomes
-    a round's time (`None`: it is one)."""
+    ratio, from `_interleaved`'s round times."""
     results = {}
-    for name, sides in measured.items():
-        times = [[m if sum_of is None else sum_of(m) for m in side] for side in sides]
+    for name, times in measured.items():
         values = [num / den for num, den in zip(*times)]
         results[name] = {
             "median": statistics.median(values),
@@ -135,7 +133,8 @@ def step_fn(model, dataset, steps, callbacks=()):
     """A zero-argument function that runs `steps` train steps of `model`
     (its compiled `train_function`, as `fit` calls it, without `fit`'s own
     per-epoch and per-batch Python work) on batches of the repeating
-    `dataset` and returns each step's seconds. Built by one `fit` epoch
+    `dataset` and returns each step's seconds (`run(count)`: `count`
+    steps instead; `run.steps`: `steps`). Built by one `fit` epoch
     of two batches with `callbacks` (what they put into the compiled step
     is timed; their per-batch Python work in `fit` is not), traced here
     (warm-up). Under a distribution strategy the batches are distributed
@@ -154,14 +153,15 @@ def step_fn(model, dataset, steps, callbacks=()):
     for _ in range(steps):
         function(iterator)
 
-    def run():
+    def run(count=None):
         seconds = []
-        for _ in range(steps):
+        for _ in range(steps if count is None else count):
             start = time.perf_counter()
             function(iterator)
             seconds.append(time.perf_counter() - start)
         return seconds
 
+    run.steps = steps
     return run
 
 
@@ -169,7 +169,8 @@ def jax_step_fn(model, x, y, batch, steps):
     """`step_fn` on Keras' JAX backend: a zero-argument function that runs
     `steps` train steps of `model` (its jitted `train_function`, the state
     threaded as `fit` threads it) on the batches of `x`, `y` and returns
-    each step's seconds, each step timed until its outputs and state are
+    each step's seconds (`run(count)`, `run.steps`: as `step_fn`'s), each
+    step timed until its outputs and state are
     ready (`jax.block_until_ready`: JAX dispatches asynchronously). Built
     and traced by one short `fit`."""
     import jax
@@ -189,14 +190,18 @@ def jax_step_fn(model, x, y, batch, steps):
     for i in range(steps):  # warm-up (a first call may trace again)
         step(i)
 
-    def run():
+    done = [steps]  # steps run so far: the next batch
+
+    def run(count=None):
         seconds = []
-        for i in range(steps):
+        for _ in range(steps if count is None else count):
             start = time.perf_counter()
-            step(i)
+            step(done[0])
             seconds.append(time.perf_counter() - start)
+            done[0] += 1
         return seconds
 
+    run.steps = steps
     return run
 
 
@@ -231,21 +236,75 @@ def synced(function):
     return run
 
 
-def interleaved_step_ratios(pairs, rounds):
-    """As `interleaved_ratios`, for `step_fn` functions: a round's time is
-    the sum of its steps. Adds `step_p25`: the ratio of each side's 25th
-    percentile step over every round (robust to the moments another
-    process takes the cores, which hit a few steps hard)."""
+BLOCK = 4  # steps per block of `interleaved_step_ratios`
+
+
+def interleaved_step_ratios(pairs, rounds, block=BLOCK):
+    """Times each (name, numerator, denominator) pair of `step_fn`
+    functions, interleaved block by block: a round of a pair runs each
+    side's `steps` steps in blocks of `block` steps, the two sides
+    alternating A B B A A B ... (the order flips from round to round), so
+    both sides meet the same moments of the machine, a few milliseconds
+    apart. A side called without `steps` (no `.steps`) runs whole.
+
+    Returns {name: dict(...)}: `median`, the ratio of the two sides' median
+    step over every round (the statistic a target row is judged by);
+    `min` and `max`, the lowest and highest per-round ratio of median
+    steps (the spread across rounds); `rounds`; `best`, the ratio of each
+    side's fastest round (its steps' sum); `step_p25`, the ratio of each
+    side's 25th-percentile step; `step_ms`, each side's median step in
+    milliseconds.
+
+    Why steps and not rounds: one 48-step block per side and round read
+    0.82-1.28 on an A/A pair of the 1.5 ms MLP (the machine's jitter
+    spans whole blocks), so a median of 6 rounds moved by ~4%; blocks of
+    4 steps and the median of all steps read 0.99-1.01 on the same pair.
+    """
     for _, numerator, denominator in pairs:  # one untimed round: the first
         numerator()  # timed round after the others' warm-up ran slow
         denominator()
-    measured = _interleaved(pairs, rounds, lambda fn: fn())
-    results = _summaries(measured, sum_of=sum)
-    for name, sides in measured.items():
-        steps = [np.concatenate(side) for side in sides]
-        results[name]["step_p25"] = float(np.percentile(steps[0], 25) / np.percentile(steps[1], 25))
-        results[name]["step_ms"] = [float(np.median(side)) * 1e3 for side in steps]
+    measured = {name: ([], []) for name, _, _ in pairs}
+    for r in range(rounds):
+        for name, numerator, denominator in pairs:
+            sides = ([], [])
+            for j, size in enumerate(_blocks(numerator, denominator, block)):
+                first = (j + r) % 2  # 0: the numerator first
+                for s in (first, 1 - first):
+                    fn = (numerator, denominator)[s]
+                    sides[s].extend(fn() if size is None else fn(size))
+            measured[name][0].append(sides[0])
+            measured[name][1].append(sides[1])
+    results = {}
+    for name, (nums, dens) in measured.items():
+        steps = [np.concatenate(side) for side in (nums, dens)]
+        per_round = [np.median(n) / np.median(d) for n, d in zip(nums, dens)]
+        results[name] = {
+            "median": float(np.median(steps[0]) / np.median(steps[1])),
+            "min": float(min(per_round)),
+            "max": float(max(per_round)),
+            "rounds": len(per_round),
+            # Best of rounds: each side's fastest round (the least disturbed
+            # by other work on the machine), divided.
+            "best": float(min(map(sum, nums)) / min(map(sum, dens))),
+            "step_p25": float(np.percentile(steps[0], 25) / np.percentile(steps[1], 25)),
+            "step_ms": [float(np.median(side)) * 1e3 for side in steps],
+        }
     return results
+
+
+def _blocks(numerator, denominator, block):
+    """A round's block sizes in steps; `[None]` (one whole call of each
+    side) when a side has no `.steps`."""
+    steps = {getattr(fn, "steps", None) for fn in (numerator, denominator)}
+    if None in steps:
+        return [None]
+    if len(steps) != 1:
+        raise ValueError(
+            "The two sides of a pair must run as many steps a round. "
+            f"Received: {sorted(steps)} steps."
+        )
+    (total,) = steps
+    return [block] * (total // block) + ([total % block] if total % block else [])
 
 
 def report(title, results, targets, out_name, entries=None):

@@ -36,7 +36,8 @@ a script's results are the files it reported, or added to
 harness in this process, the JSON files written while it ran):
 per row its statistics and target (`"<= 1.05"`; `"<= 1.05 at T=4"` bounds
 only rows named `T=4`; `"about 2"` and other words are information). The
-statistic judged is the median of the per-round ratios. Per target row:
+statistic judged is the ratio of the two sides' median step
+(`harness.interleaved_step_ratios`). Per target row:
 "met" when it meets the target in every process, "not met" when in none,
 "noisy" when the processes disagree (each process's figure is shown).
 

@@ -11,8 +11,9 @@ import re
 TARGET = re.compile(r"^\s*(<=|>=|<|>)\s*([0-9]*\.?[0-9]+)(.*)$")
 QUALIFIER = re.compile(r"\bat\s+([A-Za-z_]+\s*=\s*[^\s,;)]+)")
 STATISTIC = (
-    "the median of the per-round ratios (`median`: each round times both sides' "
-    "compiled train step, interleaved, the order alternating; `harness.interleaved_step_ratios`)"
+    "the ratio of the two sides' median step (`median`: both sides' compiled train "
+    "step timed step by step, interleaved in blocks of 4 steps, the order alternating; "
+    "`harness.interleaved_step_ratios`)"
 )
 
 

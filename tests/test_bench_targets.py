@@ -212,6 +212,42 @@ def test_bench_targets_main_times_a_row_against_its_anchor(bench_targets, tmp_pa
         module.main(["--mixed", "--cpu"])
 
 
+def test_step_ratios_interleave_blocks_and_judge_the_median_step(monkeypatch):
+    # Two stand-in sides of 10 steps a round: A's steps take 2 s except a
+    # few outliers, B's 1 s. Worked by hand: blocks of 4, 4, 2 steps,
+    # A B B A A B in round 0 and B A A B B A in round 1 (after one untimed
+    # whole call of each); the median step ratio is 2 whatever the outliers.
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import harness
+
+    calls = []
+
+    def side(name, seconds):
+        def run(count=None):
+            calls.append((name, count))
+            return [seconds(len(calls), i) for i in range(10 if count is None else count)]
+
+        run.steps = 10
+        return run
+
+    a = side("A", lambda call, i: 50.0 if (call, i) == (3, 0) else 2.0)
+    b = side("B", lambda call, i: 1.0)
+    results = harness.interleaved_step_ratios([("a / b", a, b)], rounds=2)
+    round_0 = [("A", 4), ("B", 4), ("B", 4), ("A", 4), ("A", 2), ("B", 2)]
+    round_1 = [("B", 4), ("A", 4), ("A", 4), ("B", 4), ("B", 2), ("A", 2)]
+    assert calls == [("A", None), ("B", None), *round_0, *round_1]
+    stats = results["a / b"]
+    assert stats["median"] == 2.0 and stats["step_p25"] == 2.0 and stats["rounds"] == 2
+    assert stats["min"] == stats["max"] == 2.0  # each round's median steps: 2 / 1
+    assert stats["best"] == 20.0 / 10.0  # A's round without the outlier, over B's
+    assert stats["step_ms"] == [2000.0, 1000.0]
+    whole = lambda: [3.0]  # noqa: E731  (no `.steps`: one call a side and round)
+    assert harness.interleaved_step_ratios([("w", whole, b)], rounds=1)["w"]["median"] == 3.0
+    b.steps = 12
+    with pytest.raises(ValueError, match="as many steps a round"):
+        harness.interleaved_step_ratios([("a / b", a, b)], rounds=1)
+
+
 def test_even_processes_build_the_sides_in_reverse_order(bench_targets, monkeypatch):
     # `run_all --processes N` numbers its processes; the sides of the rows
     # `gated` (default, keras_gated) and `acc_same` (keras_acc_twin,

@@ -188,7 +188,10 @@ def test_results_md_holds_the_verdicts_and_each_process_figure(page):
     )  # fmt: skip
     assert "- Command: `python benchmarks/run_all.py --processes 3`" in text
     assert "- Code: git abc1234" in text and "test machine" in text
-    assert "- Processes: 3, one after another" in text and "- Statistic: the median" in text
+    assert (
+        "- Processes: 3, one after another" in text
+        and "- Statistic: the ratio of the two sides' median step" in text
+    )
     summary = text.split("## Speed targets")[1].split("## Other targets")[0]
     assert "| targets: m: fast / keras | <= 1.03 | 1.020 / 1.040 / 1.010 | 1.000 / 1.000 / " in (
         summary
