@@ -76,8 +76,9 @@ each). The full mode runs every row on every model (no `agc` on the
 1270 s of CPU time, 32 minutes on a busy 2-core machine). `--quick`
 (about 2 minutes on 2 idle cores): every row on `mlp_64x256_b64`,
 `gated`, `agc` and `same` on `transformer`, `gated`, `ungated` and
-`same` on `embedding_1m`, 5 rounds (the full mode's steps: 480 steps a
-side on the MLP, 240 on the others).
+`same` on `embedding_1m`, 4 rounds of the full mode's steps (384 steps a
+side on the MLP, 192 on the others; 5 rounds took `run_all --quick` to
+297-324 s a process, past its 300 s).
 
 GPU (`gpu_check.sh`): `--xla` compiles both sides with
 `jit_compile=True`; `--mixed` runs both under the `mixed_float16` policy,
@@ -455,7 +456,7 @@ def options(parser):
 def main(argv=None):
     args, rounds, steps, names = command_line(
         __doc__,
-        (5, STEPS),
+        (4, STEPS),
         (12, STEPS),
         list(MODELS),
         quick_models=list(QUICK),
