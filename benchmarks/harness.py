@@ -93,21 +93,28 @@ def interleaved_ratios(pairs, rounds):
     sides from round to round. Returns {name: dict(median, min, max, n)} of
     the per-round ratios numerator / denominator.
     """
-    return _summaries(_interleaved(pairs, rounds, time_call))
+    measured = _interleaved(pairs, rounds, lambda fn, size: [time_call(fn)])
+    return _summaries(
+        {name: [list(map(sum, side)) for side in sides] for name, sides in measured.items()}
+    )
 
 
-def _interleaved(pairs, rounds, measure):
-    """`{name: ([numerator], [denominator])}`: `measure(fn)` of each side,
-    round by round, the order of the two sides alternating."""
+def _interleaved(pairs, rounds, measure, block=None):
+    """`{name: ([numerator rounds], [denominator rounds])}`, each round a
+    list: what `measure(fn, size)` returned (a list) for each block of
+    `size` steps of that side (`_blocks`; one whole call, `size=None`, for
+    a function without `.steps` or without `block`), the two sides
+    alternating A B B A ..., the order flipped from round to round."""
     measured = {name: ([], []) for name, _, _ in pairs}
     for r in range(rounds):
         for name, numerator, denominator in pairs:
-            if r % 2:
-                den, num = measure(denominator), measure(numerator)
-            else:
-                num, den = measure(numerator), measure(denominator)
-            measured[name][0].append(num)
-            measured[name][1].append(den)
+            sides = ([], [])
+            for j, size in enumerate(_blocks(numerator, denominator, block)):
+                first = (j + r) % 2  # 0: the numerator first
+                for s in (first, 1 - first):
+                    sides[s].extend(measure((numerator, denominator)[s], size))
+            measured[name][0].append(sides[0])
+            measured[name][1].append(sides[1])
     return measured
 
 
@@ -130,7 +137,7 @@ def _summaries(measured):
 
 
 def step_fn(model, dataset, steps, callbacks=()):
-    """A zero-argument function that runs `steps` train steps of `model`
+    """A function that runs `steps` train steps of `model`
     (its compiled `train_function`, as `fit` calls it, without `fit`'s own
     per-epoch and per-batch Python work) on batches of the repeating
     `dataset` and returns each step's seconds (`run(count)`: `count`
@@ -166,7 +173,7 @@ def step_fn(model, dataset, steps, callbacks=()):
 
 
 def jax_step_fn(model, x, y, batch, steps):
-    """`step_fn` on Keras' JAX backend: a zero-argument function that runs
+    """`step_fn` on Keras' JAX backend: a function that runs
     `steps` train steps of `model` (its jitted `train_function`, the state
     threaded as `fit` threads it) on the batches of `x`, `y` and returns
     each step's seconds (`run(count)`, `run.steps`: as `step_fn`'s), each
@@ -263,17 +270,9 @@ def interleaved_step_ratios(pairs, rounds, block=BLOCK):
     for _, numerator, denominator in pairs:  # one untimed round: the first
         numerator()  # timed round after the others' warm-up ran slow
         denominator()
-    measured = {name: ([], []) for name, _, _ in pairs}
-    for r in range(rounds):
-        for name, numerator, denominator in pairs:
-            sides = ([], [])
-            for j, size in enumerate(_blocks(numerator, denominator, block)):
-                first = (j + r) % 2  # 0: the numerator first
-                for s in (first, 1 - first):
-                    fn = (numerator, denominator)[s]
-                    sides[s].extend(fn() if size is None else fn(size))
-            measured[name][0].append(sides[0])
-            measured[name][1].append(sides[1])
+    measured = _interleaved(
+        pairs, rounds, lambda fn, size: fn() if size is None else fn(size), block
+    )
     results = {}
     for name, (nums, dens) in measured.items():
         steps = [np.concatenate(side) for side in (nums, dens)]
@@ -294,9 +293,9 @@ def interleaved_step_ratios(pairs, rounds, block=BLOCK):
 
 def _blocks(numerator, denominator, block):
     """A round's block sizes in steps; `[None]` (one whole call of each
-    side) when a side has no `.steps`."""
+    side) without `block` or when a side has no `.steps`."""
     steps = {getattr(fn, "steps", None) for fn in (numerator, denominator)}
-    if None in steps:
+    if block is None or None in steps:
         return [None]
     if len(steps) != 1:
         raise ValueError(
