@@ -27,7 +27,7 @@ import keras
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step.gradients import to_float32
-from keras_fastgrad.step.variables import global_variable, increment
+from keras_fastgrad.step.variables import add_into, global_variable, increment
 
 
 class WindowAccumulator:
@@ -205,7 +205,7 @@ class WindowAccumulator:
             if isinstance(g, tf.IndexedSlices) and sparse_ok:
                 total.value.scatter_add(to_float32(g))  # touched rows only
             else:  # sync-on-read (replica) sums have no `scatter_add`
-                increment(total, tf.cast(tf.convert_to_tensor(g), tf.float32))
+                add_into(total, tf.cast(tf.convert_to_tensor(g), tf.float32))
 
     def _count(self, weighted_grads, normaliser, include):
         """Counts the micro-step, once the micro-batch exists. On data of
