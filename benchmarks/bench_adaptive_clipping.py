@@ -8,7 +8,7 @@ Transformer, <= 1.06 on the dense MLP). This script gives what those
 ratios cannot separate from the noise of a shared machine: AGC's own
 time, `clip_unitwise` on the model's weights and gradients of their
 shapes (10 applications chained in one `tf.function`, best of 30 calls,
-divided by 10), over the default model's fastest step (`harness.step_fn`,
+divided by 10), over the default model's fastest step (`sides.step_fn`,
 the best of 3 rounds). Not a step ratio: it leaves out what the step adds
 around AGC, but is robust to the load. Target: <= 0.03. Models: the
 benchmark MLP of bench_core (784 -> 3 x 1024 -> 10, batch 256), its
@@ -27,14 +27,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from bench_core import dense_stack, mlp  # noqa: E402
-from harness import (  # noqa: E402
-    command_line,
-    dataset_of,
-    report,
-    step_fn,
-    synthetic,
-    time_call,
-)
+from harness import command_line, report, time_call  # noqa: E402
+from sides import dataset_of, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 from keras_fastgrad.step.adaptive_clipping import clip_unitwise, row_unit_variables  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/bench_callbacks.py [--quick] [--models a,b] [--rounds N]
 
 Step-time ratios: each side's compiled train function, built by a `fit`
-with the callbacks attached and timed step by step (`harness.step_fn`),
+with the callbacks attached and timed step by step (`sides.step_fn`),
 interleaved in blocks of 4 steps (`harness.interleaved_step_ratios`: the
 ratio of median steps judged, `p25` and `best` beside it). What a callback puts into the step is
 timed; its per-batch Python work in `fit` is not. On bench_core's models
@@ -37,14 +37,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from bench_core import MODELS  # noqa: E402  (the core benchmark's MLP and CNN)
-from harness import (  # noqa: E402
-    command_line,
-    dataset_of,
-    interleaved_step_ratios,
-    report,
-    step_fn,
-    synthetic,
-)
+from harness import command_line, interleaved_step_ratios, report  # noqa: E402
+from sides import dataset_of, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 from keras_fastgrad import callbacks as fg_callbacks  # noqa: E402

@@ -7,7 +7,7 @@ The model builders here (`dense_stack`, `mlp`, `cnn`, `cnn_bn`,
 `keras.Model` (default, accumulation, `clip_norm`) are rows of
 `bench_targets` (issue 28's table). This script times what that table
 does not hold, each side's compiled train function step by step
-(`harness.step_fn`, `harness.interleaved_step_ratios`: interleaved
+(`sides.step_fn`, `harness.interleaved_step_ratios`: interleaved
 rounds, the median judged, `p25` and `best` beside it):
 - telemetry on / off (FastGradModel, accumulation 4)          target <= 1.05
   on `mlp_64x256_b64` (64 -> 3 x 256 -> 10, batch 64, about 1.5 ms a
@@ -25,14 +25,8 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
-from harness import (  # noqa: E402
-    command_line,
-    dataset_of,
-    interleaved_step_ratios,
-    report,
-    step_fn,
-    synthetic,
-)
+from harness import command_line, interleaved_step_ratios, report  # noqa: E402
+from sides import dataset_of, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 

@@ -4,7 +4,7 @@
 
 With `accumulation_steps=k` each replica adds its micro-batch gradient to
 sync-on-read accumulators: the gradients are all-reduced once per update,
-not once per micro-batch. Step-time ratios (`harness.step_fn`: each
+not once per micro-batch. Step-time ratios (`sides.step_fn`: each
 side's compiled train function, batches distributed as `fit` does;
 `harness.interleaved_step_ratios`), one process:
 - FastGradModel(acc=4) / FastGradModel(acc=1): the all-reduce saved on 3 of
@@ -33,13 +33,8 @@ OWN_PROCESS = True
 
 import keras  # noqa: E402
 from bench_core import compiled, mlp  # noqa: E402
-from harness import (  # noqa: E402
-    dataset_of,
-    interleaved_step_ratios,
-    report,
-    step_fn,
-    synthetic,
-)
+from harness import interleaved_step_ratios, report  # noqa: E402
+from sides import dataset_of, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 

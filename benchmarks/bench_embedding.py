@@ -8,7 +8,7 @@ Model, as a user recommending items would have: `Input((20,), int32)` ->
 with a fixed seed (about 640 of the 1M rows are touched per step, so the
 table's gradient is sparse: `tf.IndexedSlices`), float targets.
 
-Step-time ratios (`harness.step_fn`: each side's compiled train function
+Step-time ratios (`sides.step_fn`: each side's compiled train function
 timed step by step; `harness.interleaved_step_ratios`: interleaved rounds,
 the median judged, `p25` and `best` beside it):
 - FastGradModel(clip_norm=1) / keras.Model with
@@ -28,13 +28,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from harness import (  # noqa: E402
-    command_line,
-    dataset_of,
-    interleaved_step_ratios,
-    report,
-    step_fn,
-)
+from harness import command_line, interleaved_step_ratios, report  # noqa: E402
+from sides import dataset_of, step_fn  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 

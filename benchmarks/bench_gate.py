@@ -16,7 +16,7 @@ own step has them):
 - `grads`: the update in a `tf.cond` on every gradient's sum being finite
   (what a non-finite check needs; Keras' `LossScaleOptimizer` gates on
   the gradients the same way).
-Ratios `loss / plain` and `grads / plain` (`harness.step_fn`: the compiled
+Ratios `loss / plain` and `grads / plain` (`sides.step_fn`: the compiled
 `train_function` timed step by step, interleaved; median, min, max, best
 round and `p25`), on the two MLPs of `bench_targets` (64 -> 3 x 256 -> 10 and
 256 -> 3 x 1024 -> 10, batch 64, Adam). No target: it explains the
@@ -32,14 +32,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from harness import (  # noqa: E402
-    command_line,
-    dataset_of,
-    interleaved_step_ratios,
-    report,
-    step_fn,
-    synthetic,
-)
+from harness import command_line, interleaved_step_ratios, report  # noqa: E402
+from sides import dataset_of, step_fn, synthetic  # noqa: E402
 
 
 class Gated(keras.Model):

@@ -43,7 +43,8 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 from anchors_jax import JaxGatedModel  # noqa: E402
 from bench_targets import MODELS  # noqa: E402
-from harness import command_line, interleaved_step_ratios, jax_step_fn, report  # noqa: E402
+from harness import command_line, interleaved_step_ratios, report  # noqa: E402
+from sides import jax_step_fn  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 

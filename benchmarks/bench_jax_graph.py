@@ -46,7 +46,8 @@ import keras  # noqa: E402
 from anchors_jax import JaxGatedModel  # noqa: E402
 from bench_jax import MICRO_BATCH_BN  # noqa: E402
 from bench_targets import MODELS  # noqa: E402
-from harness import jax_state, report  # noqa: E402
+from harness import report  # noqa: E402
+from sides import jax_state  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 

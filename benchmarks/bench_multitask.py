@@ -6,7 +6,7 @@
 Model: 784 -> 3 x 1024 Dense relu (shared trunk) -> T heads Dense(10),
 sparse categorical cross-entropy per head, Adam, batch 256, synthetic data
 from a fixed seed, T = 2 and 4. Step-time ratios: each side's compiled
-train function timed step by step (`harness.step_fn`), interleaved round
+train function timed step by step (`sides.step_fn`), interleaved round
 by round, the order alternating (`harness.interleaved_step_ratios`: the
 median judged, `p25` and `best` beside it):
 
@@ -57,7 +57,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from harness import dataset_of, interleaved_step_ratios, report, step_fn  # noqa: E402
+from harness import interleaved_step_ratios, report  # noqa: E402
+from sides import dataset_of, step_fn  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 from keras_fastgrad.multitask import TaskMerger, task_losses  # noqa: E402
@@ -220,7 +221,7 @@ def merge_fns(num_tasks, x, y, steps):
 
 
 def timed_steps(model, data, steps):
-    """`harness.step_fn` of `model`, compiled with one loss per head."""
+    """`sides.step_fn` of `model`, compiled with one loss per head."""
     model.compile(
         optimizer=keras.optimizers.Adam(1e-4),
         loss={

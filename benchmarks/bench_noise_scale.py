@@ -4,7 +4,7 @@
 
 Ratios (median, min, max, best over rounds, and `p25`, the ratio of the
 25th-percentile steps; each round = `steps` calls of the compiled
-`train_function`, timed one by one: `harness.step_fn`):
+`train_function`, timed one by one: `sides.step_fn`):
 `GradientNoiseScale` on / off, for `accumulation_steps=4` and for
 `micro_batches=4`, on the core MLP (784 -> 3 x 1024 -> 10, batch 256) and a
 Conv2D + BatchNorm model (28x28x1, Conv 32 / 64 each followed by
@@ -21,14 +21,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 from bench_core import compiled, mlp  # noqa: E402
-from harness import (  # noqa: E402
-    command_line,
-    dataset_of,
-    interleaved_step_ratios,
-    report,
-    step_fn,
-    synthetic,
-)
+from harness import command_line, interleaved_step_ratios, report  # noqa: E402
+from sides import dataset_of, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 

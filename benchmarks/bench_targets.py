@@ -4,7 +4,7 @@
                                        [--xla] [--mixed] [--cpu] [--markdown FILE]
                                        [--build-order alternate|listed|reversed]
 
-Every ratio is step-level (`harness.step_fn`: each side's compiled
+Every ratio is step-level (`sides.step_fn`: each side's compiled
 `train_function` timed step by step on a repeating `tf.data` pipeline;
 `harness.interleaved_step_ratios`: each round runs the two sides in
 blocks of 4 steps, alternating A B B A ...; per row `median`, the ratio
@@ -108,16 +108,8 @@ from anchors import keras_model  # noqa: E402
 from bench_core import cnn_bn, dense_stack  # noqa: E402
 from bench_embedding import data as embedding_data  # noqa: E402
 from bench_embedding import recommender  # noqa: E402
-from harness import (  # noqa: E402
-    command_line,
-    dataset_of,
-    interleaved_step_ratios,
-    machine,
-    process_number,
-    report,
-    step_fn,
-    synthetic,
-)
+from harness import command_line, interleaved_step_ratios, machine, process_number, report  # noqa: E402
+from sides import dataset_of, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 from keras_fastgrad import callbacks as fg_callbacks  # noqa: E402

@@ -6,7 +6,7 @@ A ratio of step times says that one step is slower, not why. This runs
 two sides of `bench_targets.py` (`--sides`, keys of its `SIDES`: default
 `acc_unsafe,keras_acc`) on one of its models (`--model`, default
 `mlp_256x1024_b64`), each step function built as the target table builds
-it (`harness.step_fn`), and profiles `--steps` steps of each under
+it (`sides.step_fn`), and profiles `--steps` steps of each under
 TensorFlow's profiler (`tf.profiler.experimental`), the two sides
 alternating for `--rounds` rounds. From each trace (an XSpace protobuf)
 it adds up the kernel time of every TensorFlow op event by op type, per
@@ -79,7 +79,7 @@ def profiled(run, steps):
 
 def main(argv=None):
     import bench_targets
-    from harness import dataset_of
+    from sides import dataset_of
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

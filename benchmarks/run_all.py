@@ -5,7 +5,7 @@
     python benchmarks/run_all.py --sync-docs | --render
 
 One method: every time ratio is step-level, each side's compiled train
-function timed step by step (`harness.step_fn`), interleaved round by
+function timed step by step (`sides.step_fn`), interleaved round by
 round (`harness.interleaved_step_ratios`). Rows that are not step time
 (op counts, peak memory, a norm alone) say what they measure.
 

@@ -1,9 +1,11 @@
-"""The state variables of the step's units whose value is global.
+"""The step's own state variables and the two ways it adds into them.
 
-Under a `tf.distribute` strategy every replica computes the same value for
-these (counters, measurements, the window's normaliser): replica 0's write
-is kept (`aggregation="only_first_replica"`). They are never autocast to a
-mixed-precision compute dtype and never trained.
+`global_variable` makes a variable whose value is the same on every
+replica of a `tf.distribute` strategy (counters, measurements, the window's
+normaliser): replica 0's write is kept (`aggregation="only_first_replica"`);
+it is never autocast to a mixed-precision compute dtype and never trained.
+`increment` (a scalar, one op) and `add_into` (a gradient-sized sum) add
+into any variable, global or per replica (the accumulation's sums).
 """
 
 import keras
