@@ -304,3 +304,28 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
         assert f"| MLP 64-3x256-10: {row}" in table, row
     assert "default / keras.Model gated on finite gradients [XLA] | <= 1.03 |" in table
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["targets.json", "targets_xla.json"]
+
+
+@pytest.fixture
+def instance_spread(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import instance_spread
+
+    return instance_spread
+
+
+def test_instance_spread_times_every_cross_pair_and_each_sides_consecutive_instances(
+    instance_spread,
+):
+    results = instance_spread.main(["--instances", "2", "--rounds", "1"])
+    cross = [f"default{i} / keras_gated{j}" for i in range(2) for j in range(2)]
+    assert list(results) == [*cross, "default0 / default1", "keras_gated0 / keras_gated1"]
+    for stats in results.values():
+        assert stats["rounds"] == 1 and stats["median"] > 0 and len(stats["step_ms"]) == 2
+
+
+def test_instance_spread_refuses_bad_arguments(instance_spread):
+    with pytest.raises(ValueError, match="`--sides` must name two keys"):
+        instance_spread.main(["--sides", "default"])
+    with pytest.raises(ValueError, match="`--instances` must be at least 2"):
+        instance_spread.main(["--instances", "1"])

@@ -201,6 +201,9 @@ _BY_FILE = {
     "tests/test_bench_targets.py": {
         "test_gated_anchor_with_accumulation_on_batchnorm_and_sparse_models": _REPEAT,
         "test_bench_targets_main_times_a_row_against_its_anchor": "a benchmark run (~15 s)",
+        "test_instance_spread_times_every_cross_pair_and_each_sides_consecutive_instances": (
+            "a benchmark run (~20 s)"
+        ),
     },
 }
 # Moved on 2026-12-02 (the fast tier measured 336 s on 2 idle cores after
