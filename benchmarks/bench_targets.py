@@ -328,6 +328,26 @@ def three_callbacks():
     ]
 
 
+class GraphMode:
+    """The options `timed_side` reads, as the diagnosis tools run it: graph
+    mode (no XLA), float32."""
+
+    xla = mixed = False
+
+
+def two_sides(text, example):
+    """`--sides` of a diagnosis tool (`op_profile.py`, `instance_spread.py`):
+    two keys of `SIDES`, comma-separated, as a list."""
+    sides = text.split(",")
+    unknown = [s for s in sides if s not in SIDES]
+    if len(sides) != 2 or unknown:
+        raise ValueError(
+            f"`--sides` must name two keys of bench_targets.SIDES {list(SIDES)}. "
+            f"Received: {text!r}. Fix: e.g. `--sides {example}`."
+        )
+    return sides
+
+
 def timed_side(side, model_name, args, steps, data):
     """`step_fn` of one side on one model, built and compiled here."""
     _, build, _, _, loss, optimizer, _ = MODELS[model_name]

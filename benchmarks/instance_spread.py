@@ -47,13 +47,7 @@ def main(argv=None):
     parser.add_argument("--instances", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
-    sides = args.sides.split(",")
-    unknown = [s for s in sides if s not in bench_targets.SIDES]
-    if len(sides) != 2 or unknown:
-        raise ValueError(
-            f"`--sides` must name two keys of bench_targets.SIDES {list(bench_targets.SIDES)}. "
-            f"Received: {args.sides!r}. Fix: e.g. `--sides default,keras_gated`."
-        )
+    sides = bench_targets.two_sides(args.sides, "default,keras_gated")
     if args.instances < 2:
         raise ValueError(
             f"`--instances` must be at least 2 (an A/A pair needs two). "
@@ -63,14 +57,13 @@ def main(argv=None):
     steps = max(4, int(48 * scale) // 4 * 4)  # a round of the target table
     data = dataset_of(*data_of(batch * 16), batch)
 
-    class Options:  # what `bench_targets.timed_side` reads
-        xla = mixed = False
-
     a, b = sides
     runs = {}
     for i in range(args.instances):
         for side in sides:
-            runs[f"{side}{i}"] = bench_targets.timed_side(side, args.model, Options, steps, data)
+            runs[f"{side}{i}"] = bench_targets.timed_side(
+                side, args.model, bench_targets.GraphMode, steps, data
+            )
     n = range(args.instances)
     cross = [(f"{a}{i} / {b}{j}", runs[f"{a}{i}"], runs[f"{b}{j}"]) for i in n for j in n]
     same = [

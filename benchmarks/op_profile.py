@@ -90,20 +90,14 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=20, help="op types shown")
     args = parser.parse_args(argv)
-    sides = args.sides.split(",")
-    unknown = [s for s in sides if s not in bench_targets.SIDES]
-    if len(sides) != 2 or unknown:
-        raise ValueError(
-            f"`--sides` must name two keys of bench_targets.SIDES {list(bench_targets.SIDES)}. "
-            f"Received: {args.sides!r}. Fix: e.g. `--sides acc_unsafe,keras_acc`."
-        )
+    sides = bench_targets.two_sides(args.sides, "acc_unsafe,keras_acc")
     _, _, data_of, batch, *_ = bench_targets.MODELS[args.model]
     data = dataset_of(*data_of(batch * 16), batch)
 
-    class Options:  # what `bench_targets.timed_side` reads
-        xla = mixed = False
-
-    runs = {s: bench_targets.timed_side(s, args.model, Options, args.steps, data) for s in sides}
+    runs = {
+        s: bench_targets.timed_side(s, args.model, bench_targets.GraphMode, args.steps, data)
+        for s in sides
+    }
     measured = {s: [] for s in sides}
     for r in range(args.rounds):
         for s in sides if r % 2 == 0 else sides[::-1]:
