@@ -42,7 +42,7 @@ OWN_PROCESS = True  # the backend is chosen when Keras is first imported
 import jax  # noqa: E402
 import keras  # noqa: E402
 from anchors_jax import JaxGatedModel  # noqa: E402
-from bench_targets import MODELS  # noqa: E402
+from bench_targets import MODELS, steps_on  # noqa: E402
 from harness import command_line, interleaved_step_ratios, report  # noqa: E402
 from sides import jax_step_fn  # noqa: E402
 
@@ -114,8 +114,8 @@ def main(argv=None):
         )
     results, targets = {}, {}
     for model_name in names:
-        label, *_, scale = MODELS[model_name]
-        n = max(4, int(steps * scale) // 4 * 4)
+        label = MODELS[model_name][0]
+        n = steps_on(model_name, steps)
         sides = {
             s: side(s, model_name, n) for s in dict.fromkeys(r[i] for r in ROWS for i in (1, 2))
         }

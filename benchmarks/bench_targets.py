@@ -328,6 +328,18 @@ def three_callbacks():
     ]
 
 
+def steps_on(model_name, steps=STEPS):
+    """The steps of a round on `model_name`: `steps` scaled by the model's
+    factor (`MODELS`), in whole blocks of 4."""
+    return max(4, int(steps * MODELS[model_name][6]) // 4 * 4)
+
+
+def model_data(model_name):
+    """`model_name`'s data: 16 batches of its batch size, as a dataset."""
+    _, _, data_of, batch, *_ = MODELS[model_name]
+    return dataset_of(*data_of(batch * 16), batch)
+
+
 class GraphMode:
     """The options `timed_side` reads, as the diagnosis tools run it: graph
     mode (no XLA), float32."""
@@ -392,9 +404,9 @@ def mode_suffix(args):
 
 def measure(model_name, args, rounds, steps):
     """Every selected row on one model: `(results, targets)`."""
-    label, _, data_of, batch, _, _, scale = MODELS[model_name]
-    steps = max(4, int(steps * scale) // 4 * 4)
-    data = dataset_of(*data_of(batch * 16), batch)
+    label = MODELS[model_name][0]
+    steps = steps_on(model_name, steps)
+    data = model_data(model_name)
     keys = rows_of(model_name, args)
     order = list(dict.fromkeys(side for key in keys for side in ROWS[key][1:3]))
     if build_order(args) == "reversed":

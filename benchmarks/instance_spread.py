@@ -37,7 +37,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 def main(argv=None):
     import bench_targets
     from harness import interleaved_step_ratios
-    from sides import dataset_of
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -53,9 +52,8 @@ def main(argv=None):
             f"`--instances` must be at least 2 (an A/A pair needs two). "
             f"Received: {args.instances}. Fix: e.g. `--instances 3`."
         )
-    _, _, data_of, batch, _, _, scale = bench_targets.MODELS[args.model]
-    steps = max(4, int(48 * scale) // 4 * 4)  # a round of the target table
-    data = dataset_of(*data_of(batch * 16), batch)
+    steps = bench_targets.steps_on(args.model)  # a round of the target table
+    data = bench_targets.model_data(args.model)
 
     a, b = sides
     runs = {}

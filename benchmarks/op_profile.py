@@ -79,7 +79,6 @@ def profiled(run, steps):
 
 def main(argv=None):
     import bench_targets
-    from sides import dataset_of
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,8 +90,7 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=20, help="op types shown")
     args = parser.parse_args(argv)
     sides = bench_targets.two_sides(args.sides, "acc_unsafe,keras_acc")
-    _, _, data_of, batch, *_ = bench_targets.MODELS[args.model]
-    data = dataset_of(*data_of(batch * 16), batch)
+    data = bench_targets.model_data(args.model)
 
     runs = {
         s: bench_targets.timed_side(s, args.model, bench_targets.GraphMode, args.steps, data)
