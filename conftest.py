@@ -2,22 +2,21 @@
 namespace of the public docstrings' examples."""
 
 import os
-import sys
+import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # The only backend keras_fastgrad supports (its import refuses the others):
 # chosen here, before Keras loads, for the tests and every subprocess they
 # start, whatever the shell or ~/.keras/keras.json selects.
-# `KERAS_BACKEND=jax` is kept: tests/jax run under it (their conftest skips
+# `KERAS_BACKEND=jax` is kept: tests/jax_backend run under it (their conftest skips
 # them on any other backend).
 if os.environ.get("KERAS_BACKEND") != "jax":
     os.environ["KERAS_BACKEND"] = "tensorflow"
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 # Under JAX, XLA's executables cached on disk (build/, ignored by git) and
 # shared by the workers: the tests compile many identical steps (the same
 # small models and options, another test's names; the cache key strips
 # them), and a cache hit skips XLA's compilation, not the trace, so a
-# retrace is still a retrace. Measured on tests/jax's exactness and
+# retrace is still a retrace. Measured on tests/jax_backend's exactness and
 # BatchNorm files, from an empty cache: 183 s -> 147 s (two workers); CI's
 # JAX stage 743 s -> 647 s, the same session.
 if os.environ["KERAS_BACKEND"] == "jax":
@@ -42,7 +41,7 @@ import keras_fastgrad  # noqa: E402, I001
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tiers  # noqa: E402  (tests/tiers.py: which tests are in the full tier)
+from tests import tiers  # noqa: E402  (tests/tiers.py: which tests are in the full tier)
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +83,7 @@ def doctest_namespace_setup(doctest_namespace):
 # the marks are silently ignored.)
 ONE_WORKER_FILES = (
     "tests/end_to_end/test_distributed.py",
-    "tests/jax/test_jax_data_parallel.py",  # (its 2-device process, ~20 s)
+    "tests/jax_backend/test_jax_data_parallel.py",  # (its 2-device process, ~20 s)
 )
 
 
@@ -124,6 +123,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.full)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Code of the other backend is not collected (it would import a package
+    its venv may lack: `jax` in the README's TensorFlow venv, `tensorflow`
+    in docs/jax.md's JAX venv): under `KERAS_BACKEND=jax` only
+    `tests/tiers.py`'s `JAX_PATHS`, under TensorFlow all but its
+    `JAX_ONLY_PATHS`."""
+    try:
+        relative = collection_path.relative_to(_ROOT).as_posix()
+    except ValueError:
+        return None  # outside the repository: pytest's own rules
+    relative = "" if relative == "." else relative
+    if tiers.collected(relative, collection_path.is_dir(), keras.backend.backend()):
+        return None
+    return True
+
+
+_ROOT = pathlib.Path(__file__).resolve().parent
 
 
 def pytest_runtest_setup(item):

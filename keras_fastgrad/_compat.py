@@ -577,7 +577,7 @@ def jit_cache_size(function):
 
 
 # The private names of the JAX side (checked under `KERAS_BACKEND=jax` in
-# tests/jax/test_jax_compat.py: the canary of tests/test_compat.py runs on
+# tests/jax_backend/test_jax_compat.py: the canary of tests/test_compat.py runs on
 # TensorFlow): (owner, name).
 JAX_PRIVATE_NAMES = (
     *(("keras.Model", name) for name in JAX_STATE_METHODS),

@@ -26,12 +26,8 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# end_to_end/test_exactness.py provides the masked-sequence model
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "end_to_end"))
-from helpers import data, fast, max_weight_diff, mlp  # noqa: E402
-
 import keras_fastgrad  # noqa: E402
+from tests.helpers import data, fast, max_weight_diff, mlp  # noqa: E402
 
 STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
@@ -207,7 +203,7 @@ def case_masked_sequences():
     # Global batch 8: replica 0 gets rows with 1 valid step, replica 1 rows
     # with 6. Weighted by samples, the replicas' shares would be wrong;
     # weighted by valid steps (the loss's normaliser) the update is exact.
-    from test_exactness import masked_data, masked_rnn
+    from tests.end_to_end.test_exactness import masked_data, masked_rnn
 
     x, y = masked_data()
     x, y = np.concatenate([x, x[::-1]]), np.concatenate([y, y[::-1]])
@@ -293,40 +289,37 @@ def case_batchnorm_window():
 # (All under the one STRATEGY: two MirroredStrategy objects in one process
 # draw the same collective keys, and their all-reduces collide.)
 def case_adaptive_clipping():
-    import mirrored_adaptive_clipping
+    from tests import mirrored_adaptive_clipping
 
     return mirrored_adaptive_clipping.results(STRATEGY)
 
 
 def case_noise_scale():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "step"))
-    import gns_mirrored
+    from tests.step import gns_mirrored
 
     return gns_mirrored.results(STRATEGY)
 
 
 def case_multitask_merger_pcgrad():
-    import mirrored_multitask
+    from tests import mirrored_multitask
 
     return mirrored_multitask.results(STRATEGY, "test_merger", "pcgrad")
 
 
 def case_multitask_features_mgda():
-    import mirrored_multitask
+    from tests import mirrored_multitask
 
     return mirrored_multitask.results(STRATEGY, "test_feature_space", "mgda")
 
 
 def case_training_only_layer():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "models"))
-    from test_keras_hooks import mirrored_training_only_layer
+    from tests.models.test_keras_hooks import mirrored_training_only_layer
 
     return mirrored_training_only_layer(STRATEGY)
 
 
 def case_synchronized_batchnorm_micro_batches():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "step"))
-    from test_batchnorm import mirrored_synchronized_micro_batches
+    from tests.step.test_batchnorm import mirrored_synchronized_micro_batches
 
     return mirrored_synchronized_micro_batches(STRATEGY)
 

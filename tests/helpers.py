@@ -4,7 +4,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_fastgrad
 from keras_fastgrad import _compat
@@ -50,6 +49,8 @@ def sparse(values, indices, rows):
     values = np.asarray(values, np.float32)
     indices = np.asarray(indices, np.int64)
     dense = np.zeros((rows, values.shape[1]), np.float64)
+    import tensorflow as tf  # (here: the JAX venv has no TensorFlow)
+
     np.add.at(dense, indices, values.astype(np.float64))
     slices = tf.IndexedSlices(
         tf.constant(values), tf.constant(indices), tf.constant([rows, values.shape[1]], tf.int64)
@@ -59,7 +60,7 @@ def sparse(values, indices, rows):
 
 def as_numpy(g):
     """Dense numpy value of a gradient (IndexedSlices densified by numpy)."""
-    if isinstance(g, tf.IndexedSlices):
+    if type(g).__name__ == "IndexedSlices":  # (TensorFlow's; not imported on JAX)
         dense = np.zeros(g.dense_shape.numpy(), np.float64)
         np.add.at(dense, g.indices.numpy(), g.values.numpy().astype(np.float64))
         return dense
@@ -100,6 +101,8 @@ def reference_gradients(model, loss_fn, variables=None):
         value, grads = jax.value_and_grad(of_values)([v.value for v in variables])
         grads = [np.asarray(g) for g in grads]
     else:
+        import tensorflow as tf
+
         with tf.GradientTape() as tape:
             value = loss_fn()
         grads = tape.gradient(value, [v.value for v in variables])
@@ -162,3 +165,22 @@ class TrainingBranch(keras.Model):
 
 class FGTrainingBranch(keras_fastgrad.FastGradModel, TrainingBranch):
     pass
+
+
+class _Lazy:
+    """A module imported at its first attribute read: test files that run on
+    both backends name `tf` at the top, and the JAX venv has no TensorFlow
+    (their TensorFlow tests are `tensorflow_only`, never run there)."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attribute):
+        import importlib
+
+        if attribute.startswith(("_", "pytest")):  # pytest's probes while collecting
+            raise AttributeError(attribute)
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+tf = _Lazy("tensorflow")

@@ -9,15 +9,12 @@ in numpy. Clipping each replica's gradient before the sum would differ.
 """
 
 import os
-import sys
 
 import keras
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "end_to_end")]
-from helpers import data  # noqa: E402
-from test_adaptive_clipping_fit import (  # noqa: E402
+from tests.end_to_end.test_adaptive_clipping_fit import (  # noqa: E402
     FG,
     LR,
     dense,
@@ -27,6 +24,7 @@ from test_adaptive_clipping_fit import (  # noqa: E402
     reference_step,
     tokens,
 )
+from tests.helpers import data  # noqa: E402
 
 
 def case(strategy, build, x, y, **options):

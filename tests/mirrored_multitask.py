@@ -13,7 +13,6 @@ import contextlib
 import glob
 import importlib
 import os
-import sys
 
 import numpy as np
 
@@ -22,11 +21,10 @@ def results(strategy, module_name, method):
     """`{"acc1": {...}, "acc2": {...}}`: each accumulation setting's result,
     under `strategy` (a MirroredStrategy over two devices)."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, tests)
-    # the test module, in its folder of tests/ (test file names are unique)
+    # the test module, in its folder of tests/ (imported as part of the package)
     (path,) = glob.glob(os.path.join(tests, "**", f"{module_name}.py"), recursive=True)
-    sys.path.insert(0, os.path.dirname(path))
-    module = importlib.import_module(module_name)
+    relative = os.path.relpath(path, os.path.dirname(tests))[: -len(".py")]
+    module = importlib.import_module(relative.replace(os.sep, "."))
     probe = getattr(module, "mirrored_probe", None)
 
     x, y = module.make_data(n=11)  # global batches 4, 4, 3: the last splits 2 / 1

@@ -19,8 +19,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import data, fast  # noqa: E402
+from tests.helpers import data, fast  # noqa: E402
 
 OPTIONS = {"accumulation_steps": 2, "clip_norm": 1.0, "telemetry": True}
 FIT = {"batch_size": 4, "epochs": 2, "shuffle": False, "verbose": 0}

@@ -5,7 +5,8 @@ under `KERAS_BACKEND=jax`)."""
 import keras
 import numpy as np
 import pytest
-from helpers import reference_gradients
+
+from tests.helpers import reference_gradients
 
 X = np.array([[1.0, 2.0], [3.0, -1.0]], "float32")
 Y = np.array([[1.0], [0.0]], "float32")

@@ -8,11 +8,11 @@ import pathlib
 import re
 
 import keras
-import tiers
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.models.model import OPTION_NAMES
+from tests import tiers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,8 @@ import os
 
 import numpy as np
 import pytest
-from subprocesses import run_python
+
+from tests.subprocesses import run_python
 
 _SCRIPT = """
 import json, sys, traceback

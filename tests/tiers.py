@@ -274,3 +274,63 @@ def is_full(path, name, slow):
     parametrization) of the file `path` (relative to the repository, with
     `/`) is in the full tier; `slow`: it carries the `slow` mark."""
     return slow or path in FULL_FILES or (path, name) in FULL_TESTS
+
+
+# Under `KERAS_BACKEND=jax`, `python -m pytest` collects these and nothing
+# else (conftest.py's `pytest_ignore_collect`): the JAX step's own tests
+# (tests/jax_backend) and the suite's files that run on both backends (their
+# TensorFlow-only tests carry `tensorflow_only` marks). docs/jax.md's test
+# command is that plain `pytest` line, run in a venv without TensorFlow.
+JAX_PATHS = (
+    "tests/jax_backend",
+    "keras_fastgrad/backend",  # the JAX step's modules (their doctests)
+    "tests/aggregators",  # every aggregator, doctests too
+    "keras_fastgrad/aggregators",
+    "tests/models/test_options.py",
+    "tests/models/test_model.py",
+    "tests/test_validation.py",
+    "tests/end_to_end/test_saved_fixtures.py",  # files of earlier releases load on JAX
+    "tests/end_to_end/test_edges.py",
+    "tests/end_to_end/test_dropin.py",
+    "tests/end_to_end/test_safety.py",
+    "tests/end_to_end/test_exactness.py",
+    "tests/end_to_end/test_micro_batch_padding.py",
+    "tests/step/test_batchnorm.py",
+    "tests/step/test_slicing.py",  # micro_batches (with multitask) == the unsplit step
+    "tests/step/test_finite.py",  # the finite check
+    "tests/step/test_clipping.py",  # the global norm
+    "tests/step/test_noise_scale.py",  # vs the closed form and the paper's estimators
+    "tests/callbacks/test_noise_scale_arguments.py",
+    "tests/end_to_end/test_bring_your_own.py",  # KerasHub, keras.applications, subclasses
+    "tests/test_reference_gradients.py",  # the tests' backend-neutral gradient reference
+    "tests/end_to_end/test_adaptive_clipping_fit.py",
+    "tests/end_to_end/test_unchecked_paths.py",
+    "tests/end_to_end/test_window_edges.py",
+    "tests/end_to_end/test_extra_loss_terms.py",
+    "tests/multitask",
+    "tests/callbacks/test_callbacks.py",
+    "keras_fastgrad/callbacks",
+    "tests/models/test_keras_hooks.py",
+    "tests/models/test_refusals.py",
+    "tests/profiling",
+    "keras_fastgrad/profiling",
+)
+
+# Code of one backend only: not collected under the other.
+JAX_ONLY_PATHS = (
+    "tests/jax_backend",
+    "keras_fastgrad/backend",
+    "keras_fastgrad/profiling/_jax_runs.py",
+)
+
+
+def collected(path, is_dir, backend):
+    """Whether the file or folder `path` (relative to the repository, with
+    `/`) is collected under `backend`: under JAX the paths of `JAX_PATHS`
+    and the folders above them; under TensorFlow all but `JAX_ONLY_PATHS`."""
+    inside = lambda paths: any(path == p or path.startswith(p + "/") for p in paths)
+    if backend != "jax":
+        return not inside(JAX_ONLY_PATHS)
+    if inside(JAX_PATHS):
+        return True
+    return is_dir and any(p.startswith(path + "/") for p in JAX_PATHS) or path == ""

@@ -7,7 +7,7 @@
 Without `--model` it profiles a small built-in model: a `FastGradModel`
 MLP (64 -> 3 x Dense 256 relu -> 10, Adam, sparse categorical
 cross-entropy) fed by a `tf.data` pipeline of synthetic batches of 128, so
-the input pipeline is timed too. With `--model` it loads a compiled
+the input pipeline is timed too (on JAX: one synthetic batch of 128). With `--model` it loads a compiled
 `.keras` model and profiles it on a synthetic batch shaped like its
 inputs (targets shaped like its outputs, or integer labels for sparse
 losses). Prints the table and the recommendations of
@@ -22,7 +22,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from keras import tree  # noqa: E402
 
 from keras_fastgrad.models.model import FastGradModel  # noqa: E402
@@ -46,10 +45,16 @@ def builtin_model():
 
 
 def builtin_data(batch_size=BUILTIN_BATCH, batches=8):
-    """Synthetic batches for the built-in model, as a `tf.data.Dataset`."""
+    """Synthetic batches for the built-in model: on TensorFlow a
+    `tf.data.Dataset` (its input pipeline is timed too); on JAX, where
+    TensorFlow need not be installed, one batch of numpy arrays."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch_size * batches, 64)).astype("float32")
     y = rng.integers(0, 10, size=(batch_size * batches,)).astype("int32")
+    if keras.backend.backend() != "tensorflow":
+        return x[:batch_size], y[:batch_size]
+    import tensorflow as tf
+
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).prefetch(2)
 
 

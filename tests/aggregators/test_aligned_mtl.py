@@ -5,15 +5,15 @@ Backend-neutral: runs under TensorFlow and JAX."""
 import keras
 import numpy as np
 import pytest
-from aggregator_references import (
+
+from keras_fastgrad import aggregators
+from tests.aggregator_references import (
     aligned_np,
     float64_on_jax,  # noqa: F401  (autouse)
     gram_of,
     merged_of,
     random_jacobian,
 )
-
-from keras_fastgrad import aggregators
 
 
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])

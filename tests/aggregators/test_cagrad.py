@@ -2,15 +2,15 @@
 
 import numpy as np
 import pytest
-from aggregator_references import (
+
+from keras_fastgrad import aggregators
+from tests.aggregator_references import (
     cagrad_np,
     float64_on_jax,  # noqa: F401  (autouse)
     gram_of,
     merged_of,
     random_jacobian,
 )
-
-from keras_fastgrad import aggregators
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,9 @@ import os
 import keras
 import numpy as np
 import pytest
-from aggregator_references import (
+
+from keras_fastgrad import aggregators
+from tests.aggregator_references import (
     REFERENCES,
     compiled,
     dualproj_np,
@@ -18,11 +20,9 @@ from aggregator_references import (
     scaled_jacobian,
     upgrad_np,
 )
-from multitask_helpers import (
+from tests.multitask_helpers import (
     make_data,
 )
-
-from keras_fastgrad import aggregators
 
 # Under JAX each task count compiles programs of its own (~2 s each): one.
 TASK_COUNTS = [2, 3, 4] if keras.backend.backend() == "tensorflow" else [3]

@@ -6,19 +6,19 @@ merge, only there)."""
 import keras
 import numpy as np
 import pytest
-from aggregator_references import (
+
+from keras_fastgrad import aggregators
+from tests.aggregator_references import (
     float64_on_jax,  # noqa: F401  (autouse)
     gradvac_np,
     gram_of,
     scaled_jacobian,
 )
-from multitask_helpers import (
+from tests.multitask_helpers import (
     build,
     compiled,
     make_data,
 )
-
-from keras_fastgrad import aggregators
 
 
 def test_gradvac_first_step_is_pcgrad():

@@ -5,7 +5,9 @@ Backend-neutral: runs under TensorFlow and JAX."""
 import keras
 import numpy as np
 import pytest
-from aggregator_references import (
+
+from keras_fastgrad import aggregators
+from tests.aggregator_references import (
     P,
     compiled,
     float64_on_jax,  # noqa: F401  (autouse)
@@ -16,8 +18,6 @@ from aggregator_references import (
     random_jacobian,
     rel_error,
 )
-
-from keras_fastgrad import aggregators
 
 
 @pytest.mark.parametrize("num_tasks", [2, 3, 4])

@@ -5,8 +5,9 @@ numpy references; save and load. Runs on both backends."""
 import keras
 import numpy as np
 import pytest
-from aggregator_references import NEW, config_np, dualproj_np, gradvac_np, nash_np, upgrad_np
-from multitask_helpers import (
+
+from tests.aggregator_references import NEW, config_np, dualproj_np, gradvac_np, nash_np, upgrad_np
+from tests.multitask_helpers import (
     assert_step,
     build,
     compiled,

@@ -7,7 +7,9 @@ import itertools
 import keras
 import numpy as np
 import pytest
-from aggregator_references import (
+
+from keras_fastgrad import aggregators
+from tests.aggregator_references import (
     compiled,
     float64_on_jax,  # noqa: F401  (autouse)
     gram_of,
@@ -15,8 +17,6 @@ from aggregator_references import (
     pcgrad_np,
     random_jacobian,
 )
-
-from keras_fastgrad import aggregators
 
 JAX_ONLY = pytest.mark.skipif(keras.backend.backend() != "jax", reason="jax.jit (JAX backend)")
 

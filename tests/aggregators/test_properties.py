@@ -34,16 +34,16 @@ gradient negligible at the dtype's precision do not count.
 import keras
 import numpy as np
 import pytest
-from aggregator_references import (
-    REFERENCES,
-    compiled,
-    float64_on_jax,  # noqa: F401  (autouse)
-)
 from keras import ops
 
 from keras_fastgrad import aggregators
 from keras_fastgrad.aggregators._utils import dual_cone as _cone_aggregators
 from keras_fastgrad.aggregators._utils import qp as _qp
+from tests.aggregator_references import (
+    REFERENCES,
+    compiled,
+    float64_on_jax,  # noqa: F401  (autouse)
+)
 
 # Every case is checked against quadprog in test_dual_cone.py, test_mgda.py; the
 # KKT checks here take T = 3, 5, 8 (each new T is a new trace).

@@ -7,7 +7,9 @@ import itertools
 import keras
 import numpy as np
 import pytest
-from aggregator_references import (
+
+from keras_fastgrad import aggregators
+from tests.aggregator_references import (
     NEW,
     compiled,
     float64_on_jax,  # noqa: F401  (autouse)
@@ -16,8 +18,6 @@ from aggregator_references import (
     random_jacobian,
     scaled_jacobian,
 )
-
-from keras_fastgrad import aggregators
 
 # The modes a test compares with eager calls: TensorFlow's graph and XLA;
 # JAX has one (`jax.jit`, XLA).

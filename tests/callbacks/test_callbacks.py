@@ -12,7 +12,6 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_fastgrad
 from keras_fastgrad.callbacks import (
@@ -22,6 +21,7 @@ from keras_fastgrad.callbacks import (
     RetraceWatch,
     TapeVariableCounter,
 )
+from tests.helpers import tf  # (TensorFlow imported at first use: not on JAX)
 
 ON_JAX = keras.backend.backend() == "jax"
 

@@ -15,9 +15,9 @@ clipped something).
 import keras
 import numpy as np
 import pytest
-from helpers import between_middle, data, mlp, np_agc, reference_gradients
 
 import keras_fastgrad
+from tests.helpers import between_middle, data, mlp, np_agc, reference_gradients
 
 FG = keras_fastgrad.FastGradModel
 LR = 0.1

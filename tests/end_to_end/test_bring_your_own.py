@@ -13,7 +13,6 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from helpers import data, max_weight_diff, mlp, reference_gradients
 
 from keras_fastgrad import FastGradModel, FastGradSequential, fastgrad
 from keras_fastgrad.callbacks import (
@@ -22,6 +21,7 @@ from keras_fastgrad.callbacks import (
     RetraceWatch,
     TapeVariableCounter,
 )
+from tests.helpers import data, max_weight_diff, mlp, reference_gradients
 
 
 def sequential_layers(seed=3):

@@ -15,11 +15,13 @@ import sys
 import keras
 import numpy as np
 import pytest
-from helpers import needs_multi_replica_keras
+
+from tests.helpers import needs_multi_replica_keras
 
 pytestmark = [needs_multi_replica_keras, pytest.mark.slow]  # fresh processes
 
-# tests/: the scripts below run from there (distributed_cases.py, multiworker_worker.py)
+# the scripts below run as modules of the `tests` package from the repo root
+# (`python -m tests.distributed_cases`, `python -m tests.multiworker_worker`)
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(HERE)
 
@@ -33,7 +35,7 @@ def _env(**extra):
 def mirrored(tmp_path_factory):
     out = tmp_path_factory.mktemp("mirrored") / "cases.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "distributed_cases.py"), str(out)],
+        [sys.executable, "-m", "tests.distributed_cases", str(out)],
         env=_env(),
         capture_output=True,
         text=True,
@@ -237,8 +239,7 @@ def _free_port():
 
 
 def test_multi_worker_mirrored_two_processes_match_single_device(tmp_path):
-    sys.path.insert(0, HERE)
-    import multiworker_worker as worker
+    from tests import multiworker_worker as worker
 
     cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(2)]}
     procs, outputs = [], []
@@ -248,7 +249,7 @@ def test_multi_worker_mirrored_two_processes_match_single_device(tmp_path):
         outputs.append(out)
         procs.append(
             subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "multiworker_worker.py"), str(out)],
+                [sys.executable, "-m", "tests.multiworker_worker", str(out)],
                 env=_env(TF_CONFIG=tf_config),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -267,7 +268,7 @@ def test_multi_worker_mirrored_two_processes_match_single_device(tmp_path):
         np.testing.assert_array_equal(a, b)  # both workers identical
 
     x, y = worker.training_data()
-    from helpers import fast
+    from tests.helpers import fast
 
     reference = fast(**worker.OPTIONS)
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")

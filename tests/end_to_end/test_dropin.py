@@ -6,10 +6,16 @@ out with a tape."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from helpers import data, fast, max_weight_diff, mlp, same_start
 
 import keras_fastgrad
+from tests.helpers import (
+    data,
+    fast,
+    max_weight_diff,
+    mlp,
+    same_start,
+    tf,  # (TensorFlow imported at first use: not on JAX)
+)
 
 FACTOR = 64.0  # a power of two: scaling and unscaling are exact in float32
 
@@ -22,7 +28,7 @@ def optimizer(name, **kwargs):
 
 # ------------------------------------------------------- loss_scale_factor
 @pytest.mark.tensorflow_only(
-    reason="a fixed loss_scale_factor is refused on JAX (tests/jax/test_jax_refusals.py)"
+    reason="a fixed loss_scale_factor is refused on JAX (tests/jax_backend/test_jax_refusals.py)"
 )
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_loss_scale_factor_trains_like_keras_model(name):
@@ -40,7 +46,7 @@ def test_loss_scale_factor_trains_like_keras_model(name):
 
 
 @pytest.mark.tensorflow_only(
-    reason="a fixed loss_scale_factor is refused on JAX (tests/jax/test_jax_refusals.py)"
+    reason="a fixed loss_scale_factor is refused on JAX (tests/jax_backend/test_jax_refusals.py)"
 )
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_loss_scale_factor_with_accumulation_and_clipping(name):
@@ -64,7 +70,7 @@ def test_loss_scale_factor_with_accumulation_and_clipping(name):
 
 
 @pytest.mark.tensorflow_only(
-    reason="a fixed loss_scale_factor is refused on JAX (tests/jax/test_jax_refusals.py)"
+    reason="a fixed loss_scale_factor is refused on JAX (tests/jax_backend/test_jax_refusals.py)"
 )
 def test_loss_scale_factor_grad_norm_is_the_true_gradient_norm():
     # One update (8 samples, batches of 4, windows of 2): `grad_norm` is the

@@ -182,7 +182,7 @@ def test_accumulated_embedding_update_is_the_dense_big_batch_step(optimizer):
     # big-batch step (a one-hot matmul model, same weights) and Keras' own
     # `gradient_accumulation_steps`; without accumulation it is Keras'
     # sparse step, bit for bit. The README says so.
-    from test_exactness import embedding_model
+    from tests.end_to_end.test_exactness import embedding_model
 
     rng = np.random.default_rng(9)
     x = rng.integers(0, 8, size=(12, 5)).astype("int32")

@@ -12,9 +12,9 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from helpers import FGTrainingBranch, TrainingBranch
 
 import keras_fastgrad
+from tests.helpers import FGTrainingBranch, TrainingBranch
 
 FG = keras_fastgrad.FastGradModel
 
@@ -410,7 +410,7 @@ def _fit_with_dense_clipping(model, x, y, clip_norm, batch, epochs):
             "training_branch",
             marks=pytest.mark.tensorflow_only(
                 reason="JAX refuses a layer built inside the step, by name "
-                "(tests/jax/test_jax_refusals.py)"
+                "(tests/jax_backend/test_jax_refusals.py)"
             ),
         ),
     ],

@@ -15,9 +15,9 @@ reference (`helpers.reference_gradients`).
 import keras
 import numpy as np
 import pytest
-from helpers import reference_gradients
 
 import keras_fastgrad
+from tests.helpers import reference_gradients
 
 FG = keras_fastgrad.FastGradModel
 

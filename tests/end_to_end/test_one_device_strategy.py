@@ -13,12 +13,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import data, fast, max_weight_diff, mlp, needs_multi_replica_keras
-from multitask_helpers import build as multitask_model
-from multitask_helpers import make_data as multitask_data
 
 import keras_fastgrad
 from keras_fastgrad.callbacks import GradientNormLogger
+from tests.helpers import data, fast, max_weight_diff, mlp, needs_multi_replica_keras
+from tests.multitask_helpers import build as multitask_model
+from tests.multitask_helpers import make_data as multitask_data
 
 # Keras < 3.10 updates metrics with a `merge_call` (mirrored metric
 # variables), which the step's `cond`s cannot hold under any strategy.

@@ -12,9 +12,9 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from helpers import data, fast, max_weight_diff, mlp
 
 import keras_fastgrad
+from tests.helpers import data, fast, max_weight_diff, mlp
 
 FG = keras_fastgrad.FastGradModel
 

@@ -9,7 +9,6 @@ as that release saw them.
 """
 
 import os
-import sys
 
 import keras
 import numpy as np
@@ -18,8 +17,7 @@ import pytest
 import keras_fastgrad
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
-sys.path.insert(0, DATA)
-import make_saved_fixtures as fixtures  # noqa: E402  (registers `Regressor`)
+from tests.data import make_saved_fixtures as fixtures  # noqa: E402  (registers `Regressor`)
 
 RELEASE = "3b3f576"
 EXPECTED_CLASS = {
@@ -76,7 +74,7 @@ def test_weights_file_loads_bit_exact(case):
 @pytest.mark.tensorflow_only(
     reason="the reference rebuilds the file's model from its seed, and Keras' JAX "
     "backend draws other initial weights from it; on JAX these files load bit-exact "
-    "(above) and a window saved on TensorFlow resumes (tests/jax/test_jax_saving.py)"
+    "(above) and a window saved on TensorFlow resumes (tests/jax_backend/test_jax_saving.py)"
 )
 @pytest.mark.parametrize("case", ["mid_window", "sequential", "fastgrad_subclass"])
 def test_half_full_window_resumes_exactly(case):

@@ -20,11 +20,11 @@
 import keras
 import numpy as np
 import pytest
-from helpers import mlp, np_agc, reference_gradients
-from test_exactness import _clip_case, embedding_model, relative_error
-from test_extra_loss_terms import masked_sequences_weights_only
 
 import keras_fastgrad
+from tests.end_to_end.test_exactness import _clip_case, embedding_model, relative_error
+from tests.end_to_end.test_extra_loss_terms import masked_sequences_weights_only
+from tests.helpers import mlp, np_agc, reference_gradients
 
 FG = keras_fastgrad.FastGradModel
 CLIP = 0.1

@@ -14,10 +14,12 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from helpers import reference_gradients
 
 import keras_fastgrad
+from tests.helpers import (
+    reference_gradients,
+    tf,  # (TensorFlow imported at first use: not on JAX)
+)
 
 FG = keras_fastgrad.FastGradModel
 

@@ -19,10 +19,13 @@ both, then train the late variables made before `fit` (one call with
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from helpers import data, max_weight_diff
 
 import keras_fastgrad
+from tests.helpers import (
+    data,
+    max_weight_diff,
+    tf,  # (TensorFlow imported at first use: not on JAX)
+)
 
 ON_JAX = keras.backend.backend() == "jax"
 

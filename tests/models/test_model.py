@@ -4,9 +4,9 @@ big batch, numpy gradients worked out by hand, training without a bad batch."""
 import keras
 import numpy as np
 import pytest
-from helpers import data, fast, max_weight_diff, mlp, same_start
 
 import keras_fastgrad
+from tests.helpers import data, fast, max_weight_diff, mlp, same_start
 
 
 def sgd(lr=0.1):

@@ -4,9 +4,9 @@ value received."""
 import keras
 import numpy as np
 import pytest
-from helpers import data, fast, max_weight_diff, mlp
 
 import keras_fastgrad
+from tests.helpers import data, fast, max_weight_diff, mlp
 
 
 @pytest.mark.parametrize(

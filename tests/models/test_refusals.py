@@ -21,12 +21,14 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from helpers import max_weight_diff
 
 from keras_fastgrad import FastGradModel, fastgrad
 from keras_fastgrad.callbacks import TapeVariableCounter
 from keras_fastgrad.models.model import OPTION_NAMES
+from tests.helpers import (
+    max_weight_diff,
+    tf,  # (TensorFlow imported at first use: not on JAX)
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -450,7 +452,7 @@ def test_the_backend_check_names_what_keras_reports():
 
 @_needs("jax")
 def test_the_jax_backend_imports():
-    # Supported (a first set of options: tests/jax); the others refuse there.
+    # Supported (a first set of options: tests/jax_backend); the others refuse there.
     done = _import_under("jax")
     assert done.returncode == 0 and "imported jax" in done.stdout, done.stderr[-2000:]
 

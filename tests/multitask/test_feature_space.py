@@ -15,15 +15,15 @@ backends.
 import itertools
 
 import keras
-import multitask_helpers
 import numpy as np
 import pytest
-from aggregator_references import mgda_np, pcgrad_np
-from multitask_helpers import LR, compiled, conflicting
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.multitask.feature_space import find_features
+from tests import multitask_helpers
+from tests.aggregator_references import mgda_np, pcgrad_np
+from tests.multitask_helpers import LR, compiled, conflicting
 
 
 # ------------------------------------------------------------------ models

@@ -13,8 +13,12 @@ import itertools
 import keras
 import numpy as np
 import pytest
-from aggregator_references import pcgrad_np
-from multitask_helpers import (  # noqa: F401 (mirrored_multitask.py reads them here)
+
+import keras_fastgrad
+from keras_fastgrad import aggregators
+from keras_fastgrad.step.task_losses import regularization_loss, task_losses
+from tests.aggregator_references import pcgrad_np
+from tests.multitask_helpers import (  # noqa: F401 (mirrored_multitask.py reads them here)
     LR,
     TASKS,
     assert_step,
@@ -30,10 +34,6 @@ from multitask_helpers import (  # noqa: F401 (mirrored_multitask.py reads them 
     unflat,
     weights_of,
 )
-
-import keras_fastgrad
-from keras_fastgrad import aggregators
-from keras_fastgrad.step.task_losses import regularization_loss, task_losses
 
 
 # ------------------------------------------------------------------ losses

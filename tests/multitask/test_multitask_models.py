@@ -15,12 +15,19 @@
 import keras
 import numpy as np
 import pytest
-from aggregator_references import mgda_np
-from helpers import reference_gradients
 from keras import ops
-from multitask_helpers import build, flat, make_data, reference_model, shared_mask, task_gradients
 
 import keras_fastgrad
+from tests.aggregator_references import mgda_np
+from tests.helpers import reference_gradients
+from tests.multitask_helpers import (
+    build,
+    flat,
+    make_data,
+    reference_model,
+    shared_mask,
+    task_gradients,
+)
 
 LR = 0.05
 

@@ -7,19 +7,19 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_fastgrad
 from keras_fastgrad.profiling import __main__ as profile_cli
 from keras_fastgrad.profiling import _runs
 from keras_fastgrad.profiling.measure import PhaseTimes, StepProfile
+from tests.helpers import tf  # (TensorFlow imported at first use: not on JAX)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ON_JAX = keras.backend.backend() == "jax"
 # The compiled step of each backend (as `fit` runs it by default): TF's
 # graph (`tf.function`), JAX's `jax.jit` ("xla"; "function" has no JAX
-# counterpart: reported skipped, tests/jax/test_jax_profiling.py).
+# counterpart: reported skipped, tests/jax_backend/test_jax_profiling.py).
 COMPILED = "xla" if ON_JAX else "function"
 COMPILED_LABEL = "jax.jit (XLA)" if ON_JAX else "tf.function"
 

@@ -6,16 +6,11 @@ Each replica's micro-batch is a small batch, the replicas' sum the big
 one; Keras gives each replica a contiguous half of the global batch. Returns
 the step's `gns_*` logs and the numpy reference (`gns_reference.py`)."""
 
-import os
-import sys
-
 import keras
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gns_reference as ref  # noqa: E402
-
 import keras_fastgrad  # noqa: E402
+from tests.step import gns_reference as ref  # noqa: E402
 
 DECAY = 0.6
 

@@ -16,7 +16,8 @@ with Adam's bias correction, and `B_simple = EMA(S) / EMA(|G|^2)`.
 """
 
 import numpy as np
-from helpers import reference_gradients
+
+from tests.helpers import reference_gradients
 
 
 def squared_gradient_norm(model, loss_fn, x, y):

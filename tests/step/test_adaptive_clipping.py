@@ -12,13 +12,13 @@ that would pass with clipping off is no test).
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import as_numpy, between_middle, np_agc, sparse
 
 from keras_fastgrad.step.adaptive_clipping import (
     both_finite,
     clip_unitwise,
     unit_axes,
 )
+from tests.helpers import as_numpy, between_middle, np_agc, sparse
 
 NAN, INF = float("nan"), float("inf")
 

@@ -11,7 +11,8 @@ expected value is taken from the units' own output.
 import keras
 import numpy as np
 import pytest
-from helpers import as_numpy, sparse
+
+from tests.helpers import as_numpy, sparse
 
 if keras.backend.backend() == "tensorflow":
     import tensorflow as tf

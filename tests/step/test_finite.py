@@ -14,7 +14,8 @@ expected value is taken from the units' own output.
 import keras
 import numpy as np
 import pytest
-from helpers import sparse
+
+from tests.helpers import sparse
 
 if keras.backend.backend() == "tensorflow":
     from keras_fastgrad.step import finite

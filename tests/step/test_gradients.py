@@ -10,9 +10,9 @@ expected value is taken from the units' own output.
 
 import numpy as np
 import tensorflow as tf
-from helpers import as_numpy, sparse
 
 from keras_fastgrad.step import gradients as _gradients
+from tests.helpers import as_numpy, sparse
 
 # ----------------------------------------------------------------- _gradients
 

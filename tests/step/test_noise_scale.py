@@ -6,7 +6,6 @@ micro-batches (`gns_reference.py`)."""
 
 import os
 
-import gns_reference as ref
 import keras
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import pytest
 import keras_fastgrad
 from keras_fastgrad.callbacks import GradientNoiseScale
 from keras_fastgrad.callbacks.gradient_noise_scale import describe
+from tests.step import gns_reference as ref
 
 FEATURES, NOISE_VARIANCE = 8, 3.0
 _MICRO_BATCHES_ON_TF = pytest.mark.tensorflow_only(

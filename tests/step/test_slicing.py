@@ -5,8 +5,14 @@ Reference: plain `keras.Model` trained on the same batches."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from helpers import data, fast, max_weight_diff, mlp
+
+from tests.helpers import (
+    data,
+    fast,
+    max_weight_diff,
+    mlp,
+    tf,  # (TensorFlow imported at first use: not on JAX)
+)
 
 
 def both(options=None, optimizer=lambda: keras.optimizers.SGD(0.1), **compile_kwargs):

@@ -5,9 +5,17 @@ whole batch's, and the loss and metrics logged are the whole batch's."""
 import keras
 import numpy as np
 import pytest
-from jax_helpers import conv, data, fastgrad_run, masked_gru, max_diff, mlp, reference
 
 import keras_fastgrad as kf
+from tests.jax_backend.jax_helpers import (
+    conv,
+    data,
+    fastgrad_run,
+    masked_gru,
+    max_diff,
+    mlp,
+    reference,
+)
 
 TOL = 1e-5
 N = 44  # two batches of 22, split 8 + 7 + 7 by micro_batches=3
@@ -112,7 +120,7 @@ def test_batchnorm_moves_per_slice_as_keras_accumulation():
         micro_batches=2,
         batchnorm_statistics="micro_batch",
     )
-    assert max_diff(plain, model) < TOL  # ("window": tests/jax/test_jax_batchnorm.py)
+    assert max_diff(plain, model) < TOL  # ("window": tests/jax_backend/test_jax_batchnorm.py)
 
 
 def test_regulariser_under_weighted_slices_is_refused_by_name():

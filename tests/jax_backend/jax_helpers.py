@@ -1,4 +1,4 @@
-"""Models, data and the reference runs shared by tests/jax."""
+"""Models, data and the reference runs shared by tests/jax_backend."""
 
 import os
 
@@ -7,8 +7,8 @@ import numpy as np
 
 import keras_fastgrad as kf
 
-HERE = os.path.dirname(os.path.abspath(__file__))  # tests/jax: scripts import jax_helpers from it
-ROOT = os.path.dirname(os.path.dirname(HERE))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repo root: scripts import `tests.jax_backend`
 ROWS = 58  # batches of 16: 16, 16, 16, 10 (an uneven last batch)
 
 
@@ -102,8 +102,8 @@ def run_on_tensorflow(script, timeout=300):
     the repository's root); fails the test with its stderr if it fails.
     Returns its stdout."""
     # (imported here: the scripts run on TF import this module with only
-    # tests/jax on their path)
-    from subprocesses import run_python
+    # tests/jax_backend on their path)
+    from tests.subprocesses import run_python
 
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
     return run_python(script, env, ROOT, timeout)

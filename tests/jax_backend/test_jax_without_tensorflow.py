@@ -11,7 +11,7 @@ model itself (the loaded file's predictions)."""
 import json
 import os
 
-from subprocesses import run_python
+from tests.subprocesses import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
-from jax_helpers import ROWS, data, embedding, mlp
 
 import keras_fastgrad as kf
+from tests.jax_backend.jax_helpers import ROWS, data, embedding, mlp
 
 LR = 0.1
 

@@ -13,9 +13,9 @@ micro-batch forward); a file written by the TensorFlow step.
 import keras
 import numpy as np
 import pytest
-from jax_helpers import HERE, run_on_tensorflow
 
 from keras_fastgrad import FastGradModel
+from tests.jax_backend.jax_helpers import ROOT, run_on_tensorflow
 
 
 def conv_bn(cls=keras.Model, **options):
@@ -191,7 +191,7 @@ def test_the_partial_window_moves_the_statistics_at_the_epochs_end():
 _WRITE_ON_TF = """
 import sys, numpy as np, keras
 sys.path.insert(0, {tests!r})
-from test_jax_batchnorm import dense_bn, vector_data
+from tests.jax_backend.test_jax_batchnorm import dense_bn, vector_data
 from keras_fastgrad import FastGradModel
 x, y = vector_data(12)
 model = dense_bn(FastGradModel, accumulation_steps=3)
@@ -206,10 +206,15 @@ np.save({path!r} + ".npy", np.stack([bn.moving_mean.numpy(), bn.moving_variance.
 
 
 # Not `slow`: the JAX stage of CI runs the fast tier only, where a slow
-# (full-tier) test of tests/jax would never run.
+# (full-tier) test of tests/jax_backend would never run.
 def test_a_window_pending_on_tensorflow_resumes_on_jax(tmp_path):
     path = str(tmp_path / "tf.keras")
-    run_on_tensorflow(_WRITE_ON_TF.format(tests=HERE, path=path))
+    run_on_tensorflow(
+        _WRITE_ON_TF.format(
+            tests=ROOT,
+            path=path,
+        )
+    )
     loaded = keras.saving.load_model(path)
     window = np.asarray(loaded.fastgrad_step_state.batchnorm.window)
     np.testing.assert_allclose(window[0], 8.0)  # TF's pending pool, loaded

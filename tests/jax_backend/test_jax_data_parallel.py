@@ -56,10 +56,10 @@ def _run_cases(out_path):
     reference on one device; writes `{name: result}` as JSON."""
     import jax
     import keras
-    from jax_helpers import data, max_diff, mlp
 
     import keras_fastgrad as kf
     from keras_fastgrad.backend import jax_step
+    from tests.jax_backend.jax_helpers import data, max_diff, mlp
 
     assert len(jax.devices()) == 2, jax.devices()
     seen = []
@@ -121,11 +121,11 @@ def results(tmp_path_factory):
         "KERAS_BACKEND": "jax",
         # (after the tests' own flags: conftest.py's code generation level)
         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
-        "PYTHONPATH": os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     run = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(out)],
+        [sys.executable, "-m", "tests.jax_backend.test_jax_data_parallel", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -152,5 +152,4 @@ def test_data_parallel_equals_one_device(results, case):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _run_cases(sys.argv[1])

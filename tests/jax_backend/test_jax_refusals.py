@@ -3,20 +3,20 @@
 import keras
 import numpy as np
 import pytest
-from helpers import FGTrainingBranch
-from jax_helpers import data, mlp
 
 import keras_fastgrad as kf
+from tests.helpers import FGTrainingBranch
+from tests.jax_backend.jax_helpers import data, mlp
 
 NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
 
 
 # (No option is refused at construction any more: `micro_batches` with
-# `multitask` trains on JAX, tests/jax/test_jax_multitask.py.)
+# `multitask` trains on JAX, tests/jax_backend/test_jax_multitask.py.)
 
 
 def test_batchnorm_window_statistics_train_no_longer_refused():
-    # (Their values: tests/jax/test_jax_batchnorm.py.)
+    # (Their values: tests/jax_backend/test_jax_batchnorm.py.)
     inputs = keras.Input((8,))
     h = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
     model = kf.FastGradModel(inputs, keras.layers.Dense(3)(h), accumulation_steps=2)

@@ -7,9 +7,9 @@ worked gradient, and after `fit` the model is the plain model it was
 import keras
 import numpy as np
 import pytest
-from jax_helpers import ROWS, data, max_diff, mlp
 
 import keras_fastgrad as kf
+from tests.jax_backend.jax_helpers import ROWS, data, max_diff, mlp
 
 
 def linear(cls=keras.Model):

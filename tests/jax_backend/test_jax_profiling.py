@@ -6,9 +6,9 @@ as it was (weights, optimizer, metrics, the step's window)."""
 import keras
 import numpy as np
 import pytest
-from jax_helpers import data, mlp
 
 import keras_fastgrad as kf
+from tests.jax_backend.jax_helpers import data, mlp
 
 
 def state(model):

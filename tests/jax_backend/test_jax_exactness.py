@@ -5,7 +5,9 @@ without its NaN samples."""
 import keras
 import numpy as np
 import pytest
-from jax_helpers import (
+
+import keras_fastgrad as kf
+from tests.jax_backend.jax_helpers import (
     ROWS,
     conv,
     data,
@@ -16,8 +18,6 @@ from jax_helpers import (
     mlp,
     reference,
 )
-
-import keras_fastgrad as kf
 
 TOL = 1e-5
 

@@ -3,9 +3,9 @@ written on TensorFlow (with a window pending) loads on JAX."""
 
 import keras
 import numpy as np
-from jax_helpers import HERE, data, max_diff, mlp, run_on_tensorflow
 
 import keras_fastgrad as kf
+from tests.jax_backend.jax_helpers import ROOT, data, max_diff, mlp, run_on_tensorflow
 
 
 def _trained_with_pending_window():
@@ -40,7 +40,7 @@ def test_keras_and_weights_files_round_trip(tmp_path):
 _WRITE_ON_TF = """
 import sys, numpy as np, keras
 sys.path.insert(0, {tests!r})
-from jax_helpers import data, mlp
+from tests.jax_backend.jax_helpers import data, mlp
 import keras_fastgrad as kf
 x, y = data()
 model = mlp(kf.FastGradModel, accumulation_steps=4)
@@ -56,7 +56,12 @@ np.save({path!r} + ".after.npy", np.concatenate([w.ravel() for w in model.get_we
 
 def test_a_file_saved_on_tensorflow_loads_and_resumes(tmp_path):
     path = str(tmp_path / "tf.keras")
-    run_on_tensorflow(_WRITE_ON_TF.format(tests=HERE, path=path))
+    run_on_tensorflow(
+        _WRITE_ON_TF.format(
+            tests=ROOT,
+            path=path,
+        )
+    )
     loaded = keras.saving.load_model(path)
     weights = np.concatenate([w.ravel() for w in loaded.get_weights()])
     np.testing.assert_array_equal(weights, np.load(path + ".npy"))

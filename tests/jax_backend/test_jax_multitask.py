@@ -6,18 +6,17 @@ seed generator threaded through the state tuple, the task telemetry keys
 against the TensorFlow step's (a TensorFlow process)."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
-from jax_helpers import run_on_tensorflow
 from keras import ops
 
 import keras_fastgrad as kf
 from keras_fastgrad.aggregators import Aggregator
+from tests.jax_backend.jax_helpers import ROOT, run_on_tensorflow
 
 LOSSES = {"a": "mse", "b": "mse"}
 LOSS_WEIGHTS = {"a": 1.0, "b": 0.5}
@@ -337,7 +336,7 @@ import json, sys
 import keras, numpy as np
 sys.path.insert(0, {helpers!r})
 import keras_fastgrad as kf
-from test_jax_multitask import FixedWeights, compiled, data, two_heads
+from tests.jax_backend.test_jax_multitask import FixedWeights, compiled, data, two_heads
 x, y = data("embedding")
 weights = list(np.load({weights!r}).values())
 y["b"][20, 0] = np.nan
@@ -361,7 +360,7 @@ _CONFIGS = [
 
 
 def test_same_weights_and_logs_as_the_tensorflow_step(tmp_path):
-    helpers = os.path.dirname(os.path.abspath(__file__))
+    helpers = ROOT  # the repo root: `tests` imports as a package
     weights = str(tmp_path / "weights.npz")
     np.savez(weights, *two_heads(keras.Model, "embedding").get_weights())
     script = _TF_SCRIPT.format(helpers=helpers, configs=_CONFIGS, weights=weights)

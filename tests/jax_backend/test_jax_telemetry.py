@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
-from jax_helpers import HERE, ROWS, data, mlp, run_on_tensorflow
 
 import keras_fastgrad as kf
+from tests.jax_backend.jax_helpers import ROOT, ROWS, data, mlp, run_on_tensorflow
 
 
 def _with_nan(x, rows=(20, 50)):  # batches 1 and 3 of 16 rows
@@ -104,9 +104,9 @@ _TF_SCRIPT = """
 import json, sys
 import keras, numpy as np
 sys.path.insert(0, {helpers!r})
-from jax_helpers import data, mlp
+from tests.jax_backend.jax_helpers import data, mlp
 import keras_fastgrad as kf
-from test_jax_telemetry import _with_nan
+from tests.jax_backend.test_jax_telemetry import _with_nan
 x, y = data()
 weights = list(np.load({weights!r}).values())
 out = []
@@ -135,7 +135,7 @@ _NONFINITE = [4.0, 7.0, 4.0, 4.0]
 
 
 def test_same_keys_and_values_as_the_tensorflow_step(tmp_path):
-    helpers = HERE
+    helpers = ROOT  # the repo root: `tests` imports as a package
     weights = str(tmp_path / "weights.npz")
     np.savez(weights, *mlp().get_weights())
     script = _TF_SCRIPT.format(helpers=helpers, configs=_CONFIGS, weights=weights)
