@@ -1,6 +1,6 @@
 """The notebooks in `notebooks/` run end to end, and are stored stripped.
 
-Each notebook runs in a fresh Python process through `tests/run_notebook.py`
+Each notebook runs in a fresh Python process through `tools/run_notebook.py`
 (its code cells in order, in one namespace, matplotlib on Agg): no Jupyter
 needed. A failure shows the failing cell's index, source and traceback.
 """
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
-RUNNER = os.path.join(ROOT, "tests", "run_notebook.py")
+RUNNER = os.path.join(ROOT, "tools", "run_notebook.py")
 EXPECTED = (
     "01_quickstart.ipynb",
     "02_accumulation_and_mixed_precision.ipynb",
@@ -36,8 +36,13 @@ def run_notebook(path, timeout=TIMEOUT_S, executed=None):
     if executed is not None:
         env["KFG_EXECUTED_NOTEBOOKS"] = executed
     elif os.path.dirname(os.path.abspath(path)) != NOTEBOOKS:
-        # Only the four notebooks go to the site's folder (`.ci/run` sets it).
+        # Only the four notebooks go to the site's folder.
         env.pop("KFG_EXECUTED_NOTEBOOKS", None)
+    else:
+        # The folder the site's build reads by default (tools/mkdocs_hooks.py):
+        # after the full tier, `mkdocs build` renders these copies and runs
+        # no notebook again (docs/contributing.md).
+        env.setdefault("KFG_EXECUTED_NOTEBOOKS", os.path.join(ROOT, "build", "executed-notebooks"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env["MPLBACKEND"] = "Agg"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

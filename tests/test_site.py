@@ -11,6 +11,7 @@ references; these checks run in the ordinary test run, without MkDocs:
 - the aggregators page's scale table matches what the code computes.
 """
 
+import importlib.util
 import os
 import re
 
@@ -32,6 +33,15 @@ EXTERNAL = {
 }
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 README_MAX_LINES = 280  # 220, the speed tables run_all writes (issue 28: the quick run with its A/A rows, the callbacks against Keras with as many log keys and clipping without the gate; the larger models with every row), the JAX lines (issue 29)
+
+
+# The `docs` extra: installed by docs/contributing.md's development
+# environment, whose commands run this file (CI runs them as written); the
+# README's venv has no MkDocs, and these tests skip there, declared.
+NEEDS_DOCS_EXTRA = pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("griffe") is None,
+    reason="needs the `docs` extra (docs/contributing.md, Development environment)",
+)
 
 
 def read(path):
@@ -152,6 +162,7 @@ def scale_table():
     return dict(rows)
 
 
+@NEEDS_DOCS_EXTRA
 def test_the_aggregators_scale_table_matches_the_code():
     import tensorflow as tf
 
@@ -184,11 +195,10 @@ def test_the_aggregators_scale_table_matches_the_code():
 
 
 def tool(name):
-    """A module of tools/, imported from its file (needs the `docs` extra)."""
+    """A module of tools/, imported from its file (needs the `docs` extra:
+    the tests that call it carry `NEEDS_DOCS_EXTRA`)."""
     import importlib.util
 
-    pytest.importorskip("mkdocs")
-    pytest.importorskip("griffe")
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -224,6 +234,7 @@ def test_no_page_loads_anything_from_the_network():
     assert not re.search(r"^\s*- https?://", read("mkdocs.yml"), re.M)
 
 
+@NEEDS_DOCS_EXTRA
 def test_notebook_table_of_contents_is_read_from_the_rendered_headings():
     hooks = tool("mkdocs_hooks")
     page = (
@@ -243,6 +254,7 @@ def test_notebook_table_of_contents_is_read_from_the_rendered_headings():
     assert children[0]["children"][0]["name"] == "3. FastGradModel&#x27;s step"
 
 
+@NEEDS_DOCS_EXTRA
 def test_the_404_page_links_relative_to_the_site_root():
     hooks = tool("mkdocs_hooks")
     page = (
@@ -264,6 +276,7 @@ def test_the_404_page_links_relative_to_the_site_root():
     assert 'href="getting-started/"' in hooks.relative_404(moved, "/kfg/")
 
 
+@NEEDS_DOCS_EXTRA
 def test_api_signatures_show_values_not_names_of_constants():
     # `GradientNoiseScale(decay=noise_scale.DEFAULT_DECAY)` reads
     # `decay=0.99` on the API page.
@@ -302,6 +315,7 @@ def test_api_signatures_show_values_not_names_of_constants():
     assert not names, f"defaults shown as names of constants: {names}"
 
 
+@NEEDS_DOCS_EXTRA
 def test_the_build_renders_executed_notebooks_and_executes_missing_or_stale_ones(
     tmp_path, monkeypatch
 ):
@@ -314,7 +328,7 @@ def test_the_build_renders_executed_notebooks_and_executes_missing_or_stale_ones
     names = sorted(n for n in os.listdir(os.path.join(ROOT, "notebooks")) if n.endswith(".ipynb"))
     executed = []
 
-    def fake_execute(stored, folder):  # what tests/run_notebook.py writes
+    def fake_execute(stored, folder):  # what tools/run_notebook.py writes
         executed.append(os.path.basename(stored))
         with open(stored, encoding="utf-8") as f:
             notebook = json.load(f)

@@ -289,6 +289,7 @@ JAX_PATHS = (
     "tests/models/test_options.py",
     "tests/models/test_model.py",
     "tests/test_validation.py",
+    "tests/test_no_shadowing.py",  # no folder of the repository stands in for a package
     "tests/end_to_end/test_saved_fixtures.py",  # files of earlier releases load on JAX
     "tests/end_to_end/test_edges.py",
     "tests/end_to_end/test_dropin.py",

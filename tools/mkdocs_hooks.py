@@ -7,7 +7,7 @@ The site shows files that live outside `docs/`, without copying them there
 - `benchmarks/RESULTS.md`, `benchmarks/RESULTS-large.md` and
   `benchmarks/results.png` as the Benchmarks' latest results;
 - the four notebooks of `notebooks/`, executed: the site renders the copy
-  that `tests/run_notebook.py` wrote, with its outputs and plots, into
+  that `tools/run_notebook.py` wrote, with its outputs and plots, into
   `KFG_EXECUTED_NOTEBOOKS` (default `build/executed-notebooks`; `.ci/run`'s
   test run writes them there). A notebook with no executed copy there, or
   whose copy no longer matches its cells, is executed by the build itself
@@ -42,7 +42,7 @@ from mkdocs.structure.files import File
 from mkdocs.structure.toc import get_toc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNNER = os.path.join(ROOT, "tests", "run_notebook.py")
+RUNNER = os.path.join(ROOT, "tools", "run_notebook.py")
 DEFAULT_EXECUTED = os.path.join(ROOT, "build", "executed-notebooks")
 NOTEBOOK_TIMEOUT_S = 600
 log = logging.getLogger("mkdocs.hooks.keras_fastgrad")
@@ -77,7 +77,7 @@ def has_outputs(path):
 
 
 def execute(stored, folder):
-    """Runs `stored` with tests/run_notebook.py, writing it into `folder`."""
+    """Runs `stored` with tools/run_notebook.py, writing it into `folder`."""
     name = os.path.basename(stored)
     log.info("executing notebooks/%s into %s (no up-to-date executed copy)", name, folder)
     env = dict(os.environ, KFG_EXECUTED_NOTEBOOKS=folder, MPLBACKEND="Agg")
@@ -97,7 +97,7 @@ def execute(stored, folder):
     if result.returncode != 0:
         raise PluginError(
             f"notebooks/{name} failed, so the site cannot show it executed:\n"
-            f"{result.stderr[-4000:]}\nRun it alone: python tests/run_notebook.py {stored}"
+            f"{result.stderr[-4000:]}\nRun it alone: python tools/run_notebook.py {stored}"
         )
 
 

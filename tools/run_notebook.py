@@ -1,7 +1,7 @@
 """Runs a notebook's code cells top to bottom in one namespace, as a fresh
 Jupyter kernel would, without Jupyter.
 
-    python tests/run_notebook.py notebooks/01_quickstart.ipynb
+    python tools/run_notebook.py notebooks/01_quickstart.ipynb
 
 The `.ipynb` file is read as JSON (nbformat 4): every code cell is compiled
 and executed in order in one shared namespace; when a cell ends with an
@@ -135,7 +135,7 @@ def write_executed(path, outputs, folder):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python tests/run_notebook.py NOTEBOOK.ipynb", file=sys.stderr)
+        print("usage: python tools/run_notebook.py NOTEBOOK.ipynb", file=sys.stderr)
         return 2
     path = os.path.abspath(argv[0])
     os.environ.setdefault("MPLBACKEND", "Agg")
