@@ -1,6 +1,7 @@
 """Shared pytest setup: a clean Keras session per test and the doctest
 namespace of the public docstrings' examples."""
 
+import importlib.util
 import os
 import pathlib
 
@@ -151,6 +152,13 @@ def pytest_runtest_setup(item):
     mark = item.get_closest_marker("tensorflow_only")
     if mark is not None and keras.backend.backend() == "jax":
         pytest.skip(mark.kwargs.get("reason") or (mark.args[0] if mark.args else "TensorFlow only"))
+    mark = item.get_closest_marker("needs_tensorflow")
+    if mark is not None and not _TENSORFLOW_INSTALLED:
+        why = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
+        pytest.skip(f"needs TensorFlow, not installed in this venv ({why})")
+
+
+_TENSORFLOW_INSTALLED = importlib.util.find_spec("tensorflow") is not None
 
 
 def _m_given(config):
@@ -174,6 +182,7 @@ def pytest_runtest_makereport(item, call):
         item.get_closest_marker("skip")
         or item.get_closest_marker("skipif")
         or (item.get_closest_marker("tensorflow_only") and keras.backend.backend() == "jax")
+        or (item.get_closest_marker("needs_tensorflow") and not _TENSORFLOW_INSTALLED)
         or hasattr(report, "wasxfail")
     )
     if report.skipped and _selects_the_full_tier(item.config) and not declared:

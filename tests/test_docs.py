@@ -245,6 +245,14 @@ EXTERNAL_PAGES = (
 )
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(?P<why>.+?)\s*-->\s*$")
+# A block that needs a package beyond the page's install line (TensorFlow
+# on a page read by JAX users too): `<!-- needs: tensorflow -->` on the line
+# before it. It runs where the package is installed and is skipped, declared,
+# elsewhere (the JAX venv has no TensorFlow); the page says so in words,
+# shortly before the block (`test_a_block_that_needs_a_package_says_so`).
+NEEDS = re.compile(r"^\s*<!--\s*needs:\s*(?P<modules>[\w, ]+?)\s*-->\s*$")
+# How a page names each package a block may need.
+PACKAGE_NAMES = {"tensorflow": "TensorFlow", "matplotlib": "matplotlib", "keras_hub": "KerasHub"}
 # Languages that are not Python, and what a block in them is.
 OTHER_LANGUAGES = {
     "bash": "a shell command",
@@ -263,6 +271,14 @@ class CodeBlock:
     language: str  # "" when the fence names none
     source: str
     not_run: str  # why it is not run ("" for a Python block that runs)
+    needs: tuple = ()  # modules it needs beyond the page's install line (NEEDS)
+
+    @property
+    def missing(self):
+        """The modules of `needs` not installed here."""
+        import importlib.util
+
+        return [m for m in self.needs if importlib.util.find_spec(m) is None]
 
     @property
     def name(self):
@@ -298,13 +314,15 @@ def code_blocks(page):
             j += 1
         previous = next((line for line in reversed(lines[:i]) if line.strip()), "")
         marker = NOT_RUN.match(previous)
+        needs = NEEDS.match(previous)
+        needs = tuple(m.strip() for m in needs.group("modules").split(",")) if needs else ()
         if marker:
             not_run = marker.group("why")
         elif language == "python":
             not_run = ""
         else:
             not_run = OTHER_LANGUAGES.get(language, f"not Python ({language or 'no language'})")
-        blocks.append(CodeBlock(page, i + 1, language, "\n".join(body) + "\n", not_run))
+        blocks.append(CodeBlock(page, i + 1, language, "\n".join(body) + "\n", not_run, needs))
         i = j + 1
     return blocks
 
@@ -384,7 +402,7 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__main__"}
     for block in code_blocks(page):
-        if block.not_run:
+        if block.not_run or block.missing:  # (missing: test_block_needs skips it, declared)
             continue
         code = compile(block.source, f"{page}:{block.line}", "exec")
         try:
@@ -394,6 +412,45 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
                 f"The code block at {page}:{block.line} fails as shown "
                 f"({type(error).__name__}: {error}). Its source:\n{block.source}"
             ) from error
+
+
+NEEDING = [b for b in BLOCKS if b.needs]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        pytest.param(
+            b,
+            marks=pytest.mark.skipif(
+                bool(b.missing), reason=f"needs {', '.join(b.missing)}, not installed here"
+            ),
+        )
+        for b in NEEDING
+    ],
+    ids=lambda b: b.name,
+)
+def test_a_block_that_needs_a_package_says_so(block):
+    """Where it runs (its packages installed), the page names what it needs
+    in the 12 lines before the block."""
+    assert not block.missing
+    with open(os.path.join(ROOT, block.page), encoding="utf-8") as f:
+        before = "\n".join(f.read().splitlines()[max(0, block.line - 14) : block.line - 1])
+    unsaid = [m for m in block.needs if PACKAGE_NAMES.get(m, m) not in before]
+    assert not unsaid, (
+        f"{block.name} needs {unsaid} (its `<!-- needs: -->` marker) and the page "
+        "does not say so before it. Fix: say in words what the block needs."
+    )
+
+
+def test_needs_markers_are_read(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Needs TensorFlow:\n\n<!-- needs: tensorflow -->\n```python\nimport tensorflow\n```\n",
+        encoding="utf-8",
+    )
+    (block,) = code_blocks(str(page))
+    assert block.needs == ("tensorflow",) and block.not_run == ""
 
 
 def options_table():

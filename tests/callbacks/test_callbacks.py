@@ -170,6 +170,7 @@ def read_events(directory):
     return scalars, histograms
 
 
+@pytest.mark.needs_tensorflow(reason="TensorBoard's event writer")
 def test_tensorboard_event_files_hold_scalars_and_histograms(tmp_path):
     model = mlp(clip_norm=0.5)
     model.compile(optimizer="sgd", loss="mse")
@@ -199,6 +200,7 @@ def test_tensorboard_event_files_hold_scalars_and_histograms(tmp_path):
     assert histograms == {(v.path, 1) for v in model.trainable_variables}
 
 
+@pytest.mark.needs_tensorflow(reason="TensorBoard's event writer")
 def test_tensorboard_update_freq_in_batches(tmp_path):
     model = mlp()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
@@ -613,6 +615,7 @@ def test_retrace_watch_tells_the_likely_cause(at, cause):
 
 
 # ------------------------------------------------------------------ together
+@pytest.mark.needs_tensorflow(reason="TensorBoard's event writer")
 def test_all_callbacks_under_xla_steps_per_execution_accumulation_clipping(tmp_path):
     model = mlp(accumulation_steps=2, clip_norm=1.0)
     model.compile(optimizer="sgd", loss="mse", jit_compile=True, steps_per_execution=4)
@@ -799,6 +802,7 @@ def test_retrace_watch_is_quiet_with_fixed_shapes_under_xla():
         model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[RetraceWatch()])
 
 
+@pytest.mark.needs_tensorflow(reason="TensorBoard's event writer")
 def test_tensorboard_gets_the_task_keys_of_a_multitask_model(tmp_path):
     keras.utils.set_random_seed(7)
     inputs = keras.Input((3,))

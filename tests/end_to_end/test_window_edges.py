@@ -21,6 +21,9 @@ from tests.helpers import (
     tf,  # (TensorFlow imported at first use: not on JAX)
 )
 
+# Data of unknown size: tf.data pipelines, on both backends.
+pytestmark = pytest.mark.needs_tensorflow(reason="tf.data pipelines of unknown size")
+
 FG = keras_fastgrad.FastGradModel
 
 

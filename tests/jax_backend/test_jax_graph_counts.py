@@ -33,6 +33,10 @@ ENTRY %main.1 (a.1: f32[3], b.1: f32[3]) -> f32[3] {
 }
 """
 
+pytestmark = pytest.mark.needs_tensorflow(
+    reason="benchmarks/bench_jax_graph.py imports the benchmarks' TensorFlow harness"
+)
+
 
 @pytest.fixture(scope="module")
 def bench():

@@ -359,6 +359,7 @@ _CONFIGS = [
 ]
 
 
+@pytest.mark.needs_tensorflow(reason="the reference is a TensorFlow process")
 def test_same_weights_and_logs_as_the_tensorflow_step(tmp_path):
     helpers = ROOT  # the repo root: `tests` imports as a package
     weights = str(tmp_path / "weights.npz")

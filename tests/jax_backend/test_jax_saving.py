@@ -3,6 +3,7 @@ written on TensorFlow (with a window pending) loads on JAX."""
 
 import keras
 import numpy as np
+import pytest
 
 import keras_fastgrad as kf
 from tests.jax_backend.jax_helpers import ROOT, data, max_diff, mlp, run_on_tensorflow
@@ -54,6 +55,7 @@ np.save({path!r} + ".after.npy", np.concatenate([w.ravel() for w in model.get_we
 """
 
 
+@pytest.mark.needs_tensorflow(reason="the file is saved by a TensorFlow process")
 def test_a_file_saved_on_tensorflow_loads_and_resumes(tmp_path):
     path = str(tmp_path / "tf.keras")
     run_on_tensorflow(

@@ -134,6 +134,7 @@ _CONFIGS = [
 _NONFINITE = [4.0, 7.0, 4.0, 4.0]
 
 
+@pytest.mark.needs_tensorflow(reason="the reference is a TensorFlow process")
 def test_same_keys_and_values_as_the_tensorflow_step(tmp_path):
     helpers = ROOT  # the repo root: `tests` imports as a package
     weights = str(tmp_path / "weights.npz")

@@ -342,6 +342,7 @@ def test_state_round_trips_through_keras_files_and_older_files_load(tmp_path):
     np.testing.assert_array_equal(new.get_weights()[0], model.get_weights()[0])
 
 
+@pytest.mark.needs_tensorflow(reason="TensorBoard's event writer")
 def test_prints_in_words_and_writes_tensorboard_scalars(tmp_path, capsys):
     import tensorflow as tf
 
