@@ -471,6 +471,27 @@ def caller_frame(depth):
     return sys._getframe(depth + 1)
 
 
+# ---------------------------------------------------------------- callbacks
+# `fit` builds its `keras.callbacks.CallbackList` (the user's callbacks,
+# then the `History` and `ProgbarLogger` it adds) and only then calls each
+# callback's `set_model` from `CallbackList.set_model`: a callback finds the
+# list, which it is never given, in that frame (the public class's own code).
+_CALLBACK_LIST_SET_MODEL_CODE = keras.callbacks.CallbackList.set_model.__code__
+
+
+def calling_callback_list(max_depth=8):
+    """The `keras.callbacks.CallbackList` whose `set_model` is running up to
+    `max_depth` calls above the caller, else `None`."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code is _CALLBACK_LIST_SET_MODEL_CODE:
+            return frame.f_locals.get("self")
+    return None
+
+
 # ------------------------------------------------------- functional graph
 # How a functional model's tensors were made (the features space finds the
 # shared representation by walking them).

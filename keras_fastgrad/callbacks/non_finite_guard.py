@@ -4,7 +4,7 @@ says where it was."""
 import warnings
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.callbacks import _base
+from keras_fastgrad.callbacks import _base, _progress_bar
 
 ACTIONS = ("raise", "stop", "warn")
 
@@ -40,6 +40,13 @@ class NonFiniteGuard(_base.FastGradCallback):
     `steps_per_execution > 1` the batch is known to the group (e.g.
     "batches 0-3"), and when several micro-batches went bad in one call the
     location is that of the latest.
+
+    Its log keys (`nonfinite_count`, cumulative over the model's life;
+    `nonfinite_first_index` and `nonfinite_num_variables`, where the most
+    recent non-finite micro-batch went bad, -1 and 0 until one does) reach
+    `History` and every callback, each batch and epoch; `fit`'s progress
+    bar leaves them out until the `fit` meets a non-finite micro-batch,
+    and shows them from then on.
 
     With dynamic loss scaling (`mixed_float16`), overflowing gradients are
     non-finite too and expected now and then: prefer `action="warn"` there.
@@ -99,10 +106,32 @@ class NonFiniteGuard(_base.FastGradCallback):
     def __init__(self, action="raise"):
         super().__init__()
         self.action = _base.check_choice("action", action, ACTIONS)
+        self._count_at_start = None  # the model's count when this `fit` began
+        self._show_again = None
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._stop_hiding()  # a bar of an earlier call that never reached its end
+        self._show_again = _progress_bar.hide_keys(self._quiet_keys)
+
+    def _quiet_keys(self, logs):
+        """The keys `fit`'s progress bar leaves out of `logs`: all of ours
+        while this `fit` has met nothing non-finite (their values are
+        sentinels then); none once it has."""
+        count = logs.get("nonfinite_count")
+        if self._count_at_start is None or count is None or count > self._count_at_start:
+            return ()
+        return self.telemetry_keys
+
+    def _stop_hiding(self):
+        if self._show_again is not None:
+            self._show_again()
+            self._show_again = None
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._seen = self.model.telemetry_counters()["nonfinite_count"]
+        self._count_at_start = self._seen
         # Read now: a plain model's step may be detached before this
         # callback's `on_train_end` writes its last summary.
         self._skip_nonfinite = self.model.skip_nonfinite
@@ -118,6 +147,8 @@ class NonFiniteGuard(_base.FastGradCallback):
 
     def on_train_end(self, logs=None):
         self._warn_summary()  # an epoch cut short without `on_epoch_end`
+        self._stop_hiding()
+        self._count_at_start = None
         super().on_train_end(logs)
 
     def on_train_batch_begin(self, batch, logs=None):
