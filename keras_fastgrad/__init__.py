@@ -3,8 +3,8 @@
 Swap `keras.Model` for `keras_fastgrad.FastGradModel` and train with the
 usual `compile` / `fit`.
 
-Runs on Keras' TensorFlow backend, and on its JAX backend for a first set
-of options (`keras_fastgrad.backend`: the others refuse there, by name).
+Runs on Keras' TensorFlow and JAX backends (`keras_fastgrad.backend`:
+what a backend does not support is refused there, by name).
 Importing it under another backend (`torch`, `numpy`, `openvino`) raises
 `ImportError`, naming the backend in use and the supported ones, rather
 than failing later in `fit`. On JAX, TensorFlow is neither imported nor

@@ -14,7 +14,7 @@ class GradientNormLogger(_base.FastGradCallback):
 
     `grad_norm` is the global L2 norm, before clipping, of the gradient of
     the model's most recent optimizer update. It is computed in the train
-    step (graph mode and XLA alike) and arrives with the step's logs, so it
+    step (eager, compiled and XLA alike) and arrives with the step's logs, so it
     shows in the progress bar, `History` and `CSVLogger` with no extra pass
     over the data. Values added by this callback (`clipped_fraction`) reach
     only the callbacks listed after it: put it before `CSVLogger`.

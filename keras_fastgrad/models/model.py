@@ -101,11 +101,12 @@ class FastGradModel(keras.Model):
             `NonFiniteGuard`); a loss-scaled model still drops them: loss
             scaling needs it.
         micro_batches: Integer >= 1, defaults to `1`. Splits each batch into
-            this many slices inside the step (a `tf.while_loop`): one update
-            per batch, equal to the un-split step, with the activation
-            memory of one slice (see `keras_fastgrad.step.slicing`). With
-            `multitask`, the task gradients are summed over the slices and
-            merged once.
+            this many slices (as `numpy.array_split` splits it) inside the
+            step, which runs forward and backward on one slice after the
+            other: one update per batch, equal to the un-split step, with
+            the activation memory of one slice (see
+            `keras_fastgrad.step.slicing`). With `multitask`, the task
+            gradients are summed over the slices and merged once.
         max_consecutive_nonfinite: Integer >= 1 or `None`, defaults to
             `10`. A run that drops this many micro-batches in a row (no
             update applied in between; loss-scale overflows that halving

@@ -54,11 +54,13 @@ class StepProfile(_report.ReportMixin):
         repeats, warmup: timed rounds and untimed warm-up calls per function.
         phases: dict mode -> `PhaseTimes`, for the modes that ran.
         skipped: dict mode -> why that mode could not run.
-        traces: times the compiled (`tf.function`) step was traced while
-            profiling on one fixed batch; more than 1 means retracing.
+        traces: times the compiled step (`tf.function`; on JAX `jax.jit`)
+            was traced while profiling on one fixed batch; more than 1
+            means retracing.
         tape_variables: variables the train step's gradient tape watched
             (`FastGradModel.tape_variable_count`; for other models, those a
-            default `tf.GradientTape` watches, as Keras' own step does).
+            default `tf.GradientTape` watches, as Keras' own step does); on
+            JAX, which has no tape, the variables the gradient is taken for.
         trainable_variables: `len(model.trainable_variables)`.
         data_ms: median time to get one batch from the dataset (`None`
             when `data` was not a `tf.data.Dataset`).
