@@ -62,11 +62,13 @@ def test_the_commands_select_complementary_tiers(pytestconfig):
     # The fast tier is `-m "not full"` (addopts), the full tier `-m full`:
     # together every test, each once.
     assert pytestconfig.getini("addopts")[-2:] == ["-m", "not full"]
+    # The README's commands (CI runs them as written: .ci/run reads them
+    # out of README.md, tests/test_documented_commands.py).
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
-    for text, where in ((readme, "README.md"), (ci, ".ci/run")):
-        assert ".venv/bin/python -m pytest -q -n 2\n" in text, where
-        assert ".venv/bin/python -m pytest -q -n 2 -m full" in text, where
+    assert ".venv/bin/python -m pytest -q -n 2\n" in readme
+    assert ".venv/bin/python -m pytest -q -n 2 -m full" in readme
+    assert 'documented README.md "Quick start"' in ci and 'documented README.md "Tests"' in ci
 
 
 def test_the_fast_tier_touches_every_option_callback_and_aggregator():
