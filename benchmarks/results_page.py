@@ -86,7 +86,7 @@ def markdown(
             )
     lines += [
         "",
-        "## Speed table (README and docs/index.md)",
+        "## Speed table (docs/index.md; the README's short table: speed_table.summary_table)",
         "",
         start,
         speed_table(runs, header).strip("\n"),

@@ -47,8 +47,10 @@ each script's detail), `benchmarks/results.png`,
 `benchmarks/out/speed_table.md` (bench_targets' rows: pair, target,
 figure, verdict) and copies that table between the
 `<!-- speed-table:start -->` / `<!-- speed-table:end -->` markers of
-README.md and docs/index.md, so that no page shows a figure the latest
-run does not (`--sync-docs` copies it again from RESULTS.md; `--render`
+docs/index.md, and the README's short table (`speed_table.summary_table`,
+from RESULTS.md, RESULTS-large.md and RESULTS-jax.md) between its
+`speed-summary` markers, so that no page shows a figure the latest run
+does not (`--sync-docs` copies them again from the pages; `--render`
 writes every page again from the last run's `benchmarks/out/run.json`).
 
 Which script measures what (issue 28): `bench_targets` holds the issue's
@@ -402,6 +404,7 @@ def write_pages(run):
     name = "speed_table.md" if page == "RESULTS" else f"speed_table_{page}.md"
     speed_table.write_speed_table(table + "\n", os.path.join(OUT, name))
     changed = speed_table.sync_docs(table, root=DOCS_ROOT, page=page)
+    changed += speed_table.sync_summary(HERE, root=DOCS_ROOT)  # the README's short table
     png = results_page.plot(runs, os.path.join(HERE, "results.png")) if page == "RESULTS" else None
     print(
         f"Wrote benchmarks/{page}.md{', ' + png if png else ''} and the speed table"

@@ -27,11 +27,10 @@ def load_digits():
     """Digits as float32 in [0, 1], split 80/20 with a fixed seed."""
     try:
         from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError as e:  # pragma: no cover - message for users
-        raise ImportError(
-            "The demo needs scikit-learn for its bundled digits data. "
-            "Fix: pip install 'keras_fastgrad[demo]'"
-        ) from e
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "sklearn":
+            raise
+        raise ImportError(missing_scikit_learn(keras.backend.backend())) from None
     digits = sk_load_digits()
     x = (digits.data / 16.0).astype("float32")
     y = digits.target.astype("int32")
@@ -39,6 +38,36 @@ def load_digits():
     x, y = x[order], y[order]
     split = int(0.8 * len(x))
     return (x[:split], y[:split]), (x[split:], y[split:])
+
+
+def missing_scikit_learn(backend):
+    """The error's text when scikit-learn is missing: the extra to install.
+
+    >>> print(missing_scikit_learn("jax"))  # doctest: +ELLIPSIS
+    The demo needs scikit-learn... Fix: pip install -e ".[jax,demo]" in the repository...
+    """
+    extras = "jax,demo" if backend == "jax" else "tf-cpu,demo"
+    return (
+        "The demo needs scikit-learn, for its bundled digits data "
+        "(`sklearn.datasets.load_digits`); the `demo` extra installs it. "
+        f'Fix: pip install -e ".[{extras}]" in the repository (or pip install scikit-learn).'
+    )
+
+
+def variables_line(backend, measured, trainable):
+    """The demo's line on `tape_variables`: what the step took the gradient
+    for (a tape's watched variables on TensorFlow; on JAX, where there is no
+    tape, the trainable variables `jax.value_and_grad` differentiates).
+
+    >>> variables_line("jax", 6, 6)
+    'variables the gradient is taken for (jax.value_and_grad): 6 of 6 trainable'
+    """
+    what = (
+        "variables the gradient is taken for (jax.value_and_grad)"
+        if backend == "jax"
+        else "variables watched by the gradient tape"
+    )
+    return f"{what}: {measured} of {trainable} trainable"
 
 
 def build(cls, seed=0, **options):
@@ -120,8 +149,9 @@ def main(argv=None):
     )
     print(f"dropped non-finite micro-batches: {int(history.history['nonfinite_count'][-1])}")
     print(
-        f"variables watched by the tape: {model.tape_variable_count} "
-        f"of {len(model.trainable_variables)} trainable"
+        variables_line(
+            keras.backend.backend(), model.tape_variable_count, len(model.trainable_variables)
+        )
     )
     ours, theirs = exactness_check(x, y)
     print("exactness, one epoch vs keras.Model with batch 128 (max |weight diff|):")

@@ -211,14 +211,12 @@ def test_results_md_holds_the_verdicts_and_each_process_figure(page):
 
 def test_sync_docs_copies_the_table_between_the_markers(tmp_path, page):
     (tmp_path / "docs").mkdir()
-    readme = (
-        "# R\n\n## Speed\n\n<!-- speed-table:start -->\nold\n<!-- speed-table:end -->\n\nrest\n"
-    )
-    (tmp_path / "README.md").write_text(readme)
-    (tmp_path / "docs" / "index.md").write_text("# no markers here\n")
-    assert page.sync_docs("| a | b |\n", root=str(tmp_path)) == ["README.md"]
-    assert (tmp_path / "README.md").read_text() == readme.replace("\nold\n", "\n| a | b |\n")
-    assert (tmp_path / "docs" / "index.md").read_text() == "# no markers here\n"
+    index = "# R\n\n## Speed\n\n<!-- speed-table:start -->\nold\n<!-- speed-table:end -->\n\nrest\n"
+    (tmp_path / "docs" / "index.md").write_text(index)
+    (tmp_path / "README.md").write_text(index)  # the README shows its short table instead
+    assert page.sync_docs("| a | b |\n", root=str(tmp_path)) == [os.path.join("docs", "index.md")]
+    assert (tmp_path / "docs" / "index.md").read_text() == index.replace("\nold\n", "\n| a | b |\n")
+    assert (tmp_path / "README.md").read_text() == index
     assert page.sync_docs("| a | b |\n", root=str(tmp_path)) == []  # already equal
 
 
@@ -241,15 +239,60 @@ def test_the_docs_show_the_latest_run(page):
 
 
 def test_a_named_page_has_its_own_markers_and_leaves_the_others(page, tmp_path):
-    readme = "a\n<!-- speed-table:start -->\nquick\n<!-- speed-table:end -->\n"
-    readme += (
+    index = "a\n<!-- speed-table:start -->\nquick\n<!-- speed-table:end -->\n"
+    index += (
         "<!-- speed-table-RESULTS-large:start -->\nold\n<!-- speed-table-RESULTS-large:end -->\n"
     )
-    (tmp_path / "README.md").write_text(readme)
-    assert page.sync_docs("| big |\n", root=str(tmp_path), page="RESULTS-large") == ["README.md"]
-    text = (tmp_path / "README.md").read_text()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text(index)
+    assert page.sync_docs("| big |\n", root=str(tmp_path), page="RESULTS-large") == [
+        os.path.join("docs", "index.md")
+    ]
+    text = (tmp_path / "docs" / "index.md").read_text()
     assert page.between_markers(text) == "quick"
     assert page.between_markers(text, "RESULTS-large") == "| big |"
+
+
+def test_the_readme_shows_the_short_table_of_the_latest_runs(page):
+    """The README's speed table (six rows in plain words, TensorFlow and
+    JAX) is made from the latest results pages, as `run_all.py` writes it:
+    no figure there that RESULTS.md, RESULTS-large.md or RESULTS-jax.md
+    does not show."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    start, end = page.SUMMARY_MARKERS
+    assert start in text and end in text, f"README.md has no {start} ... {end}"
+    shown = text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+    assert shown == page.summary_table(BENCHMARKS).strip("\n"), (
+        "README.md's speed table: run `python benchmarks/run_all.py --sync-docs`"
+    )
+    rows = [line for line in shown.splitlines() if line.startswith("| ")][1:]
+    assert 4 <= len(rows) <= 6, "the README's table stays short: docs/benchmarks.md has every row"
+    for word in ("gated", "A/A", "noisy"):
+        assert word not in shown, f"{word!r}: a word the README's reader does not know"
+
+
+def test_the_short_table_reads_each_page_and_says_what_it_could_not(page, tmp_path):
+    rows = (
+        "| MLP 64-3x256-10: default / keras.Model gated on finite gradients | step time "
+        "| 1.10 / 0.90 / 1.00 | x |\n"
+        "| JAX MLP 64-3x256-10: clip_norm=1 / global_clipnorm=1 | step time | 1.20 | x |\n"
+    )
+    (tmp_path / "RESULTS.md").write_text("- Date: 2026-01-02 03:04 UTC\n- Processes: 3\n" + rows)
+    (tmp_path / "RESULTS-jax.md").write_text(rows)
+    table = page.summary_table(str(tmp_path))
+    lines = table.splitlines()
+    # the median over processes, their range; a page not there: not measured
+    assert lines[2].split(" | ")[2:4] == ["1.00 (0.90-1.10)", "not measured"]
+    assert lines[4].split(" | ")[4].startswith("1.20*")  # the stand-in pair, marked
+    assert "From benchmarks/RESULTS.md (2026-01-02, 3 processes)." in table
+    site = tmp_path / "site"
+    site.mkdir()
+    start, end = page.SUMMARY_MARKERS
+    (site / "README.md").write_text(f"a\n{start}\nold\n{end}\nb\n")
+    assert page.sync_summary(str(tmp_path), root=str(site)) == ["README.md"]
+    assert (site / "README.md").read_text() == f"a\n{start}\n{table.strip()}\n{end}\nb\n"
+    assert page.sync_summary(str(tmp_path), root=str(site)) == []  # already equal
 
 
 @pytest.mark.slow  # two fresh processes
@@ -277,8 +320,8 @@ def test_main_runs_n_processes_and_writes_the_pages(tmp_path, run_all, capsys):
     assert "| g / h | reported | 1.04 (1.04-1.04) | - |" in table
     assert "| c / d | <= 1.05 at T=4 | - | 1.50 (1.50-1.50) |" in table
     assert "other" not in table.split("\n\n")[0]  # bench_targets' rows only
-    for page in (site / "README.md", site / "docs" / "index.md"):
-        assert page.read_text() == marked.replace("old\n", table)
+    assert (site / "docs" / "index.md").read_text() == marked.replace("old\n", table)
+    assert (site / "README.md").read_text() == marked  # its short table has its own markers
     assert (tmp_path / "results.png").read_bytes()[:8] == PNG_MAGIC
     assert json.loads((tmp_path / "out" / "process_2.json").read_text())[0]["name"] == "other"
     assert "process 2 of 2" in capsys.readouterr().out

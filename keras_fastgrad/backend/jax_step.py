@@ -196,7 +196,7 @@ def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
     on both backends (exact where TensorFlow's rule lets it through)."""
     import types
 
-    from keras_fastgrad.backend import not_on_jax
+    from keras_fastgrad.backend.support import refusal
     from keras_fastgrad.step.compile_loss import (
         LossTerms,
         check_extra_terms,
@@ -215,11 +215,7 @@ def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
     terms = LossTerms(None, None, present(weights), present(rows), known)
     check_extra_terms(model, share, options, terms, merged=merged)
     if set_options.micro_batches > 1 and not mean and (rows or weights):
-        raise not_on_jax(
-            '`micro_batches` with a `reduction="sum"` output loss and terms beyond the output '
-            "losses (weight regularisers, activity regularisers, `add_loss`)",
-            ", ".join(options),
-        )
+        raise refusal("micro_batches_sum_terms", ", ".join(options))
 
 
 def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
