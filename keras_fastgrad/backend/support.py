@@ -34,8 +34,8 @@ class Feature:
     """
 
     feature: str
-    tensorflow: str = SUPPORTED
-    jax: str = SUPPORTED
+    tensorflow: str = "supported"  # (SUPPORTED, spelled out for the API page)
+    jax: str = "supported"
     note: str = ""
     key: str = ""
     fix: str = ""
@@ -161,7 +161,7 @@ def refusal(key, received):
     )
 
 
-def markdown_table(rows=BACKEND_SUPPORT):
+def markdown_table(rows=None):
     """The rows as a Markdown table (docs/jax.md shows it).
 
     Example:
@@ -169,12 +169,13 @@ def markdown_table(rows=BACKEND_SUPPORT):
     >>> print(markdown_table(BACKEND_SUPPORT[:1]).splitlines()[0])
     | feature | TensorFlow | JAX | note |
     """
+    rows = BACKEND_SUPPORT if rows is None else rows
     lines = ["| feature | TensorFlow | JAX | note |", "|---|---|---|---|"]
     lines += [f"| {r.feature} | {r.tensorflow} | {r.jax} | {r.note} |" for r in rows]
     return "\n".join(lines)
 
 
-def summary(rows=BACKEND_SUPPORT):
+def summary(rows=None):
     """Where JAX differs from TensorFlow, as a Markdown list (the README's).
 
     Example:
@@ -182,6 +183,7 @@ def summary(rows=BACKEND_SUPPORT):
     >>> print(summary().splitlines()[0])
     On Keras' JAX backend everything runs as on TensorFlow, but:
     """
+    rows = BACKEND_SUPPORT if rows is None else rows
     differ = [f"- {r.feature}: {r.jax};" for r in rows if r.jax != SUPPORTED]
     differ[-1] = differ[-1][:-1] + "."
     return "\n".join(["On Keras' JAX backend everything runs as on TensorFlow, but:", ""] + differ)
