@@ -198,6 +198,9 @@ _BY_FILE = {
         "test_optimizer_options_alone_stay_allowed": _REPEAT,
         "test_an_empty_multitask_features_is_refused_at_construction": _SWEEP,
     },
+    "tests/test_bench_step_memory.py": {
+        "test_a_small_run_reads_the_allocators_peak": "a benchmark run (two processes, ~25 s)",
+    },
     "tests/test_bench_targets.py": {
         "test_gated_anchor_with_accumulation_on_batchnorm_and_sparse_models": _REPEAT,
         "test_bench_targets_main_times_a_row_against_its_anchor": "a benchmark run (~15 s)",
