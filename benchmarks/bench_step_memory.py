@@ -229,12 +229,14 @@ def rows(results, model_name, threads):
             anchor_working = median_of(got[anchor], "working")
             line += f"  / {anchor}: peak {peak / anchor_peak:.2f}"
             line += f", working {working / max(anchor_working, 1):.2f}"
-            line += f", {(peak - anchor_peak) / gradient:+.2f} gradients"
+            if gradient >= MB:  # (a few kB on `conv`: no buffer to count)
+                line += f", {(peak - anchor_peak) / gradient:+.2f} gradients"
         if config.startswith("micro") and "default" in got:
             m = int(config[len("micro") :])
             unsplit = median_of(got["default"], "working")
             line += f"  working / default's {working / max(unsplit, 1):.2f}"
-            line += f" (target <= {1.15 / m:.2f})"
+            if model_name == "conv":  # (the MLP's working memory is its gradients')
+                line += f" (target <= {1.15 / m:.2f})"
         spread = [round(r["working"] / MB, 1) for r in runs]
         lines.append(f"{line}  [working MB each run: {spread}]")
     return [f"{model_name}, gradient {gradient / MB:.1f} MB, threads {threads}:"] + lines

@@ -47,17 +47,25 @@ def test_every_anchor_is_a_configuration_measured_before_it(bench):
 
 def test_rows_give_ratios_to_the_anchor_and_the_unsplit_step(bench):
     mb = bench.MB
-    run = lambda peak, working: [{"peak": peak * mb, "working": working * mb, "gradient": 10 * mb}]  # noqa: E731
-    results = {
-        ("mlp", "keras_gated", "8"): run(100, 40),
-        ("mlp", "default", "8"): run(100, 40),
-        ("mlp", "micro4", "8"): run(110, 10),
-    }
-    lines = bench.rows(results, "mlp", "8")
+
+    def results(model, gradient_mb):
+        run = lambda peak, working: [  # noqa: E731
+            {"peak": peak * mb, "working": working * mb, "gradient": gradient_mb * mb}
+        ]
+        measured = {"keras_gated": run(100, 40), "default": run(100, 40), "micro4": run(110, 10)}
+        return {(model, config, "8"): runs for config, runs in measured.items()}
+
+    lines = bench.rows(results("mlp", 10), "mlp", "8")
     assert lines[0] == "mlp, gradient 10.0 MB, threads 8:"
     assert "/ keras_gated: peak 1.00, working 1.00, +0.00 gradients" in lines[2]
     assert "/ keras_gated: peak 1.10, working 0.25, +1.00 gradients" in lines[3]
-    assert "working / default's 0.25 (target <= 0.29)" in lines[3]
+    assert "working / default's 0.25  [working MB each run: [10.0]]" in lines[3]
+    # Activations dominate: no gradient-sized buffers to count, the 1.15/m target.
+    lines = bench.rows(results("conv", 0.01), "conv", "8")
+    assert (
+        "/ keras_gated: peak 1.10, working 0.25  working / default's 0.25 (target <= 0.29)"
+        in (lines[3])
+    )
 
 
 def test_a_small_run_reads_the_allocators_peak(bench, capsys):

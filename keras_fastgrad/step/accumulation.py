@@ -27,7 +27,7 @@ import keras
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step.gradients import to_float32
-from keras_fastgrad.step.variables import add_into, global_variable, increment
+from keras_fastgrad.step.variables import add_into, global_variable, increment, run_time_zeros
 
 
 class WindowAccumulator:
@@ -253,7 +253,7 @@ class WindowAccumulator:
     def reset(self):
         """Empties the window's sums (the micro-step count runs on)."""
         for total in self.sums:
-            total.assign(tf.zeros_like(total))
+            total.assign(run_time_zeros(total.shape))
         self.normaliser.assign(0.0)
         self.included.assign(0)
 

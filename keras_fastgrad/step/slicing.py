@@ -9,7 +9,8 @@ extra terms of an overridden `compute_loss`) and every layer that mixes
 samples (BatchNormalization's moments) sees real rows only. A
 `tf.while_loop` runs forward and backward on one slice at a time, adding
 the slice's gradient to float32 loop-carried sums: activation memory is
-that of one slice. Each slice's gradient is multiplied by its loss's
+that of one slice (the loop runs its slices one after the other,
+`parallel_iterations=1`). Each slice's gradient is multiplied by its loss's
 normaliser `D_i` (`keras_fastgrad.step.weighting`), so the sums are
 gradients of the summed losses and dividing by the batch's normaliser
 gives exactly the gradient of the un-split batch, masks and sample weights
@@ -44,6 +45,7 @@ from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import num_replicas
 from keras_fastgrad.step.splitting import first_input, groups, split
 from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
+from keras_fastgrad.step.variables import run_time_zeros
 from keras_fastgrad.step.weighting import LossShares, Share
 
 
@@ -132,12 +134,18 @@ def _zero_totals(model, y, out_spec, variables, merger, measure):
             compile_loss.build(y, out_spec)
         num_losses = len(task_names(model)) + 1
     totals = (
-        [[tf.zeros(v.shape, tf.float32) for v in variables] for _ in range(num_losses)],
+        [[run_time_zeros(v.shape) for v in variables] for _ in range(num_losses)],
         tf.constant(0.0),
         tf.constant(0.0),
         tf.constant(0.0),
     )
     return totals + ((measure[1],) if measure is not None else ())
+
+
+# One slice in flight at a time: TensorFlow's default (10) lets the
+# executor start the next slices' forward passes while one runs backward,
+# each holding its activations.
+_PARALLEL_ITERATIONS = 1
 
 
 def _run_group(group, step, totals, out_spec):
@@ -163,6 +171,7 @@ def _run_group(group, step, totals, out_spec):
             [arrays(s.dtype) for s in flat_spec],
             [arrays(tf.bool) for _ in flat_spec],
         ),
+        parallel_iterations=_PARALLEL_ITERATIONS,
     )
     return totals, outputs, masks
 

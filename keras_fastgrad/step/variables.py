@@ -5,7 +5,8 @@ replica of a `tf.distribute` strategy (counters, measurements, the window's
 normaliser): replica 0's write is kept (`aggregation="only_first_replica"`);
 it is never autocast to a mixed-precision compute dtype and never trained.
 `increment` (a scalar, one op) and `add_into` (a gradient-sized sum) add
-into any variable, global or per replica (the accumulation's sums).
+into any variable, global or per replica (the accumulation's sums);
+`run_time_zeros` starts or empties a gradient-sized sum.
 """
 
 import keras
@@ -81,3 +82,16 @@ def add_into(variable, amount):
     [1.5, 2.5]
     """
     variable.value.assign(tf.convert_to_tensor(variable.value) + amount, read_value=False)
+
+
+def run_time_zeros(shape):
+    """A float32 tensor of zeros of the static `shape` (a tuple or
+    `tf.TensorShape`, fully defined, as a variable's), made when the step
+    runs. Grappler folds `tf.zeros` of a static shape into a constant that
+    the step's graph keeps from one step to the next: a gradient-sized sum
+    started or emptied with it holds that memory even between steps.
+
+    >>> run_time_zeros((2, 3)).numpy().tolist()
+    [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    """
+    return tf.raw_ops.Empty(shape=tf.TensorShape(shape).as_list(), dtype=tf.float32, init=True)
