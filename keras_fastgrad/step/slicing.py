@@ -45,7 +45,6 @@ from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.replicas import num_replicas
 from keras_fastgrad.step.splitting import first_input, groups, split
 from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
-from keras_fastgrad.step.variables import run_time_zeros
 from keras_fastgrad.step.weighting import LossShares, Share
 
 
@@ -134,12 +133,49 @@ def _zero_totals(model, y, out_spec, variables, merger, measure):
             compile_loss.build(y, out_spec)
         num_losses = len(task_names(model)) + 1
     totals = (
-        [[run_time_zeros(v.shape) for v in variables] for _ in range(num_losses)],
+        [[_unset(v.shape) for v in variables] for _ in range(num_losses)],
         tf.constant(0.0),
         tf.constant(0.0),
         tf.constant(0.0),
     )
     return totals + ((measure[1],) if measure is not None else ())
+
+
+def _unset(shape):
+    """A float32 sum's place before the first slice, not written (zeroing
+    a gradient's memory at every step costs time; `_added` replaces it).
+    `tf.zeros` would be folded into a constant that the step's graph
+    holds between steps."""
+    return tf.raw_ops.Empty(shape=tf.TensorShape(shape).as_list(), dtype=tf.float32)
+
+
+def _added(i, sums, grads):
+    """The sums after slice `i`: its float32 gradients for the first slice
+    (`i == 0`), then the sums plus them. Where a variable gets no gradient
+    the sum stays unset: it is dropped after the loop (`has_grad`)."""
+
+    def first():
+        return [
+            [total if g is None else _dense_float32(g, total.shape) for total, g in zip(r, row)]
+            for r, row in zip(sums, grads)
+        ]
+
+    def later():
+        return [
+            [total if g is None else total + tf.cast(g, tf.float32) for total, g in zip(r, row)]
+            for r, row in zip(sums, grads)
+        ]
+
+    return tf.cond(tf.equal(i, 0), first, later)
+
+
+def _dense_float32(gradient, shape):
+    """`gradient` (a tensor or `tf.IndexedSlices`) as a dense float32
+    tensor of its variable's static `shape`, as adding it to a sum makes
+    it (an `IndexedSlices` made dense has an open first dimension)."""
+    dense = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
+    dense.set_shape(shape)
+    return dense
 
 
 # One slice in flight at a time: TensorFlow's default (10) lets the
@@ -199,10 +235,7 @@ def _slice_step(model, batch, variables, scaling, merger, facts, measure=None, c
                 (p.shape[1:], get_keras_mask(p).shape[1:] if has else None)
                 for p, has in zip(flat_pred, facts["has_mask"])
             ]
-        sums = [
-            [total if g is None else total + tf.cast(g, tf.float32) for total, g in zip(r, row)]
-            for r, row in zip(sums, grads)
-        ]
+        sums = _added(i, sums, grads)
         flat_mask = [
             get_keras_mask(p) if has else tf.zeros([0], tf.bool)
             for p, has in zip(flat_pred, facts["has_mask"])
