@@ -339,9 +339,7 @@ def _keras_derived_classes():
             # venv, the oldest versions'): only ever imported under
             # KERAS_BACKEND=jax.
             jax_only = ("keras_fastgrad.backend.jax", "keras_fastgrad.profiling._jax")
-            if module_name.startswith(jax_only) and (
-                error.name or ""
-            ).startswith("jax"):
+            if module_name.startswith(jax_only) and (error.name or "").startswith("jax"):
                 continue
             raise
         for _, cls in _inspect.getmembers(module, _inspect.isclass):
