@@ -26,7 +26,7 @@ measured there:
 
 Models (`--models`): `conv` (activations dominate: 64x64x3 images,
 Conv2D 16 -> Conv2D 16 -> max-pool -> Conv2D 32 -> global average ->
-Dense 10, 12k parameters, batch 128: 256 was too slow to repeat on the 2
+Dense 10, 7.7k parameters, batch 128: 256 was too slow to repeat on the 2
 shared cores this was written on), `mlp` (parameters dominate:
 512 -> 4096 -> 4096 -> 512 -> 10, 21.0M parameters, batch 16). Adam,
 sparse categorical cross-entropy, float32.
