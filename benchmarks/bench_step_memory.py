@@ -1,7 +1,7 @@
 """The train step's own memory, read from each backend's figures (issue 48).
 
     python benchmarks/bench_step_memory.py [--models conv,mlp] [--configs a,b]
-                                           [--threads default,8] [--reps N]
+                                           [--threads default,8] [--reps N] [--mixed]
     KERAS_BACKEND=jax python benchmarks/bench_step_memory.py [...]
 
 Each configuration is built in a fresh process (one per repetition) and
@@ -42,6 +42,9 @@ Configurations (`--configs`) and what each is compared with:
 - `micro2`, `micro4`, `micro8`: `FastGradModel(micro_batches=m)`;
   `/ keras_gated` (peak), and their working memory `/ default`'s (the
   un-split step; target <= 1.15/m).
+`--mixed`: every configuration under the `mixed_float16` policy (Keras'
+side with the `LossScaleOptimizer` that `compile` wraps it in; the
+library's sums and window stay float32).
 Each row prints medians over the repetitions of the peak, the working
 memory and, on `mlp`, `(peak - anchor's peak) / gradient size`: how many
 gradient-sized buffers more than the anchor.
@@ -71,6 +74,7 @@ CONFIGS = {
     "micro8": ("fg", {"micro_batches": 8}, {}, "keras_gated"),
 }
 THREADS = ("default", "8")
+POLICY_VARIABLE = "BENCH_STEP_MEMORY_POLICY"  # (`--mixed`, read by each process)
 STEPS = 3
 MB = 1024 * 1024
 
@@ -123,6 +127,9 @@ def child(model_name, config, threads):
     import keras
 
     backend = keras.backend.backend()
+    policy = os.environ.get(POLICY_VARIABLE)
+    if policy:
+        keras.mixed_precision.set_global_policy(policy)
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -170,13 +177,13 @@ def child(model_name, config, threads):
     print(json.dumps(figures))
 
 
-def measure(model_name, config, threads):
+def measure(model_name, config, threads, policy=""):
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", model_name, config, threads],
         capture_output=True,
         text=True,
         check=True,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **{POLICY_VARIABLE: policy}),
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -198,6 +205,7 @@ def parse(argv):
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--threads", default=",".join(THREADS))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--mixed", action="store_true")
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -254,10 +262,11 @@ def main(argv=None):
             for _ in range(args.reps):  # repetitions interleaved over the configurations
                 for config in args.configs:
                     results.setdefault((model_name, config, t), []).append(
-                        measure(model_name, config, t)
+                        measure(model_name, config, t, "mixed_float16" if args.mixed else "")
                     )
     what = "XLA memory_analysis()" if backend == "jax" else "allocator peak, tensors >= 256 KiB"
-    print(f"Step memory on {backend} ({what}), medians of {args.reps} processes each")
+    policy = ", mixed_float16" if args.mixed else ""
+    print(f"Step memory on {backend}{policy} ({what}), medians of {args.reps} processes each")
     for model_name in args.models:
         for t in threads:
             print("\n".join(rows(results, model_name, t)))

@@ -77,3 +77,18 @@ def test_a_small_run_reads_the_allocators_peak(bench, capsys):
     out = capsys.readouterr().out
     assert "allocator peak, tensors >= 256 KiB" in out
     assert "working / default's" in out
+
+
+def test_mixed_runs_every_process_under_mixed_float16(bench, monkeypatch):
+    envs = []
+
+    def run(command, env, **kwargs):
+        envs.append(env[bench.POLICY_VARIABLE])
+        figures = '{"peak": 2, "working": 1, "gradient": 1}'
+        return type("Done", (), {"stdout": figures})()
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    argv = ["--models", "mlp", "--configs", "keras,acc4", "--threads", "default", "--reps", "1"]
+    bench.main([*argv, "--mixed"])
+    bench.main(argv)
+    assert envs == ["mixed_float16", "mixed_float16", "", ""]
