@@ -136,6 +136,7 @@ def test_bad_micro_batches(value, error, match):
         fast(micro_batches=value)
 
 
+@pytest.mark.needs_tensorflow(reason="batches of a static shape from a tf.data pipeline")
 def test_micro_batches_larger_than_the_batch():
     # Batches of 2 (a static shape) in `micro_batches=4`: one slice per row,
     # no empty or padded slice; the un-split step on batches of 2.
