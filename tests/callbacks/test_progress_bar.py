@@ -138,7 +138,10 @@ def test_after_a_nan_batch_the_progress_bar_shows_the_keys(capsys, tmp_path):
     finals = [line for line in lines if line.startswith("4/4")]
     assert len(finals) == 2, lines
     assert "nonfinite_count: 1.0000" in finals[0], finals
-    assert "nonfinite_count: 2.0000" in finals[1], finals
+    # (Keras 3.15's bar shows the latest value, 2; Keras 3.8's averages the
+    # epoch's batches, 1.8: either way above the first epoch's 1.)
+    shown = re.search(r"nonfinite_count: (\d+\.\d+)", finals[1])
+    assert shown and 1.0 < float(shown.group(1)) <= 2.0, finals
     assert all("nonfinite_first_index:" in line for line in finals)
     second = lines[lines.index(finals[0]) + 1 :]
     assert second and all("nonfinite_count:" in line for line in second), lines
