@@ -48,7 +48,11 @@ parameters, batch 16). Pairs (`--pairs`, all but the A/A ones by
 default): `conv_m2`, `conv_m8`, `mlp_m2`, `mlp_m8` (`micro_batches` 2,
 8), `mlp_acc4` (`accumulation_steps=4`); `conv_m8_same`, `mlp_m8_same`:
 the current code against itself built alike (A/A: the method's noise on
-that model). A round is 8 steps a side on `conv`, 16 on `mlp`; 8 rounds
+that model); `conv_m8_serial`, `mlp_m8_serial` (side "serial": the
+"before" code with the current `parallel_iterations=1`) / "before": what
+the serial loop costs alone; `conv_m8_cond`, `mlp_m8_cond`: "after" /
+"serial", what the sums' start from the first slice (a `tf.cond` a
+slice) costs. A round is 8 steps a side on `conv`, 16 on `mlp`; 8 rounds
 (`--quick`: 2 rounds of 4 steps). `--build-order` (default `before`):
 which side of a pair is built first.
 
@@ -73,8 +77,13 @@ PAIRS = {
     "mlp_acc4": ("mlp", {"accumulation_steps": 4}, "after", "before"),
     "conv_m8_same": ("conv", {"micro_batches": 8}, "after", "after"),
     "mlp_m8_same": ("mlp", {"micro_batches": 8}, "after", "after"),
+    # (which change costs: the serial loop alone, then the sums' `tf.cond`)
+    "conv_m8_serial": ("conv", {"micro_batches": 8}, "serial", "before"),
+    "conv_m8_cond": ("conv", {"micro_batches": 8}, "after", "serial"),
+    "mlp_m8_serial": ("mlp", {"micro_batches": 8}, "serial", "before"),
+    "mlp_m8_cond": ("mlp", {"micro_batches": 8}, "after", "serial"),
 }
-DEFAULT_PAIRS = [name for name in PAIRS if not name.endswith("_same")]
+DEFAULT_PAIRS = [n for n in PAIRS if not n.endswith(("_same", "_serial", "_cond"))]
 STEPS = {"conv": 8, "mlp": 16}  # a round's steps a side (whole blocks of 4)
 BATCHES = 4  # distinct batches in the repeating pipeline
 
@@ -101,7 +110,8 @@ def build_model(model_name, options):
 @contextlib.contextmanager
 def code(side, seen):
     """While active, a step traced is `side`'s ("before": the code that
-    c3febfa and fd57dc7 replaced; "after": the current one); `seen` (a
+    c3febfa and fd57dc7 replaced; "after": the current one; "serial":
+    "before" with the current `parallel_iterations=1`); `seen` (a
     dict) gets what the trace ran: `starts` (the sums' first values),
     `added` ("cond" or "plain"), `reset` ("run_time_zeros" or
     "zeros_like")."""
@@ -118,13 +128,13 @@ def code(side, seen):
 
     def unset(shape):
         start = (
-            tf.zeros(shape, tf.float32) if side == "before" else originals[slicing, "_unset"](shape)
+            tf.zeros(shape, tf.float32) if side != "after" else originals[slicing, "_unset"](shape)
         )
         seen["starts"].append(start)
         return start
 
     def added(i, sums, grads):
-        if side != "before":
+        if side == "after":
             seen["added"].add("cond")
             return originals[slicing, "_added"](i, sums, grads)
         seen["added"].add("plain")
@@ -134,7 +144,7 @@ def code(side, seen):
         ]
 
     def reset(self):
-        if side != "before":
+        if side == "after":
             seen["reset"].add("run_time_zeros")
             return originals[accumulation.WindowAccumulator, "reset"](self)
         seen["reset"].add("zeros_like")
@@ -187,6 +197,8 @@ def traced(seen):
 EXPECTED = {  # (side, micro-batched): what `traced` reads for it
     ("before", True): ("parallel_iterations=[10]", "sums start from ", "added plain"),
     ("after", True): ("parallel_iterations=[1]", "sums start from Empty, added cond"),
+    ("serial", True): ("parallel_iterations=[1]", "sums start from ", "added plain"),
+    ("serial", False): ("window emptied with zeros_like",),
     ("before", False): ("window emptied with zeros_like",),
     ("after", False): ("window emptied with run_time_zeros",),
 }
