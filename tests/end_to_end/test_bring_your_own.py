@@ -262,6 +262,7 @@ def bert_batch(n=8):
     return x, rng.integers(0, 3, size=(n,))
 
 
+@pytest.mark.needs_tensorflow(reason="KerasHub imports TensorFlow")
 def test_fastgrad_kerashub_classifier_accumulates_exactly_and_saves(tmp_path):
     x, y = bert_batch()
     ref, model = tiny_bert_classifier(), tiny_bert_classifier()
@@ -287,6 +288,7 @@ def test_fastgrad_kerashub_classifier_accumulates_exactly_and_saves(tmp_path):
     )
 
 
+@pytest.mark.needs_tensorflow(reason="KerasHub imports TensorFlow")
 def test_callbacks_on_a_plain_kerashub_fit_leave_its_training_bit_identical():
     x, y = bert_batch()
     ref, model = tiny_bert_classifier(), tiny_bert_classifier()

@@ -265,7 +265,15 @@ def _fit_twice(base, source):
     return model, history.history["loss"], dataset, seen
 
 
-@pytest.mark.parametrize("source", ["pydataset", "tf.data", "numpy", "generator"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "pydataset",
+        pytest.param("tf.data", marks=pytest.mark.needs_tensorflow(reason="a tf.data pipeline")),
+        "numpy",
+        "generator",
+    ],
+)
 def test_same_seed_same_run_as_keras_model(source):
     reference, reference_loss, reference_data, reference_seen = _fit_twice(keras.Model, source)
     model, loss, dataset, seen = _fit_twice(keras_fastgrad.FastGradModel, source)

@@ -443,6 +443,7 @@ def test_another_backend_is_refused_at_import(backend):
     assert re.search(REFUSAL.format(backend), done.stderr, flags=re.DOTALL)
 
 
+@pytest.mark.needs_tensorflow(reason="a process under KERAS_BACKEND=tensorflow")
 def test_the_backend_check_names_what_keras_reports():
     # Runs everywhere (no other backend installed): Keras reports "torch".
     done = _import_under("tensorflow", patch='keras.backend.backend = lambda: "torch"')
