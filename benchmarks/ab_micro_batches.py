@@ -245,13 +245,10 @@ def verdict(stats):
 
 
 def names(value):
-    chosen = [v for v in value.split(",") if v]
-    unknown = [v for v in chosen if v not in PAIRS]
-    if unknown or not chosen:
-        raise ValueError(
-            f"`--pairs` takes names from {', '.join(PAIRS)}. Received: --pairs={value}"
-        )
-    return chosen
+    """`--pairs`' names (bench_step_memory's check of a names option)."""
+    from bench_step_memory import names as checked_names
+
+    return checked_names(value, PAIRS, "--pairs")
 
 
 def options(parser):
