@@ -2,7 +2,7 @@
 
 `keras_fastgrad` runs its own train step on Keras' TensorFlow backend
 (`keras_fastgrad.step`) and on Keras' JAX backend
-(`keras_fastgrad.backend.jax_step`: a stateless `train_step(state, data)` in
+(`keras_fastgrad.backend.jax.step`: a stateless `train_step(state, data)` in
 the manner of Keras' JAX trainer). What each backend supports is one
 record, `keras_fastgrad.backend.support.BACKEND_SUPPORT` (docs/jax.md shows
 it); on JAX what it marks refused is refused by name, with the error its row

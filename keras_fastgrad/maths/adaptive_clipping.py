@@ -13,7 +13,7 @@ factor is `min(1, inf) = 1`. A finite gradient whose unit norm overflows
 float32 would get the factor 0 (a silently zero unit): `all_finite` is then
 false, and the step drops the update, as it drops a non-finite one.
 
-Backend-neutral (the JAX step's, `keras_fastgrad.backend.jax_step`); the
+Backend-neutral (the JAX step's, `keras_fastgrad.backend.jax.step`); the
 TensorFlow unit (`keras_fastgrad.step.adaptive_clipping`) keeps its own
 sparse (`tf.IndexedSlices`) path and its fused norm.
 """

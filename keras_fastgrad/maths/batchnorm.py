@@ -3,7 +3,7 @@
 Written once in `keras.ops` (explicit inputs, no variables) for both
 backends' steps: TensorFlow's `keras_fastgrad.step.batchnorm` (its
 variables, replicas and recording; the contract in its docstring; traced
-op counts unchanged) and JAX's `keras_fastgrad.backend.jax_batchnorm`.
+op counts unchanged) and JAX's `keras_fastgrad.backend.jax.batchnorm`.
 
 Each layer's per-feature moments are a `[3, features]` stack `(n, mean,
 M2)`, `M2 = n * variance` (biased variance; `n` the positions reduced over,

@@ -1,7 +1,7 @@
 """The finite check: one reduction per gradient, a boolean for the step.
 
 Written once in `keras.ops` for both backends' steps (TensorFlow's
-`keras_fastgrad.step.finite`, JAX's `keras_fastgrad.backend.jax_units`). A
+`keras_fastgrad.step.finite`, JAX's `keras_fastgrad.backend.jax.units`). A
 sum is non-finite when any of its terms is (NaN and +-Inf propagate), so
 one sum per gradient, a single pass with no temporary, decides. The one
 false alarm: finite elements whose sum exceeds float32's range (~3.4e38), a

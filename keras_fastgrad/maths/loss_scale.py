@@ -4,7 +4,7 @@ Halve the scale after a non-finite gradient, double it after
 `growth_steps` finite updates in a row (and restart the count). Written
 once in `keras.ops`: TensorFlow's `keras_fastgrad.step.loss_scaling`
 assigns the result to the optimizer's `dynamic_scale` and `step_counter`
-variables, JAX's step (`keras_fastgrad.backend.jax_units.update_scale`)
+variables, JAX's step (`keras_fastgrad.backend.jax.units.update_scale`)
 returns it in the optimizer's state.
 """
 

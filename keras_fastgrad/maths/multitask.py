@@ -12,7 +12,7 @@ reaches keeps that task's plain gradient; the variables several tasks reach
 - `merge`: a shared variable's merged gradient `sum_t w_t g_t` over its
   reaching tasks, for the aggregator's weights `w`.
 
-Used by the JAX step (`keras_fastgrad.backend.jax_multitask`); the
+Used by the JAX step (`keras_fastgrad.backend.jax.multitask`); the
 TensorFlow step keeps its own (`keras_fastgrad.multitask.merger`: the same
 sums with `tf` ops, replicas, `None` gradients).
 """

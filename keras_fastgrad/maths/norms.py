@@ -1,7 +1,7 @@
 """The global L2 norm without overflow, and the clip factor it gives.
 
 Written once in `keras.ops` for both backends' steps (TensorFlow's
-`keras_fastgrad.step.clipping`, JAX's `keras_fastgrad.backend.jax_units`).
+`keras_fastgrad.step.clipping`, JAX's `keras_fastgrad.backend.jax.units`).
 The gradients come in as dense float32 tensors (`None` entries and sparse
 rows are the caller's: `step.gradients.summed_rows` on TensorFlow).
 

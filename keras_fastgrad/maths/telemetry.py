@@ -9,7 +9,7 @@
 - `agc_clipped_fraction`: the fraction of units adaptive gradient clipping
   clipped (`keras_fastgrad.maths.adaptive_clipping` counts them).
 
-Used by the JAX step (`keras_fastgrad.backend.jax_telemetry`); the
+Used by the JAX step (`keras_fastgrad.backend.jax.telemetry`); the
 TensorFlow step keeps its own (`keras_fastgrad.step.telemetry`: sparse
 gradients, and assignments into its variables).
 """

@@ -26,7 +26,7 @@ import keras
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad import backend as _backend
-from keras_fastgrad.backend import jax_state
+from keras_fastgrad.backend.jax import state as jax_state
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
 from keras_fastgrad.models import options as _options
@@ -352,11 +352,11 @@ class FastGradModel(keras.Model):
         `skip_nonfinite`, or under loss scaling) and counted instead.
 
         On Keras' JAX backend Keras calls `train_step(state, data)`: the
-        same chain on the state tuple (`keras_fastgrad.backend.jax_step`).
+        same chain on the state tuple (`keras_fastgrad.backend.jax.step`).
         """
         own_step.note_base_step(self)  # a subclass's own step called this one
         if jax_batch:  # `(state, data)`: Keras' JAX trainer
-            from keras_fastgrad.backend import jax_step  # imports jax
+            from keras_fastgrad.backend.jax import step as jax_step  # imports jax
 
             result = jax_step.train_step(self, data, *jax_batch)
             self.fastgrad_step_state.kept_arrays = None  # traced: Keras keeps the state now

@@ -4,7 +4,7 @@ of an uncompiled model, for both backends, then on TensorFlow one traced
 flush of the accumulated gradient through the end of the step's chain
 (`keras_fastgrad.step.train_step.flush`), under the model's strategy; on
 JAX the pending window's update on values
-(`keras_fastgrad.backend.jax_window.apply_partial_window`)."""
+(`keras_fastgrad.backend.jax.window.apply_partial_window`)."""
 
 import functools
 
@@ -43,7 +43,7 @@ def apply_partial_window(model):
         return None
     if _backend.is_jax():
         refuse_without_optimizer(model, pending)
-        from keras_fastgrad.backend import jax_window  # imports jax
+        from keras_fastgrad.backend.jax import window as jax_window  # imports jax
 
         return jax_window.apply_partial_window(model)
     state = model.fastgrad_step_state

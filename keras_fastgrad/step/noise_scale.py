@@ -65,7 +65,7 @@ def measurable(options, replicas=1):
     """Whether a step with `options` (a `StepOptions`) on `replicas`
     replicas holds gradients at two batch sizes (accumulation,
     `micro_batches` or several replicas; on JAX, accumulation:
-    `keras_fastgrad.backend.jax_noise_scale`) and no task merge (a merged
+    `keras_fastgrad.backend.jax.noise_scale`) and no task merge (a merged
     gradient is not a sum of the slices' gradients)."""
     if keras.backend.backend() == "jax":  # the window's micro-batches only
         return options.accumulation_steps > 1 and options.multitask is None

@@ -1,5 +1,5 @@
 """BatchNorm window statistics on JAX (`batchnorm_statistics="window"`,
-`keras_fastgrad.backend.jax_batchnorm`).
+`keras_fastgrad.backend.jax.batchnorm`).
 
 References: a plain `keras.Model` trained on the concatenated batches
 (with a learning rate of 0 where several windows run, so that its weights,

@@ -58,7 +58,7 @@ def _run_cases(out_path):
     import keras
 
     import keras_fastgrad as kf
-    from keras_fastgrad.backend import jax_step
+    from keras_fastgrad.backend.jax import step as jax_step
     from tests.jax_backend.jax_helpers import data, max_diff, mlp
 
     assert len(jax.devices()) == 2, jax.devices()

@@ -422,7 +422,7 @@ def test_gradvac_targets_moved_saved_and_loaded(tmp_path):
 
 
 def test_reaching_inputs_through_calls_loops_and_cuts():
-    from keras_fastgrad.backend.jax_reaching import reaching_inputs
+    from keras_fastgrad.backend.jax.reaching import reaching_inputs
 
     @jax.jit
     def head(h, w):  # a sub-program (`jit`): walked inside

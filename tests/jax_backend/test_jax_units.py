@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_fastgrad as kf
-from keras_fastgrad.backend import jax_units as units
+from keras_fastgrad.backend.jax import units as units
 
 # A zero-initialised linear model on one row: the MSE gradient of the
 # kernel is -2 * y * x, here [-1.2e20, -1.6e20] (norm 2e20, squares 4e40:

@@ -20,7 +20,7 @@ if keras.backend.backend() == "tensorflow":
     from keras_fastgrad.step import finite
     from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
 else:  # the JAX step's unit (`jax_units.global_norm`: `maths.norms`, dense)
-    from keras_fastgrad.backend.jax_units import global_norm
+    from keras_fastgrad.backend.jax.units import global_norm
 TF_ONLY = pytest.mark.tensorflow_only(
     reason="None entries, tf.IndexedSlices, TF's clip signature and tf.function"
 )

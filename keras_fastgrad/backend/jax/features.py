@@ -26,8 +26,8 @@ import jax
 from keras import ops, tree
 
 from keras_fastgrad._validation import check_ran_once
-from keras_fastgrad.backend import jax_multitask as parameter_space
-from keras_fastgrad.backend import jax_reaching
+from keras_fastgrad.backend.jax import multitask as parameter_space
+from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.maths.finite import all_finite
 from keras_fastgrad.multitask import representation
 from keras_fastgrad.step.task_losses import task_names

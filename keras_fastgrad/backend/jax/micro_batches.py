@@ -33,7 +33,10 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend import jax_batchnorm, jax_multitask, jax_reaching, jax_weighting
+from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
+from keras_fastgrad.backend.jax import multitask as jax_multitask
+from keras_fastgrad.backend.jax import reaching as jax_reaching
+from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.step.splitting import first_input, slice_sizes
 from keras_fastgrad.step.task_losses import task_names
 

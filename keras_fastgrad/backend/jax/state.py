@@ -16,7 +16,7 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend.jax_telemetry import optional_variables
+from keras_fastgrad.backend.jax.telemetry import optional_variables
 from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss
 
 

@@ -36,14 +36,14 @@ others (`optional_variables`, `jax_state`). The noise scale's
 `telemetry=True` adds them there, as on TensorFlow) come from
 `jax_noise_scale`. The multi-task keys (`task_grad_norm/<task>`,
 `task_cosine/<a>/<b>`, `task_conflicts`) come from the micro-batch's Gram
-matrix (`keras_fastgrad.backend.jax_multitask`).
+matrix (`keras_fastgrad.backend.jax.multitask`).
 """
 
 import math
 
 from keras import ops
 
-from keras_fastgrad.backend import jax_noise_scale
+from keras_fastgrad.backend.jax import noise_scale as jax_noise_scale
 from keras_fastgrad.maths import finite
 from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step.splitting import first_input
@@ -96,7 +96,7 @@ def record_trace_facts(model, state, x, y, sample_weight):
     Under `run_eagerly=True` (no trace) the first step looks, once."""
     import jax  # here: this module is imported on TensorFlow too, where JAX may be absent
 
-    from keras_fastgrad.backend.jax_reaching import reaching_inputs
+    from keras_fastgrad.backend.jax.reaching import reaching_inputs
 
     tv, ntv, ov, mv = state
     traced = any(isinstance(v, jax.core.Tracer) for v in tv[:1])

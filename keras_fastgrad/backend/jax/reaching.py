@@ -4,7 +4,7 @@ differentiably: the multi-task step's reaching-task split on JAX.
 On TensorFlow a variable no task loss reaches gets a `None` gradient from
 the tape, and the merge (`keras_fastgrad.multitask.merger`) splits the
 variables by the tasks that reach them. JAX returns zeros instead, so the
-JAX step (`keras_fastgrad.backend.jax_multitask`) reads the same fact at
+JAX step (`keras_fastgrad.backend.jax.multitask`) reads the same fact at
 trace time from the program itself: the jaxpr of the task losses
 (`jax.make_jaxpr`), walked forward from the inputs, one equation at a
 time. An output of an equation depends on every input its inputs depend

@@ -12,7 +12,7 @@ norm that overflows float32 drops the update too.
 
 from keras import ops
 
-from keras_fastgrad.backend import jax_telemetry as telemetry
+from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.maths.adaptive_clipping import clip_unitwise
 from keras_fastgrad.step.adaptive_clipping import row_unit_variables
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION

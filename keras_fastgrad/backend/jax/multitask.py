@@ -37,8 +37,10 @@ from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.aggregators import gram_telemetry
-from keras_fastgrad.backend import jax_batchnorm, jax_reaching, jax_weighting
-from keras_fastgrad.backend.jax_state import multitask_variables
+from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
+from keras_fastgrad.backend.jax import reaching as jax_reaching
+from keras_fastgrad.backend.jax import weighting as jax_weighting
+from keras_fastgrad.backend.jax.state import multitask_variables
 from keras_fastgrad.maths import multitask as maths
 from keras_fastgrad.maths.finite import all_finite
 from keras_fastgrad.step.splitting import first_input

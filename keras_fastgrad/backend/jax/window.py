@@ -8,11 +8,12 @@ epoch's end or by `apply_partial_window` (`_flush`)."""
 import jax
 from keras import ops
 
-from keras_fastgrad.backend import jax_agc, jax_batchnorm
-from keras_fastgrad.backend import jax_noise_scale as noise
-from keras_fastgrad.backend import jax_telemetry as telemetry
-from keras_fastgrad.backend import jax_units as units
-from keras_fastgrad.backend.jax_state import Slots
+from keras_fastgrad.backend.jax import agc as jax_agc
+from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
+from keras_fastgrad.backend.jax import noise_scale as noise
+from keras_fastgrad.backend.jax import telemetry as telemetry
+from keras_fastgrad.backend.jax import units as units
+from keras_fastgrad.backend.jax.state import Slots
 
 
 def accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep):

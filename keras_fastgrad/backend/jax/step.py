@@ -29,18 +29,16 @@ import numpy as np
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend import (
-    jax_agc,
-    jax_batchnorm,
-    jax_micro_batches,
-    jax_multitask,
-    jax_weighting,
-    jax_window,
-)
-from keras_fastgrad.backend import jax_noise_scale as noise
-from keras_fastgrad.backend import jax_telemetry as telemetry
-from keras_fastgrad.backend import jax_units as units
-from keras_fastgrad.backend.jax_state import Slots, check_trainable_unchanged
+from keras_fastgrad.backend.jax import agc as jax_agc
+from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
+from keras_fastgrad.backend.jax import micro_batches as jax_micro_batches
+from keras_fastgrad.backend.jax import multitask as jax_multitask
+from keras_fastgrad.backend.jax import noise_scale as noise
+from keras_fastgrad.backend.jax import telemetry as telemetry
+from keras_fastgrad.backend.jax import units as units
+from keras_fastgrad.backend.jax import weighting as jax_weighting
+from keras_fastgrad.backend.jax import window as jax_window
+from keras_fastgrad.backend.jax.state import Slots, check_trainable_unchanged
 from keras_fastgrad.step.splitting import first_input
 
 
@@ -132,7 +130,7 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
         if options.micro_batches > 1:  # summed over the slices, merged once
             merged = jax_micro_batches.sliced_task_gradients
         elif options.multitask_space == "features":
-            from keras_fastgrad.backend import jax_features
+            from keras_fastgrad.backend.jax import features as jax_features
 
             merged = jax_features.gradients
         return merged(model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms)
