@@ -1,23 +1,24 @@
 """Shared pytest setup: a clean Keras session per test and the doctest
 namespace of the public docstrings' examples."""
 
+import functools
 import importlib.util
 import os
-import pathlib
+import re
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # The only backend keras_fastgrad supports (its import refuses the others):
 # chosen here, before Keras loads, for the tests and every subprocess they
 # start, whatever the shell or ~/.keras/keras.json selects.
-# `KERAS_BACKEND=jax` is kept: tests/jax_backend run under it (their conftest skips
-# them on any other backend).
+# `KERAS_BACKEND=jax` is kept: the suite runs under it too (the files and
+# tests of one backend alone are marked `tensorflow_only` or `jax_only`).
 if os.environ.get("KERAS_BACKEND") != "jax":
     os.environ["KERAS_BACKEND"] = "tensorflow"
 # Under JAX, XLA's executables cached on disk (build/, ignored by git) and
 # shared by the workers: the tests compile many identical steps (the same
 # small models and options, another test's names; the cache key strips
 # them), and a cache hit skips XLA's compilation, not the trace, so a
-# retrace is still a retrace. Measured on tests/jax_backend's exactness and
+# retrace is still a retrace. Measured on the JAX exactness and
 # BatchNorm files, from an empty cache: 183 s -> 147 s (two workers); CI's
 # JAX stage 743 s -> 647 s, the same session.
 if os.environ["KERAS_BACKEND"] == "jax":
@@ -84,7 +85,7 @@ def doctest_namespace_setup(doctest_namespace):
 # the marks are silently ignored.)
 ONE_WORKER_FILES = (
     "tests/end_to_end/test_distributed.py",
-    "tests/jax_backend/test_jax_data_parallel.py",  # (its 2-device process, ~20 s)
+    "tests/end_to_end/test_data_parallel_jax.py",  # (its 2-device process, ~20 s)
 )
 
 
@@ -114,7 +115,15 @@ def pytest_collection_modifyitems(config, items):
     processes, each seconds to minutes) first: they start while the short
     tests fill the other worker, and the run does not end with one worker
     on a long test while the other idles. A run without workers keeps the
-    files' order."""
+    files' order.
+
+    Under `KERAS_BACKEND=jax`, a doctest whose example names `tf` (the
+    doctests' namespace has no `tf` there) is marked `tensorflow_only`."""
+    if keras.backend.backend() == "jax":
+        for item in items:
+            examples = getattr(getattr(item, "dtest", None), "examples", ())
+            if any(_NAMES_TF.search(example.source) for example in examples):
+                item.add_marker(pytest.mark.tensorflow_only(reason="its example uses `tf`"))
     if config.args_source == pytest.Config.ArgsSource.ARGS and not _m_given(config):
         return  # files or tests named on the command line run, whatever their tier
     for item in items:
@@ -126,32 +135,47 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+_NAMES_TF = re.compile(r"\btf\.")
+
+
 def pytest_ignore_collect(collection_path, config):
-    """Code of the other backend is not collected (it would import a package
-    its venv may lack: `jax` in the README's TensorFlow venv, `tensorflow`
-    in docs/jax.md's JAX venv): under `KERAS_BACKEND=jax` only
-    `tests/tiers.py`'s `JAX_PATHS`, under TensorFlow all but its
-    `JAX_ONLY_PATHS`."""
-    try:
-        relative = collection_path.relative_to(_ROOT).as_posix()
-    except ValueError:
-        return None  # outside the repository: pytest's own rules
-    relative = "" if relative == "." else relative
-    if tiers.collected(relative, collection_path.is_dir(), keras.backend.backend()):
+    """A module of one backend is not collected under the other (it may
+    import a package that backend's venv lacks: `jax` in the README's
+    TensorFlow venv, `tensorflow` in docs/jax.md's JAX venv): its
+    module-level `tensorflow_only` or `jax_only` mark, its name
+    (`*_jax.py`), or its top-level import of `tensorflow` or `jax`
+    (`tiers.only_backend`)."""
+    if collection_path.suffix != ".py" or not collection_path.is_file():
+        return None
+    only = _only_backend(str(collection_path))
+    if only is None or only == keras.backend.backend():
         return None
     return True
 
 
-_ROOT = pathlib.Path(__file__).resolve().parent
+@functools.cache
+def _only_backend(path):
+    with open(path, encoding="utf-8") as file:
+        return tiers.only_backend(path, file.read())
+
+
+# (mark, the backend that skips its tests, the reason a mark without one gives)
+_ONLY_MARKS = (
+    ("tensorflow_only", "jax", "TensorFlow only"),
+    ("jax_only", "tensorflow", "JAX only"),
+)
 
 
 def pytest_runtest_setup(item):
-    """Under `KERAS_BACKEND=jax`, a test marked `tensorflow_only` (what it
-    checks exists on TensorFlow alone: `tf.function`, strategies, sparse
-    gradients) is skipped, with its mark's reason."""
-    mark = item.get_closest_marker("tensorflow_only")
-    if mark is not None and keras.backend.backend() == "jax":
-        pytest.skip(mark.kwargs.get("reason") or (mark.args[0] if mark.args else "TensorFlow only"))
+    """A test marked `tensorflow_only` (what it checks exists on TensorFlow
+    alone: `tf.function`, strategies, sparse gradients) is skipped under
+    `KERAS_BACKEND=jax`, one marked `jax_only` under TensorFlow, with its
+    mark's reason. A test marked `needs_tensorflow` is skipped where
+    TensorFlow is not installed."""
+    for name, other, default in _ONLY_MARKS:
+        mark = item.get_closest_marker(name)
+        if mark is not None and keras.backend.backend() == other:
+            pytest.skip(mark.kwargs.get("reason") or (mark.args[0] if mark.args else default))
     mark = item.get_closest_marker("needs_tensorflow")
     if mark is not None and not _TENSORFLOW_INSTALLED:
         why = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
@@ -175,13 +199,16 @@ def pytest_runtest_makereport(item, call):
     """In the full tier (`-m full`), a test that skips itself (a module it
     needs is missing, `pytest.importorskip`) fails, naming the fix: that
     tier runs everything it selects. A skip declared by a `skip` or
-    `skipif` mark (the installed versions) or by `tensorflow_only` under
-    JAX stays a skip, and an expected failure (`xfail`) stays one."""
+    `skipif` mark (the installed versions) or by `tensorflow_only` or
+    `jax_only` on the other backend stays a skip, and an expected failure (`xfail`) stays one."""
     report = yield
     declared = (
         item.get_closest_marker("skip")
         or item.get_closest_marker("skipif")
-        or (item.get_closest_marker("tensorflow_only") and keras.backend.backend() == "jax")
+        or any(
+            item.get_closest_marker(name) and keras.backend.backend() == other
+            for name, other, _ in _ONLY_MARKS
+        )
         or (item.get_closest_marker("needs_tensorflow") and not _TENSORFLOW_INSTALLED)
         or hasattr(report, "wasxfail")
     )

@@ -598,7 +598,7 @@ def jit_cache_size(function):
 
 
 # The private names of the JAX side (checked under `KERAS_BACKEND=jax` in
-# tests/jax_backend/test_jax_compat.py: the canary of tests/test_compat.py runs on
+# tests/test_compat_jax.py: the canary of tests/test_compat.py runs on
 # TensorFlow): (owner, name).
 JAX_PRIVATE_NAMES = (
     *(("keras.Model", name) for name in JAX_STATE_METHODS),

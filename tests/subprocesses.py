@@ -1,6 +1,6 @@
 """Running a test's script in a fresh Python (a backend chosen, a module
 blocked): one helper for the tests that need a process of their own. No
-TensorFlow or JAX import here (tests/jax_backend and the blocked-import tests use it)."""
+TensorFlow or JAX import here (the JAX tests and the blocked-import tests use it)."""
 
 import os
 import subprocess

@@ -10,6 +10,10 @@ import keras
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="benchmarks/ab_micro_batches.py runs the TensorFlow step"
+)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

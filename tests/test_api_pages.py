@@ -21,6 +21,10 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the site's pages, checked once (in the TensorFlow run)"
+)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NEEDS_DOCS_EXTRA = pytest.mark.skipif(

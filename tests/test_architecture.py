@@ -5,7 +5,13 @@ use the models' public surface, not the step's private `_fg_*` names."""
 import ast
 import pathlib
 
+import pytest
+
 import keras_fastgrad
+
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the package's shape, checked once (in the TensorFlow run)"
+)
 
 PACKAGE_DIR = pathlib.Path(keras_fastgrad.__file__).parent
 REPO = PACKAGE_DIR.parent

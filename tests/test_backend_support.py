@@ -15,6 +15,10 @@ import pytest
 
 from keras_fastgrad.backend import support
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the pages' statement of support, checked once (in the TensorFlow run)"
+)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The pages that state what each backend supports.
 STATING = (

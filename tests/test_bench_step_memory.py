@@ -7,6 +7,10 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="benchmarks/bench_step_memory.py runs the TensorFlow step"
+)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

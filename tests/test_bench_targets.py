@@ -12,6 +12,10 @@ import keras
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="benchmarks/bench_targets.py runs the TensorFlow step"
+)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

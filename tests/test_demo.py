@@ -7,6 +7,10 @@ import pytest
 
 from keras_fastgrad import demo
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the demo on TensorFlow (on JAX: tests/test_without_tensorflow_jax.py)"
+)
+
 
 @pytest.mark.slow  # the whole demo program
 def test_demo_runs_and_accumulation_is_exact_on_digits(capsys):

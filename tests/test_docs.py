@@ -40,6 +40,10 @@ import pytest
 import keras_fastgrad
 from keras_fastgrad import aggregators, callbacks
 
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the pages' code on TensorFlow (on JAX: tests/test_docs_jax.py)"
+)
+
 # name -> the gaps it had when this test landed ("summary", "args",
 # "example", "arg:<name>"). Fix the docstring, then delete the entry.
 KNOWN_GAPS = {}

@@ -14,7 +14,9 @@ import re
 
 import pytest
 
-from tests import tiers
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the pages' commands, checked once (in the TensorFlow run)"
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL = re.compile(r"\bpip install\b|\bpython3? -m venv\b|\bapt-get install\b")
@@ -129,8 +131,3 @@ def test_the_reader_takes_the_first_bash_block_under_the_heading(tmp_path):
         DOC_COMMANDS.commands(str(page), "T")
     with pytest.raises(DOC_COMMANDS.MissingSection, match="`Missing`"):
         DOC_COMMANDS.commands(str(page), "Missing")
-
-
-def test_the_jax_paths_exist():
-    missing = [p for p in tiers.JAX_PATHS if not os.path.exists(os.path.join(ROOT, p))]
-    assert not missing, f"tests/tiers.py's JAX_PATHS names missing paths: {missing}"

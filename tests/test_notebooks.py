@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only(reason="the notebooks run on TensorFlow")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 RUNNER = os.path.join(ROOT, "tools", "run_notebook.py")

@@ -12,6 +12,10 @@ import configparser
 import os
 import re
 
+import pytest
+
+pytestmark = pytest.mark.tensorflow_only(reason="the README, checked once (in the TensorFlow run)")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The JAX path as CI runs it (docs/jax.md, "Install and run").
 JAX_LINES = [

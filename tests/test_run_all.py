@@ -13,6 +13,8 @@ import types
 
 import pytest
 
+pytestmark = pytest.mark.tensorflow_only(reason="benchmarks/run_all.py runs the TensorFlow step")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -21,6 +21,8 @@ import pytest
 import keras_fastgrad
 from keras_fastgrad import aggregators, callbacks
 
+pytestmark = pytest.mark.tensorflow_only(reason="the site, checked once (in the TensorFlow run)")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 # Pages the site shows from elsewhere in the repository (tools/mkdocs_hooks.py).

@@ -10,6 +10,8 @@ import pytest
 
 from keras_fastgrad import _tf_startup
 
+pytestmark = pytest.mark.tensorflow_only(reason="TensorFlow's start-up notices")
+
 # What `import tensorflow` 2.21 printed with TF_CPP_MIN_LOG_LEVEL=3 (the
 # lines after the banner repeat for its second library), with a Python
 # warning and lines TensorFlow's older format writes.

@@ -8,11 +8,16 @@ import pathlib
 import re
 
 import keras
+import pytest
 
 import keras_fastgrad
 from keras_fastgrad import aggregators
 from keras_fastgrad.models.model import OPTION_NAMES
 from tests import tiers
+
+pytestmark = pytest.mark.tensorflow_only(
+    reason="the suite's tiers, checked once (in the TensorFlow run)"
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -12,6 +12,8 @@ import pytest
 
 from tests.subprocesses import run_python
 
+pytestmark = pytest.mark.tensorflow_only(reason="TensorFlow without JAX installed")
+
 _SCRIPT = """
 import json, sys, traceback
 

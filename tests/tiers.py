@@ -279,62 +279,59 @@ def is_full(path, name, slow):
     return slow or path in FULL_FILES or (path, name) in FULL_TESTS
 
 
-# Under `KERAS_BACKEND=jax`, `python -m pytest` collects these and nothing
-# else (conftest.py's `pytest_ignore_collect`): the JAX step's own tests
-# (tests/jax_backend) and the suite's files that run on both backends (their
-# TensorFlow-only tests carry `tensorflow_only` marks). docs/jax.md's test
-# command is that plain `pytest` line, run in a venv without TensorFlow.
-JAX_PATHS = (
-    "tests/jax_backend",
-    "keras_fastgrad/backend",  # the JAX step's modules (their doctests)
-    "tests/aggregators",  # every aggregator, doctests too
-    "keras_fastgrad/aggregators",
-    "tests/models/test_options.py",
-    "tests/models/test_model.py",
-    "tests/test_validation.py",
-    "tests/test_no_shadowing.py",  # no folder of the repository stands in for a package
-    "tests/end_to_end/test_saved_fixtures.py",  # files of earlier releases load on JAX
-    "tests/end_to_end/test_edges.py",
-    "tests/end_to_end/test_dropin.py",
-    "tests/end_to_end/test_safety.py",
-    "tests/end_to_end/test_exactness.py",
-    "tests/end_to_end/test_micro_batch_padding.py",
-    "tests/step/test_batchnorm.py",
-    "tests/step/test_slicing.py",  # micro_batches (with multitask) == the unsplit step
-    "tests/step/test_finite.py",  # the finite check
-    "tests/step/test_clipping.py",  # the global norm
-    "tests/step/test_noise_scale.py",  # vs the closed form and the paper's estimators
-    "tests/callbacks/test_noise_scale_arguments.py",
-    "tests/end_to_end/test_bring_your_own.py",  # KerasHub, keras.applications, subclasses
-    "tests/test_reference_gradients.py",  # the tests' backend-neutral gradient reference
-    "tests/end_to_end/test_adaptive_clipping_fit.py",
-    "tests/end_to_end/test_unchecked_paths.py",
-    "tests/end_to_end/test_window_edges.py",
-    "tests/end_to_end/test_extra_loss_terms.py",
-    "tests/multitask",
-    "tests/callbacks/test_callbacks.py",
-    "keras_fastgrad/callbacks",
-    "tests/models/test_keras_hooks.py",
-    "tests/models/test_refusals.py",
-    "tests/profiling",
-    "keras_fastgrad/profiling",
-)
-
-# Code of one backend only: not collected under the other.
-JAX_ONLY_PATHS = (
-    "tests/jax_backend",
-    "keras_fastgrad/backend",
-    "keras_fastgrad/profiling/_jax_runs.py",
-)
+# Which backend collects a file (conftest.py's `pytest_ignore_collect`):
+# both, unless the file says otherwise where pytest need not import it to
+# read it (the other backend's venv may lack what it imports: README's
+# TensorFlow venv has no `jax`, docs/jax.md's JAX venv no `tensorflow`):
+# 1. a module-level `pytestmark` holding `pytest.mark.tensorflow_only` or
+#    `pytest.mark.jax_only` (with its reason): that backend alone;
+# 2. a test file named `test_<topic>_jax.py`: JAX alone (the JAX step's
+#    own tests; a TensorFlow counterpart, if any, is `test_<topic>.py`);
+# 3. a module of a shell, `keras_fastgrad/backend/tensorflow/` or
+#    `keras_fastgrad/backend/jax/` (their doctests): that backend alone;
+# 4. an `import` of `tensorflow` (or `keras_fastgrad._tf_startup`, its
+#    stand-in) or of `jax` at the top level: that
+#    backend alone.
+# A test of a file both backends collect that exists on one backend alone
+# carries the mark itself (conftest.py skips it on the other, with its
+# reason).
+_TENSORFLOW_MODULES = ("tensorflow", "keras_fastgrad._tf_startup")  # (tools/step_lines.py's)
+_JAX_MODULES = ("jax", "jaxlib")
+_SHELLS = {"keras_fastgrad/backend/tensorflow/": "tensorflow", "keras_fastgrad/backend/jax/": "jax"}
 
 
-def collected(path, is_dir, backend):
-    """Whether the file or folder `path` (relative to the repository, with
-    `/`) is collected under `backend`: under JAX the paths of `JAX_PATHS`
-    and the folders above them; under TensorFlow all but `JAX_ONLY_PATHS`."""
-    inside = lambda paths: any(path == p or path.startswith(p + "/") for p in paths)
-    if backend != "jax":
-        return not inside(JAX_ONLY_PATHS)
-    if inside(JAX_PATHS):
-        return True
-    return is_dir and any(p.startswith(path + "/") for p in JAX_PATHS) or path == ""
+def only_backend(path, source):
+    """`"tensorflow"`, `"jax"` or `None` (both): the backend that alone
+    collects the module `path` (with `/`) of text `source` (the rules
+    above)."""
+    import ast
+
+    body = ast.parse(source).body
+    for node in body:
+        targets = getattr(node, "targets", [])
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", "") == "pytestmark" for t in targets
+        ):
+            marks = ast.unparse(node.value)
+            if "mark.tensorflow_only" in marks:
+                return "tensorflow"
+            if "mark.jax_only" in marks:
+                return "jax"
+    name = path.rsplit("/", 1)[-1]
+    if name.startswith("test_") and name.endswith("_jax.py"):
+        return "jax"
+    for folder, backend in _SHELLS.items():
+        if f"/{folder}" in f"/{path}":
+            return backend
+    within = lambda name, roots: any(name == r or name.startswith(r + ".") for r in roots)
+    for node in body:
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if any(within(n, _TENSORFLOW_MODULES) for n in names):
+            return "tensorflow"
+        if any(within(n, _JAX_MODULES) for n in names):
+            return "jax"
+    return None

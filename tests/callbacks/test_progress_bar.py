@@ -1,8 +1,8 @@
 """What `fit(verbose=1)` prints with a `NonFiniteGuard`, read as a user reads
 it: a healthy fit shows no `nonfinite_*` key on its progress bar, a fit that
 met a NaN shows them from then on; `History` and `CSVLogger` get every key
-every epoch either way. Backend-neutral: tests/jax_backend/test_jax_progress_bar.py
-runs the same tests on JAX."""
+every epoch either way. Backend-neutral: collected under both backends, the
+same tests on TensorFlow and JAX."""
 
 import csv
 import re

@@ -18,7 +18,11 @@ import pytest
 
 from tests.helpers import needs_multi_replica_keras
 
-pytestmark = [needs_multi_replica_keras, pytest.mark.slow]  # fresh processes
+pytestmark = [
+    needs_multi_replica_keras,
+    pytest.mark.slow,  # fresh processes
+    pytest.mark.tensorflow_only(reason="tf.distribute strategies"),
+]
 
 # the scripts below run as modules of the `tests` package from the repo root
 # (`python -m tests.distributed_cases`, `python -m tests.multiworker_worker`)

@@ -28,7 +28,7 @@ def optimizer(name, **kwargs):
 
 # ------------------------------------------------------- loss_scale_factor
 @pytest.mark.tensorflow_only(
-    reason="a fixed loss_scale_factor is refused on JAX (tests/jax_backend/test_jax_refusals.py)"
+    reason="a fixed loss_scale_factor is refused on JAX (tests/models/test_refusals_jax.py)"
 )
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_loss_scale_factor_trains_like_keras_model(name):
@@ -46,7 +46,7 @@ def test_loss_scale_factor_trains_like_keras_model(name):
 
 
 @pytest.mark.tensorflow_only(
-    reason="a fixed loss_scale_factor is refused on JAX (tests/jax_backend/test_jax_refusals.py)"
+    reason="a fixed loss_scale_factor is refused on JAX (tests/models/test_refusals_jax.py)"
 )
 @pytest.mark.parametrize("name", ["sgd", "adam"])
 def test_loss_scale_factor_with_accumulation_and_clipping(name):
@@ -70,7 +70,7 @@ def test_loss_scale_factor_with_accumulation_and_clipping(name):
 
 
 @pytest.mark.tensorflow_only(
-    reason="a fixed loss_scale_factor is refused on JAX (tests/jax_backend/test_jax_refusals.py)"
+    reason="a fixed loss_scale_factor is refused on JAX (tests/models/test_refusals_jax.py)"
 )
 def test_loss_scale_factor_grad_norm_is_the_true_gradient_norm():
     # One update (8 samples, batches of 4, windows of 2): `grad_norm` is the

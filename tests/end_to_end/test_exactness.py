@@ -410,7 +410,7 @@ def _fit_with_dense_clipping(model, x, y, clip_norm, batch, epochs):
             "training_branch",
             marks=pytest.mark.tensorflow_only(
                 reason="JAX refuses a layer built inside the step, by name "
-                "(tests/jax_backend/test_jax_refusals.py)"
+                "(tests/models/test_refusals_jax.py)"
             ),
         ),
     ],

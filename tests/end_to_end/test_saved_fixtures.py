@@ -74,7 +74,7 @@ def test_weights_file_loads_bit_exact(case):
 @pytest.mark.tensorflow_only(
     reason="the reference rebuilds the file's model from its seed, and Keras' JAX "
     "backend draws other initial weights from it; on JAX these files load bit-exact "
-    "(above) and a window saved on TensorFlow resumes (tests/jax_backend/test_jax_saving.py)"
+    "(above) and a window saved on TensorFlow resumes (tests/models/test_saving_jax.py)"
 )
 @pytest.mark.parametrize("case", ["mid_window", "sequential", "fastgrad_subclass"])
 def test_half_full_window_resumes_exactly(case):

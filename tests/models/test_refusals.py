@@ -453,7 +453,7 @@ def test_the_backend_check_names_what_keras_reports():
 
 @_needs("jax")
 def test_the_jax_backend_imports():
-    # Supported (a first set of options: tests/jax_backend); the others refuse there.
+    # Supported (a first set of options: the `*_jax.py` tests); the others refuse there.
     done = _import_under("jax")
     assert done.returncode == 0 and "imported jax" in done.stdout, done.stderr[-2000:]
 

@@ -19,7 +19,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ON_JAX = keras.backend.backend() == "jax"
 # The compiled step of each backend (as `fit` runs it by default): TF's
 # graph (`tf.function`), JAX's `jax.jit` ("xla"; "function" has no JAX
-# counterpart: reported skipped, tests/jax_backend/test_jax_profiling.py).
+# counterpart: reported skipped, tests/profiling/test_profiling_jax.py).
 COMPILED = "xla" if ON_JAX else "function"
 COMPILED_LABEL = "jax.jit (XLA)" if ON_JAX else "tf.function"
 

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 import keras_fastgrad as kf
-from tests.jax_backend.jax_helpers import ROOT, data, max_diff, mlp, run_on_tensorflow
+from tests.helpers import ROOT, run_on_tensorflow
+from tests.helpers import max_weight_diff as max_diff
+from tests.helpers import mlp_16 as mlp
+from tests.helpers import uneven_data as data
 
 
 def _trained_with_pending_window():
@@ -41,7 +44,7 @@ def test_keras_and_weights_files_round_trip(tmp_path):
 _WRITE_ON_TF = """
 import sys, numpy as np, keras
 sys.path.insert(0, {tests!r})
-from tests.jax_backend.jax_helpers import data, mlp
+from tests.helpers import uneven_data as data, mlp_16 as mlp
 import keras_fastgrad as kf
 x, y = data()
 model = mlp(kf.FastGradModel, accumulation_steps=4)

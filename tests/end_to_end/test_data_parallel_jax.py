@@ -7,7 +7,7 @@ are those of the same `FastGradModel` on one device.
 JAX's host device count is fixed when it starts
 (`XLA_FLAGS=--xla_force_host_platform_device_count=2`, before `jax` is
 imported), so every case runs in one fresh process: this file, run as a
-script (`python test_jax_data_parallel.py OUT.json`), writes each case's
+script (`python test_data_parallel_jax.py OUT.json`), writes each case's
 result, and the tests check them one by one."""
 
 import json
@@ -59,7 +59,9 @@ def _run_cases(out_path):
 
     import keras_fastgrad as kf
     from keras_fastgrad.backend.jax import step as jax_step
-    from tests.jax_backend.jax_helpers import data, max_diff, mlp
+    from tests.helpers import max_weight_diff as max_diff
+    from tests.helpers import mlp_16 as mlp
+    from tests.helpers import uneven_data as data
 
     assert len(jax.devices()) == 2, jax.devices()
     seen = []
@@ -125,7 +127,7 @@ def results(tmp_path_factory):
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     run = subprocess.run(
-        [sys.executable, "-m", "tests.jax_backend.test_jax_data_parallel", str(out)],
+        [sys.executable, "-m", "tests.end_to_end.test_data_parallel_jax", str(out)],
         env=env,
         capture_output=True,
         text=True,

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import keras_fastgrad as kf
-from tests.jax_backend.jax_helpers import data, mlp
+from tests.helpers import mlp_16 as mlp
+from tests.helpers import uneven_data as data
 
 
 def state(model):

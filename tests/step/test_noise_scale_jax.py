@@ -3,7 +3,7 @@ keys) against references not written by the same reasoning: the closed
 form of a linear regression with Gaussian noise, and the paper's
 estimators (equal-batch form, harmonic mean for uneven batches) on numpy
 gradients of a linear model. (The same keys against the TensorFlow
-step's, for the same data: `test_jax_telemetry.py`.)"""
+step's, for the same data: `tests/callbacks/test_telemetry_jax.py`.)"""
 
 import keras
 import numpy as np

@@ -13,7 +13,7 @@ import os
 
 from tests.subprocesses import run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Refuses `tensorflow` and its submodules, and records who asked (Keras'
 # own saving probes for TensorFlow, and goes on without it).

@@ -2,7 +2,7 @@
 `agc_clipped_fraction`) against numpy worked from `jax.grad` of a plain
 model and the weights before and after a step (SGD: the update is exactly
 `lr * grad`), and a numpy count of the units AGC clips. Their values
-against the TensorFlow step's: `test_jax_telemetry.py` (its TF process)."""
+against the TensorFlow step's: `test_telemetry_jax.py` (its TF process)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import keras_fastgrad as kf
-from tests.jax_backend.jax_helpers import ROWS, data, embedding, mlp
+from tests.helpers import ROWS, embedding
+from tests.helpers import mlp_16 as mlp
+from tests.helpers import uneven_data as data
 
 LR = 0.1
 

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 import keras_fastgrad as kf
-from tests.jax_backend.jax_helpers import ROWS, data, max_diff, mlp
+from tests.helpers import ROWS
+from tests.helpers import max_weight_diff as max_diff
+from tests.helpers import mlp_16 as mlp
+from tests.helpers import uneven_data as data
+
+pytestmark = pytest.mark.jax_only(
+    reason="the callbacks on JAX (on TensorFlow: tests/callbacks/test_callbacks.py)"
+)
 
 
 def linear(cls=keras.Model):

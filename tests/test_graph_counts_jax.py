@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # XLA's CPU module for `a * b + a` on two f32[3] (jax 0.10), as printed:
 # 7 instructions (two parameters of the entry, two of the fused

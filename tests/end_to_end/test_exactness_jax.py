@@ -7,17 +7,10 @@ import numpy as np
 import pytest
 
 import keras_fastgrad as kf
-from tests.jax_backend.jax_helpers import (
-    ROWS,
-    conv,
-    data,
-    embedding,
-    fastgrad_run,
-    masked_gru,
-    max_diff,
-    mlp,
-    reference,
-)
+from tests.helpers import ROWS, conv, embedding, fastgrad_run, masked_gru, reference
+from tests.helpers import max_weight_diff as max_diff
+from tests.helpers import mlp_16 as mlp
+from tests.helpers import uneven_data as data
 
 TOL = 1e-5
 

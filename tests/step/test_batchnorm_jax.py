@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from keras_fastgrad import FastGradModel
-from tests.jax_backend.jax_helpers import ROOT, run_on_tensorflow
+from tests.helpers import ROOT, run_on_tensorflow
 
 
 def conv_bn(cls=keras.Model, **options):
@@ -191,7 +191,7 @@ def test_the_partial_window_moves_the_statistics_at_the_epochs_end():
 _WRITE_ON_TF = """
 import sys, numpy as np, keras
 sys.path.insert(0, {tests!r})
-from tests.jax_backend.test_jax_batchnorm import dense_bn, vector_data
+from tests.step.test_batchnorm_jax import dense_bn, vector_data
 from keras_fastgrad import FastGradModel
 x, y = vector_data(12)
 model = dense_bn(FastGradModel, accumulation_steps=3)

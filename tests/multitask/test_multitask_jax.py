@@ -16,7 +16,7 @@ from keras import ops
 
 import keras_fastgrad as kf
 from keras_fastgrad.aggregators import Aggregator
-from tests.jax_backend.jax_helpers import ROOT, run_on_tensorflow
+from tests.helpers import ROOT, run_on_tensorflow
 
 LOSSES = {"a": "mse", "b": "mse"}
 LOSS_WEIGHTS = {"a": 1.0, "b": 0.5}
@@ -336,7 +336,7 @@ import json, sys
 import keras, numpy as np
 sys.path.insert(0, {helpers!r})
 import keras_fastgrad as kf
-from tests.jax_backend.test_jax_multitask import FixedWeights, compiled, data, two_heads
+from tests.multitask.test_multitask_jax import FixedWeights, compiled, data, two_heads
 x, y = data("embedding")
 weights = list(np.load({weights!r}).values())
 y["b"][20, 0] = np.nan

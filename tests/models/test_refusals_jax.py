@@ -6,17 +6,18 @@ import pytest
 
 import keras_fastgrad as kf
 from tests.helpers import FGTrainingBranch
-from tests.jax_backend.jax_helpers import data, mlp
+from tests.helpers import mlp_16 as mlp
+from tests.helpers import uneven_data as data
 
 NOT_YET = r"not yet supported on Keras' JAX backend.*KERAS_BACKEND=tensorflow"
 
 
 # (No option is refused at construction any more: `micro_batches` with
-# `multitask` trains on JAX, tests/jax_backend/test_jax_multitask.py.)
+# `multitask` trains on JAX, tests/multitask/test_multitask_jax.py.)
 
 
 def test_batchnorm_window_statistics_train_no_longer_refused():
-    # (Their values: tests/jax_backend/test_jax_batchnorm.py.)
+    # (Their values: tests/step/test_batchnorm_jax.py.)
     inputs = keras.Input((8,))
     h = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
     model = kf.FastGradModel(inputs, keras.layers.Dense(3)(h), accumulation_steps=2)

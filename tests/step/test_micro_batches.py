@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 
 import keras_fastgrad as kf
-from tests.jax_backend.jax_helpers import (
-    conv,
-    data,
-    fastgrad_run,
-    masked_gru,
-    max_diff,
-    mlp,
-    reference,
+from tests.helpers import conv, fastgrad_run, masked_gru, reference
+from tests.helpers import max_weight_diff as max_diff
+from tests.helpers import mlp_16 as mlp
+from tests.helpers import uneven_data as data
+
+pytestmark = pytest.mark.jax_only(
+    reason="the JAX step's micro-batches (on TensorFlow: tests/step/test_slicing.py)"
 )
 
 TOL = 1e-5
@@ -120,7 +119,7 @@ def test_batchnorm_moves_per_slice_as_keras_accumulation():
         micro_batches=2,
         batchnorm_statistics="micro_batch",
     )
-    assert max_diff(plain, model) < TOL  # ("window": tests/jax_backend/test_jax_batchnorm.py)
+    assert max_diff(plain, model) < TOL  # ("window": tests/step/test_batchnorm_jax.py)
 
 
 def test_regulariser_under_weighted_slices_is_refused_by_name():

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import keras_fastgrad as kf
-from tests.jax_backend.jax_helpers import ROOT, ROWS, data, mlp, run_on_tensorflow
+from tests.helpers import ROOT, ROWS, run_on_tensorflow
+from tests.helpers import mlp_16 as mlp
+from tests.helpers import uneven_data as data
 
 
 def _with_nan(x, rows=(20, 50)):  # batches 1 and 3 of 16 rows
@@ -104,9 +106,9 @@ _TF_SCRIPT = """
 import json, sys
 import keras, numpy as np
 sys.path.insert(0, {helpers!r})
-from tests.jax_backend.jax_helpers import data, mlp
+from tests.helpers import uneven_data as data, mlp_16 as mlp
 import keras_fastgrad as kf
-from tests.jax_backend.test_jax_telemetry import _with_nan
+from tests.callbacks.test_telemetry_jax import _with_nan
 x, y = data()
 weights = list(np.load({weights!r}).values())
 out = []
@@ -213,7 +215,7 @@ def test_tape_variable_counter_counts_the_trainable_variables():
     ids=["update_ratio", "per_layer"],
 )
 def test_gradient_norm_logger_optional_keys(options, keys):
-    """(Refused on JAX before; values: `test_jax_telemetry_keys.py`.)"""
+    """(Refused on JAX before; values: `test_telemetry_keys_jax.py`.)"""
     keras.backend.clear_session(free_memory=False)  # the layer names
     model = mlp(kf.FastGradModel, accumulation_steps=2)
     model.compile(keras.optimizers.SGD(0.01), "mse")
