@@ -1,4 +1,4 @@
-"""The callbacks on a plain model's `fit` on Keras' JAX backend: the model
+"""The callbacks on a plain model's `fit`, on both backends: the model
 trains exactly as `keras.Model` does without them (the reference: the same
 model, `fit` without callbacks), the logged values are those of numpy's
 worked gradient, and after `fit` the model is the plain model it was
@@ -13,10 +13,6 @@ from tests.helpers import ROWS
 from tests.helpers import max_weight_diff as max_diff
 from tests.helpers import mlp_16 as mlp
 from tests.helpers import uneven_data as data
-
-pytestmark = pytest.mark.jax_only(
-    reason="the callbacks on JAX (on TensorFlow: tests/callbacks/test_callbacks.py)"
-)
 
 
 def linear(cls=keras.Model):
@@ -71,7 +67,21 @@ def trained(build, x, y, with_callbacks, epochs=2):
     return model, history.history
 
 
-@pytest.mark.parametrize("build", [mlp, sequential, subclassed], ids=["functional", "seq", "sub"])
+# A subclassed model unbuilt when `fit` starts: on TensorFlow the callbacks'
+# step traces without its variables ("The model does not have any trainable
+# weights") and the optimizer then refuses them ("Unknown variable").
+_UNBUILT_ON_TF = pytest.mark.xfail(
+    condition=keras.backend.backend() == "tensorflow",
+    reason="TensorFlow: an unbuilt subclassed model's callbacks step fails (Unknown variable)",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [mlp, sequential, pytest.param(subclassed, marks=_UNBUILT_ON_TF)],
+    ids=["functional", "seq", "sub"],
+)
 def test_plain_fit_with_the_callbacks_trains_as_keras(build):
     x, y = data()
     model, logs = trained(build, x, y, True, epochs=1)

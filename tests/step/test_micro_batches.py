@@ -1,4 +1,4 @@
-"""`micro_batches` on JAX against plain `keras.Model` on the whole batch
+"""`micro_batches` (both backends) against plain `keras.Model` on the whole batch
 (same initial weights): the slices' summed, weighted gradients are the
 whole batch's, and the loss and metrics logged are the whole batch's."""
 
@@ -11,10 +11,6 @@ from tests.helpers import conv, fastgrad_run, masked_gru, reference
 from tests.helpers import max_weight_diff as max_diff
 from tests.helpers import mlp_16 as mlp
 from tests.helpers import uneven_data as data
-
-pytestmark = pytest.mark.jax_only(
-    reason="the JAX step's micro-batches (on TensorFlow: tests/step/test_slicing.py)"
-)
 
 TOL = 1e-5
 N = 44  # two batches of 22, split 8 + 7 + 7 by micro_batches=3
@@ -46,6 +42,11 @@ def test_sample_weights_are_exact():
     assert max_diff(ref, model) < TOL
 
 
+@pytest.mark.xfail(
+    condition=keras.backend.backend() == "tensorflow",
+    reason="TensorFlow: the weights differ from keras.Model's by 0.018 (masked GRU, 3 slices)",
+    strict=True,
+)
 def test_masked_gru_embedding():
     # Slices with different numbers of valid steps, each weighted by its
     # own (batches of 21 in 3 equal slices: one scan, one trace of the GRU).
@@ -122,6 +123,7 @@ def test_batchnorm_moves_per_slice_as_keras_accumulation():
     assert max_diff(plain, model) < TOL  # ("window": tests/step/test_batchnorm_jax.py)
 
 
+@pytest.mark.jax_only(reason="the JAX step's refusal (TensorFlow's step does not refuse it)")
 def test_regulariser_under_weighted_slices_is_refused_by_name():
     def regularized(cls=keras.Model, **options):
         keras.utils.set_random_seed(0)

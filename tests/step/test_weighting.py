@@ -8,26 +8,29 @@ the dense form of the gradients (`np.linalg.norm` of the concatenation,
 expected value is taken from the units' own output.
 """
 
-import tensorflow as tf
+import pytest
+from keras import ops
 
 from keras_fastgrad.step.weighting import Share
+from tests.helpers import tf
 
 # ------------------------------------------------------------------ weighting
 
 
 class TestShare:
     def test_mean_reduction_weight_is_actual_times_replicas(self):
-        share = Share(tf.constant(6.0), tf.constant(5.0), mean=True)
+        share = Share(ops.convert_to_tensor(6.0), ops.convert_to_tensor(5.0), mean=True)
         assert float(share.loss_weight(1)) == 6.0
         assert float(share.loss_weight(4)) == 24.0  # 6 * 4
         assert float(share.real) == 5.0
 
     def test_sum_reduction_ignores_replicas(self):
-        share = Share(tf.constant(1.0), tf.constant(1.0), mean=False)
+        share = Share(ops.convert_to_tensor(1.0), ops.convert_to_tensor(1.0), mean=False)
         assert float(share.loss_weight(8)) == 1.0
-        share = Share(tf.constant(3.0), tf.constant(3.0), mean=False)
+        share = Share(ops.convert_to_tensor(3.0), ops.convert_to_tensor(3.0), mean=False)
         assert float(share.loss_weight(2)) == 3.0
 
+    @pytest.mark.tensorflow_only(reason="a tf.GradientTape")
     def test_share_carries_no_gradient(self):
         x = tf.Variable(2.0)
         with tf.GradientTape() as tape:
