@@ -9,7 +9,7 @@ the optimizer's `gradient_accumulation_steps=N`, a non-finite micro-batch
 is dropped before it reaches the accumulators, as
 `FastGradModel(accumulation_steps=N)` drops it.
 
-Imported under `KERAS_BACKEND=jax` only (`bench_jax.py`, tests/jax_backend).
+Imported under `KERAS_BACKEND=jax` only (`bench_jax.py`, tests/test_anchors_jax.py).
 """
 
 import jax

@@ -100,3 +100,44 @@ def test_the_fast_tier_touches_every_option_callback_and_aggregator():
         f"No test of the fast tier names {untouched}. Fix: keep (or write) one "
         "short test of it out of tests/tiers.py's lists."
     )
+
+
+def test_only_backend_reads_the_mark_the_name_the_shell_and_the_imports():
+    tf_mark = 'import pytest\npytestmark = pytest.mark.tensorflow_only(reason="x")\n'
+    jax_mark = 'import pytest\npytestmark = [pytest.mark.slow, pytest.mark.jax_only(reason="x")]\n'
+    assert tiers.only_backend("tests/test_a.py", tf_mark) == "tensorflow"
+    assert tiers.only_backend("tests/step/test_a.py", jax_mark) == "jax"
+    # The mark wins over the name (tests/test_without_jax.py is TensorFlow's).
+    assert tiers.only_backend("tests/test_without_jax.py", tf_mark) == "tensorflow"
+    assert tiers.only_backend("tests/step/test_units_jax.py", "import keras\n") == "jax"
+    assert tiers.only_backend("keras_fastgrad/backend/jax/step.py", "") == "jax"
+    assert tiers.only_backend("keras_fastgrad/backend/tensorflow/a.py", "") == "tensorflow"
+    assert tiers.only_backend("tests/test_a.py", "import tensorflow as tf\n") == "tensorflow"
+    assert tiers.only_backend("a.py", "from keras_fastgrad._tf_startup import tf\n") == "tensorflow"
+    assert tiers.only_backend("tests/test_a.py", "import jax.numpy as jnp\n") == "jax"
+    # Imports inside a function, and the lazy `tf` of tests/helpers.py: both.
+    both = "from tests.helpers import tf\n\ndef f():\n    import tensorflow\n"
+    assert tiers.only_backend("tests/test_a.py", both) is None
+    assert tiers.only_backend("keras_fastgrad/backend/support.py", "import keras\n") is None
+
+
+def test_a_file_both_backends_collect_imports_no_module_of_one_backend():
+    # A test file that runs under both imports at its top level no module of
+    # tests/ that is one backend's alone (the other's venv may lack it).
+    def backend(path):
+        return tiers.only_backend(path.relative_to(REPO).as_posix(), path.read_text())
+
+    wrong = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        if backend(path) is not None:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+                target = REPO / (node.module.replace(".", "/") + ".py")
+                if target.exists() and backend(target) is not None:
+                    wrong.append(f"{path.relative_to(REPO)} imports {node.module}")
+    assert not wrong, (
+        f"{wrong}: collected under both backends, they import a module of one. "
+        "Fix: mark the file (`pytestmark = pytest.mark.tensorflow_only(reason=...)` "
+        "or `jax_only`), or import that module inside the tests that need it."
+    )
