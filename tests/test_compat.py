@@ -1,6 +1,7 @@
 """Canary for the private Keras/TensorFlow API that keras_fastgrad uses.
 
-Every private name lives in `keras_fastgrad/_compat.py`. These tests
+Every private name lives in `keras_fastgrad/_compat/` (a module per
+library it bridges: `keras.py`, `tensorflow.py`, `jax.py`). These tests
 check that each still exists in the installed Keras and TensorFlow, takes
 the arguments we pass, and is still called by Keras where we override it;
 and that no other module reaches into private API. A Keras upgrade that
@@ -24,7 +25,8 @@ import keras_fastgrad
 from keras_fastgrad import _compat as compat
 
 PACKAGE_DIR = pathlib.Path(keras_fastgrad.__file__).parent
-COMPAT_FILE = PACKAGE_DIR / "_compat.py"
+COMPAT_DIR = PACKAGE_DIR / "_compat"
+COMPAT_FILES = frozenset(COMPAT_DIR.glob("*.py"))
 
 
 def _compiled_model():
@@ -73,7 +75,7 @@ def test_private_name_exists(owner, name):
         pytest.skip("used only where `keras.Variable` has no `synchronization`")
     assert hasattr(_owner(owner), name), (
         f"keras {keras.__version__} / tensorflow {tf.__version__} has no "
-        f"`{owner}.{name}`, which keras_fastgrad/_compat.py uses. "
+        f"`{owner}.{name}`, which keras_fastgrad/_compat/ uses. "
         "Fix: add a version branch for it there."
     )
 
@@ -138,7 +140,7 @@ def test_overridden_private_method_exists_with_its_arguments(cls, name, paramete
     assert callable(method), (
         f"keras {keras.__version__} has no `{cls.__name__}.{name}`, which "
         "keras_fastgrad overrides. Fix: find where Keras now does that work "
-        "and move the override there (see `_compat.py`)."
+        "and move the override there (see `keras_fastgrad/_compat/`)."
     )
     assert set(parameters) <= _parameters(method)
 
@@ -200,7 +202,7 @@ _PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 
 
 def _package_sources():
-    return sorted(p for p in PACKAGE_DIR.rglob("*.py") if p != COMPAT_FILE)
+    return sorted(p for p in PACKAGE_DIR.rglob("*.py") if p not in COMPAT_FILES)
 
 
 def _private_imports(tree):
@@ -223,9 +225,9 @@ def test_only_the_compat_module_imports_private_modules():
         for line, name in _private_imports(ast.parse(path.read_text()))
     ]
     assert not found, (
-        "Only keras_fastgrad/_compat.py may import `keras.src` or "
+        "Only keras_fastgrad/_compat/ may import `keras.src` or "
         f"`tensorflow.python`. Received imports in: {found}. Fix: add a "
-        "named function or alias to `_compat.py` and call that."
+        "named function or alias to `keras_fastgrad/_compat/` and call that."
     )
 
 
@@ -296,23 +298,23 @@ def test_the_private_use_finder_finds_planted_uses():
 
 def test_only_the_compat_module_reads_private_keras_attributes():
     # Scans the source itself, not a list of names known to be private: a
-    # new private read anywhere but `_compat.py` fails here.
+    # new private read anywhere but `_compat/` fails here.
     sources = {path: ast.parse(path.read_text()) for path in PACKAGE_DIR.rglob("*.py")}
-    own = _own_private_names(tree for path, tree in sources.items() if path != COMPAT_FILE) | {
+    own = _own_private_names(tree for path, tree in sources.items() if path not in COMPAT_FILES) | {
         name for _, name, _ in compat.OVERRIDDEN_PRIVATE_METHODS
     }
-    # (Names `_compat.py` alone defines are its private helpers, not ours
+    # (Names `_compat/` alone defines are its private helpers, not ours
     # to read elsewhere either: they count as foreign outside it.)
     found = [
         f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {name}"
         for path, tree in sources.items()
-        if path != COMPAT_FILE
+        if path not in COMPAT_FILES
         for line, name in foreign_private_uses(tree, own)
     ]
     assert not found, (
         "Private Keras/TF attributes must be used through "
-        f"keras_fastgrad/_compat.py. Received uses in: {found}. Fix: add a "
-        "named function to `_compat.py` (and its name to `PRIVATE_NAMES`)."
+        f"keras_fastgrad/_compat/. Received uses in: {found}. Fix: add a "
+        "named function to `_compat/` (and its name to `PRIVATE_NAMES`)."
     )
 
 
@@ -345,7 +347,8 @@ def _keras_derived_classes():
         for _, cls in _inspect.getmembers(module, _inspect.isclass):
             if cls.__module__.startswith("keras_fastgrad") and cls not in seen:
                 seen.add(cls)
-                if cls.__module__ != compat.__name__ and any(map(_is_framework, cls.__mro__)):
+                in_compat = cls.__module__.startswith(compat.__name__)
+                if not in_compat and any(map(_is_framework, cls.__mro__)):
                     found.append(cls)
     return found
 
@@ -472,3 +475,56 @@ def test_batch_spec_reads_fits_epoch_iterator_without_iterating():
     assert (x_spec.shape.as_list(), x_spec.dtype) == ([None, 2], tf.float32)
     assert (y_spec.shape.as_list(), y_spec.dtype) == ([None], tf.int32)
     assert dataset.epoch_ends == 0
+
+
+# ------------------------------------------------- one module per library
+def _module_level_names(path):
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return {n for n in names if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("library", ["keras", "tensorflow", "jax"])
+def test_every_name_of_a_bridge_is_reexported(library):
+    missing = sorted(
+        name
+        for name in _module_level_names(COMPAT_DIR / f"{library}.py")
+        if getattr(compat, name, None)
+        is not getattr(importlib.import_module(f"keras_fastgrad._compat.{library}"), name)
+    )
+    assert not missing, f"`keras_fastgrad._compat` does not re-export {missing} of {library}.py"
+
+
+def test_the_keras_and_jax_bridges_import_no_backend():
+    for library in ("keras", "jax"):
+        tree = ast.parse((COMPAT_DIR / f"{library}.py").read_text())
+        imported = {
+            alias.name if isinstance(node, ast.Import) else node.module
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        }
+        backends = {
+            m
+            for m in imported
+            if m.split(".")[0] in ("tensorflow", "jax") or m == "keras_fastgrad._tf_startup"
+        }
+        assert not backends, f"_compat/{library}.py imports {backends}"
+
+
+def test_private_names_are_every_bridges():
+    assert compat.PRIVATE_NAMES == compat.KERAS_PRIVATE_NAMES + compat.TENSORFLOW_PRIVATE_NAMES
+    assert ("keras.layers.BatchNormalization", "_moments") in compat.PRIVATE_NAMES
+
+
+def test_the_batchnorm_recorder_is_still_reached_through_compat():
+    from keras_fastgrad.step import batchnorm_recording
+
+    assert compat.batchnorm_recording is batchnorm_recording.batchnorm_recording
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        compat.nothing_here  # noqa: B018

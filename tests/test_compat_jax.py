@@ -31,3 +31,22 @@ def test_jit_cache_size_counts_compilations():
     function(jax.numpy.ones(2))
     function(jax.numpy.ones(3))  # a new shape: compiled again
     assert compat.jit_cache_size(function) == 2
+
+
+def test_the_tensorflow_bridge_is_asked_for_by_name_on_jax():
+    # `keras_fastgrad._compat` imports it on TensorFlow only; on JAX a name
+    # of it is looked up when asked for (TensorFlow itself never imported:
+    # tests/jax_backend/test_jax_without_tensorflow.py).
+    from keras_fastgrad._compat import tensorflow as tensorflow_bridge
+
+    assert not set(compat._TENSORFLOW_NAMES) & set(vars(compat))
+    assert compat.in_xla_context is tensorflow_bridge.in_xla_context
+    assert compat.PRIVATE_NAMES == (
+        compat.KERAS_PRIVATE_NAMES + tensorflow_bridge.TENSORFLOW_PRIVATE_NAMES
+    )
+
+
+def test_the_batchnorm_recorder_is_reached_through_compat():
+    from keras_fastgrad.step import batchnorm_recording
+
+    assert compat.batchnorm_recording is batchnorm_recording.batchnorm_recording

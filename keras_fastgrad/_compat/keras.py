@@ -1,24 +1,14 @@
-"""The one seam between keras_fastgrad and Keras'/TensorFlow's private API.
+"""Keras' private API, behind small named functions: the model's and
+trainer's private members, `CompileLoss`, saving, cloning, callbacks, the
+functional graph, and the Keras version branches (supported: Keras >= 3.8).
 
-Every use of a name that Keras or TensorFlow does not export (`keras.src`,
-`_`-prefixed attributes, TF strategy internals) lives here, behind a small
-named function or alias; the rest of the package imports only this module
-and the public API (`keras.tree`, `keras.saving`, ...). Where Keras releases
-differ (supported: Keras >= 3.8 with TensorFlow >= 2.18) the version branch
-is here too.
-
-`tests/test_compat.py` is the canary: it checks that every name in
-`PRIVATE_NAMES` (and every private method the package overrides,
-`OVERRIDDEN_PRIVATE_METHODS`) still exists in the installed Keras and
-TensorFlow, with the arguments we pass, and that no other module of the
-package imports `keras.src` or `tensorflow.python`. A Keras upgrade that
-moves one of them fails there, in one place.
+Imports neither TensorFlow nor JAX; the rest of the package reaches these
+names through `keras_fastgrad._compat` (the package re-exports them).
 """
 
 import contextlib
 import inspect
 import sys
-import threading
 
 import keras
 
@@ -38,8 +28,6 @@ from keras.src.saving import object_registration as _object_registration
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.trainers.trainer import Trainer
 from keras.src.utils import python_utils as _python_utils
-
-from keras_fastgrad._tf_startup import tf
 
 KERAS_VERSION = tuple(int(p) for p in keras.__version__.split(".")[:2])
 MIN_KERAS_VERSION = (3, 8)
@@ -113,14 +101,6 @@ def own_distribute_strategy(model):
     return model._distribute_strategy
 
 
-def is_default_strategy(strategy):
-    """Whether `strategy` is TensorFlow's default (no) strategy, the one
-    `tf.distribute.get_strategy()` returns outside every scope."""
-    from tensorflow.python.distribute import distribute_lib
-
-    return strategy is distribute_lib._get_default_strategy()
-
-
 def flatten_layers(model, include_self=True):
     """Every layer of the model, itself included unless `include_self` is
     `False`, recursively."""
@@ -152,18 +132,6 @@ def first_batch(iterator):
     Keras 3.11, `(begin_step, end_step, data_iterator)` from 3.11 on."""
     for entry in iterator:
         return next(entry[-1])
-    return None
-
-
-def batch_spec(iterator):
-    """The structure, shapes and dtypes of the batches of the
-    `TFEpochIterator` that `fit` passes to `_maybe_symbolic_build`, read
-    without iterating (no batch consumed, no shuffle or epoch hook run): the
-    `element_spec` of its dataset. `None` where it has no `tf.data.Dataset`
-    (a distributed one, under a strategy)."""
-    dataset = getattr(iterator, "_distributed_dataset", None)
-    if isinstance(dataset, tf.data.Dataset):
-        return dataset.element_spec
     return None
 
 
@@ -264,75 +232,22 @@ def once_built(compile_loss, install):
 
 # ------------------------------------------------------------ BatchNorm
 # `BatchNormalization.call(training=True)` takes the batch's moments with
-# `self._moments(inputs, mask)` and then assigns `moving_mean` and
-# `moving_variance`. While a recorder is active on a thread, each layer's
-# moments also go to the recorder and those two assigns do nothing: the
-# forward pass still normalises by the batch's own moments. Per thread
-# (MirroredStrategy traces each replica's step in a thread of its own),
-# installed once per layer however many threads record.
-_BATCHNORM_LOCK = threading.Lock()
-_BATCHNORM_INSTALLS = {}  # id(layer) -> count of active `recording` blocks
-_batchnorm_recorder = threading.local()
+# `self._moments(inputs, mask)`: the recorder of
+# `keras_fastgrad.step.batchnorm_recording` wraps it on the instance.
 
 
-def _install_batchnorm_hooks(layer):
-    moments = layer._moments
-    moving = (layer.moving_mean, layer.moving_variance)
-
-    def recorded_moments(inputs, mask):
-        mean, variance = moments(inputs, mask)
-        record = getattr(_batchnorm_recorder, "record", None)
-        if record is not None:
-            record(layer, inputs, mask, mean, variance)
-        return mean, variance
-
-    def held_assign(original):
-        def assign(value, *args, **kwargs):
-            held = getattr(_batchnorm_recorder, "held", None)
-            if held is not None:
-                held(layer)
-                return None
-            return original(value, *args, **kwargs)
-
-        return assign
-
-    vars(layer)["_moments"] = recorded_moments
-    for v in moving:
-        vars(v)["assign"] = held_assign(v.assign)
+def batchnorm_moments(layer):
+    """The layer's `_moments(inputs, mask) -> (mean, variance)`."""
+    return layer._moments
 
 
-def _remove_batchnorm_hooks(layer):
-    vars(layer).pop("_moments", None)
-    for v in (layer.moving_mean, layer.moving_variance):
-        vars(v).pop("assign", None)
-
-
-@contextlib.contextmanager
-def batchnorm_recording(layers, record, held):
-    """Within the block, on this thread, each of `layers`
-    (`BatchNormalization`, built) calls `record(layer, inputs, mask, mean,
-    variance)` with the moments it normalises by in training mode, and its
-    moving-statistic assigns call `held(layer)` instead of assigning."""
-    with _BATCHNORM_LOCK:
-        for layer in layers:
-            count = _BATCHNORM_INSTALLS.get(id(layer), 0)
-            if count == 0:
-                _install_batchnorm_hooks(layer)
-            _BATCHNORM_INSTALLS[id(layer)] = count + 1
-    previous = vars(_batchnorm_recorder).copy()
-    _batchnorm_recorder.record, _batchnorm_recorder.held = record, held
-    try:
-        yield
-    finally:
-        _batchnorm_recorder.record = previous.get("record")
-        _batchnorm_recorder.held = previous.get("held")
-        with _BATCHNORM_LOCK:
-            for layer in layers:
-                count = _BATCHNORM_INSTALLS.pop(id(layer)) - 1
-                if count:
-                    _BATCHNORM_INSTALLS[id(layer)] = count
-                else:
-                    _remove_batchnorm_hooks(layer)
+def set_batchnorm_moments(layer, function):
+    """Replaces the layer's `_moments` on the instance (`None`: Keras' own
+    method again)."""
+    if function is None:
+        vars(layer).pop("_moments", None)
+    else:
+        vars(layer)["_moments"] = function
 
 
 # ------------------------------------------------------------------ saving
@@ -388,25 +303,6 @@ _VARIABLE_HAS_SYNCHRONIZATION = (
 )
 
 
-class _SynchronizedVariable(keras.Variable):
-    """A Keras variable whose `tf.Variable` gets a `synchronization` (Keras
-    < 3.10 has no such argument)."""
-
-    def __init__(self, *args, synchronization="auto", **kwargs):
-        self._fg_synchronization = synchronization
-        super().__init__(*args, **kwargs)
-
-    def _initialize(self, value):
-        self._value = tf.Variable(
-            value,
-            dtype=self._dtype,
-            trainable=self.trainable,
-            name=self.name,
-            aggregation=self._map_aggregation(self.aggregation),
-            synchronization=getattr(tf.VariableSynchronization, self._fg_synchronization.upper()),
-        )
-
-
 def variable(initializer, *, synchronization="auto", **kwargs):
     """`keras.Variable(initializer, synchronization=..., **kwargs)` on every
     supported Keras (`synchronization="on_read"`: per-replica values,
@@ -416,48 +312,13 @@ def variable(initializer, *, synchronization="auto", **kwargs):
         return keras.Variable(initializer, **kwargs)
     if _VARIABLE_HAS_SYNCHRONIZATION:
         return keras.Variable(initializer, synchronization=synchronization, **kwargs)
-    return _SynchronizedVariable(initializer, synchronization=synchronization, **kwargs)
+    # Keras < 3.10 (TensorFlow only: the synchronization is `tf.distribute`'s).
+    from keras_fastgrad._compat.tensorflow import SynchronizedVariable
+
+    return SynchronizedVariable(initializer, synchronization=synchronization, **kwargs)
 
 
-# ------------------------------------------------------------ tf.distribute
-
-
-def in_xla_context():
-    """Whether the graph being traced will be compiled by XLA (a
-    `tf.function(jit_compile=True)`, the step of a model compiled with
-    `jit_compile=True`, a TPU replica), so that an op without an XLA
-    kernel must not be used. `True` when TF's private check is gone: the
-    XLA-safe ops are always correct."""
-    try:
-        from tensorflow.python.framework import ops
-        from tensorflow.python.ops import control_flow_util
-
-        return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
-    except (ImportError, AttributeError):  # pragma: no cover (newer TF)
-        return True
-
-
-def in_multi_worker_mode(strategy):
-    """Whether `strategy` runs collectives across several workers."""
-    return strategy.extended._in_multi_worker_mode()
-
-
-@contextlib.contextmanager
-def direct_merge_calls(distribution):
-    """Within the block, `distribution` reports that it needs no
-    `merge_call`, so Keras' optimizer (`maybe_merge_call`) calls its update
-    function directly: right from cross-replica context."""
-    extended = distribution.extended
-    shadowed = "_use_merge_call" in vars(extended)
-    previous = vars(extended).get("_use_merge_call")
-    extended._use_merge_call = lambda: False
-    try:
-        yield
-    finally:
-        if shadowed:
-            extended._use_merge_call = previous
-        else:
-            del extended._use_merge_call
+# ---------------------------------------------------------- pickle, frames
 
 
 def unpickle_model_function(cls):
@@ -514,11 +375,13 @@ def nodes_by_depth(model):
 
 
 # ------------------------------------------------------------------ canary
-# Every private name above, as (owner, attribute): checked by
-# `tests/test_compat.py`. Instance attributes set by `compile`
+# Every private name above (and the BatchNorm recorder's, in
+# `keras_fastgrad.step.batchnorm_recording`), as (owner, attribute): checked
+# by `tests/test_compat.py`, with `tensorflow.TENSORFLOW_PRIVATE_NAMES`.
+# Instance attributes set by `compile`
 # (`_loss_tracker`, `_compile_loss`) and by `CompileLoss.__init__`
 # (`_flat_losses`, `_user_loss`) are checked on a compiled model there.
-PRIVATE_NAMES = (
+KERAS_PRIVATE_NAMES = (
     ("keras.src.backend", "compute_output_spec"),
     ("keras.src.backend.common.masking", "get_keras_mask"),
     ("keras.src.backend.common.masking", "set_keras_mask"),
@@ -542,7 +405,6 @@ PRIVATE_NAMES = (
     ("keras.Model", "_get_own_losses"),
     ("keras.Model", "_loss_ids"),
     ("keras.Model", "_losses_override"),
-    ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy"),
     ("keras.layers.BatchNormalization", "_moments"),
     ("keras.Model", "_loss_tracker"),
     ("keras.Model", "_distribute_strategy"),
@@ -554,54 +416,4 @@ PRIVATE_NAMES = (
     ("keras.Operation", "_inbound_nodes"),
     ("CompileLoss", "_flat_losses"),
     ("CompileLoss", "_user_loss"),
-    ("keras.Variable", "_initialize"),
-    ("keras.Variable", "_map_aggregation"),
-    ("tf.distribute.StrategyExtended", "_in_multi_worker_mode"),
-    ("tf.distribute.StrategyExtended", "_use_merge_call"),
-)
-
-
-# Keras' JAX trainer (keras/src/backend/jax/trainer.py, 3.15) reads the
-# model's variable lists, for the state it threads through the jitted
-# step, in these methods: `fit` calls them between batches, outside the
-# train function.
-JAX_STATE_METHODS = ("_get_jax_state", "jax_state_sync")
-
-
-def attached_values(variables):
-    """`(variable, array)` pairs of the arrays attached to `variables` now.
-
-    Keras' JAX `fit` detaches the arrays from the model's variables while it
-    trains (`_purge_model_variables`: `v._value = None`) and attaches the
-    step's results at the end of an epoch, or in its `finally` once a step
-    has run. An exception raised while the first step is traced (a
-    keras_fastgrad refusal that needs the traced loss) came after the
-    detaching and before any result: the variables were left without values
-    (`get_weights` raised). `reattach` gives them back these arrays."""
-    return [(v, v._value) for v in variables]
-
-
-def reattach(pairs):
-    """Attaches each array of `attached_values` back to its variable where
-    Keras' JAX `fit` left the variable without one."""
-    for variable, value in pairs:
-        if variable._value is None and value is not None:
-            variable._value = value
-
-
-def jit_cache_size(function):
-    """How many times a `jax.jit` function was compiled (its cache's size,
-    a private method of JAX's jitted functions), or `None` where JAX does
-    not say."""
-    size = getattr(function, "_cache_size", None)
-    return size() if callable(size) else None
-
-
-# The private names of the JAX side (checked under `KERAS_BACKEND=jax` in
-# tests/test_compat_jax.py: the canary of tests/test_compat.py runs on
-# TensorFlow): (owner, name).
-JAX_PRIVATE_NAMES = (
-    *(("keras.Model", name) for name in JAX_STATE_METHODS),
-    ("keras.Variable()", "_value"),
-    ("jax.jit(f)", "_cache_size"),
 )
