@@ -48,7 +48,7 @@ from keras_fastgrad.maths.adaptive_clipping import (
 )
 from keras_fastgrad.step.gradients import summed_slices
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
-from keras_fastgrad.step.verdict import _COUNT_KEYS
+from keras_fastgrad.step.verdict import COUNT_KEYS
 
 
 def row_unit_variables(model):
@@ -194,7 +194,7 @@ def counted_at_verdict(state):
     return (
         state.options.clip_adaptive is not None
         and not state.drops_nonfinite()
-        and bool(state.log_keys & _COUNT_KEYS)
+        and bool(state.log_keys & COUNT_KEYS)
     )
 
 
