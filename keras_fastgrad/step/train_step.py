@@ -23,6 +23,11 @@ import numpy as np
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
+    adaptive_clip,
+    before_gate,
+    counted_at_verdict,
+)
 from keras_fastgrad.backend.tensorflow.verdict import (
     Verdict,
     finite_check,
@@ -34,12 +39,7 @@ from keras_fastgrad.backend.tensorflow.verdict import (
 )
 from keras_fastgrad.step import finite
 from keras_fastgrad.step import verdict as rules
-from keras_fastgrad.step.adaptive_clipping import (
-    adaptive_clip,
-    before_gate,
-    both_finite,
-    counted_at_verdict,
-)
+from keras_fastgrad.step.adaptive_clipping import both_finite
 from keras_fastgrad.step.applying import apply_if
 from keras_fastgrad.step.backward import Batch, gradients
 from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
