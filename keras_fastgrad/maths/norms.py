@@ -1,7 +1,7 @@
 """The global L2 norm without overflow, and the clip factor it gives.
 
 Written once in `keras.ops` for both backends' steps (TensorFlow's
-`keras_fastgrad.step.clipping`, which passes its fused sum of squares in,
+`keras_fastgrad.backend.tensorflow.clipping`, which passes its fused sum of squares in,
 JAX's `keras_fastgrad.backend.jax.units`).
 The gradients come in as dense float32 tensors (`None` entries and sparse
 rows are the caller's: `step.gradients.summed_rows` on TensorFlow).
@@ -50,7 +50,7 @@ def scaled_norm(parts, half_squares=half_squares):
         half_squares: Callable, a list of float32 tensors -> half their sum
             of squares (a float32 scalar): `half_squares` by default; the
             TensorFlow shell passes its fused ops
-            (`keras_fastgrad.step.clipping`).
+            (`keras_fastgrad.backend.tensorflow.clipping`).
 
     Returns:
         Tuple of float32 scalars `(unit, root)`: `unit` is 1, or 2**80 when

@@ -29,6 +29,7 @@ from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
     counted_at_verdict,
 )
 from keras_fastgrad.backend.tensorflow.applying import apply_if
+from keras_fastgrad.backend.tensorflow.clipping import clip_by_global_norm, fits_clip, scaled_norm
 from keras_fastgrad.backend.tensorflow.compile_loss import keep_output_loss_metrics
 from keras_fastgrad.backend.tensorflow.verdict import (
     Verdict,
@@ -43,7 +44,6 @@ from keras_fastgrad.step import finite
 from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.adaptive_clipping import both_finite
 from keras_fastgrad.step.backward import Batch, gradients
-from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
 from keras_fastgrad.step.gradients import scale
 from keras_fastgrad.step.replicas import (
     distributed,

@@ -10,9 +10,9 @@ branch) `record_drop`.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.clipping import fits_clip, scaled_norm
 from keras_fastgrad.step import finite
 from keras_fastgrad.step import verdict as rules
-from keras_fastgrad.step.clipping import fits_clip, scaled_norm
 from keras_fastgrad.step.replicas import (
     distributed,
     num_replicas,
