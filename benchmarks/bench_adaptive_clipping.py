@@ -31,7 +31,8 @@ from harness import command_line, report, time_call  # noqa: E402
 from sides import dataset_of, step_fn, synthetic  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
-from keras_fastgrad.step.adaptive_clipping import clip_unitwise, row_unit_variables  # noqa: E402
+from keras_fastgrad.backend.tensorflow.adaptive_clipping import clip_unitwise  # noqa: E402
+from keras_fastgrad.step.adaptive_clipping import row_unit_variables  # noqa: E402
 
 CHAIN = 10
 

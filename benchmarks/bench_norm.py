@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from harness import interleaved_ratios, report  # noqa: E402
 
-from keras_fastgrad.step.clipping import scaled_norm  # noqa: E402
+from keras_fastgrad.backend.tensorflow.clipping import scaled_norm  # noqa: E402
 
 SHAPES = {
     "mlp_64x256": [(64, 256), (256,), (256, 256), (256,), (256, 256), (256,), (256, 10), (10,)],

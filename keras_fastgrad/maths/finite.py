@@ -1,7 +1,8 @@
 """The finite check: one reduction per gradient, a boolean for the step.
 
 Written once in `keras.ops` for both backends' steps (TensorFlow's
-`keras_fastgrad.step.finite`, JAX's `keras_fastgrad.backend.jax.units`). A
+`keras_fastgrad.step.finite`, which passes its own element sums in, JAX's
+`keras_fastgrad.backend.jax.units`). A
 sum is non-finite when any of its terms is (NaN and +-Inf propagate), so
 one sum per gradient, a single pass with no temporary, decides. The one
 false alarm: finite elements whose sum exceeds float32's range (~3.4e38), a
@@ -10,56 +11,38 @@ The gradients come in dense (`None` entries allowed; a sparse gradient's
 stored rows are the caller's: `step.gradients.values` on TensorFlow).
 """
 
-import keras
+import keras  # noqa: F401  (the doctests')
 from keras import ops
 
 
 def element_sums(grads):
     """List of float32 scalars: each gradient's element sum (`None`: 0).
 
-    TensorFlow: gradients of the same rank share one constant for their
-    reduction axes (`tf.reduce_sum` would make one per call), a scalar
-    needs none: what the step's traced op count is held to.
-
     Example:
 
     >>> [float(s) for s in element_sums([keras.ops.ones([2, 3]), None])]
     [6.0, 0.0]
     """
-    if keras.backend.backend() != "tensorflow":
-        return [
-            ops.convert_to_tensor(0.0) if g is None else ops.cast(ops.sum(g), "float32")
-            for g in grads
-        ]
-    import tensorflow as tf
-
-    axes = {}  # one constant per rank, shared by the sums of that rank
-
-    def total(g):
-        if g is None:
-            return tf.constant(0.0)
-        rank = g.shape.rank
-        if rank == 0:
-            return tf.cast(g, tf.float32)
-        if rank is not None and rank not in axes:
-            axes[rank] = tf.constant(list(range(rank)), tf.int32)
-        return tf.cast(tf.reduce_sum(g, axis=axes.get(rank)), tf.float32)
-
-    return [total(g) for g in grads]
+    return [
+        ops.convert_to_tensor(0.0) if g is None else ops.cast(ops.sum(g), "float32") for g in grads
+    ]
 
 
-def marks(grads, loss=None):
+def marks(grads, loss=None, sums=element_sums):
     """float32 vector: each gradient's element sum (`None`: 0), then the
     loss if given; an entry is non-finite exactly when its gradient (or the
     loss) holds NaN/Inf (or sums beyond float32's range).
 
     Example:
 
+    `sums`: how the element sums are taken (`element_sums`; the
+    TensorFlow shell passes its own, `keras_fastgrad.step.finite`).
+
     >>> m = marks([keras.ops.array([1.0, 2.0]), None], keras.ops.array(0.5))
     >>> keras.ops.convert_to_numpy(m).tolist()
     [3.0, 0.0, 0.5]
     """
-    entries = element_sums(grads)
+    entries = sums(grads)
     if loss is not None:
         entries.append(ops.cast(loss, "float32"))
     return ops.stack(entries)
@@ -107,9 +90,9 @@ def summarize(marks_vector, with_loss=True):
     return ops.where(num_bad > 0, first, -1), num_bad
 
 
-def all_finite(grads):
+def all_finite(grads, sums=element_sums):
     """Boolean scalar: every element of every gradient is finite (`True`
-    for none).
+    for none); `sums` as in `marks`.
 
     Example:
 
@@ -120,4 +103,4 @@ def all_finite(grads):
     """
     if not any(g is not None for g in grads):
         return ops.convert_to_tensor(True)
-    return is_finite(marks(grads))
+    return is_finite(marks(grads, sums=sums))

@@ -1,7 +1,8 @@
 """The global L2 norm without overflow, and the clip factor it gives.
 
 Written once in `keras.ops` for both backends' steps (TensorFlow's
-`keras_fastgrad.step.clipping`, JAX's `keras_fastgrad.backend.jax.units`).
+`keras_fastgrad.backend.tensorflow.clipping`, which passes its fused sum of squares in,
+JAX's `keras_fastgrad.backend.jax.units`).
 The gradients come in as dense float32 tensors (`None` entries and sparse
 rows are the caller's: `step.gradients.summed_rows` on TensorFlow).
 
@@ -15,7 +16,7 @@ so that `clip_norm / norm` is computed without overflow even where the norm
 itself exceeds float32.
 """
 
-import keras
+import keras  # noqa: F401  (the doctests')
 import numpy as np
 from keras import ops
 
@@ -26,26 +27,30 @@ RESCALE = 2.0**-80
 _TINY = float(np.finfo(np.float32).tiny)
 
 
-def _half_squares(parts):
-    """float32 scalar: half the sum of squares of every element of `parts`.
+def half_squares(parts):
+    """float32 scalar: half the sum of squares of every element of `parts`
+    (`keras.ops`; a shell may pass its own fused form to `scaled_norm`).
 
-    TensorFlow: `tf.nn.l2_loss` is one fused op per gradient and `add_n` one
-    op for the total (what the step's traced op count is held to)."""
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
+    Example:
 
-        return tf.add_n([tf.nn.l2_loss(p) for p in parts])
+    >>> float(half_squares([keras.ops.array([3.0]), keras.ops.array([4.0])]))
+    12.5
+    """
     total = ops.sum(ops.square(parts[0]))
     for p in parts[1:]:
         total = total + ops.sum(ops.square(p))
     return total * 0.5
 
 
-def scaled_norm(parts):
+def scaled_norm(parts, half_squares=half_squares):
     """The global L2 norm of `parts` as `(unit, root)`, `norm = unit * root`.
 
     Args:
         parts: List of dense tensors (no `None`), measured in float32.
+        half_squares: Callable, a list of float32 tensors -> half their sum
+            of squares (a float32 scalar): `half_squares` by default; the
+            TensorFlow shell passes its fused ops
+            (`keras_fastgrad.backend.tensorflow.clipping`).
 
     Returns:
         Tuple of float32 scalars `(unit, root)`: `unit` is 1, or 2**80 when
@@ -64,13 +69,13 @@ def scaled_norm(parts):
     # Measured in float32 (a float16 gradient's squares overflow early);
     # no op for the float32 gradients the steps hand in.
     parts = [ops.cast(p, "float32") for p in parts]
-    halves = _half_squares(parts)
+    halves = half_squares(parts)
     fits = ops.isfinite(halves)
     # The rescale is a value, not a constant: XLA rewrites `square(p * c)`
     # for a constant `c` as `(p * p) * (c * c)`, whose `p * p` overflows
     # again and whose `c * c` (2**-160) is 0: a NaN norm (seen on JAX).
     shrink = ops.where(fits, 1.0, RESCALE)
-    halves = ops.cond(fits, lambda: halves, lambda: _half_squares([p * shrink for p in parts]))
+    halves = ops.cond(fits, lambda: halves, lambda: half_squares([p * shrink for p in parts]))
     return 1.0 / shrink, ops.sqrt(2.0 * halves)
 
 

@@ -16,11 +16,11 @@ import contextlib
 import warnings
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.compile_loss import output_loss_metrics
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.compile_loss import (
     check_extra_terms,
     loss_terms,
-    output_loss_metrics,
     present_terms,
 )
 from keras_fastgrad.step.forward import call_for_training, watching
@@ -114,7 +114,7 @@ def _gradients(model, state, x, y, sample_weight):
         small = [_small_batch(grads, num_rows, share)] if measure else []
     if measure:
         noise_scale.check_batch(sample_weight, share.mean)
-    state.record_trace_facts(variables, grads)
+    state.record_trace_facts(variables, grads, traced=not tf.executing_eagerly())
     return Batch(
         loss=loss,
         y_pred=y_pred,

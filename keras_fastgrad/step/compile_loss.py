@@ -6,11 +6,9 @@ each of those calls (the per-task values for multi-task merging, the loss
 normalisers for exact weighting) without re-implementing the matching: it
 swaps the loss objects for wrappers while the model computes its loss.
 
-It also keeps Keras' per-output `<output>_loss` metrics (which
-`CompileLoss` updates while it computes the loss, before the step knows
-whether the micro-batch is finite) as they were when the micro-batch is
-dropped (`output_loss_metrics` / `keep_output_loss_metrics`), as the `loss`
-tracker and the compiled metrics are.
+(The TensorFlow step also keeps Keras' per-output `<output>_loss` metrics
+as they were when a micro-batch is dropped:
+`keras_fastgrad.backend.tensorflow.compile_loss`.)
 
 It also tells the loss's other terms apart (`loss_terms`: the weight
 regularisation, the layers' own losses), which the step weights on their
@@ -26,7 +24,6 @@ import contextlib
 import keras
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad._tf_startup import tf
 
 
 @contextlib.contextmanager
@@ -102,58 +99,6 @@ def regularized_variables(model):
     return [v for v in model.trainable_weights if getattr(v, "regularizer", None) is not None]
 
 
-@contextlib.contextmanager
-def output_loss_metrics(model):
-    """Within the block (the forward passes of one micro-batch), the values
-    of Keras' per-output loss metrics' variables before the block's first
-    loss computation updates them.
-
-    A model with several outputs and losses has one `Mean` per output in
-    `CompileLoss`, updated inside its call; where `CompileLoss` is built
-    only by that call (the first trace), the values are read right after
-    its build, before its updates (in the graph the block was entered in).
-
-    Yields:
-        A list of `(variable, value before)` (filled by the time the block
-        ends; empty for a single output: nothing to keep).
-    """
-    compile_loss = compat.compile_loss(model)
-    before = []
-    if compile_loss is None:
-        yield before
-        return
-
-    graph = tf.compat.v1.get_default_graph()
-
-    def read():
-        variables = [v for m in compat.output_loss_metrics(compile_loss) for v in m.variables]
-        # In the step's graph, also when the first call that builds
-        # `CompileLoss` runs inside a loop (`micro_batches`' slices): there
-        # the read is created before the loop's op, so it runs before it.
-        with graph.as_default():
-            before[:] = [(v, tf.identity(v.value)) for v in variables]
-
-    with compat.once_built(compile_loss, read):
-        yield before
-
-
-def keep_output_loss_metrics(before, keep):
-    """Puts the per-output loss metrics back to `before` (from
-    `output_loss_metrics`) unless `keep`: a dropped micro-batch adds
-    nothing to them (its NaN would make `<output>_loss` NaN for the rest of
-    the epoch while `loss` stays finite).
-
-    Args:
-        before: The list of `(variable, value)` pairs.
-        keep: Boolean scalar tensor, `True` (Python: nothing is ever
-            dropped, no op) or `False` (Python: inside a drop branch).
-    """
-    if keep is True:
-        return
-    for variable, value in before:
-        variable.assign(value if keep is False else tf.where(keep, variable.value, value))
-
-
 def loss_terms(model, x, y, y_pred, sample_weight):
     """The training loss and its parts (a `LossTerms`).
 
@@ -178,7 +123,7 @@ def loss_terms(model, x, y, y_pred, sample_weight):
     parts = ([] if compiled is None else [compiled]) + rows + weights
     total = parts[0] if len(parts) == 1 else keras.ops.sum(parts)
     add = lambda ts: None if not ts else (ts[0] if len(ts) == 1 else keras.ops.sum(ts))  # noqa: E731
-    compiled = tf.zeros((), total.dtype) if compiled is None else compiled
+    compiled = keras.ops.zeros((), total.dtype) if compiled is None else compiled
     return LossTerms(total, compiled, add(weights), add(rows), True)
 
 
@@ -186,7 +131,7 @@ def present_terms(model):
     """Which terms beyond the output losses the model has (a `LossTerms`
     whose parts are placeholders: the multi-task step's, which weights its
     regularisation as one term). Call after the forward pass."""
-    present = lambda found: tf.constant(0.0) if found else None  # noqa: E731
+    present = lambda found: keras.ops.convert_to_tensor(0.0) if found else None  # noqa: E731
     return LossTerms(
         None, None, present(regularized_variables(model)), present(layer_losses(model)), True
     )

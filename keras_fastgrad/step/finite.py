@@ -31,9 +31,29 @@ def _values(grads):
     return [None if g is None else values(g) for g in grads]
 
 
+def element_sums(grads):
+    """`maths.finite.element_sums` in TensorFlow's ops: gradients of the
+    same rank share one constant for their reduction axes (`tf.reduce_sum`
+    would make one per call), a scalar needs none: what the step's traced
+    op count is held to. `grads`: dense (or `None`)."""
+    axes = {}  # one constant per rank, shared by the sums of that rank
+
+    def total(g):
+        if g is None:
+            return tf.constant(0.0)
+        rank = g.shape.rank
+        if rank == 0:
+            return tf.cast(g, tf.float32)
+        if rank is not None and rank not in axes:
+            axes[rank] = tf.constant(list(range(rank)), tf.int32)
+        return tf.cast(tf.reduce_sum(g, axis=axes.get(rank)), tf.float32)
+
+    return [total(g) for g in grads]
+
+
 def gradient_sums(grads):
     """float32 vector: the sum of each gradient's elements (`None`: 0)."""
-    return tf.stack(_maths.element_sums(_values(grads)))
+    return tf.stack(element_sums(_values(grads)))
 
 
 def all_finite(grads):
@@ -46,7 +66,7 @@ def all_finite(grads):
     >>> bool(all_finite([tf.constant([1.0, float("inf")])]))
     False
     """
-    return _maths.all_finite(_values(grads))
+    return _maths.all_finite(_values(grads), sums=element_sums)
 
 
 def marks(grads, loss):
@@ -54,7 +74,7 @@ def marks(grads, loss):
     (`None`: 0), then the loss; an entry is non-finite exactly when its
     gradient (or the loss) holds NaN/Inf. One reduction per gradient and
     one stack: the whole per-step cost of the check."""
-    return _maths.marks(_values(grads), loss)
+    return _maths.marks(_values(grads), loss, sums=element_sums)
 
 
 def to_flags(marks_vector):

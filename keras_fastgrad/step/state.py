@@ -38,7 +38,6 @@ import weakref
 import keras
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.step import noise_scale, state_files
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
@@ -221,11 +220,12 @@ class StepState(compat.KerasSaveable):
         return self.divergence.streak
 
     # --------------------------------------------------- trace-time facts
-    def record_trace_facts(self, variables, grads):
+    def record_trace_facts(self, variables, grads, traced=True):
         """Facts of the traced graph (a Python side effect at trace time,
         on purpose): how many variables the tape watched, which got no
-        gradient."""
-        if not tf.executing_eagerly():  # eager steps are not traces
+        gradient. `traced`: Python bool, the step is being traced (the
+        shell knows: eager steps are not traces)."""
+        if traced:
             self.trace_count += 1
         self.facts = TraceFacts(
             tape_variables=len(variables),

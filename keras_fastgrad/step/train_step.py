@@ -23,26 +23,15 @@ import numpy as np
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.step import finite
-from keras_fastgrad.step.adaptive_clipping import (
+from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
     adaptive_clip,
     before_gate,
-    both_finite,
     counted_at_verdict,
 )
-from keras_fastgrad.step.applying import apply_if
-from keras_fastgrad.step.backward import Batch, gradients
-from keras_fastgrad.step.clipping import clip_by_global_norm, fits_clip, scaled_norm
-from keras_fastgrad.step.compile_loss import keep_output_loss_metrics
-from keras_fastgrad.step.gradients import scale
-from keras_fastgrad.step.replicas import (
-    distributed,
-    for_keras_reduction,
-    global_metric_results,
-    num_replicas,
-    replica_sum,
-)
-from keras_fastgrad.step.verdict import (
+from keras_fastgrad.backend.tensorflow.applying import apply_if
+from keras_fastgrad.backend.tensorflow.clipping import clip_by_global_norm, fits_clip, scaled_norm
+from keras_fastgrad.backend.tensorflow.compile_loss import keep_output_loss_metrics
+from keras_fastgrad.backend.tensorflow.verdict import (
     Verdict,
     finite_check,
     pool_batchnorm_moments,
@@ -50,6 +39,18 @@ from keras_fastgrad.step.verdict import (
     record_small_batches,
     single_cond,
     update_loss_scale,
+)
+from keras_fastgrad.step import finite
+from keras_fastgrad.step import verdict as rules
+from keras_fastgrad.step.adaptive_clipping import both_finite
+from keras_fastgrad.step.backward import Batch, gradients
+from keras_fastgrad.step.gradients import scale
+from keras_fastgrad.step.replicas import (
+    distributed,
+    for_keras_reduction,
+    global_metric_results,
+    num_replicas,
+    replica_sum,
 )
 
 __all__ = [  # the chain, in order (`FastGradModel.train_step`)
@@ -186,31 +187,17 @@ def update(model, state, grads, normaliser=None, norm=None, agc=None):
     # non-finite update is applied, as keras.Model does: no check, and
     # clipping keeps its guard (every gradient NaN, as Keras' clipping).
     gated = state.drops_nonfinite()
-    clip_norm = state.options.clip_norm
-    checked = (
-        not gated
-        or norm is not None
-        or (normaliser is None and clip_norm is None and _checked_as_is(state))
-    )
+    checked = norm is not None  # (the verdict's check was this norm)
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     if state.noise_scale is not None:  # the big batch: unscaled, unclipped
         state.noise_scale.record_window(grads)
     grads, agc_finite = adaptive_clip(model, state, grads, agc)  # (grads, None) when off
     grads, norm, was_clipped = _clipped(state, grads, norm, gated)
-    checked = checked or (agc_finite is not None and clip_norm is None)
-    finite_update = None if checked else _finite_update(state, grads, norm)
-    finite_update = both_finite(finite_update, agc_finite)
+    own = state.accumulator is None and num_replicas() == 1
+    check = rules.update_check(gated, checked, state.options.clip_norm, agc_finite is not None, own)
+    finite_update = both_finite(_finite_update(state, grads, norm, check), agc_finite)
     _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
-
-
-def _checked_as_is(state):
-    """Whether the update's gradient is the micro-batch's own, already
-    checked and dropped when not finite (one replica, no accumulation, the
-    gradient not divided). Clipping keeps a finite gradient finite (the
-    factor is computed without overflow, `clipping.clip_factor`), so the
-    update then needs no check of its own: no `cond` but the step's one."""
-    return state.accumulator is None and num_replicas() == 1 and state.drops_nonfinite()
 
 
 def _clipped(state, grads, scaled=None, gated=True):
@@ -231,20 +218,17 @@ def _clipped(state, grads, scaled=None, gated=True):
     return grads, norm, was_clipped
 
 
-def _finite_update(state, grads, norm):
-    """Whether the update is finite (`None`: known to be). Each micro-batch
-    was finite, but a window's or the replicas' sum of finite gradients can
-    overflow: checked right before the update (free with clipping: the norm
-    is finite iff they all are)."""
-    clip_norm = state.options.clip_norm
-    if clip_norm is not None:
-        # Finite, and the clip factor `clip_norm / norm` a normal float: a
-        # norm beyond `clip_norm / tiny` (~1e38) would make it flush to 0
-        # on CPU, a silently zero update; such an update is dropped, counted.
-        return tf.math.is_finite(norm) & fits_clip(clip_norm, 1.0, norm)
-    if state.accumulator is not None or num_replicas() > 1:
+def _finite_update(state, grads, norm, check):
+    """Whether the update is finite, as `verdict.update_check` asks
+    (`None`: known to be). `"norm"`: finite, and the clip factor
+    `clip_norm / norm` a normal float (`clipping.fits_clip`: a norm beyond
+    `clip_norm / tiny` would flush the factor to 0 on CPU, a silently zero
+    update; dropped, counted instead); `"sums"`: every gradient finite."""
+    if check == "norm":
+        return tf.math.is_finite(norm) & fits_clip(state.options.clip_norm, 1.0, norm)
+    if check == "sums":
         return finite.all_finite(grads)
-    return None  # the micro-batch check covered these
+    return None
 
 
 def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):

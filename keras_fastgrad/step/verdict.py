@@ -1,195 +1,198 @@
-"""The finite check of one micro-batch: a `Verdict` (keep or drop).
+"""The verdict on a micro-batch and on its update: the rules, written once.
 
-Global over replicas (one small all-reduce); folded into the gradient's
-norm where the update needs that norm anyway (`clip_norm` on one replica
-without accumulation). Also the bookkeeping that follows
-the verdict outside the update's `cond`: the loss-scale update, BatchNorm
-moments and noise-scale measures of a kept micro-batch, and (in the drop
-branch) `record_drop`.
+Backend-neutral (`keras.ops` on boolean scalars, and Python facts known
+when the step is traced); both shells call these functions:
+TensorFlow's `keras_fastgrad.backend.tensorflow.verdict` (a `Verdict` per
+micro-batch, then `tf.cond`) and JAX's `keras_fastgrad.backend.jax.step`
+(values, then `lax.cond`).
+
+The rules:
+- what is checked: every micro-batch while non-finite ones are dropped
+  (`skip_nonfinite`, or loss scaling) or a `nonfinite_*` key reads the
+  count (`checks`); otherwise nothing, as `keras.Model` (`Verdict.keep` is
+  then the Python `True`: applied, non-finite values included);
+- how: one element sum per gradient, or the gradient's global norm where
+  the update needs that norm anyway (`checks_norm`: the norm is finite
+  exactly when every element is);
+- what is kept: a finite micro-batch whose update may be applied (a
+  clip factor that is a normal float, AGC's unit norms finite: `keep`);
+- what counts towards the divergence streak (`failed`, `keep`);
+- whether the update needs a check of its own before it is applied
+  (`update_check`: a window's or the replicas' sum of finite gradients can
+  overflow; a clip factor must be a normal float).
 """
 
-import collections
+from typing import Any, NamedTuple
 
-from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.step import finite
-from keras_fastgrad.step.clipping import fits_clip, scaled_norm
-from keras_fastgrad.step.divergence import failed
-from keras_fastgrad.step.replicas import (
-    distributed,
-    num_replicas,
-    replica_sum,
-)
+from keras import ops
+
+# The telemetry keys that say where a dropped micro-batch went bad.
+WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
+# The keys that read the count of non-finite micro-batches.
+COUNT_KEYS = WHERE_KEYS | {"nonfinite_count"}
 
 
-class Verdict(
-    collections.namedtuple(
-        "Verdict",
-        [
-            "marks",
-            "all_finite",
-            "keep",
-            "drops_nonfinite",
-            "counts_towards_streak",
-            "global_normaliser",
-            "norm",
-        ],
-    )
-):
+class Verdict(NamedTuple):
     """The finite check of one micro-batch, global over replicas.
 
     Fields:
-        marks: The `finite.marks` vector (where the check failed), or
-            `None` when the check was the gradient's norm (`norm`).
+        marks: The `maths.finite.marks` vector (where the check failed),
+            or `None` when the check was the gradient's norm (`norm`).
         all_finite: Boolean scalar: loss and gradients finite everywhere;
-            the Python `True` when nothing asked (`skip_nonfinite=False`,
-            no loss scaling, no `nonfinite_*` key requested: not checked).
-        keep: Boolean scalar: the gradient goes on (`all_finite`); the
-            Python `True` when non-finite gradients are applied, as
-            `keras.Model` does (no `cond` on it: nothing waits for it).
+            the Python `True` when nothing asked (`checks` is false: not
+            checked).
+        keep: Boolean scalar: the gradient goes on; the Python `True` when
+            non-finite gradients are applied, as `keras.Model` does (no
+            `cond` on it: nothing waits for it).
         drops_nonfinite: Python bool: a non-finite micro-batch is dropped
             (`skip_nonfinite`, or loss scaling).
-        counts_towards_streak: Boolean scalar, whether a drop counts towards
-            the divergence streak (loss scaling: only at the lowest scale);
-            `None`: every drop counts.
+        counts_towards_streak: Boolean scalar, whether a drop counts
+            towards the divergence streak (`failed`, `keep`); `None`: every
+            drop counts.
         global_normaliser: float32, the normaliser summed over replicas.
         norm: `None`, or the gradient's global norm as `(unit, root)`
-            (`clipping.scaled_norm`) when the check was made on it: one
-            replica, no accumulation, and the update needs the norm anyway
-            (`clip_norm`). The norm is finite
-            exactly when every gradient is (its squares never overflow), so
-            it replaces the per-gradient sums; `keep` then also requires
-            a clip factor that is a normal float (`clipping.fits_clip`)."""
+            (`maths.norms.scaled_norm`) when the check was made on it
+            (`checks_norm`); `keep` then also requires a clip factor that
+            is a normal float (`maths.norms.fits_clip`).
+    """
+
+    marks: Any
+    all_finite: Any
+    keep: Any
+    drops_nonfinite: bool
+    counts_towards_streak: Any
+    global_normaliser: Any
+    norm: Any
 
 
-def finite_check(state, batch):
-    """Is the micro-batch finite (on every replica: one small all-reduce,
-    so every replica decides alike)? Returns a `Verdict`."""
-    if _checks_norm(state, batch):
-        return _norm_check(state, batch)
-    scaling = state.scaling
-    total = batch.normaliser
-    if not (state.drops_nonfinite() or state.log_keys & _COUNT_KEYS):
-        # Nothing is dropped and no key reads the count (`nonfinite_*`: as
-        # `keras.Model`, no check at all; `telemetry=True` or NonFiniteGuard
-        # switch the count on).
-        if num_replicas() > 1:
-            (total,) = replica_sum([total])
-        return Verdict(None, True, True, False, None, total, None)
-    marks = finite.marks(batch.grads, batch.loss)
-    if num_replicas() > 1:
-        flags, total = replica_sum([finite.to_flags(marks), total])
-        marks = finite.from_flags(flags)
-    all_finite = finite.is_finite(marks)
-    drops = state.drops_nonfinite()  # keep == finite
-    return Verdict(
-        marks=marks,
-        all_finite=all_finite,
-        keep=all_finite if drops else True,
-        drops_nonfinite=drops,
-        # At the scale the micro-batch was checked at (before the update).
-        counts_towards_streak=failed(all_finite, scaling) if scaling.active else None,
-        global_normaliser=total,
-        norm=None,
-    )
-
-
-def _checks_norm(state, batch):
-    """Whether the check is the norm the update computes anyway: the
-    update is the micro-batch's own gradient as it is (`single_cond`, not
-    divided by a normaliser: no `micro_batches`), and clipping needs its
-    norm.
-
-    Not for the `grad_norm` key alone: the norm's check is exact (every
-    element finite), the sums' drops a gradient whose element sum
-    overflows float32 too, so a key (`GradientNormLogger`,
-    `telemetry=True`) would change which micro-batches train. Without
-    `clip_norm` the check is the sums', whatever is logged (the norm is
-    then one more pass, in the update)."""
-    wanted = state.options.clip_norm is not None
-    # With `clip_adaptive` the update's norm is the adaptively clipped one.
-    wanted = wanted and state.options.clip_adaptive is None
-    return wanted and not batch.mean_reduction and single_cond(state)
-
-
-def _norm_check(state, batch):
-    """The finite check folded into the gradient's norm: one `L2Loss` per
-    gradient instead of one `Sum`, and no second check in the update."""
-    scaling = state.scaling
-    norm = scaled_norm(batch.grads)
-    all_finite = tf.math.is_finite(norm[1]) & tf.math.is_finite(batch.loss)
-    keep = all_finite
-    counts = failed(all_finite, scaling) if scaling.active else None
-    if state.options.clip_norm is not None:
-        keep = all_finite & fits_clip(state.options.clip_norm, *norm)
-        if counts is not None:  # a refused clip factor always counts
-            counts = counts | (all_finite & tf.logical_not(keep))
-    return Verdict(
-        marks=None,
-        all_finite=all_finite,
-        keep=keep,
-        drops_nonfinite=True,
-        counts_towards_streak=counts,
-        global_normaliser=batch.normaliser,
-        norm=norm,
-    )
-
-
-def record_small_batches(state, batch, verdict):
-    """The noise scale's small batches (a no-op unless it is measured):
-    added to the window unless the micro-batch is not finite."""
-    if state.noise_scale is not None:
-        state.noise_scale.record_small(batch.small_batches, verdict.all_finite)
-
-
-def pool_batchnorm_moments(state, verdict):
-    """The micro-batch's BatchNorm moments (pooled over replicas) into
-    the window, unless it is dropped (a no-op unless they are pooled)."""
-    if state.batchnorm is not None:
-        state.batchnorm.end_micro_batch(verdict.keep)
-
-
-def update_loss_scale(state, verdict):
-    """Loss scaling's own rule: halve after a non-finite micro-batch,
-    double after `dynamic_growth_steps` finite updates (a no-op without).
-    Under accumulation a micro-batch is not an update: growth is counted
-    when the window is applied (`LossScaling.record_update`)."""
-    state.scaling.update(verdict.all_finite, counts_growth=state.accumulator is None)
-
-
-# The telemetry keys that say where a dropped micro-batch went bad.
-_WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
-# The keys that read the count of non-finite micro-batches.
-_COUNT_KEYS = _WHERE_KEYS | {"nonfinite_count"}
-
-
-def record_drop(state, marks, counts=None):
-    """Bookkeeping of a non-finite micro-batch (in the branch that runs
-    only then): the count, where it went bad (when requested), and the
-    divergence streak.
+def checks(drops_nonfinite, log_keys):
+    """Whether each micro-batch is checked at all (a Python bool).
 
     Args:
-        marks: The micro-batch's (global) `finite.marks` vector, or a
-            callable that computes it (only called when its keys are
-            requested).
-        counts: Boolean scalar, whether the drop counts towards the streak
-            (`divergence.failed`, under loss scaling); `None`: it does.
+        drops_nonfinite: Python bool: non-finite micro-batches are dropped.
+        log_keys: Set of the requested telemetry keys.
+
+    Returns:
+        `True` while non-finite micro-batches are dropped or a key reads
+        their count (`COUNT_KEYS`); `False`: nothing is checked, and every
+        update is applied as `keras.Model` applies it.
+
+    Example:
+
+    >>> checks(False, {"grad_norm"}), checks(False, {"nonfinite_count"})
+    (False, True)
     """
-    if state.log_keys & _WHERE_KEYS:  # only read then (see `telemetry`)
-        state.telemetry.record_drop(*finite.summarize(marks() if callable(marks) else marks))
-    else:
-        state.telemetry.record_drop()
-    if state.drops_nonfinite():
-        state.divergence.record_drop(counts)
+    return bool(drops_nonfinite or set(log_keys) & COUNT_KEYS)
 
 
-def single_cond(state):
-    """No strategy, no accumulation, default metrics: the update and the
-    metrics share one `cond` (`update_or_drop`). Under a strategy, one
-    replica too, the optimizer cannot update inside a `cond` in replica
-    context (`applying.apply_if`)."""
-    return (
-        state.accumulator is None
-        and state.drops_nonfinite()
-        and not distributed()
-        and state.options.keras_metrics
-    )
+def checks_norm(clip_norm, clip_adaptive, own_gradient):
+    """Whether the finite check is the gradient's global norm (a Python
+    bool): `clip_norm` needs that norm for the update anyway, and the update
+    is the micro-batch's own gradient as it is (`own_gradient`: one replica,
+    no accumulation, not divided, the update gated in the step's one
+    `cond`); not with `clip_adaptive` (the update's norm is then the
+    adaptively clipped one).
+
+    Not for the `grad_norm` key alone: the norm's check is exact (every
+    element finite), the element sums' also drops a gradient whose sum
+    overflows float32, so a key would change which micro-batches train.
+
+    Example:
+
+    >>> checks_norm(1.0, None, True), checks_norm(None, None, True)
+    (True, False)
+    """
+    return clip_norm is not None and clip_adaptive is None and bool(own_gradient)
+
+
+def failed(finite, scale=None):
+    """Boolean scalar: a non-finite micro-batch that counts as a failure
+    (towards the divergence streak).
+
+    Without loss scaling (`scale` is `None`) every non-finite micro-batch
+    does. Under loss scaling an overflow is how the scale finds its level:
+    only drops at a scale of 1 or below count.
+
+    Args:
+        finite: Boolean scalar, loss and gradients all finite.
+        scale: float32 scalar, the loss scale the micro-batch was checked
+            at (before its update); `None` without loss scaling.
+
+    Example:
+
+    >>> bool(failed(ops.convert_to_tensor(False), ops.convert_to_tensor(4.0)))
+    False
+    >>> bool(failed(ops.convert_to_tensor(False), ops.convert_to_tensor(1.0)))
+    True
+    """
+    bad = ops.logical_not(finite)
+    if scale is None:
+        return bad
+    return ops.logical_and(bad, scale <= 1.0)
+
+
+def keep(finite, update_ok=None, counts=None):
+    """What a gated step keeps, and which drop counts towards the streak.
+
+    Args:
+        finite: Boolean scalar, the micro-batch is finite.
+        update_ok: Boolean scalar, or `None`: its update may be applied (a
+            clip factor that is a normal float, AGC's unit norms finite).
+        counts: Boolean scalar (`failed`), or `None`: every drop counts.
+
+    Returns:
+        Tuple `(keep, counts)`: `finite and update_ok`; the drops that
+        count: `counts`, and every refused update of a finite gradient
+        (`None` where every drop counts).
+
+    Example:
+
+    >>> t, f = ops.convert_to_tensor(True), ops.convert_to_tensor(False)
+    >>> kept, counts = keep(t, f, f)  # finite, its clip factor refused
+    >>> bool(kept), bool(counts)
+    (False, True)
+    """
+    if update_ok is None:
+        return finite, counts
+    kept = ops.logical_and(finite, update_ok)
+    if counts is None:
+        return kept, None
+    return kept, ops.logical_or(counts, ops.logical_and(finite, ops.logical_not(kept)))
+
+
+def update_check(gated, checked, clip_norm, adaptive, own_gradient):
+    """What the update checks right before it is applied.
+
+    Args:
+        gated: Python bool: non-finite micro-batches are dropped (without
+            the gate a non-finite update is applied, as `keras.Model`).
+        checked: Python bool: the micro-batch's check was its norm
+            (`checks_norm`), which covered the update's too.
+        clip_norm: Python float or `None`.
+        adaptive: Python bool: AGC checks the update (its unit norms are
+            finite exactly when the gradient is and none overflowed).
+        own_gradient: Python bool: the update is the micro-batch's own
+            gradient, already checked (one replica, no accumulation; a
+            division by the normaliser keeps it finite, and so does
+            clipping: its factor is computed without overflow).
+
+    Returns:
+        `None` (nothing left to check), `"norm"` (the norm finite and the
+        clip factor a normal float, `maths.norms.fits_clip`) or `"sums"`
+        (every gradient finite: a window's or the replicas' sum of finite
+        gradients can overflow).
+
+    Example:
+
+    >>> update_check(True, False, 1.0, False, True)
+    'norm'
+    >>> update_check(True, False, None, False, False), update_check(False, False, 1.0, False, False)
+    ('sums', None)
+    """
+    if not gated or checked:
+        return None
+    if clip_norm is not None:
+        return "norm"
+    if adaptive or own_gradient:
+        return None
+    return "sums"

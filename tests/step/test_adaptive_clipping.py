@@ -13,11 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastgrad.step.adaptive_clipping import (
-    both_finite,
-    clip_unitwise,
-    unit_axes,
-)
+from keras_fastgrad.backend.tensorflow.adaptive_clipping import clip_unitwise
+from keras_fastgrad.step.adaptive_clipping import both_finite, unit_axes
 from tests.helpers import as_numpy, between_middle, np_agc, sparse
 
 NAN, INF = float("nan"), float("inf")

@@ -1,4 +1,4 @@
-"""Unit tests of `keras_fastgrad.step.applying.apply_if`, called directly
+"""Unit tests of `keras_fastgrad.backend.tensorflow.applying.apply_if`, called directly
 (split from the step's unit tests, now `tests/step/`).
 
 `apply_if` is checked by which variables each branch assigned. No expected
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_fastgrad.step.applying import apply_if
+from keras_fastgrad.backend.tensorflow.applying import apply_if
 
 NAN = float("nan")
 

@@ -1,4 +1,4 @@
-"""Unit tests of `keras_fastgrad.step.clipping`, called directly (the other units of the step:
+"""Unit tests of `keras_fastgrad.backend.tensorflow.clipping`, called directly (the other units of the step:
 the other files of `tests/step/`).
 
 References: every expected value is either worked out by hand (written in
@@ -17,8 +17,8 @@ from tests.helpers import as_numpy, sparse
 if keras.backend.backend() == "tensorflow":
     import tensorflow as tf
 
+    from keras_fastgrad.backend.tensorflow.clipping import clip_by_global_norm, global_norm
     from keras_fastgrad.step import finite
-    from keras_fastgrad.step.clipping import clip_by_global_norm, global_norm
 else:  # the JAX step's unit (`jax_units.global_norm`: `maths.norms`, dense)
     from keras_fastgrad.backend.jax.units import global_norm
 TF_ONLY = pytest.mark.tensorflow_only(

@@ -14,7 +14,7 @@ from keras import ops
 
 from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.maths.adaptive_clipping import clip_unitwise
-from keras_fastgrad.step.adaptive_clipping import row_unit_variables
+from keras_fastgrad.step import adaptive_clipping as rules
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 
 
@@ -35,7 +35,7 @@ def clip(model, tv, grads, counted=None):
     if options.clip_adaptive is None:
         return grads, None
     count = counted is not None and AGC_CLIPPED_FRACTION in telemetry.measured_keys(model)
-    tables = row_unit_variables(model)
+    tables = rules.row_unit_variables(model)
     out = clip_unitwise(
         grads,
         tv,
@@ -60,18 +60,19 @@ def record_drop(new, dropped, counted=None):
     new["first_index"] = ops.where(fresh, -1.0, new["first_index"])
 
 
-def both(ok, agc_ok):
-    """`clip_norm`'s check of the update (`ok`) and AGC's, together
-    (`None`: neither checks)."""
-    if agc_ok is None or ok is None:
-        return ok if agc_ok is None else agc_ok
-    return ok & agc_ok
+# `clip_norm`'s check of the update and AGC's, together (the core's rule).
+both = rules.both_finite
 
 
 def counted(model, finite):
     """Whether an ungated non-finite update (`finite`: boolean scalar) was
-    counted already: its micro-batches were, while a `nonfinite_*` key is
-    requested (`jax_telemetry.record_ungated`); `None` when never."""
-    if telemetry.requested(model) & set(telemetry.COUNT_KEYS):
+    counted already at its micro-batches' verdict
+    (`adaptive_clipping.counted_at_verdict`); `None` when never."""
+    step_state = model.fastgrad_step_state
+    if rules.counted_at_verdict(
+        step_state.options.clip_adaptive,
+        step_state.drops_nonfinite(),
+        telemetry.requested(model),
+    ):
         return ~finite
     return None

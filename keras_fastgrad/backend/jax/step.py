@@ -39,6 +39,7 @@ from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import Slots, check_trainable_unchanged
+from keras_fastgrad.step import verdict
 from keras_fastgrad.step.splitting import first_input
 
 
@@ -67,10 +68,10 @@ def train_step(model, state, data):
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
         _record_mean_reduction(model.fastgrad_step_state, mean, len(tv))
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
-    finite = units.all_finite(grads) & ops.all(ops.isfinite(unscaled_loss))
     drops = model.fastgrad_step_state.drops_nonfinite()
+    finite, scaled = _finite_check(model, grads, unscaled_loss, drops and not accumulating)
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
-    failed = ~finite if scale is None else (~finite & (scale <= 1.0))
+    failed = verdict.failed(finite, scale)
     telemetry.record_input_shape(model, new, x)
     if not drops:  # applied as keras.Model does; counted only while asked
         telemetry.record_ungated(model, new, grads, finite)
@@ -86,7 +87,9 @@ def train_step(model, state, data):
             model, slots, tv, ov, ntv, new, grads, d, mean, keep
         )
     else:
-        keep, tv, ov = _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops)
+        keep, tv, ov = _update_or_drop(
+            model, slots, tv, ov, new, grads, (finite, failed, scaled), drops
+        )
     mv, logs = _metrics(
         model, mv, new_mv, unscaled_loss, new["streak"], keep, (x, y, y_pred, sample_weight)
     )
@@ -216,24 +219,41 @@ def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
         raise refusal("micro_batches_sum_terms", ", ".join(options))
 
 
-def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
-    """No accumulation: the micro-batch's update, or its drop."""
+def _finite_check(model, grads, loss, own_gradient):
+    """`(finite, scaled)`: whether the loss and the gradients are finite,
+    and the gradient's norm as `(unit, root)` where that norm was the check
+    (`verdict.checks_norm`; `None` otherwise: one element sum each)."""
+    options = model.fastgrad_step_state.options
+    loss_finite = ops.all(ops.isfinite(loss))
+    if verdict.checks_norm(options.clip_norm, options.clip_adaptive, own_gradient):
+        scaled = units.scaled_norm(grads)
+        return ops.isfinite(scaled[1]) & loss_finite, scaled
+    return units.all_finite(grads) & loss_finite, None
+
+
+def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
+    """No accumulation: the micro-batch's update, or its drop. `checked`:
+    the verdict's `(finite, failed, scaled)` (`_finite_check`)."""
+    finite, failed, scaled = checked
     units.update_scale(slots, ov, finite, counts_growth=True)
     raw = grads
     counted = {}  # AGC's clipped fraction, when asked
     grads, agc_ok = jax_agc.clip(model, tv, grads, counted)  # (grads, None) when off
     adapted = grads  # `grad_norm`: after AGC, before `clip_norm` (as on TF)
-    grads, norm, was_clipped, ok = units.clip(
-        model.fastgrad_step_state.options.clip_norm, grads, drops
-    )
+    clip_norm = model.fastgrad_step_state.options.clip_norm
+    check = verdict.update_check(drops, scaled is not None, clip_norm, agc_ok is not None, True)
+    factor, scaled, was_clipped = units.clip_factor(clip_norm, grads, drops, scaled)
+    ok = None
+    if clip_norm is not None and drops:  # (the verdict's norm: finite already)
+        ok = units.fits(clip_norm, scaled, finite_known=check is None)
+    norm = None if scaled is None else scaled[0] * scaled[1]
     if norm is None and "grad_norm" in telemetry.requested(model):
         norm = units.global_norm(adapted)  # (no clipping here)
     ok = jax_agc.both(ok, agc_ok)
     if drops:
-        keep = finite if ok is None else finite & ok
+        keep, counts = verdict.keep(finite, ok, failed)
         new["nonfinite_count"] += ops.cast(~keep, "float32")
         telemetry.record_location(model, new, raw, ~keep)
-        counts = failed | (finite & ~keep)
         new["streak"] += ops.cast(~keep & counts, "float32")
         do_apply = keep
     else:  # ungated: applied as keras.Model does (no check, no count, as on TF)
@@ -243,7 +263,7 @@ def _update_or_drop(model, slots, tv, ov, new, grads, finite, failed, drops):
             do_apply = agc_ok
             jax_agc.record_drop(new, ~agc_ok, jax_agc.counted(model, finite))
     before = tv
-    tv, ov = units.apply_if(slots, tv, ov, grads, do_apply)
+    tv, ov = units.apply_if(slots, tv, ov, grads, do_apply, factor)
     units.record_update(new, do_apply, norm, was_clipped)
     measures = telemetry.measure(model, adapted, before, tv, counted)  # (optional keys)
     telemetry.record_measures(new, measures, finite if drops else True, do_apply)

@@ -11,7 +11,7 @@ from keras import ops
 from keras_fastgrad.maths import norms
 from keras_fastgrad.maths.finite import all_finite  # noqa: F401  (the step's)
 from keras_fastgrad.maths.loss_scale import next_scale
-from keras_fastgrad.maths.norms import global_norm  # noqa: F401  (the step's)
+from keras_fastgrad.maths.norms import global_norm, scaled_norm  # noqa: F401  (the step's)
 
 
 def update_scale(slots, ov, finite, counts_growth):
@@ -23,26 +23,50 @@ def update_scale(slots, ov, finite, counts_growth):
     ov[i], ov[j] = next_scale(ov[i], ov[j], finite, growth_steps, counts_growth)
 
 
-def clip(clip_norm, grads, gated):
-    """`(grads, norm, was_clipped, ok)`: clipped to `clip_norm`, the norm
-    measured without overflow (`maths.norms`); `ok`: the norm is finite and
-    its clip factor a normal float (else a `gated` update is dropped,
-    `norms.fits_clip`; an ungated one gets a NaN factor, as Keras'
-    clipping); `norm`/`was_clipped` `None` without."""
+def clip_factor(clip_norm, grads, gated, scaled=None):
+    """`(factor, scaled, was_clipped)`: the factor that clips `grads` to
+    `clip_norm` (`maths.norms.clip_factor`; `None` without `clip_norm`),
+    applied by the update itself (`apply_if`), as Keras' optimizer applies
+    `global_clipnorm` inside its update; the norm as `(unit, root)`,
+    measured without overflow (`maths.norms.scaled_norm`, or `scaled` when
+    the verdict measured it); whether the norm exceeds `clip_norm`. A
+    `gated` update is applied only where the factor is a normal float
+    (`fits`): no guard; an ungated one gets a NaN factor beyond it, as
+    Keras' clipping."""
     if clip_norm is None:
-        return grads, None, None, None
-    unit, root = norms.scaled_norm(grads)
+        return None, None, None
+    unit, root = norms.scaled_norm(grads) if scaled is None else scaled
     factor, was_clipped = norms.clip_factor(clip_norm, unit, root, checked=gated)
-    norm = unit * root
-    ok = ops.isfinite(norm) & norms.fits_clip(clip_norm, unit, root) if gated else None
-    return [g * factor for g in grads], norm, was_clipped, ok
+    return factor, (unit, root), was_clipped
 
 
-def apply_if(slots, tv, ov, grads, do_apply):
+def fits(clip_norm, scaled, finite_known=False):
+    """Boolean scalar: the update clipped by `scaled`'s factor may be
+    applied: its norm finite (unless `finite_known`: the verdict's check
+    was this norm) and the factor a normal float (`norms.fits_clip`)."""
+    unit, root = scaled
+    ok = norms.fits_clip(clip_norm, unit, root)
+    return ok if finite_known else ops.isfinite(unit * root) & ok
+
+
+def clip(clip_norm, grads, gated):
+    """`(grads, norm, was_clipped, ok)`: clipped to `clip_norm`
+    (`clip_factor` applied here), `ok`: `fits` (`None` ungated);
+    `norm`/`was_clipped` `None` without."""
+    factor, scaled, was_clipped = clip_factor(clip_norm, grads, gated)
+    if factor is None:
+        return grads, None, None, None
+    ok = fits(clip_norm, scaled) if gated else None
+    return [g * factor for g in grads], scaled[0] * scaled[1], was_clipped, ok
+
+
+def apply_if(slots, tv, ov, grads, do_apply, factor=None):
     """The optimizer's update where `do_apply` (a `lax.cond`: the optimizer
-    runs only then); returns the new `(tv, ov)`."""
+    runs only then), on `grads` times `factor` (multiplied in the update:
+    XLA fuses it into the optimizer's, no clipped copy is stored); returns
+    the new `(tv, ov)`."""
     new_tv, new_inner = stateless_apply_if(
-        slots.inner, tv, [ov[i] for i in slots.inner_ov], grads, do_apply
+        slots.inner, tv, [ov[i] for i in slots.inner_ov], grads, do_apply, factor
     )
     ov = list(ov)
     for i, value in zip(slots.inner_ov, new_inner):
@@ -50,16 +74,19 @@ def apply_if(slots, tv, ov, grads, do_apply):
     return list(new_tv), ov
 
 
-def stateless_apply_if(optimizer, tv, ov, grads, do_apply):
-    """`optimizer.stateless_apply(ov, grads, tv)` where `do_apply` (a
-    `lax.cond`; called directly for the Python `True`); `(tv, ov)` else."""
+def stateless_apply_if(optimizer, tv, ov, grads, do_apply, factor=None):
+    """`optimizer.stateless_apply(ov, grads * factor, tv)` where `do_apply`
+    (a `lax.cond`; called directly for the Python `True`); `(tv, ov)`
+    else. `factor`: float32 scalar, or `None` (1)."""
 
-    def update(t, o, g):
+    def update(t, o, g, f):
+        if f is not None:
+            g = [x * f for x in g]
         return optimizer.stateless_apply(o, g, t)
 
     if do_apply is True:
-        return update(tv, ov, grads)
-    return jax.lax.cond(do_apply, update, lambda t, o, g: (t, o), tv, ov, grads)
+        return update(tv, ov, grads, factor)
+    return jax.lax.cond(do_apply, update, lambda t, o, g, f: (t, o), tv, ov, grads, factor)
 
 
 def record_update(new, applied, norm, was_clipped):

@@ -45,7 +45,15 @@ def scaled_norm(grads):
     """The global norm as `unit * root` (`unit` is 1, or 2**80 when the
     squares overflow: `maths.norms.scaled_norm`), sparse gradients measured
     on their summed rows."""
-    return norms.scaled_norm([tf.cast(summed_rows(g), tf.float32) for g in grads if g is not None])
+    parts = [tf.cast(summed_rows(g), tf.float32) for g in grads if g is not None]
+    return norms.scaled_norm(parts, half_squares=half_squares)
+
+
+def half_squares(parts):
+    """`maths.norms.half_squares` in TensorFlow's fused ops: one `L2Loss`
+    per gradient and one `AddN` for the total (what the step's traced op
+    count is held to)."""
+    return tf.add_n([tf.nn.l2_loss(p) for p in parts])
 
 
 def clip_by_global_norm(grads, clip_norm, norm, checked=False):

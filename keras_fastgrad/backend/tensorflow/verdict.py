@@ -1,0 +1,146 @@
+"""The finite check of one micro-batch on TensorFlow: a `Verdict` (keep or drop).
+
+The rules are the core's (`keras_fastgrad.step.verdict`); this shell says
+how on TensorFlow: global over replicas (one small all-reduce); folded into the gradient's
+norm where the update needs that norm anyway (`clip_norm` on one replica
+without accumulation). Also the bookkeeping that follows
+the verdict outside the update's `cond`: the loss-scale update, BatchNorm
+moments and noise-scale measures of a kept micro-batch, and (in the drop
+branch) `record_drop`.
+"""
+
+from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.clipping import fits_clip, scaled_norm
+from keras_fastgrad.step import finite
+from keras_fastgrad.step import verdict as rules
+from keras_fastgrad.step.replicas import (
+    distributed,
+    num_replicas,
+    replica_sum,
+)
+from keras_fastgrad.step.verdict import COUNT_KEYS, WHERE_KEYS, Verdict
+
+__all__ = ["Verdict", "COUNT_KEYS", "WHERE_KEYS"]  # (the core's, re-exported for the chain)
+
+
+def finite_check(state, batch):
+    """Is the micro-batch finite (on every replica: one small all-reduce,
+    so every replica decides alike)? Returns a `Verdict`."""
+    if _checks_norm(state, batch):
+        return _norm_check(state, batch)
+    scaling = state.scaling
+    total = batch.normaliser
+    if not rules.checks(state.drops_nonfinite(), state.log_keys):
+        # Nothing is dropped and no key reads the count (`nonfinite_*`: as
+        # `keras.Model`, no check at all; `telemetry=True` or NonFiniteGuard
+        # switch the count on).
+        if num_replicas() > 1:
+            (total,) = replica_sum([total])
+        return Verdict(None, True, True, False, None, total, None)
+    marks = finite.marks(batch.grads, batch.loss)
+    if num_replicas() > 1:
+        flags, total = replica_sum([finite.to_flags(marks), total])
+        marks = finite.from_flags(flags)
+    all_finite = finite.is_finite(marks)
+    drops = state.drops_nonfinite()  # keep == finite
+    return Verdict(
+        marks=marks,
+        all_finite=all_finite,
+        keep=all_finite if drops else True,
+        drops_nonfinite=drops,
+        # At the scale the micro-batch was checked at (before the update).
+        counts_towards_streak=_failed(all_finite, scaling),
+        global_normaliser=total,
+        norm=None,
+    )
+
+
+def _checks_norm(state, batch):
+    """Whether the check is the norm the update computes anyway
+    (`verdict.checks_norm`): the update is the micro-batch's own gradient
+    as it is (`single_cond`, not divided by a normaliser)."""
+    own = not batch.mean_reduction and single_cond(state)
+    return rules.checks_norm(state.options.clip_norm, state.options.clip_adaptive, own)
+
+
+def _failed(all_finite, scaling):
+    """`verdict.failed` at the scale the micro-batch was checked at
+    (before the update); `None` without loss scaling (every drop counts)."""
+    if not scaling.active:
+        return None
+    return rules.failed(all_finite, scaling.current_scale())
+
+
+def _norm_check(state, batch):
+    """The finite check folded into the gradient's norm: one `L2Loss` per
+    gradient instead of one `Sum`, and no second check in the update."""
+    norm = scaled_norm(batch.grads)
+    all_finite = tf.math.is_finite(norm[1]) & tf.math.is_finite(batch.loss)
+    # A refused clip factor (`fits_clip`) drops the update, and counts.
+    keep, counts = rules.keep(
+        all_finite, fits_clip(state.options.clip_norm, *norm), _failed(all_finite, state.scaling)
+    )
+    return Verdict(
+        marks=None,
+        all_finite=all_finite,
+        keep=keep,
+        drops_nonfinite=True,
+        counts_towards_streak=counts,
+        global_normaliser=batch.normaliser,
+        norm=norm,
+    )
+
+
+def record_small_batches(state, batch, verdict):
+    """The noise scale's small batches (a no-op unless it is measured):
+    added to the window unless the micro-batch is not finite."""
+    if state.noise_scale is not None:
+        state.noise_scale.record_small(batch.small_batches, verdict.all_finite)
+
+
+def pool_batchnorm_moments(state, verdict):
+    """The micro-batch's BatchNorm moments (pooled over replicas) into
+    the window, unless it is dropped (a no-op unless they are pooled)."""
+    if state.batchnorm is not None:
+        state.batchnorm.end_micro_batch(verdict.keep)
+
+
+def update_loss_scale(state, verdict):
+    """Loss scaling's own rule: halve after a non-finite micro-batch,
+    double after `dynamic_growth_steps` finite updates (a no-op without).
+    Under accumulation a micro-batch is not an update: growth is counted
+    when the window is applied (`LossScaling.record_update`)."""
+    state.scaling.update(verdict.all_finite, counts_growth=state.accumulator is None)
+
+
+def record_drop(state, marks, counts=None):
+    """Bookkeeping of a non-finite micro-batch (in the branch that runs
+    only then): the count, where it went bad (when requested), and the
+    divergence streak.
+
+    Args:
+        marks: The micro-batch's (global) `finite.marks` vector, or a
+            callable that computes it (only called when its keys are
+            requested).
+        counts: Boolean scalar, whether the drop counts towards the streak
+            (`divergence.failed`, under loss scaling); `None`: it does.
+    """
+    if state.log_keys & WHERE_KEYS:  # only read then (see `telemetry`)
+        state.telemetry.record_drop(*finite.summarize(marks() if callable(marks) else marks))
+    else:
+        state.telemetry.record_drop()
+    if state.drops_nonfinite():
+        state.divergence.record_drop(counts)
+
+
+def single_cond(state):
+    """No strategy, no accumulation, default metrics: the update and the
+    metrics share one `cond` (`update_or_drop`). Under a strategy, one
+    replica too, the optimizer cannot update inside a `cond` in replica
+    context (`applying.apply_if`)."""
+    return (
+        state.accumulator is None
+        and state.drops_nonfinite()
+        and not distributed()
+        and state.options.keras_metrics
+    )
