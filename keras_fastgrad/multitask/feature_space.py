@@ -54,10 +54,10 @@ References:
 
 import contextlib
 
-from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow import multitask as shell
 from keras_fastgrad.multitask.representation import Capture, find_features  # noqa: F401
+from keras_fastgrad.step import multitask as core
 from keras_fastgrad.step.gradients import to_float32_list
-from keras_fastgrad.step.replicas import num_replicas, replica_sum
 
 SPACES = ("parameters", "features")
 
@@ -112,26 +112,22 @@ def merge(
             f"pass. Received: multitask_features={capture.layer.name!r}, "
             "which did not run. Fix: name the trunk's last layer."
         )
-    names = task_names or [f"task_{i}" for i in range(len(task_losses))]
+    names = core.names_or_default(task_names, len(task_losses))
     merger.build(names)
     unscale = unscale or (lambda grads: grads)
     sources = [v.value for v in variables]
     dz, dz_extra, direct = _head_gradients(
         capture, tape, names, task_losses, regularization, sources
     )
-    # Gram over Z (flattened: summed over the batch), of the unscaled dZ_t.
-    flat = tf.stack(
-        [tf.concat([tf.reshape(g, [-1]) for g in to_float32_list(unscale(d))], 0) for d in dz]
-    )
-    gram = tf.matmul(flat, flat, transpose_b=True)
-    if num_replicas() > 1:  # the global batch's Gram: one small all-reduce
-        gram, share = replica_sum([gram, share])
-    if share is not None:
-        gram = gram / tf.square(tf.cast(share, tf.float32))
+    gram = shell.features_gram(dz, unscale, share)  # over Z, of the unscaled dZ_t
     weights, info, new_state = merger.weigh(gram)
-    trunk = _trunk_gradients(capture, tape, sources, weights, dz, dz_extra)
-    grads = _add(to_float32_list(unscale(direct)), to_float32_list(unscale(trunk)))
-    merger.commit_state(new_state, grads)
+    cotangents = core.features_cotangents(weights, dz, dz_extra, capture.features)
+    trunk = tape.gradient(capture.features, sources, output_gradients=cotangents)  # ONE pass
+    grads = shell.add(to_float32_list(unscale(direct)), to_float32_list(unscale(trunk)))
+    finite_losses = None
+    if merger.aggregator.state_variables:
+        finite_losses = shell.losses_finite(task_losses, regularization)
+    merger.commit_state(new_state, grads, finite_losses)
     return grads, {"gram": gram, "weights": weights, **info}
 
 
@@ -151,33 +147,9 @@ def _head_gradients(capture, tape, names, task_losses, regularization, sources):
                 "outputs depend on (the trunk's last layer)."
             )
         dz.append(grads[:count])
-        direct = _add(direct, grads[count:])
+        direct = shell.add(direct, grads[count:])
     dz_extra = [None] * count
     if regularization is not None:
         grads = tape.gradient(regularization, cut + sources)
-        dz_extra, direct = grads[:count], _add(direct, grads[count:])
+        dz_extra, direct = grads[:count], shell.add(direct, grads[count:])
     return dz, dz_extra, direct
-
-
-def _trunk_gradients(capture, tape, sources, weights, dz, dz_extra):
-    """ONE trunk backward pass of the weighted `dZ`, in the scaled domain
-    (float16 keeps its range)."""
-    cotangents = []
-    for k, z in enumerate(capture.features):
-        c = tf.add_n([w * tf.cast(d[k], tf.float32) for w, d in zip(tf.unstack(weights), dz)])
-        if dz_extra[k] is not None:
-            c += tf.cast(dz_extra[k], tf.float32)
-        cotangents.append(tf.cast(c, z.dtype))
-    return tape.gradient(capture.features, sources, output_gradients=cotangents)
-
-
-def _add(a, b):
-    return [x if y is None else (y if x is None else _sum(x, y)) for x, y in zip(a, b)]
-
-
-def _sum(x, y):
-    if isinstance(x, tf.IndexedSlices) and isinstance(y, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.concat([x.values, y.values], 0), tf.concat([x.indices, y.indices], 0), x.dense_shape
-        )
-    return tf.convert_to_tensor(x) + tf.convert_to_tensor(y)

@@ -13,7 +13,8 @@ from the trace, as TensorFlow refuses it from the tape's `None`) then
    gradient of the paths that skip `Z` (the heads', a tied variable's
    direct part), the regularisation's likewise;
 2. the Gram matrix `G[s, t] = <dZ_s, dZ_t>` (divided by `D_j^2` when
-   accumulating), the aggregator's weights `w` (`jax_multitask.weigh`);
+   accumulating), the aggregator's weights `w` (`core.features_gram`,
+   `jax_multitask.weighing`);
 3. ONE trunk pullback with the cotangent `sum_t w_t dZ_t` (plus the
    regularisation's `dZ`) on `Z`: the trunk gets
    `sum_t w_t dL_t / dtheta`; the heads keep their plain gradients.
@@ -30,6 +31,7 @@ from keras_fastgrad.backend.jax import multitask as parameter_space
 from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.maths.finite import all_finite
 from keras_fastgrad.multitask import representation
+from keras_fastgrad.step import multitask as core
 from keras_fastgrad.step.task_losses import task_names
 
 
@@ -60,28 +62,20 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         grads, dz_i = pullback((parameter_space.one_hot(losses, i), no_features))
         direct = grads if direct is None else [a + b for a, b in zip(direct, grads)]
         dz.append(dz_i)
-    flat = ops.stack(
-        [
-            ops.concatenate([ops.reshape(ops.cast(g, "float32"), (-1,)) for g in dz_t])
-            for dz_t in dz[:num_tasks]
-        ]
+    gram = core.features_gram(  # the true gradients' (the merge keeps D_j)
+        dz[:num_tasks],
+        factor=None if scale is None else _unscale(d, scale),
+        share=ops.cast(d, "float32") if accumulating else None,
     )
-    flat = flat * _unscale(d, scale)
-    gram = ops.matmul(flat, ops.transpose(flat))
-    if accumulating:  # the true gradients' (the merge keeps D_j)
-        gram = gram / ops.square(ops.cast(d, "float32"))
-    weights, commit = parameter_space.weigh(model, gram, ntv)
-    cotangent = []
-    for k, z in enumerate(features):
-        c = sum(weights[t] * ops.cast(dz[t][k], "float32") for t in range(num_tasks))
-        if len(dz) > num_tasks:  # the regularisation's (e.g. on `Z` itself)
-            c = c + ops.cast(dz[num_tasks][k], "float32")
-        cotangent.append(ops.cast(c, z.dtype))
+    weigh, commit = parameter_space.weighing(model, ntv)
+    weights, new_state = weigh(gram)
+    extra = dz[num_tasks] if len(dz) > num_tasks else [None] * len(features)
+    cotangent = core.features_cotangents(weights, dz[:num_tasks], extra, features)
     no_losses = tuple(ops.zeros_like(v) for v in losses)
     trunk, _ = pullback((no_losses, tuple(cotangent)))  # ONE trunk pass
     grads = [a + b for a, b in zip(direct, trunk)]
     grads = parameter_space.unscaled(grads, d, scale)
-    updates = commit(grads, all_finite(list(losses)))
+    updates = commit(new_state, grads, all_finite(list(losses)))
     return grads, d, found["mean"], parameter_space.with_updates(model, aux, updates, gram)
 
 
@@ -103,7 +97,7 @@ def _check_every_task_reads_z(closed, names, num_trainable, num_features, layer)
 
 
 def _unscale(d, scale):
-    return 1.0 if scale is None else d / ops.cast(scale, "float32")
+    return d / ops.cast(scale, "float32")
 
 
 class _Cut(representation.Capture):
