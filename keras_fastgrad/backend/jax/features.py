@@ -24,9 +24,8 @@ layer's capture is `keras_fastgrad.multitask.representation`'s).
 """
 
 import jax
-from keras import ops, tree
+from keras import ops
 
-from keras_fastgrad._validation import check_ran_once
 from keras_fastgrad.backend.jax import multitask as parameter_space
 from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.maths.finite import all_finite
@@ -54,7 +53,7 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
     closed, traced = jax_reaching.traced_program(program, list(tv), zeros)
     names = task_names(model)
     num_tasks = len(names)
-    _check_every_task_reads_z(closed, names, len(tv), len(zeros), cut.layer.name)
+    _check_every_task_reads_z(closed, names, len(tv), len(zeros), cut)
     (losses, features), pullback, (aux, d) = jax.vjp(traced, list(tv), zeros, has_aux=True)
     no_features = tuple(ops.zeros_like(z) for z in features)
     direct, dz = None, []
@@ -79,21 +78,15 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
     return grads, d, found["mean"], parameter_space.with_updates(model, aux, updates, gram)
 
 
-def _check_every_task_reads_z(closed, names, num_trainable, num_features, layer):
+def _check_every_task_reads_z(closed, names, num_trainable, num_features, cut):
     """Refuses (trace time) a shared layer some task's loss does not read,
-    as the TensorFlow step (`feature_space._head_gradients`: the tape's
-    `None`) does: read from the traced program (`jax_reaching`), whose
-    inputs are the trainable values then the `Z` offsets, its first
-    outputs the task losses."""
+    read from the traced program (`jax_reaching`), whose inputs are the
+    trainable values then the `Z` offsets, its first outputs the task
+    losses (TensorFlow reads it from the tape's `None`)."""
     reached = jax_reaching.reaching_inputs(closed, len(names))
     for name, inputs in zip(names, reached):
         if any(num_trainable + k not in inputs for k in range(num_features)):
-            raise ValueError(
-                "`multitask_features` must name a layer on every task's path. "
-                f"Received: multitask_features={layer!r}; task "
-                f"{name!r} does not read its output. Fix: name a layer all "
-                "outputs depend on (the trunk's last layer)."
-            )
+            cut.refuse_task(name)
 
 
 def _unscale(d, scale):
@@ -106,7 +99,7 @@ class _Cut(representation.Capture):
     are while `deltas` is `None`: only their shapes are read)."""
 
     def __init__(self, model):
-        super().__init__(model, tape=None)
+        super().__init__(model)
         self.deltas = None
 
     def begin(self, deltas):
@@ -114,27 +107,9 @@ class _Cut(representation.Capture):
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        if not self.features:
-            raise ValueError(
-                "`multitask_features` must name a layer that runs in the forward "
-                f"pass. Received: multitask_features={self.layer.name!r}, "
-                "which did not run. Fix: name the trunk's last layer."
-            )
+        self.check_ran()
 
-    def record(self, outputs):
-        self.calls += 1
-        check_ran_once(self.calls, self.layer.name)
-        flat = list(tree.flatten(outputs))
-        indices = self.indices
-        if indices is None:
-            indices = [i for i, t in enumerate(flat) if _floating(t)]
-        for k, i in enumerate(indices):
-            self.features.append(flat[i])
-            if self.deltas is not None:
-                flat[i] = jax.lax.stop_gradient(flat[i]) + self.deltas[k]
-        return tree.pack_sequence_as(outputs, flat)
-
-
-def _floating(value):
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+    def hand_on(self, z, k):
+        if self.deltas is None:
+            return z
+        return jax.lax.stop_gradient(z) + self.deltas[k]
