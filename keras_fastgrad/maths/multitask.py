@@ -12,9 +12,8 @@ reaches keeps that task's plain gradient; the variables several tasks reach
 - `merge`: a shared variable's merged gradient `sum_t w_t g_t` over its
   reaching tasks, for the aggregator's weights `w`.
 
-Used by the JAX step (`keras_fastgrad.backend.jax.multitask`); the
-TensorFlow step keeps its own (`keras_fastgrad.multitask.merger`: the same
-sums with `tf` ops, replicas, `None` gradients).
+The merge's rules, on these equations, are `keras_fastgrad.step.multitask`
+(both backends' steps).
 """
 
 from keras import ops
@@ -46,7 +45,12 @@ def split_by_reaching_tasks(reaching):
     return own, groups
 
 
-def gram(per_task, groups, num_tasks):
+def rows_gram(rows):
+    """`rows rows^T` of an `[S, P]` stack (the default `gram` takes)."""
+    return ops.matmul(rows, ops.transpose(rows))
+
+
+def gram(per_task, groups, num_tasks, rows_gram=rows_gram):
     """The Gram matrix of the task gradients over the shared variables.
 
     Args:
@@ -54,6 +58,9 @@ def gram(per_task, groups, num_tasks):
             variables).
         groups: `split_by_reaching_tasks`' groups.
         num_tasks: int, `T`.
+        rows_gram: `rows_gram(rows) -> rows rows^T` for an `[S, P]`
+            stack; a backend may pass its own (TensorFlow: one `MatMul`
+            reading the stack twice, no transposed copy).
 
     Returns:
         `(gram, stacked)`: the float32 `[T, T]` Gram matrix and
@@ -68,16 +75,20 @@ def gram(per_task, groups, num_tasks):
     >>> ops.convert_to_numpy(g).tolist()
     [[9.0, 3.0], [3.0, 2.0]]
     """
-    stacked = {}
-    total = ops.zeros((num_tasks, num_tasks), "float32")
+    stacked, total = {}, None
     for reaching, indices in groups.items():
-        partial = 0.0
+        partial = None
         for k in indices:
-            rows = ops.stack([ops.reshape(per_task[t][k], (-1,)) for t in reaching])
-            stacked[k] = rows
-            partial = partial + ops.matmul(rows, ops.transpose(rows))
-        select = ops.one_hot(ops.convert_to_tensor(reaching, "int32"), num_tasks)  # [S, T]
-        total = total + ops.matmul(ops.transpose(select), ops.matmul(partial, select))
+            rows = ops.stack([per_task[t][k] for t in reaching])
+            stacked[k] = ops.reshape(rows, (len(reaching), -1))
+            block = rows_gram(stacked[k])
+            partial = block if partial is None else partial + block
+        if reaching != tuple(range(num_tasks)):  # the [S, S] block placed in [T, T]
+            select = ops.one_hot(ops.convert_to_tensor(reaching, "int32"), num_tasks)  # [S, T]
+            partial = ops.matmul(ops.transpose(select), ops.matmul(partial, select))
+        total = partial if total is None else total + partial
+    if total is None:  # no shared variable
+        total = ops.zeros((num_tasks, num_tasks), "float32")
     return total, stacked
 
 
@@ -108,8 +119,11 @@ def merge(per_task, own, groups, stacked, weights):
     """
     merged = {k: per_task[t][k] for k, t in own.items()}
     for reaching, indices in groups.items():
-        w = ops.take(weights, ops.convert_to_tensor(reaching, "int32"))
+        w = weights
+        if reaching != tuple(range(len(per_task))):
+            w = ops.take(weights, ops.convert_to_tensor(reaching, "int32"))
+        w = ops.reshape(w, (1, -1))
         for k in indices:
-            flat = ops.matmul(w[None, :], stacked[k])[0]
-            merged[k] = ops.reshape(flat, ops.shape(per_task[reaching[0]][k]))
+            row = ops.matmul(w, stacked[k])  # [1, P_k]
+            merged[k] = ops.reshape(row, ops.shape(per_task[reaching[0]][k]))
     return merged

@@ -24,6 +24,11 @@ bound"; LibMTL's `rep_grad`):
 Cost: `T` head backward passes and one trunk backward pass, against `T`
 full backward passes in parameter space.
 
+The rules (the Gram over `Z`, the cotangents) are
+`keras_fastgrad.step.multitask`'s; how `Z` is cut and the passes are taken
+is the backend's (`keras_fastgrad.backend.tensorflow.features`,
+`keras_fastgrad.backend.jax.features`).
+
 Finding `Z`: `FastGradModel(multitask_features="layer_name")` names the
 layer whose output is `Z` (all its floating outputs; needed for subclassed
 models). Otherwise, for a functional model, `Z` is the deepest tensor every
@@ -54,130 +59,23 @@ References:
 
 import contextlib
 
-from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow import features as shell
 from keras_fastgrad.multitask.representation import Capture, find_features  # noqa: F401
-from keras_fastgrad.step.gradients import to_float32_list
-from keras_fastgrad.step.replicas import num_replicas, replica_sum
 
 SPACES = ("parameters", "features")
 
 
 def capture(model, tape, task_merger):
-    """The context around the forward pass (`Capture(model, tape)` in
-    features space, else a no-op); its `merge` has `TaskMerger.__call__`'s
-    signature and merges in the space chosen (`task_merger` itself in
-    parameter space)."""
+    """The context around the TensorFlow step's forward pass (in features
+    space, a capture of `Z` watched by `tape`, else a no-op); its `merge`
+    has `TaskMerger.__call__`'s signature and merges in the space chosen
+    (`task_merger` itself in parameter space)."""
     if getattr(model, "multitask_space", "parameters") != "features":
         return _NoCapture(task_merger)
-    return _Step(model, tape, task_merger)
+    return shell.Step(model, tape, task_merger)
 
 
 class _NoCapture(contextlib.nullcontext):
     def __init__(self, task_merger):
         super().__init__()
         self.merge = task_merger
-
-
-class _Step(Capture):
-    def __init__(self, model, tape, task_merger):
-        super().__init__(model, tape)
-        self.task_merger = task_merger
-
-    def merge(self, *args, **kwargs):
-        """`TaskMerger.__call__` in `Z` space (see `merge`)."""
-        return merge(self, self.task_merger, *args, **kwargs)
-
-
-# ------------------------------------------------------------------ merge
-def merge(
-    capture,
-    merger,
-    tape,
-    task_losses,
-    regularization,
-    variables,
-    unscale=None,
-    share=None,
-    task_names=None,
-):
-    """Merged float32 gradients, as `TaskMerger.__call__` but in `Z` space.
-
-    Args and returns as `keras_fastgrad.multitask.merger.TaskMerger.__call__`;
-    `capture` holds `Z` and its cut copy, `merger` the aggregator and the
-    telemetry variables (`TaskMerger.weigh`).
-    """
-    if not capture.cut:
-        raise ValueError(
-            "`multitask_features` must name a layer that runs in the forward "
-            f"pass. Received: multitask_features={capture.layer.name!r}, "
-            "which did not run. Fix: name the trunk's last layer."
-        )
-    names = task_names or [f"task_{i}" for i in range(len(task_losses))]
-    merger.build(names)
-    unscale = unscale or (lambda grads: grads)
-    sources = [v.value for v in variables]
-    dz, dz_extra, direct = _head_gradients(
-        capture, tape, names, task_losses, regularization, sources
-    )
-    # Gram over Z (flattened: summed over the batch), of the unscaled dZ_t.
-    flat = tf.stack(
-        [tf.concat([tf.reshape(g, [-1]) for g in to_float32_list(unscale(d))], 0) for d in dz]
-    )
-    gram = tf.matmul(flat, flat, transpose_b=True)
-    if num_replicas() > 1:  # the global batch's Gram: one small all-reduce
-        gram, share = replica_sum([gram, share])
-    if share is not None:
-        gram = gram / tf.square(tf.cast(share, tf.float32))
-    weights, info, new_state = merger.weigh(gram)
-    trunk = _trunk_gradients(capture, tape, sources, weights, dz, dz_extra)
-    grads = _add(to_float32_list(unscale(direct)), to_float32_list(unscale(trunk)))
-    merger.commit_state(new_state, grads)
-    return grads, {"gram": gram, "weights": weights, **info}
-
-
-def _head_gradients(capture, tape, names, task_losses, regularization, sources):
-    """Each task's gradient with respect to `Z` (`dz`, scaled), the
-    regularisation's (`dz_extra`, e.g. an activity regulariser on `Z`
-    itself), and the gradients of the paths that skip `Z` (`direct`)."""
-    cut, count = capture.cut, len(capture.cut)
-    direct, dz = [None] * len(sources), []  # paths that skip Z: plain
-    for name, loss in zip(names, task_losses):
-        grads = tape.gradient(loss, cut + sources)  # head only
-        if any(g is None for g in grads[:count]):
-            raise ValueError(
-                "`multitask_features` must name a layer on every task's path. "
-                f"Received: multitask_features={capture.layer.name!r}; task "
-                f"{name!r} does not read its output. Fix: name a layer all "
-                "outputs depend on (the trunk's last layer)."
-            )
-        dz.append(grads[:count])
-        direct = _add(direct, grads[count:])
-    dz_extra = [None] * count
-    if regularization is not None:
-        grads = tape.gradient(regularization, cut + sources)
-        dz_extra, direct = grads[:count], _add(direct, grads[count:])
-    return dz, dz_extra, direct
-
-
-def _trunk_gradients(capture, tape, sources, weights, dz, dz_extra):
-    """ONE trunk backward pass of the weighted `dZ`, in the scaled domain
-    (float16 keeps its range)."""
-    cotangents = []
-    for k, z in enumerate(capture.features):
-        c = tf.add_n([w * tf.cast(d[k], tf.float32) for w, d in zip(tf.unstack(weights), dz)])
-        if dz_extra[k] is not None:
-            c += tf.cast(dz_extra[k], tf.float32)
-        cotangents.append(tf.cast(c, z.dtype))
-    return tape.gradient(capture.features, sources, output_gradients=cotangents)
-
-
-def _add(a, b):
-    return [x if y is None else (y if x is None else _sum(x, y)) for x, y in zip(a, b)]
-
-
-def _sum(x, y):
-    if isinstance(x, tf.IndexedSlices) and isinstance(y, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.concat([x.values, y.values], 0), tf.concat([x.indices, y.indices], 0), x.dense_shape
-        )
-    return tf.convert_to_tensor(x) + tf.convert_to_tensor(y)

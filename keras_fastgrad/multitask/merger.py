@@ -20,7 +20,11 @@ another's. With `FastGradModel(..., multitask=...)` the step instead
    task) to the merged one.
 
 The rest of the chain (finite check, accumulation, clipping, apply) sees one
-ordinary gradient list. Telemetry comes from `G` for free: per-task gradient
+ordinary gradient list. The rules are written once for both backends
+(`keras_fastgrad.step.multitask`); `TaskMerger` holds the aggregator and,
+on TensorFlow, takes the task gradients from the tape and keeps the
+telemetry in variables (`keras_fastgrad.backend.tensorflow.multitask`); the
+JAX step (`keras_fastgrad.backend.jax.multitask`) uses its aggregator. Telemetry comes from `G` for free: per-task gradient
 norms, pairwise cosine similarities and the number of conflicting pairs,
 over the shared variables, logged as `task_grad_norm/<task>`,
 `task_cosine/<task_a>/<task_b>` and `task_conflicts` (`<task>` is the
@@ -50,17 +54,14 @@ References:
     https://arxiv.org/abs/2001.06782
 """
 
+from keras import ops
+
 from keras_fastgrad import aggregators
-from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow import multitask as shell
 from keras_fastgrad.multitask import feature_space
-from keras_fastgrad.step import finite
-from keras_fastgrad.step.gradients import to_float32_list
-from keras_fastgrad.step.replicas import num_replicas, replica_sum
-from keras_fastgrad.step.telemetry import CONFLICTS, COSINE_PREFIX, NORM_PREFIX
-from keras_fastgrad.step.variables import global_variable
+from keras_fastgrad.step import multitask as core
 
 
-# ------------------------------------------------------------------ merge
 class TaskMerger:
     """Merges per-task gradients from one persistent tape with an aggregator.
 
@@ -93,21 +94,14 @@ class TaskMerger:
     def __init__(self, aggregator):
         self.aggregator = aggregators.get(aggregator)
         self.task_names = None
-        self._norms = self._cosine = self._conflicts = None
+        self._telemetry = None
 
     def build(self, task_names):
         """Creates the telemetry variables for these task names."""
         task_names = list(task_names)
         if self.task_names == task_names:
             return
-        num_tasks = len(task_names)
-        with tf.init_scope():  # may be called while tracing the step
-            self._norms = global_variable(tf.zeros([num_tasks]), "task_grad_norms")
-            self._cosine = global_variable(tf.zeros([num_tasks] * 2), "task_cosine")
-            self._conflicts = global_variable(tf.zeros([]), "task_conflicts")
-            # A stateful aggregator's state (saved with the model: it is
-            # the model's `multitask` attribute).
-            self.aggregator.build(num_tasks)
+        self._telemetry = shell.build(self.aggregator, len(task_names))
         self.task_names = task_names
 
     def capture(self, model, tape):
@@ -140,12 +134,10 @@ class TaskMerger:
                 the unscaled losses (identity if `None`); applied to every
                 task gradient before merging.
             share: Optional float32 scalar, the micro-batch's share of its
-                window (`weighting.Share.actual`: its loss's normaliser,
-                where micro-batches are combined) by which the gradients
+                window (`weighting.Share.actual`) by which the gradients
                 exceed those of its mean loss. The Gram matrix is divided
                 by its square before the aggregator and the telemetry see
-                it; the merged gradient keeps the factor (the aggregators
-                are homogeneous).
+                it; the merged gradient keeps the factor.
             task_names: Names for the log keys (`task_<i>` if `None`).
 
         Returns:
@@ -153,138 +145,67 @@ class TaskMerger:
             `None` where no loss reaches a variable) and a dict with
             `"gram"`, `"weights"`, `"norms"`, `"cosine"`, `"num_conflicts"`.
 
+        Raises:
+            ValueError: fewer than two task losses.
+
         Under a `tf.distribute` strategy with several replicas the shared
         task gradients are summed over the replicas before merging (one
         all-reduce), so every replica merges the global task gradients; the
         merged part is returned divided by the number of replicas, as the
         rest of the step sums the replicas' gradients again at the update.
         """
-        num_tasks = len(task_losses)
-        if num_tasks < 2:
-            raise ValueError(f"`task_losses` must hold at least two losses. Received: {num_tasks}.")
-        self.build(task_names or [f"task_{i}" for i in range(num_tasks)])
-        sources = [v.value for v in variables]
-        unscale = unscale or (lambda grads: grads)
-        per_task = [to_float32_list(unscale(tape.gradient(loss, sources))) for loss in task_losses]
-        reg_grads = None
-        if regularization is not None:
-            reg_grads = to_float32_list(unscale(tape.gradient(regularization, sources)))
-        losses_finite = None
+        core.check_num_tasks(len(task_losses))
+        self.build(core.names_or_default(task_names, len(task_losses)))
+        per_task, reg_grads = shell.task_gradients(
+            tape, task_losses, regularization, variables, unscale
+        )
+        finite_losses = None
         if self.aggregator.state_variables:
-            losses = task_losses + [r for r in [regularization] if r is not None]
-            losses_finite = finite.all_finite(losses)
-        return self.merge(per_task, reg_grads, share, losses_finite)
+            finite_losses = shell.losses_finite(task_losses, regularization)
+        return self.merge(per_task, reg_grads, share, finite_losses)
 
     def merge(self, per_task, reg_grads=None, share=None, losses_finite=None):
         """Merges `T` gradient lists (`None` = not reached), see `__call__`.
 
         A stateful aggregator's new state is assigned only when the merged
         gradients (and `losses_finite`, if given) are finite: a micro-batch
-        the step drops as non-finite leaves it unchanged.
+        the step drops leaves it unchanged.
         """
-        num_tasks = len(per_task)
-        self.build(self.task_names or [f"task_{i}" for i in range(num_tasks)])
-        merged, groups = _split_by_reaching_tasks(per_task)
-        replicas = num_replicas()
-        if replicas > 1:  # merge the global task gradients (one all-reduce)
-            per_task, share = _global_task_gradients(per_task, groups, share)
-        gram, stacked = _gram(per_task, groups, num_tasks)
-        if share is not None:
-            gram = gram / tf.square(tf.cast(share, tf.float32))
-        weights, info, new_state = self.weigh(gram)
-        # Each replica's share of the global merged gradient (see __call__).
-        shares = weights / replicas if replicas > 1 else weights
-        for reaching, indices in groups.items():
-            w = tf.gather(shares, reaching)
-            for k in indices:
-                flat = tf.linalg.matvec(stacked[k], w, transpose_a=True)
-                merged[k] = tf.reshape(flat, tf.shape(per_task[reaching[0]][k]))
-        if reg_grads is not None:
-            merged = [
-                r if m is None else (m if r is None else m + r) for m, r in zip(merged, reg_grads)
-            ]
-        self.commit_state(new_state, merged, losses_finite)
-        return merged, {"gram": gram, "weights": weights, **info}
+        self.build(self.task_names or core.names_or_default(None, len(per_task)))
+        info = {}
+
+        def weigh(gram):
+            weights, info["telemetry"], new_state = self.weigh(gram)
+            return weights, new_state
+
+        result = shell.merge(per_task, weigh, reg_grads, share)
+        self.commit_state(result.new_state, result.grads, losses_finite)
+        return result.grads, {"gram": result.gram, "weights": result.weights, **info["telemetry"]}
 
     def weigh(self, gram):
         """The aggregator's float32 task weights for `gram` (`[T, T]`, of
         the true gradients); records the telemetry. Returns `(weights,
-        info, new_state)`: `info` as `aggregators.gram_telemetry`,
+        info, new_state)`: `info` `{"norms", "cosine", "num_conflicts"}`,
         `new_state` a stateful aggregator's next state (for `commit_state`;
-        empty otherwise). Also used by the features-space merge
-        (`keras_fastgrad.multitask.feature_space`)."""
+        empty otherwise)."""
         weights, new_state = self.aggregator.weights_and_state(gram)
-        weights = tf.cast(weights, tf.float32)
-        info = aggregators.gram_telemetry(gram)
-        self._norms.assign(info["norms"])
-        self._cosine.assign(info["cosine"])
-        self._conflicts.assign(tf.cast(info["num_conflicts"], tf.float32))
-        return weights, info, new_state
+        telemetry = core.task_telemetry(gram)
+        shell.record(self._telemetry, telemetry)
+        info = {
+            "norms": telemetry.norms,
+            "cosine": telemetry.cosine,
+            "num_conflicts": telemetry.conflicts,
+        }
+        return ops.cast(weights, "float32"), info, new_state
 
     def commit_state(self, new_state, merged, losses_finite=None):
         """Assigns a stateful aggregator's `new_state`, only when the
         merged gradients (and `losses_finite`, if given) are finite: a
         micro-batch the step drops leaves the state unchanged."""
-        if not new_state:
-            return
-        keep = finite.all_finite(merged)
-        if losses_finite is not None:
-            keep = keep & losses_finite
-        for variable, value in zip(self.aggregator.state_variables, new_state):
-            variable.assign(tf.where(keep, value, variable.value))
+        shell.commit_state(self.aggregator.state_variables, new_state, merged, losses_finite)
 
     def logs(self):
         """The latest telemetry as float32 scalars under fixed log keys."""
         if self.task_names is None:
             return {}
-        names = self.task_names
-        logs = {f"{NORM_PREFIX}{name}": self._norms[i] for i, name in enumerate(names)}
-        for i in range(len(names)):
-            for j in range(i + 1, len(names)):
-                logs[f"{COSINE_PREFIX}{names[i]}/{names[j]}"] = self._cosine[i, j]
-        logs[CONFLICTS] = tf.identity(self._conflicts.value)
-        return logs
-
-
-def _split_by_reaching_tasks(per_task):
-    """Trace-time split of the variables by the tasks that reach them:
-    `(merged, groups)`, `merged[k]` the gradient of a variable one task
-    reaches (else `None`), `groups` `{tuple of tasks: [variable indices]}`
-    for the variables several tasks reach (the shared ones)."""
-    num_tasks, num_vars = len(per_task), len(per_task[0])
-    merged, groups = [None] * num_vars, {}
-    for k in range(num_vars):
-        reaching = tuple(t for t in range(num_tasks) if per_task[t][k] is not None)
-        if len(reaching) == 1:
-            merged[k] = per_task[reaching[0]][k]
-        elif len(reaching) > 1:
-            groups.setdefault(reaching, []).append(k)
-    return merged, groups
-
-
-def _global_task_gradients(per_task, groups, share):
-    """The shared task gradients and `share` summed over the replicas (one
-    all-reduce). Returns `(per_task, share)`."""
-    shared = [(t, k) for r, ks in groups.items() for k in ks for t in r]
-    summed = replica_sum([per_task[t][k] for t, k in shared] + [share])
-    per_task = [list(row) for row in per_task]
-    for (t, k), g in zip(shared, summed):
-        per_task[t][k] = g
-    return per_task, summed[-1]
-
-
-def _gram(per_task, groups, num_tasks):
-    """The Gram matrix over the shared variables, one variable at a time:
-    the `[S, P_k]` stack of each is kept for the merge (no flat vector).
-    Returns `(gram, stacked)`."""
-    stacked = {}
-    gram = tf.zeros([num_tasks, num_tasks], tf.float32)
-    for reaching, indices in groups.items():
-        partial = 0.0
-        for k in indices:
-            rows = tf.stack([per_task[t][k] for t in reaching])
-            stacked[k] = tf.reshape(rows, [len(reaching), -1])
-            partial += tf.matmul(stacked[k], stacked[k], transpose_b=True)
-        select = tf.one_hot(reaching, num_tasks, dtype=tf.float32)  # [S, T]
-        gram += tf.matmul(select, tf.matmul(partial, select), transpose_a=True)
-    return gram, stacked
+        return core.task_logs(self.task_names, shell.read(self._telemetry))

@@ -2,15 +2,18 @@
 
 `find_features` walks a functional graph; `Capture` wraps the chosen
 layer's `call` for the duration of one forward pass (trace time) and cuts
-`Z` from the graph. Used by `keras_fastgrad.multitask.feature_space`.
+`Z` from the graph (the cut itself is the backend's: `hand_on`). Used by
+`keras_fastgrad.multitask.feature_space` (TensorFlow:
+`keras_fastgrad.backend.tensorflow.features`; JAX:
+`keras_fastgrad.backend.jax.features`).
 """
 
 import threading
 
+import keras
 from keras import tree
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad._tf_startup import tf
 from keras_fastgrad._validation import check_ran_once
 
 _LOCK = threading.Lock()
@@ -148,16 +151,20 @@ class Capture:
     """Context manager around the forward pass that captures `Z`.
 
     While active (in this thread), each call of the shared layer records its
-    output `Z` and hands the rest of the model `stop_gradient(Z)`, watched
-    by `tape`: task backward passes stop at `Z` (see the module docstring).
+    output `Z` (`features`: the output found by `find_features`, or every
+    floating output of the layer named by `multitask_features`) and hands
+    the rest of the model `hand_on(Z, k)` instead: the backend's cut
+    (TensorFlow: `stop_gradient(Z)` watched by the tape; JAX:
+    `stop_gradient(Z) + delta_k`), so that the task backward passes stop at
+    `Z` (see `keras_fastgrad.multitask.feature_space`). The layer must run
+    once per forward pass.
 
     Args:
         model: A `FastGradModel` with `multitask_space="features"`.
-        tape: The step's `tf.GradientTape`, recording the forward pass.
     """
 
-    def __init__(self, model, tape):
-        self.model, self.tape = model, tape
+    def __init__(self, model):
+        self.model = model
         name = model.multitask_features
         if name is None:
             name, index = find_features(model)
@@ -165,7 +172,7 @@ class Capture:
         else:
             self.indices = None  # every floating output of the layer
         self.layer = _named_layer(model, name)
-        self.features, self.cut, self.calls = [], [], 0
+        self.features, self.calls = [], 0
 
     def __enter__(self):
         _install(self.layer)
@@ -179,19 +186,49 @@ class Capture:
         _uninstall(self.layer)
 
     def record(self, outputs):
+        """The layer's `outputs` with each `Z` recorded and replaced by
+        `hand_on(Z, k)`."""
         self.calls += 1
         check_ran_once(self.calls, self.layer.name)
         flat = list(tree.flatten(outputs))
         indices = self.indices
         if indices is None:
-            indices = [i for i, t in enumerate(flat) if tf.is_tensor(t) and t.dtype.is_floating]
-        for i in indices:
-            cut = tf.stop_gradient(flat[i])
-            self.tape.watch(cut)
+            indices = [i for i, t in enumerate(flat) if _floating(t)]
+        for k, i in enumerate(indices):
             self.features.append(flat[i])
-            self.cut.append(cut)
-            flat[i] = cut
+            flat[i] = self.hand_on(flat[i], k)
         return tree.pack_sequence_as(outputs, flat)
+
+    def check_ran(self):
+        """Refuses a shared layer that did not run in the forward pass."""
+        if not self.features:
+            raise ValueError(
+                "`multitask_features` must name a layer that runs in the forward "
+                f"pass. Received: multitask_features={self.layer.name!r}, "
+                "which did not run. Fix: name the trunk's last layer."
+            )
+
+    def refuse_task(self, task_name):
+        """Refuses the shared layer because task `task_name`'s loss does
+        not read `Z`."""
+        raise ValueError(
+            "`multitask_features` must name a layer on every task's path. "
+            f"Received: multitask_features={self.layer.name!r}; task "
+            f"{task_name!r} does not read its output. Fix: name a layer all "
+            "outputs depend on (the trunk's last layer)."
+        )
+
+    def hand_on(self, z, k):
+        """What the rest of the model reads in place of the `k`-th `Z`
+        (the backend's cut: a subclass's)."""
+        raise NotImplementedError(f"{type(self).__name__} must define `hand_on`.")
+
+
+def _floating(value):
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and keras.backend.is_float_dtype(
+        keras.backend.standardize_dtype(dtype)
+    )
 
 
 def _install(layer):

@@ -13,7 +13,8 @@ from the trace, as TensorFlow refuses it from the tape's `None`) then
    gradient of the paths that skip `Z` (the heads', a tied variable's
    direct part), the regularisation's likewise;
 2. the Gram matrix `G[s, t] = <dZ_s, dZ_t>` (divided by `D_j^2` when
-   accumulating), the aggregator's weights `w` (`jax_multitask.weigh`);
+   accumulating), the aggregator's weights `w` (`core.features_gram`,
+   `jax_multitask.weighing`);
 3. ONE trunk pullback with the cotangent `sum_t w_t dZ_t` (plus the
    regularisation's `dZ`) on `Z`: the trunk gets
    `sum_t w_t dL_t / dtheta`; the heads keep their plain gradients.
@@ -23,13 +24,13 @@ layer's capture is `keras_fastgrad.multitask.representation`'s).
 """
 
 import jax
-from keras import ops, tree
+from keras import ops
 
-from keras_fastgrad._validation import check_ran_once
 from keras_fastgrad.backend.jax import multitask as parameter_space
 from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.maths.finite import all_finite
 from keras_fastgrad.multitask import representation
+from keras_fastgrad.step import multitask as core
 from keras_fastgrad.step.task_losses import task_names
 
 
@@ -52,7 +53,7 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
     closed, traced = jax_reaching.traced_program(program, list(tv), zeros)
     names = task_names(model)
     num_tasks = len(names)
-    _check_every_task_reads_z(closed, names, len(tv), len(zeros), cut.layer.name)
+    _check_every_task_reads_z(closed, names, len(tv), len(zeros), cut)
     (losses, features), pullback, (aux, d) = jax.vjp(traced, list(tv), zeros, has_aux=True)
     no_features = tuple(ops.zeros_like(z) for z in features)
     direct, dz = None, []
@@ -60,50 +61,36 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         grads, dz_i = pullback((parameter_space.one_hot(losses, i), no_features))
         direct = grads if direct is None else [a + b for a, b in zip(direct, grads)]
         dz.append(dz_i)
-    flat = ops.stack(
-        [
-            ops.concatenate([ops.reshape(ops.cast(g, "float32"), (-1,)) for g in dz_t])
-            for dz_t in dz[:num_tasks]
-        ]
+    gram = core.features_gram(  # the true gradients' (the merge keeps D_j)
+        dz[:num_tasks],
+        factor=None if scale is None else _unscale(d, scale),
+        share=ops.cast(d, "float32") if accumulating else None,
     )
-    flat = flat * _unscale(d, scale)
-    gram = ops.matmul(flat, ops.transpose(flat))
-    if accumulating:  # the true gradients' (the merge keeps D_j)
-        gram = gram / ops.square(ops.cast(d, "float32"))
-    weights, commit = parameter_space.weigh(model, gram, ntv)
-    cotangent = []
-    for k, z in enumerate(features):
-        c = sum(weights[t] * ops.cast(dz[t][k], "float32") for t in range(num_tasks))
-        if len(dz) > num_tasks:  # the regularisation's (e.g. on `Z` itself)
-            c = c + ops.cast(dz[num_tasks][k], "float32")
-        cotangent.append(ops.cast(c, z.dtype))
+    weigh, commit = parameter_space.weighing(model, ntv)
+    weights, new_state = weigh(gram)
+    extra = dz[num_tasks] if len(dz) > num_tasks else [None] * len(features)
+    cotangent = core.features_cotangents(weights, dz[:num_tasks], extra, features)
     no_losses = tuple(ops.zeros_like(v) for v in losses)
     trunk, _ = pullback((no_losses, tuple(cotangent)))  # ONE trunk pass
     grads = [a + b for a, b in zip(direct, trunk)]
     grads = parameter_space.unscaled(grads, d, scale)
-    updates = commit(grads, all_finite(list(losses)))
+    updates = commit(new_state, grads, all_finite(list(losses)))
     return grads, d, found["mean"], parameter_space.with_updates(model, aux, updates, gram)
 
 
-def _check_every_task_reads_z(closed, names, num_trainable, num_features, layer):
+def _check_every_task_reads_z(closed, names, num_trainable, num_features, cut):
     """Refuses (trace time) a shared layer some task's loss does not read,
-    as the TensorFlow step (`feature_space._head_gradients`: the tape's
-    `None`) does: read from the traced program (`jax_reaching`), whose
-    inputs are the trainable values then the `Z` offsets, its first
-    outputs the task losses."""
+    read from the traced program (`jax_reaching`), whose inputs are the
+    trainable values then the `Z` offsets, its first outputs the task
+    losses (TensorFlow reads it from the tape's `None`)."""
     reached = jax_reaching.reaching_inputs(closed, len(names))
     for name, inputs in zip(names, reached):
         if any(num_trainable + k not in inputs for k in range(num_features)):
-            raise ValueError(
-                "`multitask_features` must name a layer on every task's path. "
-                f"Received: multitask_features={layer!r}; task "
-                f"{name!r} does not read its output. Fix: name a layer all "
-                "outputs depend on (the trunk's last layer)."
-            )
+            cut.refuse_task(name)
 
 
 def _unscale(d, scale):
-    return 1.0 if scale is None else d / ops.cast(scale, "float32")
+    return d / ops.cast(scale, "float32")
 
 
 class _Cut(representation.Capture):
@@ -112,7 +99,7 @@ class _Cut(representation.Capture):
     are while `deltas` is `None`: only their shapes are read)."""
 
     def __init__(self, model):
-        super().__init__(model, tape=None)
+        super().__init__(model)
         self.deltas = None
 
     def begin(self, deltas):
@@ -120,27 +107,9 @@ class _Cut(representation.Capture):
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        if not self.features:
-            raise ValueError(
-                "`multitask_features` must name a layer that runs in the forward "
-                f"pass. Received: multitask_features={self.layer.name!r}, "
-                "which did not run. Fix: name the trunk's last layer."
-            )
+        self.check_ran()
 
-    def record(self, outputs):
-        self.calls += 1
-        check_ran_once(self.calls, self.layer.name)
-        flat = list(tree.flatten(outputs))
-        indices = self.indices
-        if indices is None:
-            indices = [i for i, t in enumerate(flat) if _floating(t)]
-        for k, i in enumerate(indices):
-            self.features.append(flat[i])
-            if self.deltas is not None:
-                flat[i] = jax.lax.stop_gradient(flat[i]) + self.deltas[k]
-        return tree.pack_sequence_as(outputs, flat)
-
-
-def _floating(value):
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+    def hand_on(self, z, k):
+        if self.deltas is None:
+            return z
+        return jax.lax.stop_gradient(z) + self.deltas[k]

@@ -36,16 +36,14 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.aggregators import gram_telemetry
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax.state import multitask_variables
-from keras_fastgrad.maths import multitask as maths
 from keras_fastgrad.maths.finite import all_finite
+from keras_fastgrad.step import multitask as core
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import task_losses, task_names
-from keras_fastgrad.step.telemetry import CONFLICTS, COSINE_PREFIX, NORM_PREFIX
 
 
 def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extra_terms):
@@ -179,76 +177,66 @@ def reaching_tasks(closed, num_tasks, num_trainable):
 
 
 def merge(model, per_task, reaching, ntv, divisor, regularization, losses_finite):
-    """The merged gradient of the task gradients (the tail of the chain,
-    shared with `jax_micro_batches`): the Gram matrix over the shared
-    variables, the aggregator's weights, the merge
-    (`keras_fastgrad.maths.multitask`), the regularisation's gradient added.
+    """The merged gradient of the task gradients (`core.merge`; shared
+    with `jax_micro_batches`), the aggregator's state threaded through
+    Keras' state tuple.
 
     Args:
         model: The `FastGradModel`.
         per_task: Per task, its float32 gradients (one per trainable).
         reaching: Per trainable variable, the tasks reaching it.
         ntv: The non-trainable values (the aggregator's state among them).
-        divisor: `None`, or the factor the gradients carry (`D`): the
-            Gram is divided by its square, the true gradients'.
+        divisor: `None`, or the share the gradients carry (`D`).
         regularization: `None` or the regularisation's gradients.
-        losses_finite: Boolean scalar, whether the losses are finite (the
-            aggregator's state moves only then).
+        losses_finite: Boolean scalar, whether the losses are finite.
 
     Returns:
-        `(merged, updates, gram)`: the merged gradients, the aggregator's
-        `{ntv position: value}` after the step and the Gram matrix.
+        `(merged, updates, gram)`: the merged gradients (zeros where
+        nothing reaches), the aggregator's `{ntv position: value}` after
+        the step and the Gram matrix.
     """
-    own, groups = maths.split_by_reaching_tasks(reaching)
-    gram, stacked = maths.gram(per_task, groups, len(per_task))
-    if divisor is not None:
-        gram = gram / ops.square(divisor)
-    weights, commit = weigh(model, gram, ntv)
-    by_index = maths.merge(per_task, own, groups, stacked, weights)
-    merged = [by_index.get(k, ops.zeros_like(g)) for k, g in enumerate(per_task[0])]
-    if regularization is not None:
-        merged = [m + r for m, r in zip(merged, regularization)]
-    return merged, commit(merged, losses_finite), gram
+    weigh, commit = weighing(model, ntv)
+    result = core.merge(per_task, reaching, weigh, regularization, divisor)
+    merged = [ops.zeros_like(g) if m is None else m for m, g in zip(result.grads, per_task[0])]
+    return merged, commit(result.new_state, merged, losses_finite), result.gram
 
 
-def weigh(model, gram, ntv):
-    """The aggregator's float32 weights for `gram` (of the true gradients)
-    and `commit(merged, losses_finite)`: `{ntv position: value}` of its
-    variables after the step (a seed generator's moved every step, a
-    stateful aggregator's state only where the merged gradient and the
-    losses are finite, as on TensorFlow)."""
+def weighing(model, ntv):
+    """`(weigh, commit)` for the aggregator on Keras' state tuple:
+    `weigh(gram) -> (weights, new_state)` (its variables' values read
+    from `ntv`) and `commit(new_state, merged, losses_finite)`:
+    `{ntv position: value}` of its variables after the step (a seed
+    generator's moved every step, a stateful aggregator's state as
+    `core.keep_state` decides)."""
     aggregator = model.fastgrad_step_state.merger.aggregator
     where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
     variables = multitask_variables(model)
-    mapping = [(v, ntv[where[id(v)]]) for v in variables]
-    with keras.StatelessScope(state_mapping=mapping) as scope:
-        weights, new_state = aggregator.weights_and_state(gram)
-    updates = {where[id(v)]: _current(scope, v) for v in variables}
+    updates = {}
 
-    def commit(merged, losses_finite):
+    def weigh(gram):
+        mapping = [(v, ntv[where[id(v)]]) for v in variables]
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            weights, new_state = aggregator.weights_and_state(gram)
+        updates.update({where[id(v)]: _current(scope, v) for v in variables})
+        return weights, new_state
+
+    def commit(new_state, merged, losses_finite):
         if new_state:
-            keep = all_finite(merged) & losses_finite
-            for variable, value in zip(aggregator.state_variables, new_state):
-                i = where[id(variable)]
-                updates[i] = ops.where(keep, ops.cast(value, ntv[i].dtype), ntv[i])
+            positions = [where[id(v)] for v in aggregator.state_variables]
+            keep = core.keep_state(merged, losses_finite)
+            values = core.kept(keep, new_state, [ntv[i] for i in positions])
+            updates.update(zip(positions, values))
         return updates
 
-    return ops.cast(weights, "float32"), commit
+    return weigh, commit
 
 
 def _logs(model, gram):
-    """The task telemetry keys (TensorFlow's `TaskMerger.logs`), while any
-    telemetry key is requested."""
+    """The task telemetry keys (`core.task_logs`), while any telemetry key
+    is requested."""
     if not model.fastgrad_step_state.log_keys:
         return {}
-    names = task_names(model)
-    info = gram_telemetry(gram)
-    logs = {f"{NORM_PREFIX}{name}": info["norms"][i] for i, name in enumerate(names)}
-    for i in range(len(names)):
-        for j in range(i + 1, len(names)):
-            logs[f"{COSINE_PREFIX}{names[i]}/{names[j]}"] = info["cosine"][i, j]
-    logs[CONFLICTS] = ops.cast(info["num_conflicts"], "float32")
-    return {k: ops.cast(v, "float32") for k, v in logs.items()}
+    return core.task_logs(task_names(model), core.task_telemetry(gram))
 
 
 def _current(scope, variable):

@@ -1,0 +1,128 @@
+"""`multitask` on TensorFlow: how the task gradients are taken and where
+the merge's state lives; the rules are `keras_fastgrad.step.multitask`'s.
+
+- the task gradients: one `tape.gradient` per task from one persistent
+  tape (`T` backward passes), each unscaled; a variable a task's loss does
+  not reach gets `None` from the tape, which is the reaching-task split;
+- the telemetry of the latest merge and a stateful aggregator's state in
+  variables (the step's logs read them after the step);
+- `tf.distribute`: the number of replicas and their sum;
+- `tf.IndexedSlices`: a sparse gradient's stored rows are what the finite
+  check reads.
+"""
+
+from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.step import multitask as core
+from keras_fastgrad.step.finite import all_finite
+from keras_fastgrad.step.gradients import to_float32_list, values
+from keras_fastgrad.step.replicas import num_replicas, replica_sum
+from keras_fastgrad.step.variables import global_variable
+
+
+def task_gradients(tape, task_losses, regularization, variables, unscale=None):
+    """The float32 gradients of each task loss and of the regularisation.
+
+    Args:
+        tape: A persistent `tf.GradientTape` that recorded the losses.
+        task_losses: The `T` scalar losses as differentiated.
+        regularization: Scalar loss or `None`.
+        variables: The Keras variables to differentiate.
+        unscale: `None` or a callable applied to each gradient list.
+
+    Returns:
+        `(per_task, regularization_grads)`: `T` lists aligned with
+        `variables` (`None` where the loss does not reach), and the
+        regularisation's list (or `None`).
+    """
+    sources = [v.value for v in variables]
+    unscale = unscale or (lambda grads: grads)
+    per_task = [to_float32_list(unscale(tape.gradient(loss, sources))) for loss in task_losses]
+    reg_grads = None
+    if regularization is not None:
+        reg_grads = to_float32_list(unscale(tape.gradient(regularization, sources)))
+    return per_task, reg_grads
+
+
+def losses_finite(task_losses, regularization):
+    """Boolean scalar: the task losses and the regularisation are finite."""
+    return all_finite(task_losses + [r for r in [regularization] if r is not None])
+
+
+def merge(per_task, weigh, regularization=None, share=None):
+    """`core.merge` of the tape's gradients (`None` = not reached), under
+    the current strategy's replicas."""
+    return core.merge(
+        per_task,
+        core.reaching_of(per_task),
+        weigh,
+        regularization,
+        share,
+        replicas=num_replicas(),
+        replica_sum=replica_sum,
+        rows_gram=_rows_gram,
+    )
+
+
+def _rows_gram(rows):
+    return tf.matmul(rows, rows, transpose_b=True)
+
+
+def features_gram(dz, unscale, share):
+    """`core.features_gram` of the tape's `dZ` (unscaled first), the
+    replicas' Grams summed."""
+    dz = [to_float32_list(unscale(d)) for d in dz]
+    several = num_replicas() > 1
+    return core.features_gram(
+        dz, share=share, replica_sum=replica_sum if several else None, rows_gram=_rows_gram
+    )
+
+
+def build(aggregator, num_tasks):
+    """Builds `aggregator` for `num_tasks` tasks (a stateful one's state:
+    saved with the model, its `multitask` attribute) and returns a
+    `core.TaskTelemetry` of float32 variables (zeros; measurements, not
+    saved), both created outside any traced function."""
+    with tf.init_scope():  # may be called while tracing the step
+        aggregator.build(num_tasks)
+        return core.TaskTelemetry(
+            global_variable(tf.zeros([num_tasks]), "task_grad_norms"),
+            global_variable(tf.zeros([num_tasks] * 2), "task_cosine"),
+            global_variable(tf.zeros([]), "task_conflicts"),
+        )
+
+
+def record(variables, telemetry):
+    """Assigns a `core.TaskTelemetry` to `telemetry_variables`."""
+    for variable, value in zip(variables, telemetry):
+        variable.assign(value)
+
+
+def read(variables):
+    """The telemetry variables' values, for `core.task_logs`."""
+    norms, cosine, conflicts = variables
+    return core.TaskTelemetry(norms, cosine, tf.identity(conflicts.value))
+
+
+def commit_state(state_variables, new_state, merged, finite_losses=None):
+    """Assigns a stateful aggregator's `new_state` where `core.keep_state`
+    keeps it (a sparse gradient's stored rows are checked)."""
+    if not new_state:
+        return
+    keep = core.keep_state([None if g is None else values(g) for g in merged], finite_losses)
+    old = [v.value for v in state_variables]
+    for variable, value in zip(state_variables, core.kept(keep, new_state, old)):
+        variable.assign(value)
+
+
+def add(a, b):
+    """Adds two gradient lists (`None` entries allowed), two
+    `tf.IndexedSlices` kept sparse."""
+    return [x if y is None else (y if x is None else _sum(x, y)) for x, y in zip(a, b)]
+
+
+def _sum(x, y):
+    if isinstance(x, tf.IndexedSlices) and isinstance(y, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([x.values, y.values], 0), tf.concat([x.indices, y.indices], 0), x.dense_shape
+        )
+    return tf.convert_to_tensor(x) + tf.convert_to_tensor(y)
