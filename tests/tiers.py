@@ -304,6 +304,7 @@ JAX_PATHS = (
     "tests/step/test_finite.py",  # the finite check
     "tests/step/test_clipping.py",  # the global norm
     "tests/step/test_noise_scale.py",  # vs the closed form and the paper's estimators
+    "tests/step/test_window_rules.py",  # the window's rules, backend-neutral
     "tests/callbacks/test_noise_scale_arguments.py",
     "tests/end_to_end/test_bring_your_own.py",  # KerasHub, keras.applications, subclasses
     "tests/test_reference_gradients.py",  # the tests' backend-neutral gradient reference
@@ -323,18 +324,22 @@ JAX_PATHS = (
 # Code of one backend only: not collected under the other.
 JAX_ONLY_PATHS = (
     "tests/jax_backend",
-    "keras_fastgrad/backend",
+    "keras_fastgrad/backend/jax",
     "keras_fastgrad/profiling/_jax_runs.py",
 )
+TENSORFLOW_ONLY_PATHS = ("keras_fastgrad/backend/tensorflow",)
 
 
 def collected(path, is_dir, backend):
     """Whether the file or folder `path` (relative to the repository, with
     `/`) is collected under `backend`: under JAX the paths of `JAX_PATHS`
-    and the folders above them; under TensorFlow all but `JAX_ONLY_PATHS`."""
+    and the folders above them, less `TENSORFLOW_ONLY_PATHS`; under
+    TensorFlow all but `JAX_ONLY_PATHS`."""
     inside = lambda paths: any(path == p or path.startswith(p + "/") for p in paths)
     if backend != "jax":
         return not inside(JAX_ONLY_PATHS)
+    if inside(TENSORFLOW_ONLY_PATHS):
+        return False
     if inside(JAX_PATHS):
         return True
     return is_dir and any(p.startswith(path + "/") for p in JAX_PATHS) or path == ""
