@@ -20,9 +20,9 @@ the window once (`replica_sum`), and a checkpoint reads the total.
 import functools
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.variables import add_into, increment, run_time_zeros
 from keras_fastgrad.step import accumulation as rules
 from keras_fastgrad.step.gradients import to_float32
-from keras_fastgrad.step.variables import add_into, increment, run_time_zeros
 
 
 def add(acc, weighted_grads, normaliser, include, mean_reduction=True, otherwise=None):
