@@ -15,7 +15,7 @@ set, built twice in this process:
   `_PARALLEL_ITERATIONS` is 10 (TensorFlow's default, which the slices'
   `tf.while_loop` had), `_unset` is `tf.zeros(shape, tf.float32)` (the
   sums started from zeros) and `_added` the plain `total + cast(g)` of
-  every slice (no `tf.cond`); `accumulation.WindowAccumulator.reset`
+  every slice (no `tf.cond`); `backend.tensorflow.accumulation.reset`
   empties the window with `tf.zeros_like`. The patches are lifted once
   the side is built.
 Each side's trace is read back and printed (the slices' `While` op's
@@ -116,13 +116,14 @@ def code(side, seen):
     `added` ("cond" or "plain"), `reset` ("run_time_zeros" or
     "zeros_like")."""
     from keras_fastgrad._tf_startup import tf
-    from keras_fastgrad.step import accumulation, slicing
+    from keras_fastgrad.backend.tensorflow import accumulation
+    from keras_fastgrad.step import slicing
 
     originals = {
         (slicing, "_PARALLEL_ITERATIONS"): slicing._PARALLEL_ITERATIONS,
         (slicing, "_unset"): slicing._unset,
         (slicing, "_added"): slicing._added,
-        (accumulation.WindowAccumulator, "reset"): accumulation.WindowAccumulator.reset,
+        (accumulation, "reset"): accumulation.reset,
     }
     seen.update(starts=[], added=set(), reset=set())
 
@@ -143,21 +144,21 @@ def code(side, seen):
             for r, row in zip(sums, grads)
         ]
 
-    def reset(self):
+    def reset(acc):
         if side == "after":
             seen["reset"].add("run_time_zeros")
-            return originals[accumulation.WindowAccumulator, "reset"](self)
+            return originals[accumulation, "reset"](acc)
         seen["reset"].add("zeros_like")
-        for total in self.sums:
+        for total in acc.sums:
             total.assign(tf.zeros_like(total))
-        self.normaliser.assign(0.0)
-        self.included.assign(0)
+        acc.normaliser.assign(0.0)
+        acc.included.assign(0)
 
     patches = {
         (slicing, "_PARALLEL_ITERATIONS"): 10 if side == "before" else 1,
         (slicing, "_unset"): unset,
         (slicing, "_added"): added,
-        (accumulation.WindowAccumulator, "reset"): reset,
+        (accumulation, "reset"): reset,
     }
     if originals[slicing, "_PARALLEL_ITERATIONS"] != 1:
         raise RuntimeError(

@@ -59,15 +59,16 @@ def test_bad_arguments_are_refused_before_any_model_is_built(ab, monkeypatch, ar
 
 
 def test_the_patches_are_lifted_even_when_the_build_fails(ab):
-    from keras_fastgrad.step import accumulation, slicing
+    from keras_fastgrad.backend.tensorflow import accumulation
+    from keras_fastgrad.step import slicing
 
     before = (slicing._PARALLEL_ITERATIONS, slicing._unset, slicing._added)
-    reset = accumulation.WindowAccumulator.reset
+    reset = accumulation.reset
     with pytest.raises(KeyError), ab.code("before", {}):
         assert slicing._PARALLEL_ITERATIONS == 10
         raise KeyError("a failed build")
     assert (slicing._PARALLEL_ITERATIONS, slicing._unset, slicing._added) == before
-    assert accumulation.WindowAccumulator.reset is reset
+    assert accumulation.reset is reset
 
 
 SIDES = ("before", "serial", "after")

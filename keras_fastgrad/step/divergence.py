@@ -25,7 +25,8 @@ import warnings
 import keras
 
 from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.step.variables import global_variable, increment
+from keras_fastgrad.backend.tensorflow.variables import increment
+from keras_fastgrad.step.variables import global_variable
 
 
 class DivergenceWatch:

@@ -45,10 +45,11 @@ as is `reduction="sum"`.
 import keras
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.variables import increment
 from keras_fastgrad.maths import noise_scale as maths
 from keras_fastgrad.step.gradients import summed_rows
 from keras_fastgrad.step.replicas import replica_sum
-from keras_fastgrad.step.variables import global_variable, increment
+from keras_fastgrad.step.variables import global_variable
 
 SIMPLE, GRAD_SQ, TRACE = "gns_simple", "gns_grad_sq", "gns_trace"
 KEYS = (SIMPLE, GRAD_SQ, TRACE)

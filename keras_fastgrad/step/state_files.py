@@ -19,6 +19,8 @@ import warnings
 
 import numpy as np
 
+from keras_fastgrad.step import accumulation
+
 # The units with state only some models have (`StepState`'s attributes),
 # saved under keys of their own, in this order.
 OPTIONAL = ("batchnorm", "noise_scale")
@@ -113,7 +115,7 @@ def _without_included_count(store, size):
     micro-batches (its last variable): a window with a positive
     normaliser held at least one (what was decided by then)."""
     normaliser = store[str(size - 3)]  # ..., normaliser, micro_step
-    return {**store, str(size - 1): int(float(normaliser) > 0.0)}
+    return {**store, str(size - 1): accumulation.included_of_old_file(normaliser)}
 
 
 # ------------------------------------------------------- across a rebuild

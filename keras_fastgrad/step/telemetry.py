@@ -59,10 +59,11 @@ for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.variables import increment
 from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.gradients import summed_rows
-from keras_fastgrad.step.variables import global_variable, increment
+from keras_fastgrad.step.variables import global_variable
 
 LOG_KEYS = (
     "grad_norm",

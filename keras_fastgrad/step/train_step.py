@@ -23,6 +23,7 @@ import numpy as np
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow import accumulation as tf_window
 from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
     adaptive_clip,
     before_gate,
@@ -128,14 +129,16 @@ def accumulate_or_apply(model, state, batch, verdict):
         apply_if(not_finite, drop, args=drop_args)
     if verdict.keep is True and not distributed() and not _any_sparse(batch.grads):
         # Never left out (no gate): Keras' form, the update in the `cond`.
-        acc.add_or_apply(
+        tf_window.add_or_apply(
+            acc,
             batch.grads,
             verdict.global_normaliser,
             functools.partial(update, model, state),
             mean_reduction=batch.mean_reduction,
         )
         return
-    ready = acc.add(  # the window complete, holding an included micro-batch
+    ready = tf_window.add(  # the window complete, holding an included micro-batch
+        acc,
         batch.grads,
         verdict.global_normaliser,
         verdict.keep,
@@ -159,14 +162,14 @@ def _divisor(batch, verdict):
 def apply_window(model, state):
     """Applies the accumulated window's gradient and empties it."""
     acc = state.accumulator
-    update(model, state, acc.window_gradient(state.no_gradient_template()))
-    acc.reset()
+    update(model, state, tf_window.window_gradient(acc, state.no_gradient_template()))
+    tf_window.reset(acc)
 
 
 def flush(model, state):
     """Applies a partial window, if it holds samples, and restarts it."""
     apply_if(state.accumulator.has_samples(), functools.partial(apply_window, model, state))
-    state.accumulator.restart()
+    tf_window.restart(state.accumulator)
 
 
 def update(model, state, grads, normaliser=None, norm=None, agc=None):

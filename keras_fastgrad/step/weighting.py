@@ -32,6 +32,8 @@ The maths (`normaliser`, the measuring loss, `Share`) is written once in
 this module puts it in place around the model's own `CompileLoss`.
 """
 
+from keras import ops
+
 from keras_fastgrad.maths.weighting import (  # noqa: F401  (re-exported)
     Measuring,
     Share,
@@ -85,3 +87,37 @@ class LossShares:
             A `Share` (its `real` equals `actual`: a slice has no padded rows).
         """
         return share_of(self.recorded, self.num_rows)
+
+
+def forward_with_share(model, rows, accumulating, forward, check_extra_terms):
+    """`forward()` under `LossShares` when `accumulating`, the share read
+    and the extra loss terms checked after: `(result, D, mean)`; without
+    accumulation `(forward(), 1.0, True)` (nothing to weigh). The JAX step's
+    form (its `jax.value_and_grad` carries `D` out in its aux).
+
+    Args:
+        model: The model whose loss `forward` computes.
+        rows: The micro-batch's rows.
+        accumulating: Python bool.
+        forward: Zero-argument callable, the forward pass and loss.
+        check_extra_terms: `(model, mean, by_rows, describe)`, raises for
+            extra loss terms the share cannot weigh.
+
+    Example:
+
+    >>> inputs = keras.Input((3,))
+    >>> model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    >>> model.compile(loss="mse")
+    >>> x, y = keras.ops.ones([4, 3]), keras.ops.zeros([4, 2])
+    >>> forward = lambda: model.compute_loss(x, y, model(x))
+    >>> _, d, mean = forward_with_share(model, 4, True, forward, lambda *a: None)
+    >>> float(d), mean  # 4 rows x 2 outputs, mse averages the last axis
+    (4.0, True)
+    """
+    if not accumulating:
+        return forward(), ops.convert_to_tensor(1.0), True
+    with LossShares(model, rows) as shares:
+        result = forward()
+    share = shares.share()
+    check_extra_terms(model, share.mean, share.by_rows, share.describe)
+    return result, share.actual, share.mean

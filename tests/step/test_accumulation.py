@@ -1,5 +1,6 @@
-"""Unit tests of `keras_fastgrad.step.accumulation.WindowAccumulator`,
-called directly (the other units of the step: the other files of
+"""Unit tests of the accumulation window on TensorFlow
+(`keras_fastgrad.backend.tensorflow.accumulation` on a
+`keras_fastgrad.step.accumulation.WindowAccumulator`), called directly (the other units of the step: the other files of
 `tests/step/`).
 
 References: window sums and normalisers are compared with numpy sums of the
@@ -13,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_fastgrad.backend.tensorflow import accumulation as tf_window
 from keras_fastgrad.step.accumulation import WindowAccumulator
 
 NAN, INF = float("nan"), float("inf")
@@ -85,16 +87,16 @@ class TestWindowAccumulator:
                 tf.constant(bias * d),
                 tf.IndexedSlices(table.values * d, table.indices, table.dense_shape),
             ]
-            done.append(bool(acc.add(weighted, tf.constant(d), tf.constant(True))))
+            done.append(bool(tf_window.add(acc, weighted, tf.constant(d), tf.constant(True))))
             sums = [s + w for s, w in zip(sums, [kernel * d, bias * d, table_dense * d])]
             normaliser += d
         assert done == [False, False, True]
         assert float(acc.normaliser.numpy()) == 12.0  # 4 + 2 + 6
         assert normaliser == 12.0
-        for got, want in zip(acc.window_sums(), sums):
+        for got, want in zip(tf_window.window_sums(acc), sums):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
         # the update's gradient: sum_j D_j g_j / sum_j D_j
-        mean = acc.window_sums()[0] / acc.normaliser
+        mean = tf_window.window_sums(acc)[0] / acc.normaliser
         np.testing.assert_allclose(mean.numpy(), sums[0] / 12.0, rtol=1e-6, atol=1e-6)
         assert bool(acc.has_samples())
 
@@ -102,21 +104,23 @@ class TestWindowAccumulator:
         v = keras.Variable([0.0, 0.0])
         acc = WindowAccumulator(steps=2)
         acc.build([v])
-        acc.add([tf.constant([2.0, -1.0])], 1.0, tf.constant(True))
-        acc.add([tf.constant([4.0, 1.0])], 3.0, tf.constant(True))
+        tf_window.add(acc, [tf.constant([2.0, -1.0])], 1.0, tf.constant(True))
+        tf_window.add(acc, [tf.constant([4.0, 1.0])], 3.0, tf.constant(True))
         # (2 + 4) / (1 + 3) = 1.5, (-1 + 1) / 4 = 0
-        np.testing.assert_array_equal((acc.window_sums()[0] / acc.normaliser).numpy(), [1.5, 0.0])
+        np.testing.assert_array_equal(
+            (tf_window.window_sums(acc)[0] / acc.normaliser).numpy(), [1.5, 0.0]
+        )
 
     def test_sparse_gradient_adds_to_its_rows_only_with_duplicates(self):
         v = keras.Variable(np.zeros((4, 2), np.float32))
         acc = WindowAccumulator(steps=2)
         acc.build([v])
         slices, dense = sparse_rows([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [3, 0, 3])
-        acc.add([slices], 1.0, tf.constant(True))
+        tf_window.add(acc, [slices], 1.0, tf.constant(True))
         # by hand: row 3 = [1 + 5, 2 + 6], row 0 = [3, 4], rows 1, 2 untouched
         expected = [[3.0, 4.0], [0.0, 0.0], [0.0, 0.0], [6.0, 8.0]]
-        np.testing.assert_array_equal(acc.window_sums()[0].numpy(), expected)
-        np.testing.assert_array_equal(acc.window_sums()[0].numpy(), dense)
+        np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), expected)
+        np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), dense)
 
     def test_float16_gradients_are_summed_in_float32(self):
         v = keras.Variable(np.zeros(2, np.float16), dtype="float16")
@@ -124,19 +128,19 @@ class TestWindowAccumulator:
         acc.build([v])
         # 60000 + 60000 overflows float16 (max 65504), not float32
         for _ in range(2):
-            acc.add([tf.constant([60000.0, 0.5], tf.float16)], 1.0, tf.constant(True))
-        np.testing.assert_array_equal(acc.window_sums()[0].numpy(), [120000.0, 1.0])
+            tf_window.add(acc, [tf.constant([60000.0, 0.5], tf.float16)], 1.0, tf.constant(True))
+        np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [120000.0, 1.0])
 
     def test_none_gradient_leaves_its_sum_and_template_none(self):
         variables = three_variables()
         acc = WindowAccumulator(steps=2)
         acc.build(variables)
-        acc.add([None, tf.constant([1.0, 2.0, 3.0]), None], 2.0, tf.constant(True))
+        tf_window.add(acc, [None, tf.constant([1.0, 2.0, 3.0]), None], 2.0, tf.constant(True))
         template = [None, tf.zeros([3]), None]
-        sums = acc.window_sums(template)
+        sums = tf_window.window_sums(acc, template)
         assert sums[0] is None and sums[2] is None
         np.testing.assert_array_equal(sums[1].numpy(), [1.0, 2.0, 3.0])
-        untemplated = acc.window_sums()
+        untemplated = tf_window.window_sums(acc)
         np.testing.assert_array_equal(untemplated[0].numpy(), np.zeros((2, 3)))
         np.testing.assert_array_equal(untemplated[2].numpy(), np.zeros((4, 2)))
 
@@ -151,15 +155,19 @@ class TestWindowAccumulator:
             tf.constant([INF, 0.0, 0.0]),
             sparse_rows([[NAN, 1.0]], [2])[0],
         ]
-        assert not bool(acc.add(good, 5.0, tf.constant(True), otherwise=lambda: ran.append(1)))
+        assert not bool(
+            tf_window.add(acc, good, 5.0, tf.constant(True), otherwise=lambda: ran.append(1))
+        )
         assert ran == []
-        assert not bool(acc.add(bad, 7.0, tf.constant(False), otherwise=lambda: ran.append(2)))
+        assert not bool(
+            tf_window.add(acc, bad, 7.0, tf.constant(False), otherwise=lambda: ran.append(2))
+        )
         assert ran == [2]
         # the left-out step still counts towards the window
-        assert bool(acc.add([None, None, None], 0.0, tf.constant(False)))
+        assert bool(tf_window.add(acc, [None, None, None], 0.0, tf.constant(False)))
         assert int(acc.micro_step.numpy()) == 3
         assert float(acc.normaliser.numpy()) == 5.0  # 7 and 0 left out
-        sums = [s.numpy() for s in acc.window_sums()]
+        sums = [s.numpy() for s in tf_window.window_sums(acc)]
         np.testing.assert_array_equal(sums[0], np.ones((2, 3)))
         np.testing.assert_array_equal(sums[1], np.ones(3))
         np.testing.assert_array_equal(sums[2], [[0, 0], [1, 1], [0, 0], [0, 0]])
@@ -168,49 +176,51 @@ class TestWindowAccumulator:
         v = keras.Variable([0.0])
         acc = WindowAccumulator(steps=2)
         acc.build([v])
-        acc.add([tf.constant([NAN])], 3.0, tf.constant(False))
+        tf_window.add(acc, [tf.constant([NAN])], 3.0, tf.constant(False))
         assert not bool(acc.has_samples())
         # Included with no counted element (every weight 0): Keras would
         # still step on that batch, with a zero gradient.
-        acc.add([tf.constant([0.0])], 0.0, tf.constant(True))
+        tf_window.add(acc, [tf.constant([0.0])], 0.0, tf.constant(True))
         assert bool(acc.has_samples())
         assert float(acc.normaliser.numpy()) == 0.0
-        acc.reset()
+        tf_window.reset(acc)
         assert not bool(acc.has_samples())
 
     def test_window_complete_every_steps_micro_steps(self):
         v = keras.Variable([0.0])
         acc = WindowAccumulator(steps=3)
         acc.build([v])
-        signals = [bool(acc.add([tf.constant([1.0])], 1.0, tf.constant(True))) for _ in range(7)]
+        signals = [
+            bool(tf_window.add(acc, [tf.constant([1.0])], 1.0, tf.constant(True))) for _ in range(7)
+        ]
         assert signals == [False, False, True, False, False, True, False]
 
     @staticmethod
     def _one_micro_batch_into_a_window_of_two():
         acc = WindowAccumulator(steps=2)
         acc.build([keras.Variable([0.0, 0.0])])
-        acc.add([tf.constant([1.0, 2.0])], 2.0, tf.constant(True))
+        tf_window.add(acc, [tf.constant([1.0, 2.0])], 2.0, tf.constant(True))
         return acc
 
     def test_reset_empties_sums_but_keeps_counting(self):
         acc = self._one_micro_batch_into_a_window_of_two()
-        acc.reset()
-        np.testing.assert_array_equal(acc.window_sums()[0].numpy(), [0.0, 0.0])
+        tf_window.reset(acc)
+        np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [0.0, 0.0])
         assert float(acc.normaliser.numpy()) == 0.0
         assert int(acc.micro_step.numpy()) == 1
         # micro-step 2 still closes the window begun before the reset
-        assert bool(acc.add([tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
-        np.testing.assert_array_equal(acc.window_sums()[0].numpy(), [3.0, 4.0])
+        assert bool(tf_window.add(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
+        np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [3.0, 4.0])
         assert float(acc.normaliser.numpy()) == 1.0
 
     def test_restart_empties_sums_and_starts_at_micro_step_zero(self):
         acc = self._one_micro_batch_into_a_window_of_two()
-        acc.restart()
-        np.testing.assert_array_equal(acc.window_sums()[0].numpy(), [0.0, 0.0])
+        tf_window.restart(acc)
+        np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [0.0, 0.0])
         assert float(acc.normaliser.numpy()) == 0.0
         assert int(acc.micro_step.numpy()) == 0
-        assert not bool(acc.add([tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
-        assert bool(acc.add([tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
+        assert not bool(tf_window.add(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
+        assert bool(tf_window.add(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
 
     def test_in_tf_function_only_the_chosen_branch_runs(self):
         variables = three_variables()
@@ -221,8 +231,8 @@ class TestWindowAccumulator:
         @tf.function
         def add(kernel, bias, values, indices, d, include):
             table = tf.IndexedSlices(values, indices, tf.constant([4, 2], tf.int64))
-            return acc.add(
-                [kernel, bias, table], d, include, otherwise=lambda: skipped.assign_add(1)
+            return tf_window.add(
+                acc, [kernel, bias, table], d, include, otherwise=lambda: skipped.assign_add(1)
             )
 
         sums = [np.zeros((2, 3)), np.zeros((3,)), np.zeros((4, 2))]
@@ -247,7 +257,7 @@ class TestWindowAccumulator:
         assert bool(done)
         assert int(skipped.numpy()) == 1
         np.testing.assert_allclose(float(acc.normaliser.numpy()), normaliser)
-        for got, want in zip(acc.window_sums(), sums):
+        for got, want in zip(tf_window.window_sums(acc), sums):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
 
     def test_python_true_includes_every_micro_batch_without_a_cond(self):
@@ -259,7 +269,7 @@ class TestWindowAccumulator:
         @tf.function
         def add(kernel, bias, values, indices, d):
             table = tf.IndexedSlices(values, indices, tf.constant([4, 2], tf.int64))
-            return acc.add([kernel, bias, table], d, True)
+            return tf_window.add(acc, [kernel, bias, table], d, True)
 
         sums = [np.zeros((2, 3)), np.zeros((3,)), np.zeros((4, 2))]
         done = []
@@ -276,7 +286,7 @@ class TestWindowAccumulator:
         assert done == [False, False, True]
         assert float(acc.normaliser.numpy()) == 12.0  # 4 + 2 + 6
         assert int(acc.included.numpy()) == 3
-        for got, want in zip(acc.window_sums(), sums):
+        for got, want in zip(tf_window.window_sums(acc), sums):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
 
     def test_under_xla_with_a_sparse_gradient(self):
@@ -287,11 +297,11 @@ class TestWindowAccumulator:
         @tf.function(jit_compile=True)
         def add(values, indices, include):
             g = tf.IndexedSlices(values, indices, tf.constant([4, 2], tf.int64))
-            return acc.add([g], tf.constant(2.0), include)
+            return tf_window.add(acc, [g], tf.constant(2.0), include)
 
         first, dense_1 = sparse_rows([[1.0, 2.0], [3.0, 4.0]], [1, 1])
         second, _ = sparse_rows([[NAN, 0.0]], [0])
         assert not bool(add(first.values, first.indices, tf.constant(True)))
         assert bool(add(second.values, second.indices, tf.constant(False)))
-        np.testing.assert_array_equal(acc.window_sums()[0].numpy(), dense_1)
+        np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), dense_1)
         assert float(acc.normaliser.numpy()) == 2.0

@@ -27,6 +27,7 @@ from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.maths import batchnorm as maths
+from keras_fastgrad.step import accumulation
 from keras_fastgrad.step.batchnorm import _refuse_unrecorded
 
 
@@ -130,7 +131,7 @@ def end_micro_batch(model, out_ntv, ntv, keep, micro_step=None):
     out_ntv = list(out_ntv)
     if keep is not True:
         out_ntv[where.window] = ops.where(keep, out_ntv[where.window], ntv[where.window])
-    complete = None if micro_step is None else ops.equal(micro_step % where.steps, 0)
+    complete = None if micro_step is None else accumulation.is_complete(micro_step, where.steps)
     return _applied(where, out_ntv, complete)
 
 

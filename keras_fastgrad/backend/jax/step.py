@@ -40,6 +40,7 @@ from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import Slots, check_trainable_unchanged
 from keras_fastgrad.step import verdict
+from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.splitting import first_input
 
 
@@ -84,7 +85,7 @@ def train_step(model, state, data):
         units.update_scale(slots, ov, finite, counts_growth=False)
         noise.record_small(model, new, grads, x, d, finite, (sample_weight, mean))
         tv, ov = jax_window.accumulate_or_apply(
-            model, slots, tv, ov, ntv, new, grads, d, mean, keep
+            model, slots, (tv, ntv, ov), new, MicroBatch(grads, d, keep, mean)
         )
     else:
         keep, tv, ov = _update_or_drop(

@@ -1,9 +1,11 @@
-"""The accumulation window of `FastGradModel`'s JAX step (the TF side:
-`keras_fastgrad.step.accumulation`): a kept micro-batch added to the
-window's sums (values in the state tuple), the window's update under one
-`jax.lax.cond` when it completes (its gradient divided by the normaliser,
-AGC, clipped, applied when finite), and the pending window applied at an
-epoch's end or by `apply_partial_window` (`_flush`)."""
+"""The accumulation window on JAX: the rules of
+`keras_fastgrad.step.accumulation` run on values of Keras' state tuple
+(`accumulation.WindowState` of values, written back into the step's new
+values). What is JAX's own: the window's update under one `jax.lax.cond`
+where it is applied (its gradient, AGC, clipped, applied when finite), the
+emptied window selected by `where`, and the pending window applied on the
+model's values at an epoch's end or by `apply_partial_window` (`_flush`,
+jitted with the model)."""
 
 import jax
 from keras import ops
@@ -14,46 +16,65 @@ from keras_fastgrad.backend.jax import noise_scale as noise
 from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax.state import Slots
+from keras_fastgrad.step import accumulation
 
 
-def accumulate_or_apply(model, slots, tv, ov, ntv, new, grads, d, mean, keep):
-    """Adds the micro-batch to the window; applies a complete window."""
-    steps = model.fastgrad_step_state.options.accumulation_steps
-    sums = [ntv[i] for i in slots.sums]
-    if keep is True:
-        sums = [s + g for s, g in zip(sums, grads)]
-        new["normaliser"] += d
-        new["included"] += 1
-    else:
-        sums = [s + ops.where(keep, g, 0.0) for s, g in zip(sums, grads)]
-        new["normaliser"] += ops.where(keep, d, 0.0)
-        new["included"] += ops.cast(keep, new["included"].dtype)
-    new["micro_step"] += 1
-    complete = ops.equal(new["micro_step"] % steps, 0)
-    do_window = complete & (new["included"] > 0)
-    gated = keep is not True
-    tv, ov = window_update(model, slots, tv, ov, new, sums, mean, do_window, gated)
-    new["sums"] = [ops.where(complete, 0.0, s) for s in sums]
-    new["normaliser"] = ops.where(complete, 0.0, new["normaliser"])
-    new["included"] = ops.where(complete, ops.zeros_like(new["included"]), new["included"])
+def accumulate_or_apply(model, slots, values, new, micro_batch):
+    """Adds `micro_batch` to the window (`accumulation.added`) and applies
+    the window where it is complete and holds an included micro-batch
+    (`accumulation.applies`), then empties it there (`accumulation.emptied`).
+
+    Args:
+        model: The `FastGradModel`.
+        slots: The step's `Slots`.
+        values: `(tv, ntv, ov)`, the state tuple's incoming values (the
+            window's sums are read from `ntv`).
+        new: The step's new counter values by key (the window's are
+            written back into it: `"sums"`, `"normaliser"`, `"micro_step"`,
+            `"included"`).
+        micro_batch: `accumulation.MicroBatch` (`keep` the Python `True`
+            when nothing is ever left out).
+
+    Returns:
+        `(tv, ov)`.
+    """
+    tv, ntv, ov = values
+    window = accumulation.added(_window(slots, ntv, new), micro_batch)
+    complete = accumulation.is_complete(
+        window.micro_step, model.fastgrad_step_state.accumulator.steps
+    )
+    every_kept = micro_batch.keep is True
+    do_window = accumulation.applies(complete, window.included, every_kept)
+    tv, ov = window_update(
+        model, slots, (tv, ov), new, window, micro_batch.mean, do_window, not every_kept
+    )
+    window = accumulation.emptied(window, lambda v: ops.where(complete, ops.zeros_like(v), v))
+    new.update(window._asdict())
     return tv, ov
 
 
-def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
+def _window(slots, ntv, new):
+    """The window's incoming values as an `accumulation.WindowState`."""
+    return accumulation.WindowState(
+        [ntv[i] for i in slots.sums], new["normaliser"], new["micro_step"], new["included"]
+    )
+
+
+def window_update(model, slots, params, new, window, mean, do_window, gated):
     """The window's update where `do_window`, in one `lax.cond` (nothing of
-    it runs on the other micro-steps): its gradient (the sums over the
-    normaliser, `divide_no_nan`), clipped, applied when finite (always when
-    not `gated`: `skip_nonfinite=False` without loss scaling); then the
-    counters and the loss scale's growth. Returns `(tv, ov)`."""
+    it runs on the other micro-steps): its gradient
+    (`accumulation.window_gradient` of the `window`, a `WindowState` of
+    values; `mean`: the loss's reduction), clipped, applied when finite
+    (always when not `gated`: `skip_nonfinite=False` without loss
+    scaling); then the counters (in `new`) and the loss scale's growth.
+    `params`: `(tv, ov)`. Returns `(tv, ov)`."""
+    tv, ov = params
     options = model.fastgrad_step_state.options
     clipping = options.clip_norm is not None
     measures = clipping or "grad_norm" in telemetry.requested(model)
 
-    def window(t, o, s, normaliser):
-        grads = s
-        if mean:
-            inverse = ops.divide_no_nan(1.0, normaliser)
-            grads = [g * inverse for g in s]
+    def update(t, o, s, normaliser):
+        grads = accumulation.window_gradient(s, normaliser, mean)
         unclipped = grads
         big_sq = noise.big_squared_norm(model, unclipped)
         counted = {}  # AGC's clipped fraction, when asked
@@ -81,7 +102,7 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
 
     inner_ov = [ov[i] for i in slots.inner_ov]
     tv, inner_ov, update_ok, norm, was_clipped, big_sq, optional = jax.lax.cond(
-        do_window, window, pending, tv, inner_ov, sums, new["normaliser"]
+        do_window, update, pending, tv, inner_ov, window.sums, window.normaliser
     )
     noise.record_window(model, new, big_sq, do_window)
     ov = list(ov)
@@ -92,7 +113,7 @@ def window_update(model, slots, tv, ov, new, sums, mean, do_window, gated):
     if gated:
         units.record_dropped_update(new, do_window & ~update_ok)
     elif options.clip_adaptive is not None:  # AGC's drop of a window
-        counted = jax_agc.counted(model, units.all_finite(sums))
+        counted = jax_agc.counted(model, units.all_finite(window.sums))
         jax_agc.record_drop(new, do_window & ~update_ok, counted)
     units.record_update(new, applied, norm if measures else None, was_clipped if clipping else None)
     if slots.scaler is not None:  # growth counts applied updates
@@ -126,23 +147,23 @@ def apply_partial_window(model):
 
 
 def _flush(model, tv, ntv, ov):
-    """The pending window applied, on values (see `apply_partial_window`),
-    and the telemetry keys after it."""
+    """The pending window applied, on values (see `apply_partial_window`):
+    where it holds samples (`accumulation.has_samples`), then restarted
+    (`accumulation.restarted`); and the telemetry keys after it."""
     slots = Slots(model)
     noise.add_slots(model, slots)
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
-    sums = [ntv[i] for i in slots.sums]
+    window = _window(slots, ntv, new)
     mean = model.fastgrad_step_state.accumulator.mean_reduction
     gated = model.fastgrad_step_state.drops_nonfinite()
-    pending = new["included"] > 0
-    tv, ov = window_update(model, slots, list(tv), list(ov), new, sums, mean, pending, gated)
+    pending = accumulation.has_samples(window.included)
+    tv, ov = window_update(model, slots, (list(tv), list(ov)), new, window, mean, pending, gated)
     logs = telemetry.logs(model, slots, new, ov, len(tv))
+    new.update(accumulation.restarted(window, ops.zeros_like)._asdict())
     ntv = list(ntv)
     for key, i in slots.ntv.items():
         ntv[i] = ops.cast(new[key], ntv[i].dtype)
-    for key in ("normaliser", "micro_step", "included"):
-        ntv[slots.ntv[key]] = ops.zeros_like(ntv[slots.ntv[key]])
-    for i in slots.sums:
-        ntv[i] = ops.zeros_like(ntv[i])
+    for i, total in zip(slots.sums, new["sums"]):
+        ntv[i] = total
     ntv = jax_batchnorm.apply_window(model, ntv)  # BatchNorm's one step from the window
     return tv, ntv, ov, logs

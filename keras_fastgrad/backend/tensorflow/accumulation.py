@@ -1,0 +1,254 @@
+"""The accumulation window on TensorFlow: how the rules of
+`keras_fastgrad.step.accumulation` are run on its variables.
+
+What is TensorFlow's own: the window's sums written in a `tf.cond` on
+whether the micro-batch is kept (not a multiplication by 0, NaN * 0 being
+NaN, nor a `where`, an extra pass over every gradient); Keras' form of
+accumulation when nothing is ever left out (one `cond` on whether the
+micro-batch is the window's last: `add_or_apply`); sums added as a read, an
+`AddV2` and an `Assign` (`variables.add_into`), emptied with
+`variables.run_time_zeros`; sparse gradients (`tf.IndexedSlices`) added to
+their rows only (without a strategy; under one the per-replica sums
+support no `scatter_add`: added densely); the micro-step counted once the
+micro-batch exists (`_count`).
+
+Under a `tf.distribute` strategy each replica adds its own share to
+sync-on-read sums: micro-steps do not all-reduce gradients; the update sums
+the window once (`replica_sum`), and a checkpoint reads the total.
+"""
+
+import functools
+
+from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.variables import add_into, increment, run_time_zeros
+from keras_fastgrad.step import accumulation as rules
+from keras_fastgrad.step.gradients import to_float32
+
+
+def add(acc, weighted_grads, normaliser, include, mean_reduction=True, otherwise=None):
+    """Adds one micro-batch to `acc`'s window; returns whether the window
+    is now to be applied (`rules.applies`).
+
+    Args:
+        acc: The `WindowAccumulator` (built).
+        weighted_grads: List of gradients already multiplied by this
+            replica's `D_j` (dense or `tf.IndexedSlices`); `None` where a
+            variable has none.
+        normaliser: float32 scalar, the micro-batch's `D_j` summed over
+            all replicas.
+        include: Boolean scalar, the same on every replica; `False` leaves
+            the micro-batch out; the Python `True` (nothing is ever left
+            out) adds it without a `cond`.
+        mean_reduction: Python bool (`MicroBatch.mean`).
+        otherwise: Optional callable run (no arguments) in the `cond`
+            branch of a left-out micro-batch: bookkeeping for free. Without
+            a strategy only: under one (one replica too), state written
+            there would need a `merge_call` inside the `cond`.
+
+    Returns:
+        Boolean scalar.
+
+    Example:
+
+    >>> acc = rules.WindowAccumulator(steps=2)
+    >>> acc.build([keras.Variable([0.0, 0.0])])
+    >>> _ = add(acc, [tf.constant([4.0, 4.0])], 4.0, tf.constant(True))
+    >>> done = add(acc, [tf.constant([8.0, 8.0])], 2.0, tf.constant(True))
+    >>> total = window_gradient(acc)[0]  # (4*1 + 2*4) / 6
+    >>> bool(done), total.numpy().tolist()
+    (True, [2.0, 2.0])
+    """
+    sparse_ok = not tf.distribute.has_strategy()  # sums are plain variables
+    acc.mean_reduction = mean_reduction
+
+    def add_sums():
+        _add_to_sums(acc, weighted_grads, sparse_ok)
+
+    # Mirrored state is written outside the `cond`: under a strategy that
+    # write is a `merge_call`.
+    def leave_out():
+        if otherwise is not None:
+            otherwise()
+
+    if include is True:
+        _add_included(acc, weighted_grads, normaliser, sparse_ok)
+    else:
+        tf.cond(include, add_sums, leave_out)
+        increment(acc.normaliser, rules.kept(include, normaliser, tf.where))
+        increment(acc.included, rules.counted(include, _as_count))
+    _count(acc, weighted_grads, normaliser, include)
+    complete = rules.is_complete(acc.micro_step, acc.steps)
+    # (every micro-batch kept: its last one is in the window, no read)
+    return rules.applies(complete, acc.included, every_kept=include is True)
+
+
+def add_or_apply(acc, weighted_grads, normaliser, apply, mean_reduction=True):
+    """Adds one micro-batch that is never left out, in the form of Keras'
+    `gradient_accumulation_steps`: one `cond` on whether it is the window's
+    last (`rules.is_last`). If it is, `apply(window_gradient)` runs with
+    this micro-batch added to the sums as they are read (the sums are not
+    written with it) and the window empties; if not, it is added to the
+    sums. The sums are then written only once the whole gradient exists
+    (the `cond`'s inputs), not beside the backward pass, and the update
+    writes none.
+
+    Without a strategy, and dense gradients only (`add` otherwise: under a
+    strategy the update leaves replica context before its `cond`,
+    `applying.apply_if`; sparse sums are added to their rows).
+
+    Args:
+        acc: The `WindowAccumulator` (built).
+        weighted_grads: As for `add` (dense or `None`).
+        normaliser: As for `add`.
+        apply: Callable taking the window's gradient (a list, `None` where
+            a variable has no gradient): the update.
+        mean_reduction: As for `add`.
+
+    Example:
+
+    >>> acc = rules.WindowAccumulator(steps=2)
+    >>> acc.build([keras.Variable([0.0])])
+    >>> applied = []
+    >>> add_or_apply(acc, [tf.constant([4.0])], 4.0, applied.append)
+    >>> add_or_apply(acc, [tf.constant([8.0])], 2.0, applied.append)
+    >>> applied[0][0].numpy().tolist(), float(acc.normaliser.numpy())  # (4 + 8) / 6
+    ([2.0], 0.0)
+    """
+    acc.mean_reduction = mean_reduction
+    last = rules.is_last(acc.micro_step, acc.steps)
+
+    def apply_window():
+        sums = [
+            None if g is None else tf.convert_to_tensor(total.value) + to_float32(g)
+            for total, g in zip(acc.sums, weighted_grads)
+        ]
+        total = tf.convert_to_tensor(acc.normaliser) + normaliser if mean_reduction else None
+        apply(rules.window_gradient(sums, total, mean_reduction, tf.math.divide_no_nan))
+        reset(acc)
+
+    def add_sums():
+        _add_included(acc, weighted_grads, normaliser, sparse_ok=False)
+
+    tf.cond(last, apply_window, add_sums)
+    _count(acc, weighted_grads, normaliser, True)
+
+
+def window_gradient(acc, grads_template=None):
+    """The window's gradient (`rules.window_gradient` of its sums).
+
+    Args:
+        acc: The `WindowAccumulator`.
+        grads_template: As for `window_sums`.
+    """
+    sums = window_sums(acc, grads_template)
+    normaliser = tf.convert_to_tensor(acc.normaliser) if acc.mean_reduction else None
+    return rules.window_gradient(sums, normaliser, acc.mean_reduction, tf.math.divide_no_nan)
+
+
+def window_sums(acc, grads_template=None):
+    """`sum_j D_j g_j` over the window: in cross-replica context the
+    sync-on-read sums are reduced over the replicas when read.
+
+    Args:
+        acc: The `WindowAccumulator`.
+        grads_template: Optional list; where its entry is `None` the result
+            is `None` too (variables that never get a gradient).
+    """
+    template = grads_template or acc.sums
+    return [
+        None if t is None else tf.convert_to_tensor(total.value)
+        for total, t in zip(acc.sums, template)
+    ]
+
+
+def reset(acc):
+    """Empties the window (`rules.emptied`: the micro-step count runs on)."""
+    _assign(acc, rules.emptied(acc.state(), _zeros))
+
+
+def restart(acc):
+    """Empties the window and starts the next one at micro-step 0
+    (`rules.restarted`)."""
+    _assign(acc, rules.restarted(acc.state(), _zeros))
+
+
+def apply_partial_window(model):
+    """`FastGradModel.apply_partial_window` on TensorFlow: one traced flush
+    of the window (`train_step.flush`: applied if it holds samples, then
+    restarted) under the model's strategy. Returns the telemetry logs as
+    Python floats. Called by `models.partial_window` once a window is
+    pending."""
+    from keras_fastgrad.step import train_step  # (which imports this module)
+
+    state = model.fastgrad_step_state
+    if state.flush_function is None:
+        # A `partial`, not a lambda: TF keys its retracing warning on a
+        # function's code, shared by every model's lambda.
+        state.flush_function = tf.function(
+            functools.partial(model.distribute_strategy.run, train_step.flush, args=(model, state)),
+            jit_compile=bool(model.jit_compile),
+        )
+    state.flush_function()
+    logs = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables or 0)
+    if state.noise_scale is not None:  # the partial window's estimate
+        logs.update(state.noise_scale.logs())
+    return {k: float(v) for k, v in logs.items()}
+
+
+def _zeros(variable):
+    """A variable's emptied value: a gradient-sized sum's made when the
+    step runs (not a constant the graph would hold between steps)."""
+    return run_time_zeros(variable.shape) if len(variable.shape) else 0
+
+
+def _assign(acc, window):
+    """Writes `window`'s values into `acc`'s variables (those it changed)."""
+    for variable, value in zip(acc.variables, [*window.sums, *window[1:]]):
+        if value is not None and value is not variable:
+            variable.assign(value)
+
+
+def _as_count(include):
+    return tf.cast(include, tf.int64)
+
+
+def _add_included(acc, weighted_grads, normaliser, sparse_ok):
+    """Adds an included micro-batch: its sums, normaliser and count."""
+    _add_to_sums(acc, weighted_grads, sparse_ok)
+    increment(acc.normaliser, normaliser)
+    increment(acc.included, tf.constant(rules.counted(True, _as_count), tf.int64))
+
+
+def _add_to_sums(acc, weighted_grads, sparse_ok):
+    """Adds the gradients to the sums (`sparse_ok`: an `IndexedSlices` to
+    its rows only)."""
+    for total, g in zip(acc.sums, weighted_grads):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices) and sparse_ok:
+            total.value.scatter_add(to_float32(g))  # touched rows only
+        else:  # sync-on-read (replica) sums have no `scatter_add`
+            add_into(total, tf.cast(tf.convert_to_tensor(g), tf.float32))
+
+
+def _count(acc, weighted_grads, normaliser, include):
+    """Counts the micro-step, once the micro-batch exists. On data of
+    unknown size Keras' train function asks the iterator for one batch more
+    than it has (`get_next` fails with `OutOfRange`, which ends the epoch);
+    TensorFlow inlines the step into that function, and an increment that
+    reads nothing of the batch would still run there: the window would
+    count a micro-batch that never came."""
+    with tf.control_dependencies(_of_the_batch(weighted_grads, normaliser, include)):
+        increment(acc.micro_step, tf.constant(1, tf.int64))
+
+
+def _of_the_batch(weighted_grads, normaliser, include):
+    """Tensors computed from the micro-batch (its gradients, normaliser and
+    verdict): what the window's count waits for."""
+    tensors = [normaliser, include]
+    for g in weighted_grads:
+        if isinstance(g, tf.IndexedSlices):
+            tensors.append(g.values)
+        elif g is not None:
+            tensors.append(g)
+    return [t for t in tensors if isinstance(t, tf.Tensor)]
