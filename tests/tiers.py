@@ -302,6 +302,7 @@ JAX_PATHS = (
     "tests/step/test_batchnorm.py",
     "tests/step/test_slicing.py",  # micro_batches (with multitask) == the unsplit step
     "tests/step/test_finite.py",  # the finite check
+    "tests/step/test_telemetry_rules.py",  # the counters' and the streak's rules
     "tests/step/test_clipping.py",  # the global norm
     "tests/step/test_noise_scale.py",  # vs the closed form and the paper's estimators
     "tests/callbacks/test_noise_scale_arguments.py",
