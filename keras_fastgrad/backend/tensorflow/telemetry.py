@@ -2,7 +2,7 @@
 (`keras_fastgrad.step.telemetry`'s rules) written into their variables
 inside the branch that decided them, a count as one `AssignAddVariableOp`
 (`step.variables.increment`); sparse gradients' rows summed before the
-per-layer norms; `update_ratio` in TensorFlow ops (`AddN` sums).
+per-layer norms; `update_ratio`'s sums as `AddN`s.
 """
 
 from keras_fastgrad._tf_startup import tf
@@ -71,16 +71,9 @@ class StepTelemetry(core.StepTelemetry):
     def record_update_ratio(self, before, variables):
         """`maths.telemetry.update_ratio` of the update (inside its branch),
         its sums as `AddN`s."""
-        if self.update_ratio is None:
-            return
-        delta = tf.add_n(
-            [
-                tf.reduce_sum(tf.square(tf.cast(v.value, tf.float32) - b))
-                for v, b in zip(variables, before)
-            ]
-        )
-        size = tf.add_n([tf.reduce_sum(tf.square(b)) for b in before])
-        self.update_ratio.assign(tf.sqrt(delta) / tf.maximum(tf.sqrt(size), maths.MIN_WEIGHT_NORM))
+        if self.update_ratio is not None:
+            after = [v.value for v in variables]
+            self.update_ratio.assign(maths.update_ratio(before, after, total=tf.add_n))
 
     def logs(self, loss_scale, tape_variables, keys=None):
         """The log dict (`keras_fastgrad.step.telemetry.logs`), each wanted
