@@ -9,9 +9,9 @@
 - `agc_clipped_fraction`: the fraction of units adaptive gradient clipping
   clipped (`keras_fastgrad.maths.adaptive_clipping` counts them).
 
-Used by the JAX step (`keras_fastgrad.backend.jax.telemetry`); the
-TensorFlow step keeps its own (`keras_fastgrad.step.telemetry`: sparse
-gradients, and assignments into its variables).
+Used by both shells (`keras_fastgrad.backend.jax.telemetry`,
+`keras_fastgrad.backend.tensorflow.telemetry`, which sums a sparse
+gradient's rows first and assigns the values into its variables).
 """
 
 from keras import ops
@@ -50,12 +50,15 @@ def layer_norms(grads, layers, wanted):
     return {layer: ops.sqrt(squares.get(layer, zero)) for layer in wanted}
 
 
-def update_ratio(before, after):
+def update_ratio(before, after, total=None):
     """`||after - before|| / max(||before||, 1e-12)` over all the weights.
 
     Args:
         before: List of the weights before the update.
         after: List of the weights after it, in the same order.
+        total: Optional callable adding a list of float32 scalars (the
+            TensorFlow shell passes `tf.add_n`, one op); default: added
+            one after another.
 
     Returns:
         float32 scalar.
@@ -66,10 +69,20 @@ def update_ratio(before, after):
     ...                    [ops.convert_to_tensor([3.0, 4.5])]))
     0.1
     """
-    delta = ops.zeros((), "float32")
-    size = ops.zeros((), "float32")
-    for b, a in zip(before, after, strict=True):
-        b = ops.cast(b, "float32")
-        delta = delta + ops.sum(ops.square(ops.cast(a, "float32") - b))
-        size = size + ops.sum(ops.square(b))
+    total = total or _added
+    before = [ops.cast(b, "float32") for b in before]
+    delta = total(
+        [
+            ops.sum(ops.square(ops.cast(a, "float32") - b))
+            for b, a in zip(before, after, strict=True)
+        ]
+    )
+    size = total([ops.sum(ops.square(b)) for b in before])
     return ops.sqrt(delta) / ops.maximum(ops.sqrt(size), MIN_WEIGHT_NORM)
+
+
+def _added(scalars):
+    out = ops.zeros((), "float32")
+    for scalar in scalars:
+        out = out + scalar
+    return out

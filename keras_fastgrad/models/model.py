@@ -27,11 +27,11 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad import backend as _backend
 from keras_fastgrad.backend.jax import state as jax_state
+from keras_fastgrad.backend.tensorflow import log_packing
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
 from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step, partial_window, readouts
-from keras_fastgrad.step import log_packing
 from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
 from keras_fastgrad.step.divergence import TrainingLoss
@@ -297,7 +297,7 @@ class FastGradModel(keras.Model):
         self._fg_prepare_state()
         # Keras traces `self.train_step` as it finds it now: the step with
         # its telemetry keys packed into one output, handed back one by one
-        # (`step.log_packing`: Keras unpacks every output on the host).
+        # (`backend.tensorflow.log_packing`: Keras unpacks every output on the host).
         state = self.fastgrad_step_state
         object.__setattr__(self, "train_step", log_packing.packing_step(self.train_step, state))
         try:

@@ -17,20 +17,90 @@ optax's `apply_if_finite(max_consecutive_errors)`:
 - `DivergenceStop`, added to every `fit` of a model with
   `max_consecutive_nonfinite` set, stops training with a warning when the
   streak reaches the limit (read asynchronously, at no cost to the step).
+
+The rules (`counts_as_failure`, `streak_after`, `loss_result`, `diverged`)
+are written once, here, in `keras.ops`; the TensorFlow shell
+(`keras_fastgrad.backend.tensorflow.divergence`) writes the streak into its
+variable, the JAX shell (`keras_fastgrad.backend.jax.telemetry`) into the
+value in Keras' state tuple.
 """
 
 import math
 import warnings
 
 import keras
+from keras import ops
 
-from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.backend.tensorflow.variables import increment
-from keras_fastgrad.step.variables import global_variable
+
+def counts_as_failure(finite, scale=None):
+    """Boolean scalar: a dropped micro-batch that counts as a failure.
+
+    Without loss scaling (`scale=None`) every non-finite micro-batch does.
+    Under loss scaling an overflow (in the float16 forward pass or the
+    scaled gradients) is how the scale finds its level: it halves and the
+    next micro-batch usually passes. Only drops once the scale is down to 1
+    or below (some 15 halvings from Keras' initial 2**15) count.
+
+    Args:
+        finite: Boolean scalar, loss and gradients all finite.
+        scale: The loss scale before its update, `None` without scaling.
+
+    Example:
+
+    >>> bool(counts_as_failure(False)), bool(counts_as_failure(False, 2.0))
+    (True, False)
+    """
+    bad = ops.logical_not(finite)
+    if scale is None:
+        return bad
+    return ops.logical_and(bad, ops.less_equal(scale, 1.0))
+
+
+def failed(finite, scaling):
+    """`counts_as_failure` under the step's `LossScaling` unit (its scale
+    read only while it scales)."""
+    return counts_as_failure(finite, scaling.current_scale() if scaling.active else None)
+
+
+def failure(failed=None):
+    """How much a drop adds to the streak: 1 (`None` or `True`: the drop
+    is a failure), else `failed` (boolean scalar) as 0/1."""
+    return 1.0 if failed is None or failed is True else ops.cast(failed, "float32")
+
+
+def streak_after(streak, failed=None, applied=None):
+    """The streak after a step: one more where a drop `failed` (see
+    `failure`; `False`: no drop), then reset where an update was `applied`
+    (boolean scalar or `True`; `None`: none).
+
+    Example:
+
+    >>> float(streak_after(2.0, failed=True)), streak_after(2.0, applied=True)
+    (3.0, 0.0)
+    """
+    if failed is not False:
+        streak = streak + failure(failed)
+    if applied is True:
+        return 0.0
+    if applied is not None:
+        streak = ops.where(applied, 0.0, streak)
+    return streak
+
+
+def diverged(streak, limit):
+    """Python bool: the streak (a number) reached the limit (`None`: never)."""
+    return limit is not None and float(streak) >= limit
+
+
+def loss_result(mean, streak):
+    """What the training `loss` logs: NaN while the streak is positive
+    (micro-batches are being dropped), else the tracker's `mean`."""
+    return ops.where(ops.greater(streak, 0.0), float("nan"), mean)
 
 
 class DivergenceWatch:
-    """The step's failure streak, in a variable saved with the model.
+    """The step's failure streak, in a variable saved with the model (the
+    shells change it by `streak_after`).
 
     Args:
         limit: Integer >= 1 or `None` (never stop).
@@ -39,13 +109,9 @@ class DivergenceWatch:
 
     >>> watch = DivergenceWatch(limit=2)
     >>> watch.build()
-    >>> watch.record_drop(tf.constant(True))
-    >>> watch.record_drop(tf.constant(True))
+    >>> _ = watch.streak.assign(2.0)
     >>> watch.diverged()
     True
-    >>> watch.record_update()
-    >>> watch.diverged()
-    False
     """
 
     def __init__(self, limit):
@@ -53,45 +119,24 @@ class DivergenceWatch:
         self.streak = None
 
     def build(self):
-        self.streak = global_variable(0.0, "nonfinite_streak")
+        self.streak = keras.Variable(
+            0.0,
+            dtype="float32",
+            trainable=False,
+            autocast=False,
+            aggregation="only_first_replica",
+            name="nonfinite_streak",
+        )
 
     @property
     def variables(self):
         return [self.streak]
 
-    def record_drop(self, failed=None):
-        """Adds a failure when `failed` (boolean scalar, the same on every
-        replica; `None`: the drop is one)."""
-        increment(self.streak, 1.0 if failed is None else tf.where(failed, 1.0, 0.0))
-
-    def record_update(self):
-        """An update was applied (inside the update branch)."""
-        self.streak.assign(0.0)
-
     def diverged(self):
         """Python bool (reads the variable): the streak reached the limit."""
-        if self.limit is None or self.streak is None:
+        if self.streak is None:
             return False
-        return float(self.streak.numpy()) >= self.limit
-
-
-def failed(finite, scaling):
-    """Boolean scalar: a dropped micro-batch that counts as a failure.
-
-    Without loss scaling every non-finite micro-batch does. Under loss
-    scaling an overflow (in the float16 forward pass or the scaled
-    gradients) is how the scale finds its level: it halves and the next
-    micro-batch usually passes. Only drops once the scale is down to 1 or
-    below (some 15 halvings from Keras' initial 2**15) count.
-
-    Args:
-        finite: Boolean scalar, loss and gradients all finite.
-        scaling: The step's `LossScaling` unit (before its update).
-    """
-    bad = tf.logical_not(finite)
-    if not scaling.active:
-        return bad
-    return tf.logical_and(bad, scaling.current_scale() <= 1.0)
+        return diverged(keras.ops.convert_to_numpy(self.streak), self.limit)
 
 
 class TrainingLoss(keras.metrics.Mean):
@@ -128,7 +173,7 @@ class TrainingLoss(keras.metrics.Mean):
         streak = None if self._streak is None else self._streak()
         if streak is None:
             return mean
-        return tf.where(streak > 0.0, tf.constant(float("nan"), mean.dtype), mean)
+        return loss_result(mean, streak)
 
 
 class DivergenceStop(keras.callbacks.Callback):

@@ -38,12 +38,13 @@ import weakref
 import keras
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.backend.tensorflow.divergence import DivergenceWatch
+from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
 from keras_fastgrad.step import noise_scale, state_files
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
-from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.replicas import replicas_of
-from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
+from keras_fastgrad.step.telemetry import LOG_KEYS, is_optional_key
 
 # The units with state only some models have, by attribute name: saved
 # under keys of their own (`state_files`), in this order.

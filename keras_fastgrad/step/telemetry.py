@@ -56,14 +56,25 @@ Multi-task models (`FastGradModel(multitask=...)`) also log, whenever any
 telemetry is on, what the task Gram matrix of the latest micro-batch gives
 for free (see `keras_fastgrad.multitask`): `task_grad_norm/<task>`,
 `task_cosine/<task_a>/<task_b>` and `task_conflicts`.
+
+How the counters change is written once, here, as pure rules over a
+`Counters` record (one value per saved counter): each rule returns the
+*change* it makes (`Counters` with `None` for a counter it leaves as it
+is; for a count, `True` or a boolean scalar: "one more where it holds";
+for a latest value, the new value), and `apply` gives the new values. The
+JAX shell (`keras_fastgrad.backend.jax.telemetry`) applies the changes to
+the values in Keras' state tuple; the TensorFlow shell
+(`keras_fastgrad.backend.tensorflow.telemetry`) writes them into the
+variables (a count as one `AssignAddVariableOp`) inside the branch that
+decided them. `logs` makes the log dict from the counters on both.
 """
 
-from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.backend.tensorflow.variables import increment
-from keras_fastgrad.maths import telemetry as maths
+from typing import Any, NamedTuple
+
+import keras
+from keras import ops
+
 from keras_fastgrad.step import noise_scale
-from keras_fastgrad.step.gradients import summed_rows
-from keras_fastgrad.step.variables import global_variable
 
 LOG_KEYS = (
     "grad_norm",
@@ -79,6 +90,10 @@ LOG_KEYS = (
 LAYER_NORM_PREFIX = "grad_norm/"
 UPDATE_RATIO = "update_ratio"
 AGC_CLIPPED_FRACTION = "agc_clipped_fraction"
+# The keys of where the latest dropped micro-batch went bad, and with the
+# count the keys that make an ungated step count non-finite micro-batches.
+LOCATION_KEYS = ("nonfinite_first_index", "nonfinite_num_variables")
+COUNT_KEYS = ("nonfinite_count",) + LOCATION_KEYS
 
 
 # A multi-task model's keys (`keras_fastgrad.multitask` records them).
@@ -106,16 +121,176 @@ def is_optional_key(key):
     )
 
 
+class Counters(NamedTuple):
+    """The step's saved counters, one float32 scalar each (values, or the
+    variables holding them), in the order the files keep them.
+
+    Fields:
+        grad_norm: The latest update's gradient norm (latest value).
+        clipped_updates: Updates whose gradient was clipped (count).
+        updates: Optimizer updates made (count).
+        nonfinite_count: Micro-batches and updates dropped (count).
+        nonfinite_first_index: Where the latest dropped micro-batch went
+            bad (latest value, -1: nowhere known).
+        nonfinite_num_variables: How many of its gradients were
+            non-finite (latest value).
+        input_shape_changes: Micro-batches whose first input's shape
+            differed from the previous one's (count).
+        last_input_batch: The previous micro-batch's rows (latest value,
+            -1: none yet).
+        last_input_size: Its first input's element count (latest value).
+    """
+
+    grad_norm: Any = None
+    clipped_updates: Any = None
+    updates: Any = None
+    nonfinite_count: Any = None
+    nonfinite_first_index: Any = None
+    nonfinite_num_variables: Any = None
+    input_shape_changes: Any = None
+    last_input_batch: Any = None
+    last_input_size: Any = None
+
+
+# The fields that count (a change adds one where it holds); the others
+# hold the latest value (a change replaces it).
+COUNTS = frozenset({"clipped_updates", "updates", "nonfinite_count", "input_shape_changes"})
+# The initial values (a fresh model, a state started anew).
+INITIAL = Counters(0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, -1.0, -1.0)
+
+
+def dropped(first_bad=None, num_bad=None):
+    """The change of a dropped micro-batch: counted, and where it went bad
+    (index of its first non-finite gradient, -1 when only its loss was;
+    how many were) when the shell worked it out (`None`: not asked).
+
+    Example:
+
+    >>> dropped(3, 1)
+    Counters(grad_norm=None, clipped_updates=None, updates=None, nonfinite_count=True, nonfinite_first_index=3, nonfinite_num_variables=1, input_shape_changes=None, last_input_batch=None, last_input_size=None)
+    """
+    return Counters(
+        nonfinite_count=True, nonfinite_first_index=first_bad, nonfinite_num_variables=num_bad
+    )
+
+
+def dropped_update():
+    """The change of a window (or replica sum) of finite gradients that
+    overflowed and was dropped at its update: counted as non-finite, no
+    variable to point at (-1)."""
+    return Counters(nonfinite_count=True, nonfinite_first_index=-1.0)
+
+
+def updated(norm=None, was_clipped=None):
+    """The change of an applied update: counted; its gradient's norm
+    (`None`: not measured) and whether it was clipped (boolean scalar,
+    `None`: no clipping)."""
+    return Counters(updates=True, grad_norm=norm, clipped_updates=was_clipped)
+
+
+def input_shape(last_batch, last_size, rows, size):
+    """The change of a micro-batch of `rows` rows whose first input holds
+    `size` elements: counted when either differs from the previous
+    micro-batch's (`last_batch`, `last_size`; `last_batch < 0`: none
+    before), and remembered.
+
+    Example:
+
+    >>> change = input_shape(8.0, 32.0, 4.0, 16.0)
+    >>> bool(change.input_shape_changes), change.last_input_batch
+    (True, 4.0)
+    """
+    changed = ops.logical_and(
+        ops.greater_equal(last_batch, 0.0),
+        ops.logical_or(ops.not_equal(rows, last_batch), ops.not_equal(size, last_size)),
+    )
+    return Counters(input_shape_changes=changed, last_input_batch=rows, last_input_size=size)
+
+
+def apply(counters, change, where=True):
+    """The counters after `change`, made where `where` holds.
+
+    Args:
+        counters: `Counters` of float32 values.
+        change: `Counters` a rule returned (`None`: unchanged).
+        where: Boolean scalar or `True`: whether the change happened.
+
+    Returns:
+        `Counters` of float32 values.
+
+    Example:
+
+    >>> c = apply(INITIAL, dropped(2, 1))
+    >>> float(c.nonfinite_count), float(c.nonfinite_first_index)
+    (1.0, 2.0)
+    >>> c = apply(c, updated(norm=5.0), where=False)
+    >>> float(c.updates), float(c.grad_norm)
+    (0.0, 0.0)
+    """
+    new = []
+    for name, old, value in zip(Counters._fields, counters, change, strict=True):
+        if value is None:
+            new.append(old)
+        elif name in COUNTS:
+            holds = value if where is True else (where if value is True else where & value)
+            new.append(old + (1.0 if holds is True else ops.cast(holds, "float32")))
+        else:
+            value = ops.cast(value, "float32")
+            new.append(value if where is True else ops.where(where, value, old))
+    return Counters(*new)
+
+
+def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None):
+    """The log dict of the fixed keys (`LOG_KEYS` order), then the optional
+    keys', float32 scalars.
+
+    Args:
+        counters: `Counters` of values or of the variables holding them.
+        loss_scale: float32 scalar, the current loss scale.
+        tape_variables: Python int, how many variables the gradient is
+            taken for.
+        keys: Optional set of the keys wanted (`None`: every key); only
+            those are read.
+        optional: `(key, value or variable)` pairs of the optional keys.
+        read: How the shell reads one of them (default: a float32 cast).
+
+    Example:
+
+    >>> out = logs(INITIAL, 1.0, 4, keys={"updates", "tape_variables"})
+    >>> {k: float(v) for k, v in out.items()}
+    {'updates': 0.0, 'tape_variables': 4.0}
+    """
+    read = read or (lambda value: ops.cast(value, "float32"))
+
+    def wanted(key):
+        return keys is None or key in keys
+
+    out = {}
+    for key in LOG_KEYS:
+        if not wanted(key):
+            continue
+        if key == "loss_scale":
+            out[key] = ops.cast(loss_scale, "float32")
+        elif key == "tape_variables":
+            out[key] = ops.convert_to_tensor(float(tape_variables), "float32")
+        else:
+            out[key] = read(getattr(counters, key))
+    out.update({key: read(value) for key, value in optional if wanted(key)})
+    return out
+
+
 class StepTelemetry:
-    """The step's measurements, kept in float32 scalar variables.
+    """The step's measurements, kept in float32 scalar variables (on every
+    backend; the shells change them by the rules above).
 
     Example:
 
     >>> t = StepTelemetry()
-    >>> t.build()
-    >>> t.record_drop(tf.constant(3), tf.constant(1))
-    >>> float(t.nonfinite_count.numpy()), float(t.nonfinite_first_index.numpy())
-    (1.0, 3.0)
+    >>> t.build(["dense/kernel", "dense/bias"], ["grad_norm/dense"])
+    >>> [k for k, _ in t.optional_variables()]
+    ['grad_norm/dense']
+    >>> float(t.counters().nonfinite_first_index.numpy())
+    -1.0
     """
 
     def build(self, variable_paths=(), optional_keys=()):
@@ -124,147 +299,57 @@ class StepTelemetry:
         Args:
             variable_paths: Paths of the watched variables, in order.
             optional_keys: Requested optional keys (`grad_norm/<layer>`,
-                `update_ratio`, `agc_clipped_fraction`); their variables are measurements, not
-                training state, and are not saved with the model.
+                `update_ratio`, `agc_clipped_fraction`); their variables
+                are measurements, not training state, and are not saved
+                with the model.
         """
         self.layer_of_variable = [layer_key(p) for p in variable_paths]
         self.layer_norms = {
-            key: global_variable(0.0, key.replace("/", "_"))
+            key: _variable(0.0, key.replace("/", "_"))
             for key in dict.fromkeys(self.layer_of_variable)
             if key in optional_keys
         }
-        self.update_ratio = (
-            global_variable(0.0, UPDATE_RATIO) if UPDATE_RATIO in optional_keys else None
-        )
+        self.update_ratio = _variable(0.0, UPDATE_RATIO) if UPDATE_RATIO in optional_keys else None
         self.agc_clipped_fraction = (
-            global_variable(0.0, AGC_CLIPPED_FRACTION)
-            if AGC_CLIPPED_FRACTION in optional_keys
-            else None
+            _variable(0.0, AGC_CLIPPED_FRACTION) if AGC_CLIPPED_FRACTION in optional_keys else None
         )
-        self.grad_norm = global_variable(0.0, "grad_norm")
-        self.clipped_updates = global_variable(0.0, "clipped_updates")
-        self.updates = global_variable(0.0, "updates")
-        self.nonfinite_count = global_variable(0.0, "nonfinite_count")
-        self.nonfinite_first_index = global_variable(-1.0, "nonfinite_first_index")
-        self.nonfinite_num_variables = global_variable(0.0, "nonfinite_num_variables")
-        self.input_shape_changes = global_variable(0.0, "input_shape_changes")
-        self.last_input_batch = global_variable(-1.0, "last_input_batch")
-        self.last_input_size = global_variable(-1.0, "last_input_size")
+        for name, value in zip(Counters._fields, INITIAL, strict=True):
+            setattr(self, name, _variable(value, name))
+
+    def counters(self):
+        """`Counters` of the variables."""
+        return Counters(*(getattr(self, name) for name in Counters._fields))
 
     @property
     def variables(self):
-        return [
-            self.grad_norm,
-            self.clipped_updates,
-            self.updates,
-            self.nonfinite_count,
-            self.nonfinite_first_index,
-            self.nonfinite_num_variables,
-            self.input_shape_changes,
-            self.last_input_batch,
-            self.last_input_size,
-        ]
+        """The saved variables (`Counters`' order)."""
+        return list(self.counters())
 
-    def record_drop(self, first_bad=None, num_bad=None):
-        """Counts a dropped micro-batch and, when given, remembers where it
-        went bad (runs only in the branch of a non-finite micro-batch)."""
-        increment(self.nonfinite_count, 1.0)
-        if first_bad is not None:
-            self.nonfinite_first_index.assign(tf.cast(first_bad, tf.float32))
-            self.nonfinite_num_variables.assign(tf.cast(num_bad, tf.float32))
-
-    def record_dropped_update(self):
-        """A window (or replica sum) of finite micro-batch gradients that
-        overflowed was dropped at its update: counted as non-finite."""
-        increment(self.nonfinite_count, 1.0)
-        self.nonfinite_first_index.assign(-1.0)
-
-    def record_layer_norms(self, grads):
-        """Per-layer norms of the update's gradient (before clipping;
-        `keras_fastgrad.maths.telemetry`, as on JAX)."""
-        if not self.layer_norms:
-            return
-        grads = [None if g is None else summed_rows(g) for g in grads]
-        norms = maths.layer_norms(grads, self.layer_of_variable, self.layer_norms)
-        for layer, variable in self.layer_norms.items():
-            variable.assign(norms[layer])
+    def optional_variables(self):
+        """`[(key, variable)]` of the optional keys there are variables
+        for, in the logs' order."""
+        pairs = list(self.layer_norms.items())
+        for key in (UPDATE_RATIO, AGC_CLIPPED_FRACTION):
+            variable = getattr(self, key)
+            if variable is not None:
+                pairs.append((key, variable))
+        return pairs
 
     def record_adaptive_clipping(self, fraction):
         """The fraction of units adaptive clipping clipped (update branch)."""
         if self.agc_clipped_fraction is not None:
             self.agc_clipped_fraction.assign(fraction)
 
-    def record_update_ratio(self, before, variables):
-        """`||w_after - w_before|| / ||w_before||` (inside the branch; as
-        `maths.telemetry.update_ratio`, in TensorFlow ops: `AddN`s, 16 ops
-        fewer on the benchmark MLP than the `keras.ops` sums)."""
-        if self.update_ratio is None:
-            return
-        delta = tf.add_n(
-            [
-                tf.reduce_sum(tf.square(tf.cast(v.value, tf.float32) - b))
-                for v, b in zip(variables, before)
-            ]
-        )
-        size = tf.add_n([tf.reduce_sum(tf.square(b)) for b in before])
-        self.update_ratio.assign(tf.sqrt(delta) / tf.maximum(tf.sqrt(size), 1e-12))
 
-    def snapshot(self, variables):
-        """float32 copies of the weights before an update, if needed."""
-        if self.update_ratio is None:
-            return None
-        return [tf.identity(tf.cast(v.value, tf.float32)) for v in variables]
-
-    def record_input_shape(self, first_input):
-        """Counts micro-batches whose input shape differs from the previous
-        one's (batch size or element count of the first input): under XLA
-        every new shape is a compile."""
-        batch = tf.cast(tf.shape(first_input)[0], tf.float32)
-        size = tf.cast(tf.size(first_input), tf.float32)
-        changed = tf.logical_and(
-            self.last_input_batch >= 0.0,
-            tf.logical_or(
-                tf.not_equal(batch, self.last_input_batch),
-                tf.not_equal(size, self.last_input_size),
-            ),
-        )
-        increment(self.input_shape_changes, tf.where(changed, 1.0, 0.0))
-        self.last_input_batch.assign(batch)
-        self.last_input_size.assign(size)
-
-    def record_update(self, norm, was_clipped):
-        """Records one optimizer update (inside the update branch)."""
-        increment(self.updates, 1.0)
-        if norm is not None:
-            self.grad_norm.assign(norm)
-        if was_clipped is not None:
-            increment(self.clipped_updates, tf.cast(was_clipped, tf.float32))
-
-    def logs(self, loss_scale, tape_variables, keys=None):
-        """The log dict returned by the step.
-
-        Args:
-            loss_scale: float32 scalar, the current loss scale.
-            tape_variables: Python int, the watched variables' number.
-            keys: Optional set of keys: only those are read (one
-                `ReadVariableOp` each); `None`: every key.
-        """
-
-        def wanted(key):
-            return keys is None or key in keys
-
-        logs = {v.name: _read(v) for v in self.variables if v.name in LOG_KEYS and wanted(v.name)}
-        logs["loss_scale"] = loss_scale
-        logs["tape_variables"] = tf.constant(float(tape_variables))
-        logs = {key: logs[key] for key in LOG_KEYS if key in logs and wanted(key)}
-        logs.update({k: _read(v) for k, v in self.layer_norms.items() if wanted(k)})
-        if self.update_ratio is not None and wanted(UPDATE_RATIO):
-            logs[UPDATE_RATIO] = _read(self.update_ratio)
-        if self.agc_clipped_fraction is not None and wanted(AGC_CLIPPED_FRACTION):
-            logs[AGC_CLIPPED_FRACTION] = _read(self.agc_clipped_fraction)
-        return logs
-
-
-def _read(variable):
-    """The variable's value now, as a tensor (one read, no copy)."""
-    return tf.convert_to_tensor(variable.value)
+def _variable(value, name):
+    """A float32 counter that is the same on every replica (replica 0's
+    write is kept), never autocast, never trained (as
+    `keras_fastgrad.step.variables.global_variable`)."""
+    return keras.Variable(
+        value,
+        dtype="float32",
+        trainable=False,
+        autocast=False,
+        aggregation="only_first_replica",
+        name=name,
+    )

@@ -1,15 +1,15 @@
 """The telemetry keys travel packed through Keras' TensorFlow train function
-(`keras_fastgrad.step.log_packing`) and come back as they were: the values
-`fit`, History, `train_on_batch` and a subclass's own step see are checked
-against gradients worked out by hand."""
+(`keras_fastgrad.backend.tensorflow.log_packing`) and come back as they
+were: the values `fit`, History, `train_on_batch` and a subclass's own step
+see are checked against gradients worked out by hand."""
 
 import keras
 import numpy as np
 import pytest
 
 import keras_fastgrad
+from keras_fastgrad.backend.tensorflow import log_packing
 from keras_fastgrad.callbacks import GradientNormLogger, NonFiniteGuard, TapeVariableCounter
-from keras_fastgrad.step import log_packing
 
 pytestmark = pytest.mark.tensorflow_only(
     reason="Keras' TensorFlow train function unpacks its outputs on the host; JAX's does not"
@@ -114,3 +114,15 @@ def test_a_vector_that_does_not_fit_the_names_is_refused():
 
     with pytest.raises(RuntimeError, match=r"3 values for the 2 keys \['grad_norm', 'updates'\]"):
         log_packing.unpacking(function, State())(None)
+
+
+def test_packing_step_stacks_the_recorded_names():
+    class State:
+        telemetry_names, packed_names = ("grad_norm", "updates"), ()
+
+    state = State()
+    step = lambda data: {"loss": 0.5, "grad_norm": 2.0, "updates": 3.0}  # noqa: E731
+    logs = log_packing.packing_step(step, state)(None)
+    assert sorted(logs) == [log_packing.PACKED_KEY, "loss"]
+    assert logs[log_packing.PACKED_KEY].numpy().tolist() == [2.0, 3.0]
+    assert state.packed_names == ("grad_norm", "updates")

@@ -13,11 +13,10 @@ step reads by position, once per trace, so the step works on plain values
 import math
 
 import keras
-from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax.telemetry import optional_variables
-from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss
+from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss, loss_result
 
 
 class Slots:
@@ -151,7 +150,7 @@ class JaxTrainingLoss(TrainingLoss):
             streak = _value_or_none(streak)
         if streak is None:
             return mean
-        return ops.where(streak > 0.0, ops.full_like(mean, float("nan")), mean)
+        return loss_result(mean, streak)
 
 
 def _value_or_none(variable):

@@ -39,7 +39,7 @@ from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import Slots, check_trainable_unchanged
-from keras_fastgrad.step import verdict
+from keras_fastgrad.step import divergence, verdict
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.splitting import first_input
 
@@ -72,16 +72,14 @@ def train_step(model, state, data):
     drops = model.fastgrad_step_state.drops_nonfinite()
     finite, scaled = _finite_check(model, grads, unscaled_loss, drops and not accumulating)
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
-    failed = verdict.failed(finite, scale)
+    failed = divergence.counts_as_failure(finite, scale)
     telemetry.record_input_shape(model, new, x)
     if not drops:  # applied as keras.Model does; counted only while asked
         telemetry.record_ungated(model, new, grads, finite)
     if accumulating:
         keep = finite if drops else True
         if drops:  # (ungated: counted above only while asked, as on TF)
-            new["nonfinite_count"] += ops.cast(~finite, "float32")
-            new["streak"] += ops.cast(failed, "float32")
-            telemetry.record_location(model, new, grads, ~finite)
+            telemetry.record_drop(model, new, grads, ~finite, failed)
         units.update_scale(slots, ov, finite, counts_growth=False)
         noise.record_small(model, new, grads, x, d, finite, (sample_weight, mean))
         tv, ov = jax_window.accumulate_or_apply(
@@ -253,9 +251,7 @@ def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
     ok = jax_agc.both(ok, agc_ok)
     if drops:
         keep, counts = verdict.keep(finite, ok, failed)
-        new["nonfinite_count"] += ops.cast(~keep, "float32")
-        telemetry.record_location(model, new, raw, ~keep)
-        new["streak"] += ops.cast(~keep & counts, "float32")
+        telemetry.record_drop(model, new, raw, ~keep, ~keep & counts)
         do_apply = keep
     else:  # ungated: applied as keras.Model does (no check, no count, as on TF)
         keep = True
@@ -265,7 +261,7 @@ def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
             jax_agc.record_drop(new, ~agc_ok, jax_agc.counted(model, finite))
     before = tv
     tv, ov = units.apply_if(slots, tv, ov, grads, do_apply, factor)
-    units.record_update(new, do_apply, norm, was_clipped)
+    telemetry.record_update(new, do_apply, norm, was_clipped)
     measures = telemetry.measure(model, adapted, before, tv, counted)  # (optional keys)
     telemetry.record_measures(new, measures, finite if drops else True, do_apply)
     return keep, tv, ov

@@ -1,42 +1,26 @@
-"""The fixed telemetry log keys (`keras_fastgrad.step.telemetry.LOG_KEYS`)
-on Keras' JAX backend, worked out inside the jitted step from the state's
-values (`jax_step`), with the names and meanings they have on TensorFlow.
+"""The step's telemetry on Keras' JAX backend: the counters' and the
+divergence streak's rules (`keras_fastgrad.step.telemetry`,
+`keras_fastgrad.step.divergence`) applied to their values in Keras' state
+tuple (`jax_state.Slots`), inside the jitted step, where a traced branch
+cannot assign: each change is selected (`where`) by the boolean scalar
+that decided it.
 
-- `grad_norm`, `clipped_updates`, `updates`, `nonfinite_count`: the step's
-  counters (`jax_units.record_update`); `grad_norm` is measured (before
-  clipping) while the key is requested, or with `clip_norm`.
-- `nonfinite_first_index`, `nonfinite_num_variables`: where the latest
-  dropped micro-batch went bad, worked out while one of them is requested.
-- `loss_scale`: the current loss scale (1 without loss scaling).
-- `tape_variables`: on JAX there is no tape: the number of trainable
-  variables the gradient (`jax.value_and_grad`) is taken for, a trace-time
-  constant, as the tape's watched variables are on TensorFlow. While it is
-  requested, the trace also finds the variables the loss does not reach
-  (`record_trace_facts`: JAX gives them a zero gradient where TensorFlow's
-  tape gives `None`), for `model.variables_without_gradient` and
-  `TapeVariableCounter`'s warning.
-- `input_shape_changes`: micro-batches whose first input's shape differed
-  from the previous one's (counted while the key is requested).
+What is JAX's own here: where a dropped micro-batch went bad is worked
+out from the gradient arrays (while `nonfinite_first_index` or
+`nonfinite_num_variables` is requested); `input_shape_changes` compares
+the static shapes of the traced micro-batch; `tape_variables` is, with no
+tape, the number of trainable variables the gradient
+(`jax.value_and_grad`) is taken for, and while it is requested the trace
+also finds the variables the loss does not reach (`record_trace_facts`:
+JAX gives them a zero gradient where TensorFlow's tape gives `None`).
 
-The optional keys, with TensorFlow's definitions and update rule
-(`keras_fastgrad.step.telemetry`; the maths: `keras_fastgrad.maths.telemetry`):
-
-- `grad_norm/<layer>`: each layer's part of the update's gradient (after
-  adaptive clipping, before `clip_norm`), and `agc_clipped_fraction`: the
-  fraction of units AGC clipped in it; both taken where the update's
-  branch runs (a finite micro-batch, any micro-batch with
-  `skip_nonfinite=False`, a complete window), as on TensorFlow;
-- `update_ratio`: `||w_after - w_before|| / ||w_before||` of an applied
-  update only.
-
-Their variables are `StepTelemetry`'s (measurements, not saved: the files
-are TensorFlow's); on JAX they ride in the state tuple with the step's
-others (`optional_variables`, `jax_state`). The noise scale's
-`gns_simple`, `gns_grad_sq`, `gns_trace` (with accumulation;
-`telemetry=True` adds them there, as on TensorFlow) come from
-`jax_noise_scale`. The multi-task keys (`task_grad_norm/<task>`,
-`task_cosine/<a>/<b>`, `task_conflicts`) come from the micro-batch's Gram
-matrix (`keras_fastgrad.backend.jax.multitask`).
+The optional keys (`keras_fastgrad.maths.telemetry`): `grad_norm/<layer>`
+and `agc_clipped_fraction` of the update's gradient (after adaptive
+clipping, before `clip_norm`) where its branch runs, `update_ratio` of an
+applied update only, as on TensorFlow; their variables ride in the state
+tuple with the step's others (not saved). The noise scale's keys come from
+`jax_noise_scale`, the multi-task keys from the micro-batch's Gram matrix
+(`keras_fastgrad.backend.jax.multitask`).
 """
 
 import math
@@ -46,12 +30,43 @@ from keras import ops
 from keras_fastgrad.backend.jax import noise_scale as jax_noise_scale
 from keras_fastgrad.maths import finite
 from keras_fastgrad.maths import telemetry as maths
+from keras_fastgrad.step import divergence
+from keras_fastgrad.step import telemetry as core
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
-from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS, UPDATE_RATIO
+from keras_fastgrad.step.telemetry import (
+    AGC_CLIPPED_FRACTION,
+    COUNT_KEYS,
+    LOCATION_KEYS,
+    LOG_KEYS,
+    UPDATE_RATIO,
+)
 
-LOCATION_KEYS = ("nonfinite_first_index", "nonfinite_num_variables")
-COUNT_KEYS = ("nonfinite_count",) + LOCATION_KEYS
+# Where each counter's value sits among the step's values (`jax_state.Slots`).
+_SLOT = core.Counters(
+    grad_norm="grad_norm",
+    clipped_updates="clipped_updates",
+    updates="updates",
+    nonfinite_count="nonfinite_count",
+    nonfinite_first_index="first_index",
+    nonfinite_num_variables="num_bad",
+    input_shape_changes="shape_changes",
+    last_input_batch="last_batch",
+    last_input_size="last_size",
+)
+
+
+def _counters(new):
+    return core.Counters(*(new[slot] for slot in _SLOT))
+
+
+def _change(new, change, where=True):
+    """`core.apply` of a rule's `change` to the values in `new`."""
+    for slot, before, after in zip(
+        _SLOT, _counters(new), core.apply(_counters(new), change, where)
+    ):
+        if after is not before:
+            new[slot] = after
 
 
 def requested(model):
@@ -61,19 +76,23 @@ def requested(model):
     return model.fastgrad_step_state.log_keys & set(LOG_KEYS)
 
 
-def record_location(model, new, grads, dropped):
-    """Where a dropped micro-batch went bad (`dropped`: boolean scalar):
-    the index of its first non-finite gradient (-1 when only the loss, or a
-    clip factor, was) and how many were; only while a key asks."""
+def _location(model, grads):
+    """`(first, num)`: the index of the first non-finite gradient (-1 when
+    only the loss, or a clip factor, was) and how many were; `(None,
+    None)` unless a key asks."""
     if not requested(model) & set(LOCATION_KEYS):
-        return
+        return None, None
     if grads:  # (TensorFlow's `summarize` of its marks: a sum that overflows counts)
-        first, num = finite.summarize(finite.marks(grads), with_loss=False)
-        first, num = ops.cast(first, "float32"), ops.cast(num, "float32")
-    else:
-        num, first = ops.zeros((), "float32"), ops.convert_to_tensor(-1.0)
-    new["first_index"] = ops.where(dropped, first, new["first_index"])
-    new["num_bad"] = ops.where(dropped, num, new["num_bad"])
+        return finite.summarize(finite.marks(grads), with_loss=False)
+    return ops.zeros((), "float32"), -1.0
+
+
+def record_drop(model, new, grads, dropped, failed):
+    """A micro-batch dropped where `dropped` (boolean scalar): counted, with
+    where it went bad while a key asks, and towards the divergence streak
+    where `failed` (boolean scalar; `False`: never)."""
+    _change(new, core.dropped(*_location(model, grads)), dropped)
+    new["streak"] = divergence.streak_after(new["streak"], failed=failed)
 
 
 def record_ungated(model, new, grads, finite):
@@ -81,8 +100,21 @@ def record_ungated(model, new, grads, finite):
     micro-batch is applied, and counted (with its location) only while a
     `nonfinite_*` key is requested, as on TensorFlow."""
     if requested(model) & set(COUNT_KEYS):
-        new["nonfinite_count"] += ops.cast(~finite, "float32")
-        record_location(model, new, grads, ~finite)
+        record_drop(model, new, grads, ~finite, failed=False)
+
+
+def record_update(new, applied, norm, was_clipped):
+    """An update applied where `applied` (boolean scalar): counted, its
+    norm (`None`: not measured) and clipping recorded, the streak reset."""
+    _change(new, core.updated(norm, was_clipped), applied)
+    new["streak"] = divergence.streak_after(new["streak"], failed=False, applied=applied)
+
+
+def record_dropped_update(new, dropped):
+    """A finite micro-batch (or window) whose update overflowed, dropped
+    where `dropped` (boolean scalar): counted, and a failure."""
+    _change(new, core.dropped_update(), dropped)
+    new["streak"] = divergence.streak_after(new["streak"], failed=dropped)
 
 
 def record_trace_facts(model, state, x, y, sample_weight):
@@ -125,28 +157,18 @@ def record_trace_facts(model, state, x, y, sample_weight):
 
 def record_input_shape(model, new, x):
     """Counts a micro-batch whose first input's shape (rows or element
-    count) differs from the previous one's; only while the key is asked."""
+    count, static under `jit`) differs from the previous one's; only while
+    the key is asked."""
     if "input_shape_changes" not in requested(model):
         return
     first = first_input(x)
     rows, size = float(first.shape[0]), float(math.prod(first.shape))
-    changed = (new["last_batch"] >= 0.0) & (
-        (new["last_batch"] != rows) | (new["last_size"] != size)
-    )
-    new["shape_changes"] += ops.cast(changed, "float32")
-    new["last_batch"] = ops.full_like(new["last_batch"], rows)
-    new["last_size"] = ops.full_like(new["last_size"], size)
+    _change(new, core.input_shape(new["last_batch"], new["last_size"], rows, size))
 
 
 def optional_variables(telemetry):
-    """`[(key, variable)]` of the optional keys `telemetry` (a built
-    `StepTelemetry`) has variables for, in its logs' order."""
-    pairs = list(telemetry.layer_norms.items())
-    for key in (UPDATE_RATIO, AGC_CLIPPED_FRACTION):
-        variable = getattr(telemetry, key)
-        if variable is not None:
-            pairs.append((key, variable))
-    return pairs
+    """`telemetry.optional_variables()` (a built `StepTelemetry`)."""
+    return telemetry.optional_variables()
 
 
 def measured_keys(model):
@@ -198,23 +220,12 @@ def record_measures(new, measures, entered, applied):
 
 
 def logs(model, slots, new, ov, num_trainable):
-    """The requested keys' values (float32 scalars), in `LOG_KEYS` order,
-    then the optional keys' and the noise scale's (`jax_noise_scale`)."""
-    gns = jax_noise_scale.logs(model, new, model.fastgrad_step_state.log_keys)
-    gns = {**{k: ops.cast(new[k], "float32") for k in measured_keys(model)}, **gns}
-    keys = requested(model)
-    if not keys:
-        return gns
+    """The requested keys' values (float32 scalars,
+    `keras_fastgrad.step.telemetry.logs`), then the noise scale's
+    (`jax_noise_scale`)."""
+    keys = model.fastgrad_step_state.log_keys
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else 1.0
-    values = {
-        "grad_norm": new["grad_norm"],
-        "clipped_updates": new["clipped_updates"],
-        "updates": new["updates"],
-        "nonfinite_count": new["nonfinite_count"],
-        "nonfinite_first_index": new["first_index"],
-        "nonfinite_num_variables": new["num_bad"],
-        "loss_scale": scale,
-        "tape_variables": float(num_trainable),
-        "input_shape_changes": new["shape_changes"],
-    }
-    return {**{k: ops.cast(values[k], "float32") for k in LOG_KEYS if k in keys}, **gns}
+    measured = [(k, new[k]) for k in measured_keys(model)]
+    out = core.logs(_counters(new), scale, num_trainable, keys, measured)
+    out.update(jax_noise_scale.logs(model, new, keys))
+    return out

@@ -87,20 +87,3 @@ def stateless_apply_if(optimizer, tv, ov, grads, do_apply, factor=None):
     if do_apply is True:
         return update(tv, ov, grads, factor)
     return jax.lax.cond(do_apply, update, lambda t, o, g, f: (t, o), tv, ov, grads, factor)
-
-
-def record_update(new, applied, norm, was_clipped):
-    """The counters of an applied update (`applied`: boolean scalar)."""
-    new["updates"] += ops.cast(applied, "float32")
-    if norm is not None:  # with `clip_norm`, or the `grad_norm` key
-        new["grad_norm"] = ops.where(applied, norm, new["grad_norm"])
-    if was_clipped is not None:
-        new["clipped_updates"] += ops.cast(applied & was_clipped, "float32")
-    new["streak"] = ops.where(applied, 0.0, new["streak"])
-
-
-def record_dropped_update(new, dropped):
-    """A finite micro-batch (or window) whose update overflowed: counted."""
-    new["nonfinite_count"] += ops.cast(dropped, "float32")
-    new["streak"] += ops.cast(dropped, "float32")
-    new["first_index"] = ops.where(dropped, -1.0, new["first_index"])

@@ -111,11 +111,13 @@ def window_update(model, slots, params, new, window, mean, do_window, gated):
     applied = do_window & update_ok
     telemetry.record_measures(new, optional, do_window, applied)
     if gated:
-        units.record_dropped_update(new, do_window & ~update_ok)
+        telemetry.record_dropped_update(new, do_window & ~update_ok)
     elif options.clip_adaptive is not None:  # AGC's drop of a window
         counted = jax_agc.counted(model, units.all_finite(window.sums))
         jax_agc.record_drop(new, do_window & ~update_ok, counted)
-    units.record_update(new, applied, norm if measures else None, was_clipped if clipping else None)
+    telemetry.record_update(
+        new, applied, norm if measures else None, was_clipped if clipping else None
+    )
     if slots.scaler is not None:  # growth counts applied updates
         grown = list(ov)
         units.update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)

@@ -1,0 +1,94 @@
+"""The step's telemetry on TensorFlow: the counters' changes
+(`keras_fastgrad.step.telemetry`'s rules) written into their variables
+inside the branch that decided them, a count as one `AssignAddVariableOp`
+(`step.variables.increment`); sparse gradients' rows summed before the
+per-layer norms; `update_ratio`'s sums as `AddN`s.
+"""
+
+from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.maths import telemetry as maths
+from keras_fastgrad.step import telemetry as core
+from keras_fastgrad.step.gradients import summed_rows
+from keras_fastgrad.step.variables import increment
+
+
+def write(counters, change):
+    """Writes `change` (a rule's `Counters`) into `counters` (`Counters` of
+    the variables): a count gets one more (or its boolean as 0/1), a latest
+    value is assigned; `None` is left alone."""
+    for name, variable, value in zip(core.Counters._fields, counters, change, strict=True):
+        if value is None:
+            continue
+        if name in core.COUNTS:
+            increment(variable, 1.0 if value is True else tf.cast(value, tf.float32))
+        else:
+            variable.assign(tf.cast(value, tf.float32))
+
+
+class StepTelemetry(core.StepTelemetry):
+    """`keras_fastgrad.step.telemetry.StepTelemetry` with the TensorFlow
+    step's writes (each inside the branch it records; checked in
+    `tests/step/test_telemetry_rules.py`)."""
+
+    def record_drop(self, first_bad=None, num_bad=None):
+        """Counts a dropped micro-batch and, when given, where it went bad."""
+        write(self.counters(), core.dropped(first_bad, num_bad))
+
+    def record_dropped_update(self):
+        """A window (or replica sum) of finite gradients that overflowed
+        was dropped at its update."""
+        write(self.counters(), core.dropped_update())
+
+    def record_update(self, norm, was_clipped):
+        """Records one optimizer update (inside the update branch)."""
+        write(self.counters(), core.updated(norm, was_clipped))
+
+    def record_input_shape(self, first_input):
+        """Counts a micro-batch whose first input's shape (its rows or
+        element count, read when the step runs) differs from the previous
+        one's: under XLA every new shape is a compile."""
+        rows = tf.cast(tf.shape(first_input)[0], tf.float32)
+        size = tf.cast(tf.size(first_input), tf.float32)
+        change = core.input_shape(self.last_input_batch, self.last_input_size, rows, size)
+        write(self.counters(), change)
+
+    def record_layer_norms(self, grads):
+        """Per-layer norms of the update's gradient (before clipping;
+        `keras_fastgrad.maths.telemetry`), a sparse gradient's rows summed."""
+        if not self.layer_norms:
+            return
+        grads = [None if g is None else summed_rows(g) for g in grads]
+        norms = maths.layer_norms(grads, self.layer_of_variable, self.layer_norms)
+        for layer, variable in self.layer_norms.items():
+            variable.assign(norms[layer])
+
+    def snapshot(self, variables):
+        """float32 copies of the weights before an update, if needed."""
+        if self.update_ratio is None:
+            return None
+        return [tf.identity(tf.cast(v.value, tf.float32)) for v in variables]
+
+    def record_update_ratio(self, before, variables):
+        """`maths.telemetry.update_ratio` of the update (inside its branch),
+        its sums as `AddN`s."""
+        if self.update_ratio is not None:
+            after = [v.value for v in variables]
+            self.update_ratio.assign(maths.update_ratio(before, after, total=tf.add_n))
+
+    def logs(self, loss_scale, tape_variables, keys=None):
+        """The log dict (`keras_fastgrad.step.telemetry.logs`), each wanted
+        variable read once (one `ReadVariableOp`).
+
+        Args:
+            loss_scale: float32 scalar, the current loss scale.
+            tape_variables: Python int, the watched variables' number.
+            keys: Optional set of keys: only those are read; `None`: every key.
+        """
+        return core.logs(
+            self.counters(),
+            loss_scale,
+            tape_variables,
+            keys,
+            self.optional_variables(),
+            read=lambda variable: tf.convert_to_tensor(variable.value),
+        )
