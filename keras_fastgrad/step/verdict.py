@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 from keras import ops
 
+from keras_fastgrad.step import divergence
+
 # The telemetry keys that say where a dropped micro-batch went bad.
 WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
 # The keys that read the count of non-finite micro-batches.
@@ -105,30 +107,8 @@ def checks_norm(clip_norm, clip_adaptive, own_gradient):
     return clip_norm is not None and clip_adaptive is None and bool(own_gradient)
 
 
-def failed(finite, scale=None):
-    """Boolean scalar: a non-finite micro-batch that counts as a failure
-    (towards the divergence streak).
-
-    Without loss scaling (`scale` is `None`) every non-finite micro-batch
-    does. Under loss scaling an overflow is how the scale finds its level:
-    only drops at a scale of 1 or below count.
-
-    Args:
-        finite: Boolean scalar, loss and gradients all finite.
-        scale: float32 scalar, the loss scale the micro-batch was checked
-            at (before its update); `None` without loss scaling.
-
-    Example:
-
-    >>> bool(failed(ops.convert_to_tensor(False), ops.convert_to_tensor(4.0)))
-    False
-    >>> bool(failed(ops.convert_to_tensor(False), ops.convert_to_tensor(1.0)))
-    True
-    """
-    bad = ops.logical_not(finite)
-    if scale is None:
-        return bad
-    return ops.logical_and(bad, scale <= 1.0)
+# Which drop counts towards the streak is the divergence rule's.
+failed = divergence.counts_as_failure
 
 
 def keep(finite, update_ok=None, counts=None):

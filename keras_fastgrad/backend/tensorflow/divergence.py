@@ -2,8 +2,8 @@
 rule written into the streak's variable inside the branch that decided it
 (a failure as one `AssignAddVariableOp`)."""
 
+from keras_fastgrad.backend.tensorflow.variables import increment
 from keras_fastgrad.step import divergence as core
-from keras_fastgrad.step.variables import increment
 
 
 class DivergenceWatch(core.DivergenceWatch):
