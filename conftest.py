@@ -129,7 +129,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         name = getattr(item, "originalname", item.name)
-        if tiers.is_full(path, name, slow=item.get_closest_marker("slow") is not None):
+        slow = item.get_closest_marker("slow") is not None
+        if tiers.is_full(path, name, slow, keras.backend.backend()):
             item.add_marker(pytest.mark.full)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -272,11 +272,29 @@ for _path, _names in _MOVED_FOR_TIME.items():
 FULL_TESTS = {(path, name): why for path, tests in _BY_FILE.items() for name, why in tests.items()}
 
 
-def is_full(path, name, slow):
+# Files both backends run whose TensorFlow run repeats what TensorFlow's own
+# files check in the fast tier: on TensorFlow, in the full tier (under JAX,
+# where they are the JAX step's checks, in the fast tier). With why.
+FULL_ON_TENSORFLOW = {
+    "tests/step/test_micro_batches.py": "micro-batches vs the big batch: tests/step/test_slicing.py",
+    "tests/callbacks/test_plain_callbacks.py": "a plain fit's callbacks: tests/callbacks/test_callbacks.py",
+    "tests/step/test_adaptive_clipping_paper.py": (
+        "AGC vs the paper: tests/end_to_end/test_adaptive_clipping_fit.py"
+    ),
+}
+
+
+def is_full(path, name, slow, backend="tensorflow"):
     """Whether the test `name` (its function's name, without the
     parametrization) of the file `path` (relative to the repository, with
-    `/`) is in the full tier; `slow`: it carries the `slow` mark."""
-    return slow or path in FULL_FILES or (path, name) in FULL_TESTS
+    `/`) is in the full tier under `backend`; `slow`: it carries the `slow`
+    mark."""
+    return (
+        slow
+        or path in FULL_FILES
+        or (path, name) in FULL_TESTS
+        or (backend == "tensorflow" and path in FULL_ON_TENSORFLOW)
+    )
 
 
 # Which backend collects a file (conftest.py's `pytest_ignore_collect`):

@@ -1,4 +1,4 @@
-"""`clip_adaptive` (AGC) on JAX against a numpy implementation of the
+"""`clip_adaptive` (AGC), on both backends, against a numpy implementation of the
 paper's equation (Brock et al. 2021, section 4.1), applied to the gradient
 a plain `keras.Model` takes of the same batch (one SGD step of rate 1 on
 a copy: `w - w'`)."""
