@@ -25,6 +25,7 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import accumulation as tf_window
 from keras_fastgrad.step import finite
+from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.adaptive_clipping import (
     adaptive_clip,
     before_gate,
@@ -130,18 +131,13 @@ def accumulate_or_apply(model, state, batch, verdict):
         # Never left out (no gate): Keras' form, the update in the `cond`.
         tf_window.add_or_apply(
             acc,
-            batch.grads,
-            verdict.global_normaliser,
+            MicroBatch(batch.grads, verdict.global_normaliser, True, batch.mean_reduction),
             functools.partial(update, model, state),
-            mean_reduction=batch.mean_reduction,
         )
         return
     ready = tf_window.add(  # the window complete, holding an included micro-batch
         acc,
-        batch.grads,
-        verdict.global_normaliser,
-        verdict.keep,
-        mean_reduction=batch.mean_reduction,
+        MicroBatch(batch.grads, verdict.global_normaliser, verdict.keep, batch.mean_reduction),
         otherwise=otherwise,
     )
     apply_if(ready, functools.partial(apply_window, model, state))
