@@ -43,6 +43,7 @@ from keras_fastgrad.backend.tensorflow.verdict import (
 )
 from keras_fastgrad.step import finite
 from keras_fastgrad.step import verdict as rules
+from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.adaptive_clipping import both_finite
 from keras_fastgrad.step.backward import Batch, gradients
 from keras_fastgrad.step.gradients import scale
@@ -131,18 +132,13 @@ def accumulate_or_apply(model, state, batch, verdict):
         # Never left out (no gate): Keras' form, the update in the `cond`.
         tf_window.add_or_apply(
             acc,
-            batch.grads,
-            verdict.global_normaliser,
+            MicroBatch(batch.grads, verdict.global_normaliser, True, batch.mean_reduction),
             functools.partial(update, model, state),
-            mean_reduction=batch.mean_reduction,
         )
         return
     ready = tf_window.add(  # the window complete, holding an included micro-batch
         acc,
-        batch.grads,
-        verdict.global_normaliser,
-        verdict.keep,
-        mean_reduction=batch.mean_reduction,
+        MicroBatch(batch.grads, verdict.global_normaliser, verdict.keep, batch.mean_reduction),
         otherwise=otherwise,
     )
     apply_if(ready, functools.partial(apply_window, model, state))

@@ -143,7 +143,7 @@ def test_unknown_size_data_without_the_gate_counts_only_real_micro_batches(
     build, steps_per_execution
 ):
     # `skip_nonfinite=False`: every micro-batch kept, the window in Keras'
-    # form (`WindowAccumulator.add_or_apply`, its update inside the
+    # form (`backend.tensorflow.accumulation.add_or_apply`, its update in the
     # window's `cond`). 5 batches of 3, windows of 3: big batches of 9 and
     # 6 rows an epoch; the batch Keras asks for past the end never counts.
     x, y = data_for(build, 15)

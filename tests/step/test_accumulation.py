@@ -15,9 +15,14 @@ import numpy as np
 import tensorflow as tf
 
 from keras_fastgrad.backend.tensorflow import accumulation as tf_window
-from keras_fastgrad.step.accumulation import WindowAccumulator
+from keras_fastgrad.step.accumulation import MicroBatch, WindowAccumulator
 
 NAN, INF = float("nan"), float("inf")
+
+
+def add_micro_batch(acc, weighted_grads, normaliser, keep, otherwise=None):
+    """`tf_window.add` of one micro-batch."""
+    return tf_window.add(acc, MicroBatch(weighted_grads, normaliser, keep), otherwise=otherwise)
 
 
 # ---------------------------------------------------------- WindowAccumulator
@@ -87,7 +92,7 @@ class TestWindowAccumulator:
                 tf.constant(bias * d),
                 tf.IndexedSlices(table.values * d, table.indices, table.dense_shape),
             ]
-            done.append(bool(tf_window.add(acc, weighted, tf.constant(d), tf.constant(True))))
+            done.append(bool(add_micro_batch(acc, weighted, tf.constant(d), tf.constant(True))))
             sums = [s + w for s, w in zip(sums, [kernel * d, bias * d, table_dense * d])]
             normaliser += d
         assert done == [False, False, True]
@@ -104,8 +109,8 @@ class TestWindowAccumulator:
         v = keras.Variable([0.0, 0.0])
         acc = WindowAccumulator(steps=2)
         acc.build([v])
-        tf_window.add(acc, [tf.constant([2.0, -1.0])], 1.0, tf.constant(True))
-        tf_window.add(acc, [tf.constant([4.0, 1.0])], 3.0, tf.constant(True))
+        add_micro_batch(acc, [tf.constant([2.0, -1.0])], 1.0, tf.constant(True))
+        add_micro_batch(acc, [tf.constant([4.0, 1.0])], 3.0, tf.constant(True))
         # (2 + 4) / (1 + 3) = 1.5, (-1 + 1) / 4 = 0
         np.testing.assert_array_equal(
             (tf_window.window_sums(acc)[0] / acc.normaliser).numpy(), [1.5, 0.0]
@@ -116,7 +121,7 @@ class TestWindowAccumulator:
         acc = WindowAccumulator(steps=2)
         acc.build([v])
         slices, dense = sparse_rows([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [3, 0, 3])
-        tf_window.add(acc, [slices], 1.0, tf.constant(True))
+        add_micro_batch(acc, [slices], 1.0, tf.constant(True))
         # by hand: row 3 = [1 + 5, 2 + 6], row 0 = [3, 4], rows 1, 2 untouched
         expected = [[3.0, 4.0], [0.0, 0.0], [0.0, 0.0], [6.0, 8.0]]
         np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), expected)
@@ -128,14 +133,14 @@ class TestWindowAccumulator:
         acc.build([v])
         # 60000 + 60000 overflows float16 (max 65504), not float32
         for _ in range(2):
-            tf_window.add(acc, [tf.constant([60000.0, 0.5], tf.float16)], 1.0, tf.constant(True))
+            add_micro_batch(acc, [tf.constant([60000.0, 0.5], tf.float16)], 1.0, tf.constant(True))
         np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [120000.0, 1.0])
 
     def test_none_gradient_leaves_its_sum_and_template_none(self):
         variables = three_variables()
         acc = WindowAccumulator(steps=2)
         acc.build(variables)
-        tf_window.add(acc, [None, tf.constant([1.0, 2.0, 3.0]), None], 2.0, tf.constant(True))
+        add_micro_batch(acc, [None, tf.constant([1.0, 2.0, 3.0]), None], 2.0, tf.constant(True))
         template = [None, tf.zeros([3]), None]
         sums = tf_window.window_sums(acc, template)
         assert sums[0] is None and sums[2] is None
@@ -156,15 +161,15 @@ class TestWindowAccumulator:
             sparse_rows([[NAN, 1.0]], [2])[0],
         ]
         assert not bool(
-            tf_window.add(acc, good, 5.0, tf.constant(True), otherwise=lambda: ran.append(1))
+            add_micro_batch(acc, good, 5.0, tf.constant(True), otherwise=lambda: ran.append(1))
         )
         assert ran == []
         assert not bool(
-            tf_window.add(acc, bad, 7.0, tf.constant(False), otherwise=lambda: ran.append(2))
+            add_micro_batch(acc, bad, 7.0, tf.constant(False), otherwise=lambda: ran.append(2))
         )
         assert ran == [2]
         # the left-out step still counts towards the window
-        assert bool(tf_window.add(acc, [None, None, None], 0.0, tf.constant(False)))
+        assert bool(add_micro_batch(acc, [None, None, None], 0.0, tf.constant(False)))
         assert int(acc.micro_step.numpy()) == 3
         assert float(acc.normaliser.numpy()) == 5.0  # 7 and 0 left out
         sums = [s.numpy() for s in tf_window.window_sums(acc)]
@@ -176,11 +181,11 @@ class TestWindowAccumulator:
         v = keras.Variable([0.0])
         acc = WindowAccumulator(steps=2)
         acc.build([v])
-        tf_window.add(acc, [tf.constant([NAN])], 3.0, tf.constant(False))
+        add_micro_batch(acc, [tf.constant([NAN])], 3.0, tf.constant(False))
         assert not bool(acc.has_samples())
         # Included with no counted element (every weight 0): Keras would
         # still step on that batch, with a zero gradient.
-        tf_window.add(acc, [tf.constant([0.0])], 0.0, tf.constant(True))
+        add_micro_batch(acc, [tf.constant([0.0])], 0.0, tf.constant(True))
         assert bool(acc.has_samples())
         assert float(acc.normaliser.numpy()) == 0.0
         tf_window.reset(acc)
@@ -191,7 +196,8 @@ class TestWindowAccumulator:
         acc = WindowAccumulator(steps=3)
         acc.build([v])
         signals = [
-            bool(tf_window.add(acc, [tf.constant([1.0])], 1.0, tf.constant(True))) for _ in range(7)
+            bool(add_micro_batch(acc, [tf.constant([1.0])], 1.0, tf.constant(True)))
+            for _ in range(7)
         ]
         assert signals == [False, False, True, False, False, True, False]
 
@@ -199,7 +205,7 @@ class TestWindowAccumulator:
     def _one_micro_batch_into_a_window_of_two():
         acc = WindowAccumulator(steps=2)
         acc.build([keras.Variable([0.0, 0.0])])
-        tf_window.add(acc, [tf.constant([1.0, 2.0])], 2.0, tf.constant(True))
+        add_micro_batch(acc, [tf.constant([1.0, 2.0])], 2.0, tf.constant(True))
         return acc
 
     def test_reset_empties_sums_but_keeps_counting(self):
@@ -209,7 +215,7 @@ class TestWindowAccumulator:
         assert float(acc.normaliser.numpy()) == 0.0
         assert int(acc.micro_step.numpy()) == 1
         # micro-step 2 still closes the window begun before the reset
-        assert bool(tf_window.add(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
+        assert bool(add_micro_batch(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
         np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [3.0, 4.0])
         assert float(acc.normaliser.numpy()) == 1.0
 
@@ -219,8 +225,8 @@ class TestWindowAccumulator:
         np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [0.0, 0.0])
         assert float(acc.normaliser.numpy()) == 0.0
         assert int(acc.micro_step.numpy()) == 0
-        assert not bool(tf_window.add(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
-        assert bool(tf_window.add(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
+        assert not bool(add_micro_batch(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
+        assert bool(add_micro_batch(acc, [tf.constant([3.0, 4.0])], 1.0, tf.constant(True)))
 
     def test_in_tf_function_only_the_chosen_branch_runs(self):
         variables = three_variables()
@@ -231,7 +237,7 @@ class TestWindowAccumulator:
         @tf.function
         def add(kernel, bias, values, indices, d, include):
             table = tf.IndexedSlices(values, indices, tf.constant([4, 2], tf.int64))
-            return tf_window.add(
+            return add_micro_batch(
                 acc, [kernel, bias, table], d, include, otherwise=lambda: skipped.assign_add(1)
             )
 
@@ -269,7 +275,7 @@ class TestWindowAccumulator:
         @tf.function
         def add(kernel, bias, values, indices, d):
             table = tf.IndexedSlices(values, indices, tf.constant([4, 2], tf.int64))
-            return tf_window.add(acc, [kernel, bias, table], d, True)
+            return add_micro_batch(acc, [kernel, bias, table], d, True)
 
         sums = [np.zeros((2, 3)), np.zeros((3,)), np.zeros((4, 2))]
         done = []
@@ -297,7 +303,7 @@ class TestWindowAccumulator:
         @tf.function(jit_compile=True)
         def add(values, indices, include):
             g = tf.IndexedSlices(values, indices, tf.constant([4, 2], tf.int64))
-            return tf_window.add(acc, [g], tf.constant(2.0), include)
+            return add_micro_batch(acc, [g], tf.constant(2.0), include)
 
         first, dense_1 = sparse_rows([[1.0, 2.0], [3.0, 4.0]], [1, 1])
         second, _ = sparse_rows([[NAN, 0.0]], [0])

@@ -25,21 +25,17 @@ from keras_fastgrad.step import accumulation as rules
 from keras_fastgrad.step.gradients import to_float32
 
 
-def add(acc, weighted_grads, normaliser, include, mean_reduction=True, otherwise=None):
+def add(acc, micro_batch, otherwise=None):
     """Adds one micro-batch to `acc`'s window; returns whether the window
     is now to be applied (`rules.applies`).
 
     Args:
         acc: The `WindowAccumulator` (built).
-        weighted_grads: List of gradients already multiplied by this
-            replica's `D_j` (dense or `tf.IndexedSlices`); `None` where a
-            variable has none.
-        normaliser: float32 scalar, the micro-batch's `D_j` summed over
-            all replicas.
-        include: Boolean scalar, the same on every replica; `False` leaves
-            the micro-batch out; the Python `True` (nothing is ever left
-            out) adds it without a `cond`.
-        mean_reduction: Python bool (`MicroBatch.mean`).
+        micro_batch: `rules.MicroBatch`: its gradients already multiplied
+            by this replica's `D_j` (dense or `tf.IndexedSlices`; `None`
+            where a variable has none), its `D_j` summed over all
+            replicas, `keep` the same on every replica (the Python `True`:
+            added without a `cond`).
         otherwise: Optional callable run (no arguments) in the `cond`
             branch of a left-out micro-batch: bookkeeping for free. Without
             a strategy only: under one (one replica too), state written
@@ -52,14 +48,14 @@ def add(acc, weighted_grads, normaliser, include, mean_reduction=True, otherwise
 
     >>> acc = rules.WindowAccumulator(steps=2)
     >>> acc.build([keras.Variable([0.0, 0.0])])
-    >>> _ = add(acc, [tf.constant([4.0, 4.0])], 4.0, tf.constant(True))
-    >>> done = add(acc, [tf.constant([8.0, 8.0])], 2.0, tf.constant(True))
+    >>> _ = add(acc, rules.MicroBatch([tf.constant([4.0, 4.0])], 4.0, tf.constant(True)))
+    >>> done = add(acc, rules.MicroBatch([tf.constant([8.0, 8.0])], 2.0, tf.constant(True)))
     >>> total = window_gradient(acc)[0]  # (4*1 + 2*4) / 6
     >>> bool(done), total.numpy().tolist()
     (True, [2.0, 2.0])
     """
+    weighted_grads, normaliser, include, acc.mean_reduction = micro_batch
     sparse_ok = not tf.distribute.has_strategy()  # sums are plain variables
-    acc.mean_reduction = mean_reduction
 
     def add_sums():
         _add_to_sums(acc, weighted_grads, sparse_ok)
@@ -82,7 +78,7 @@ def add(acc, weighted_grads, normaliser, include, mean_reduction=True, otherwise
     return rules.applies(complete, acc.included, every_kept=include is True)
 
 
-def add_or_apply(acc, weighted_grads, normaliser, apply, mean_reduction=True):
+def add_or_apply(acc, micro_batch, apply):
     """Adds one micro-batch that is never left out, in the form of Keras'
     `gradient_accumulation_steps`: one `cond` on whether it is the window's
     last (`rules.is_last`). If it is, `apply(window_gradient)` runs with
@@ -98,22 +94,22 @@ def add_or_apply(acc, weighted_grads, normaliser, apply, mean_reduction=True):
 
     Args:
         acc: The `WindowAccumulator` (built).
-        weighted_grads: As for `add` (dense or `None`).
-        normaliser: As for `add`.
+        micro_batch: As for `add` (dense gradients or `None`; its `keep`
+            not read: `True`).
         apply: Callable taking the window's gradient (a list, `None` where
             a variable has no gradient): the update.
-        mean_reduction: As for `add`.
 
     Example:
 
     >>> acc = rules.WindowAccumulator(steps=2)
     >>> acc.build([keras.Variable([0.0])])
     >>> applied = []
-    >>> add_or_apply(acc, [tf.constant([4.0])], 4.0, applied.append)
-    >>> add_or_apply(acc, [tf.constant([8.0])], 2.0, applied.append)
+    >>> add_or_apply(acc, rules.MicroBatch([tf.constant([4.0])], 4.0), applied.append)
+    >>> add_or_apply(acc, rules.MicroBatch([tf.constant([8.0])], 2.0), applied.append)
     >>> applied[0][0].numpy().tolist(), float(acc.normaliser.numpy())  # (4 + 8) / 6
     ([2.0], 0.0)
     """
+    weighted_grads, normaliser, _, mean_reduction = micro_batch
     acc.mean_reduction = mean_reduction
     last = rules.is_last(acc.micro_step, acc.steps)
 
