@@ -178,7 +178,7 @@ class TaskMerger:
             weights, info["telemetry"], new_state = self.weigh(gram)
             return weights, new_state
 
-        result = shell.merge(per_task, weigh, reg_grads, share)
+        result = shell.merge_tape_gradients(per_task, weigh, reg_grads, share)
         self.commit_state(result.new_state, result.grads, losses_finite)
         return result.grads, {"gram": result.gram, "weights": result.weights, **info["telemetry"]}
 
@@ -202,7 +202,7 @@ class TaskMerger:
         """Assigns a stateful aggregator's `new_state`, only when the
         merged gradients (and `losses_finite`, if given) are finite: a
         micro-batch the step drops leaves the state unchanged."""
-        shell.commit_state(self.aggregator.state_variables, new_state, merged, losses_finite)
+        shell.assign_kept_state(self.aggregator.state_variables, new_state, merged, losses_finite)
 
     def logs(self):
         """The latest telemetry as float32 scalars under fixed log keys."""

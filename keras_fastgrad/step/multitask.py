@@ -19,9 +19,11 @@ the traced program on JAX). The rules:
   variable's merged gradient is `sum_t w_t g_t` over its reaching tasks;
 - the regularisation's gradient (`model.losses`: not a task) is added
   after merging;
-- a stateful aggregator's next state is kept only where the merged
-  gradient and the losses are finite (`keep_state`): a micro-batch the
-  step drops leaves it unchanged;
+- a non-finite task gradient is merged as it is (its Gram entries, the
+  weights and the merged shared gradient turn non-finite, and the step's
+  finite check drops the micro-batch); a stateful aggregator's next state
+  is kept only where the merged gradient and the losses are finite
+  (`keep_state`): a micro-batch the step drops leaves it unchanged;
 - the task telemetry comes from `G`: `task_grad_norm/<task>`,
   `task_cosine/<a>/<b>` (`a` before `b`) and `task_conflicts`
   (`task_logs`).

@@ -148,7 +148,7 @@ def sliced_task_gradients(
     reaching = [  # (every slice's trace reaches the same; united, never fewer)
         tuple(sorted(set().union(*ts))) for ts in zip(*facts["reaching"])
     ]
-    merged, updates, gram = jax_multitask.merge(  # the sums carry `sum_i D_i`
+    merged, updates, gram = jax_multitask.merge_tasks(  # the sums carry `sum_i D_i`
         model,
         per_task,
         reaching,

@@ -1,34 +1,23 @@
-"""`multitask` on Keras' JAX backend: the task gradients of one micro-batch,
-merged (parameter space), as the TensorFlow step merges them
-(`keras_fastgrad.multitask.merger`, `step.backward._merged_task_gradients`).
+"""`multitask` on Keras' JAX backend: how the task gradients of one
+micro-batch are taken and the aggregator's state threaded; the merge's
+rules are `keras_fastgrad.step.multitask`'s (as on TensorFlow).
 
-1. One forward pass gives the task losses (the model's own `CompileLoss`,
-   recording each output loss times its loss weight: `step.task_losses`)
-   and the regularisation (`model.losses`, not a task), each scaled by the
-   loss scale (or, accumulating, by the micro-batch's share `D_j`).
-2. The program is traced once (`jax.make_jaxpr`); the reaching-task split
-   is read from it (`jax_reaching`): a variable one task reaches keeps its
-   plain gradient and stays outside the Gram matrix, as on TensorFlow
-   (where the tape's `None` says it).
-3. One forward and `T` backward passes (`jax.vjp`, one pullback per task,
-   as TensorFlow's persistent tape), plus one for the regularisation;
-   each unscaled.
-4. The Gram matrix over the shared variables (divided by `D_j^2`:
-   the true gradients'), the aggregator's weights and next state
-   (`weights_and_state`), the merge, the regularisation's gradient added
-   (`keras_fastgrad.maths.multitask`).
+1. One forward pass gives the task losses (`step.task_losses`) and the
+   regularisation (`model.losses`, not a task), each scaled by the loss
+   scale (or, accumulating, by the micro-batch's share `D_j`).
+2. The program is traced once (`jax.make_jaxpr`); which tasks reach each
+   variable is read from it (`jax_reaching`: JAX returns zeros where
+   TensorFlow's tape returns `None`).
+3. One forward and `T` backward passes (`jax.vjp`, one pullback per task),
+   plus one for the regularisation; each unscaled.
+4. `core.merge`: the Gram matrix, the aggregator's weights, the merge, the
+   regularisation added; a variable nothing reaches gets zeros.
 
-The rest of the chain (finite check, accumulation, clipping, the gated
-update) is `jax_step`'s, on the merged gradient.
-
-The aggregator's variables ride in the state tuple (`jax_state`:
-`multitask_variables`): a stateful aggregator's state (GradVac's targets)
-moves only where the merged gradient and the task losses are finite, as
-on TensorFlow; a seed generator (PCGrad's orders) moves every step, so each
-step draws new orders under `jit`. The task telemetry
-(`task_grad_norm/<task>`, `task_cosine/<a>/<b>`, `task_conflicts`, the
-names of TensorFlow's) comes from the micro-batch's Gram matrix whenever
-any telemetry key is requested.
+The aggregator's variables ride in Keras' state tuple (`jax_state`:
+`multitask_variables`): a seed generator (PCGrad's orders) moves every
+step, a stateful aggregator's state where `core.keep_state` keeps it. The
+task telemetry (`core.task_logs`) comes from the micro-batch's Gram matrix
+whenever any telemetry key is requested.
 """
 
 import jax
@@ -74,7 +63,7 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         unscaled(pullback(one_hot(losses, i)), d, scale) for i in range(len(losses))
     ]
     divisor = ops.cast(d, "float32") if accumulating else None  # the merge keeps D_j
-    merged, updates, gram = merge(
+    merged, updates, gram = merge_tasks(
         model,
         per_loss[:num_tasks],
         reaching,
@@ -176,7 +165,7 @@ def reaching_tasks(closed, num_tasks, num_trainable):
     return [tuple(t for t in range(num_tasks) if k in reached[t]) for k in range(num_trainable)]
 
 
-def merge(model, per_task, reaching, ntv, divisor, regularization, losses_finite):
+def merge_tasks(model, per_task, reaching, ntv, divisor, regularization, losses_finite):
     """The merged gradient of the task gradients (`core.merge`; shared
     with `jax_micro_batches`), the aggregator's state threaded through
     Keras' state tuple.

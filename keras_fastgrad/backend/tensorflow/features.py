@@ -28,11 +28,11 @@ class Step(Capture):
         return cut
 
     def merge(self, *args, **kwargs):
-        """`TaskMerger.__call__` in `Z` space (see `merge`)."""
-        return merge(self, self.task_merger, *args, **kwargs)
+        """`TaskMerger.__call__` in `Z` space (see `merge_in_z`)."""
+        return merge_in_z(self, self.task_merger, *args, **kwargs)
 
 
-def merge(
+def merge_in_z(
     capture,
     merger,
     tape,
@@ -57,7 +57,7 @@ def merge(
     dz, dz_extra, direct = _head_gradients(
         capture, tape, names, task_losses, regularization, sources
     )
-    gram = parameter_space.features_gram(dz, unscale, share)  # of the unscaled dZ_t
+    gram = parameter_space.gram_over_z(dz, unscale, share)  # of the unscaled dZ_t
     weights, info, new_state = merger.weigh(gram)
     cotangents = core.features_cotangents(weights, dz, dz_extra, capture.features)
     trunk = tape.gradient(capture.features, sources, output_gradients=cotangents)  # ONE pass

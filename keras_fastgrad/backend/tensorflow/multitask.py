@@ -48,7 +48,7 @@ def losses_finite(task_losses, regularization):
     return all_finite(task_losses + [r for r in [regularization] if r is not None])
 
 
-def merge(per_task, weigh, regularization=None, share=None):
+def merge_tape_gradients(per_task, weigh, regularization=None, share=None):
     """`core.merge` of the tape's gradients (`None` = not reached), under
     the current strategy's replicas."""
     return core.merge(
@@ -67,7 +67,7 @@ def _rows_gram(rows):
     return tf.matmul(rows, rows, transpose_b=True)
 
 
-def features_gram(dz, unscale, share):
+def gram_over_z(dz, unscale, share):
     """`core.features_gram` of the tape's `dZ` (unscaled first), the
     replicas' Grams summed."""
     dz = [to_float32_list(unscale(d)) for d in dz]
@@ -103,7 +103,7 @@ def read(variables):
     return core.TaskTelemetry(norms, cosine, tf.identity(conflicts.value))
 
 
-def commit_state(state_variables, new_state, merged, finite_losses=None):
+def assign_kept_state(state_variables, new_state, merged, finite_losses=None):
     """Assigns a stateful aggregator's `new_state` where `core.keep_state`
     keeps it (a sparse gradient's stored rows are checked)."""
     if not new_state:
