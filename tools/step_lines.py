@@ -8,8 +8,10 @@ The step's modules: `keras_fastgrad/step/`, `keras_fastgrad/maths/`,
 `keras_fastgrad/backend/` (both shells), `keras_fastgrad/multitask/` and
 `keras_fastgrad/aggregators/` (the multi-task merge). A module imports
 TensorFlow when any of its import statements (top-level or in a function)
-names `tensorflow` or `keras_fastgrad._tf_startup`, JAX when one names
-`jax`; neither makes it backend-neutral. Prints the share of each and the
+names `tensorflow`, `keras_fastgrad._tf_startup`, the TensorFlow shell
+(`keras_fastgrad.backend.tensorflow`) or `keras_fastgrad._compat.tensorflow`;
+JAX when one names `jax`, the JAX shell or `keras_fastgrad._compat.jax`;
+neither makes it backend-neutral. Prints the share of each and the
 lines of each shell (`backend/tensorflow/`, `backend/jax/`).
 """
 
@@ -21,8 +23,15 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "keras_fastgrad"
 STEP_FOLDERS = ("step", "maths", "backend", "multitask", "aggregators")
-TENSORFLOW = ("tensorflow", "keras_fastgrad._tf_startup")
-JAX = ("jax",)
+# A module that imports a shell (or a bridge to one library) runs on that
+# backend alone: it counts as importing it.
+TENSORFLOW = (
+    "tensorflow",
+    "keras_fastgrad._tf_startup",
+    "keras_fastgrad.backend.tensorflow",
+    "keras_fastgrad._compat.tensorflow",
+)
+JAX = ("jax", "keras_fastgrad.backend.jax", "keras_fastgrad._compat.jax")
 
 
 def code_lines(source):
