@@ -70,7 +70,9 @@ def train_step(model, state, data):
         _record_mean_reduction(model.fastgrad_step_state, mean, len(tv))
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     drops = model.fastgrad_step_state.drops_nonfinite()
-    finite, scaled = _finite_check(model, grads, unscaled_loss, drops and not accumulating)
+    sliced = model.fastgrad_step_state.options.micro_batches > 1  # (divided: as on TF)
+    own_gradient = drops and not accumulating and not sliced
+    finite, scaled = _finite_check(model, grads, unscaled_loss, own_gradient)
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
     failed = divergence.counts_as_failure(finite, scale)
     telemetry.record_input_shape(model, new, x)
