@@ -19,27 +19,25 @@ options in the config), `models/readouts.py` (what the step measured),
 `models/partial_window.py` (`apply_partial_window`).
 """
 
-import functools
-
 import keras
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad import backend as _backend
-from keras_fastgrad.backend.jax import state as jax_state
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
 from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step, partial_window, readouts
-from keras_fastgrad.step import log_packing
-from keras_fastgrad.step import train_step as _step
-from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
-from keras_fastgrad.step.divergence import TrainingLoss
 from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.options import StepOptions
 from keras_fastgrad.step.state import StepState
 from keras_fastgrad.step.task_losses import check_task_count
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
+
+# The backend's shell (`keras_fastgrad.backend.tensorflow.trainer` or
+# `keras_fastgrad.backend.jax.trainer`), picked once as Keras' `Model` picks
+# its trainer: every method below that differs by backend calls it.
+_shell = _backend.shell()
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")
@@ -264,48 +262,13 @@ class FastGradModel(keras.Model):
         check_compiled(self, self._fg_options())
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
-        tracker = TrainingLoss
-        if _backend.is_jax():
-            tracker = jax_state.JaxTrainingLoss
-        compat.set_loss_tracker(self, tracker(name="loss", streak=self.fastgrad_step_state.streak))
+        tracker = _shell.loss_tracker(self.fastgrad_step_state.streak)
+        compat.set_loss_tracker(self, tracker)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        if _backend.is_jax():  # no `tf.distribute` there
-            self._fg_prepare_state()
-            _backend.check_model(self)
-            self._fg_keep_for_a_refusal()  # (the step's variables now built)
-            # Keras jits `self.train_step`; `jax.jit` caches its traces per
-            # function, and bound methods of one model compare equal, so a
-            # rebuild would reuse the old trace (the old options, log keys)
-            # wherever something still holds the old train function. A new
-            # `partial` each time is a new function: traced anew.
-            object.__setattr__(self, "train_step", functools.partial(type(self).train_step, self))
-            try:
-                return super().make_train_function(force=force)
-            finally:
-                vars(self).pop("train_step", None)
-        _options.check_jit_compile_under_strategy(self.jit_compile, self.distribute_strategy)
-        _options.check_steps_per_execution_under_strategy(
-            self.steps_per_execution, self.distribute_strategy
-        )
-        _options.check_keras_supports_replicas(self.distribute_strategy)
-        check_synchronized_slices(
-            batchnorm_layers(self), self.micro_batches, self.distribute_strategy
-        )
-        self._fg_prepare_state()
-        # Keras traces `self.train_step` as it finds it now: the step with
-        # its telemetry keys packed into one output, handed back one by one
-        # (`step.log_packing`: Keras unpacks every output on the host).
-        state = self.fastgrad_step_state
-        object.__setattr__(self, "train_step", log_packing.packing_step(self.train_step, state))
-        try:
-            super().make_train_function(force=force)
-        finally:
-            vars(self).pop("train_step", None)
-        self.train_function = log_packing.unpacking(self.train_function, state)
-        return self.train_function
+        return _shell.make_train_function(self, super().make_train_function, force)
 
     def _fg_prepare_state(self):
         """The step's state for the model as it trains now (its trainable
@@ -355,25 +318,7 @@ class FastGradModel(keras.Model):
         same chain on the state tuple (`keras_fastgrad.backend.jax.step`).
         """
         own_step.note_base_step(self)  # a subclass's own step called this one
-        if jax_batch:  # `(state, data)`: Keras' JAX trainer
-            from keras_fastgrad.backend.jax import step as jax_step  # imports jax
-
-            result = jax_step.train_step(self, data, *jax_batch)
-            self.fastgrad_step_state.kept_arrays = None  # traced: Keras keeps the state now
-            return result
-        state = self.fastgrad_step_state
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = _step.gradients(self, state, x, y, sample_weight)
-        verdict = _step.finite_check(state, batch)
-        _step.pool_batchnorm_moments(state, verdict)
-        _step.record_small_batches(state, batch, verdict)
-        _step.update_loss_scale(state, verdict)
-        if _step.single_cond(state):
-            logs = _step.update_or_drop(self, state, batch, verdict)
-        else:
-            _step.accumulate_or_apply(self, state, batch, verdict)
-            logs = _step.metrics_logs(self, verdict.keep, batch)
-        return _step.with_telemetry(state, logs)
+        return _shell.train_step(self, data, *jax_batch)
 
     # ---------------------------------------------- Keras hooks (_keras_hooks)
     def __new__(cls, *args, **kwargs):
@@ -415,21 +360,16 @@ class FastGradModel(keras.Model):
         variable of the state tuple built so far (`fit`'s `except` gives
         them back if tracing raises)."""
         if self.fastgrad_step_state.kept_arrays is not None:
-            self.fastgrad_step_state.kept_arrays = compat.attached_values(_state_variables(self))
+            self.fastgrad_step_state.kept_arrays = _shell.arrays_kept_for_a_refusal(self)
 
     def fit(self, *args, **kwargs):
-        if _backend.is_jax():
-            args, kwargs = jax_state.with_divergence_stop(self, args, kwargs)
-        else:
-            args, kwargs = integration.with_divergence_stop(self, args, kwargs)
+        args, kwargs = _shell.with_divergence_stop(self, args, kwargs)
         state = self.fastgrad_step_state
         state.in_fit = True
         # JAX: the arrays Keras' fit detaches, kept until the first step is
         # traced (`train_step` drops them): a refusal raised while tracing
-        # leaves the model its weights (`compat.attached_values`).
-        self.fastgrad_step_state.kept_arrays = (
-            compat.attached_values(_state_variables(self)) if _backend.is_jax() else None
-        )
+        # leaves the model its weights. (TensorFlow: `None`.)
+        state.kept_arrays = _shell.arrays_kept_for_a_refusal(self)
         try:
             return super().fit(*args, **kwargs)
         except BaseException:
@@ -467,10 +407,7 @@ class FastGradModel(keras.Model):
         # On JAX, Keras threads these (and only the four lists) through its
         # stateless step: the step's own variables ride here once built
         # (`model.weights` and the files' layout stay those of TF).
-        variables = super().non_trainable_variables
-        if _backend.is_jax():
-            variables = variables + jax_state.step_variables(self)
-        return variables
+        return super().non_trainable_variables + _shell.step_variables(self)
 
     # ------------------------------------------------ what the step measured
     @property
@@ -479,9 +416,7 @@ class FastGradModel(keras.Model):
         (`None` before the first trace). On JAX, which has no tape: the
         number of trainable variables `jax.value_and_grad` differentiates
         (all of them), once the train function is made."""
-        if _backend.is_jax():
-            return None if self.train_function is None else len(self.trainable_variables)
-        return self.fastgrad_step_state.tape_variables
+        return _shell.tape_variable_count(self)
 
     @property
     def train_step_trace_count(self):
@@ -586,14 +521,3 @@ def _checked_options(**options):
 # `model.save("m.h5")` writes `model.__class__.__name__`): the alias lets
 # `keras.models.load_model("m.h5")` find the class without `custom_objects`.
 keras.saving.get_custom_objects().setdefault("FastGradModel", FastGradModel)
-
-
-def _state_variables(model):
-    """Every variable of Keras' JAX state tuple (those built so far)."""
-    optimizer = getattr(model, "optimizer", None)
-    return [
-        *model.trainable_variables,
-        *model.non_trainable_variables,
-        *(optimizer.variables if optimizer is not None else []),
-        *model.metrics_variables,
-    ]
