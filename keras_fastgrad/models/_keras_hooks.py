@@ -54,6 +54,28 @@ def cloned_options(frame, base):
 _FUNCTIONAL_VARIANTS = {}
 
 
+def is_functional_init(model, args, kwargs):
+    """Whether `model.__init__` got the functional form (`Model(inputs,
+    outputs)`), which `init_functional` runs (a `keras.Sequential` runs
+    its own)."""
+    functional = compat.functional_init_arguments(args, kwargs)
+    return functional and not isinstance(model, keras.Sequential)
+
+
+def init_functional(model, args, kwargs):
+    """What `keras.Model.__init__` does for the functional form, without
+    injecting `Functional` into the class's bases (which would break later
+    subclassed uses of `FastGradModel`)."""
+    if not isinstance(model, compat.Functional):
+        # `super().__init__(inputs=..., outputs=...)` from a subclass's
+        # `__init__`: Keras would rewrite the bases of every class up to
+        # `keras.Model` (and so break every later subclassed
+        # `FastGradModel`); this instance gets the class's functional
+        # variant instead.
+        model.__class__ = functional_variant(type(model))
+    compat.init_functional(model, args, kwargs)
+
+
 def functional_variant(cls):
     """`cls` + `Functional`, for `cls(inputs, outputs, ...)`.
 

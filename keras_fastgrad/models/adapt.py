@@ -32,8 +32,8 @@ from keras_fastgrad.models.model import (
     OPTION_NAMES,
     FastGradModel,
     _checked_options,
-    check_compiled,
 )
+from keras_fastgrad.models.options import check_compiled
 from keras_fastgrad.models.sequential import FastGradSequential
 
 _ADAPTER_NAME = "keras_fastgrad>FastGradAdapter"

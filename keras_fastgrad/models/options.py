@@ -16,6 +16,7 @@ import numpy as np
 from keras_fastgrad import aggregators
 from keras_fastgrad._validation import check_bool, check_choice, check_int, check_optional_int
 from keras_fastgrad.step.adaptive_clipping import DEFAULT_EPSILON as DEFAULT_AGC_EPSILON
+from keras_fastgrad.step.task_losses import check_task_count
 
 
 def check_accumulation_steps(value):
@@ -117,6 +118,16 @@ def check_multitask(value):
         f"Received: multitask={value!r}. A custom method is an instance of "
         "`keras_fastgrad.aggregators.Aggregator`."
     )
+
+
+def check_compiled(model, options):
+    """Refuses `options` (`FastGradModel`'s, checked) that do not fit the
+    compiled `model`: a concern its optimizer owns too, a multi-task
+    method without two task losses. Reads the model only, so `fastgrad`
+    refuses before it changes anything."""
+    check_optimizer_ownership(model.optimizer, options["accumulation_steps"], options["clip_norm"])
+    if options["multitask"] is not None:
+        check_task_count(model, aggregators.get(options["multitask"]))
 
 
 def check_optimizer_ownership(optimizer, accumulation_steps, clip_norm):
