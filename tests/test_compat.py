@@ -360,7 +360,9 @@ def test_private_methods_that_shadow_keras_are_declared_overrides():
     found = []
     for cls in _keras_derived_classes():
         bases = [b for b in cls.__mro__ if _is_framework(b)]
-        for name in vars(cls):
+        # The class's own names, and its mixins' (`models.training_hooks`).
+        own = [b for b in cls.__mro__ if not _is_framework(b) and b is not object]
+        for name in {n for b in own for n in vars(b)}:
             if (
                 _is_private(name)
                 and name not in declared
@@ -380,7 +382,7 @@ def test_a_strategy_refused_before_keras_3_10(monkeypatch):
 
     import tensorflow as tf
 
-    from keras_fastgrad.models import options as _validation
+    from keras_fastgrad.backend.tensorflow import trainer as _validation
 
     class MirroredStrategy(SimpleNamespace):
         pass

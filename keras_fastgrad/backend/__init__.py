@@ -1,19 +1,24 @@
-"""Which Keras backend the step runs on, and what each one refuses.
+"""Which Keras backend the step runs on: its shell, picked once, and what
+each backend refuses.
 
-`keras_fastgrad` runs its own train step on Keras' TensorFlow backend
-(`keras_fastgrad.step`) and on Keras' JAX backend
-(`keras_fastgrad.backend.jax.step`: a stateless `train_step(state, data)` in
-the manner of Keras' JAX trainer). What each backend supports is one
-record, `keras_fastgrad.backend.support.BACKEND_SUPPORT` (docs/jax.md shows
-it); on JAX what it marks refused is refused by name, with the error its row
-makes (`support.refusal`), when the model is built, compiled or trained, or
-when a callback is attached: it never trains differently from TensorFlow in
+`keras_fastgrad` runs its own train step on Keras' TensorFlow backend and on
+Keras' JAX backend. `FastGradModel` calls its backend's shell through
+`shell()`, picked once as Keras' `models/model.py` picks its trainer: the
+module `keras_fastgrad.backend.tensorflow.trainer` or
+`keras_fastgrad.backend.jax.trainer`, each defining every name of
+`SHELL_ENTRY_POINTS` with the same contract.
+
+What each backend supports is one record,
+`keras_fastgrad.backend.support.BACKEND_SUPPORT` (docs/jax.md shows it); on
+JAX what it marks refused is refused by name, with the error its row makes
+(`support.refusal`), when the model is built, compiled or trained, or when a
+callback is attached: it never trains differently from TensorFlow in
 silence.
 """
 
-import keras
+import functools
 
-from keras_fastgrad.backend.support import refusal
+import keras
 
 # The options whose non-default values the JAX step does not implement (each
 # needs its row in `support.BACKEND_SUPPORT`, keyed by the option's name).
@@ -23,15 +28,51 @@ _JAX_REFUSED_OPTIONS = ()
 # keyed by the callback's class name).
 _JAX_REFUSED_CALLBACKS = ()
 
+# What each shell's `trainer` module defines (same names, same contracts):
+SHELL_ENTRY_POINTS = (
+    "NAME",  # "tensorflow" or "jax": the Keras backend it runs on
+    "STATE_METHODS",  # Keras' trainer methods reading the state between batches
+    "TAPE",  # whether gradients come from a tape watching a subset of variables
+    "RECOMPILES_UNTRACED",  # whether a new input shape recompiles without a retrace
+    "loss_tracker",  # (streak) -> the `loss` metric, NaN while micro-batches drop
+    "make_train_function",  # (model, make, force) -> Keras' train function, the step in it
+    "train_step",  # (model, *Keras' train_step arguments) -> the step's result
+    "with_divergence_stop",  # (model, args, kwargs) -> `fit`'s arguments, the stop added
+    "arrays_kept_for_a_refusal",  # (model) -> what `fit` gives back if tracing raises
+    "step_variables",  # (model) -> the step's variables Keras must thread
+    "tape_variable_count",  # (model) -> variables differentiated, or None
+    "trace_count",  # (the compiled step function) -> times traced/compiled
+    "check_options",  # (options, defaults): refuses what the shell does not implement
+    "check_telemetry_keys",  # (keys): refuses keys the shell does not measure
+    "check_callback",  # (callback, model=None): refuses a callback it does not serve
+)
+
 
 def is_jax():
     """Whether Keras runs on its JAX backend (Python bool)."""
     return keras.backend.backend() == "jax"
 
 
+@functools.lru_cache(maxsize=None)
+def shell():
+    """The shell of the backend Keras runs on (its `trainer` module).
+
+    Returns:
+        The module `keras_fastgrad.backend.jax.trainer` on Keras' JAX
+        backend, else `keras_fastgrad.backend.tensorflow.trainer`: the same
+        module on every call (Keras' backend is fixed when Keras is
+        imported).
+    """
+    if is_jax():
+        from keras_fastgrad.backend.jax import trainer
+    else:
+        from keras_fastgrad.backend.tensorflow import trainer
+    return trainer
+
+
 def check_options(options, defaults):
-    """Refuses, on JAX, the options (checked, by name) the JAX step does not
-    implement; a no-op on TensorFlow.
+    """Refuses the options (checked, by name) the backend's step does not
+    implement (on JAX: `_JAX_REFUSED_OPTIONS`).
 
     Args:
         options: Dict of `FastGradModel`'s options.
@@ -40,63 +81,25 @@ def check_options(options, defaults):
     Raises:
         NotImplementedError: naming the option.
     """
-    if not is_jax():
-        return
-    for name in _JAX_REFUSED_OPTIONS:
-        if options[name] != defaults[name]:
-            raise refusal(name, f"{name}={options[name]!r}")
-
-
-def check_model(model):
-    """Refuses, on JAX, what a model that trains would need of the step
-    beyond the supported set (read when the train function is made).
-
-    Raises:
-        NotImplementedError: naming the feature.
-    """
-    distribution = keras.distribution.distribution()
-    # DataParallel: the step's arrays are global (sharded over the batch),
-    # so its sums, counts and norms are the whole batch's as they stand.
-    if distribution is not None and type(distribution) is not keras.distribution.DataParallel:
-        raise refusal("distribution", f"distribution={type(distribution).__name__}(...)")
-    check_telemetry_keys(model.fastgrad_step_state.log_keys)
-    optimizer = model.optimizer
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if getattr(inner, "loss_scale_factor", None) is not None:
-        raise refusal("loss_scale_factor", f"loss_scale_factor={inner.loss_scale_factor!r}")
+    shell().check_options(options, defaults)
 
 
 def check_telemetry_keys(keys):
-    """Refuses, on JAX, the telemetry keys the JAX step does not measure
-    (none at present: the multi-task keys come with `multitask`, as on
-    TensorFlow); a no-op on TensorFlow.
+    """Refuses the telemetry keys the backend's step does not measure (none
+    at present, on either backend).
 
     Raises:
         NotImplementedError: naming the keys.
     """
-    del keys  # every key is measured on JAX
+    shell().check_telemetry_keys(keys)
 
 
 def check_callback(callback, model=None):
-    """Refuses, on JAX, the callbacks of `_JAX_REFUSED_CALLBACKS` (none at
-    present), and every callback on a plain model's `fit` under a
-    `keras.distribution`; a no-op on TensorFlow. (On a plain model's `fit` they attach the step as on
-    TensorFlow: `models.adapt`.)
+    """Refuses a keras_fastgrad callback the backend's step does not serve:
+    on JAX, those of `_JAX_REFUSED_CALLBACKS` (none at present), and every
+    one on a plain model's `fit` under a `keras.distribution`.
 
     Raises:
         NotImplementedError: naming the callback.
     """
-    if not is_jax():
-        return
-    name = type(callback).__name__
-    if name in _JAX_REFUSED_CALLBACKS:
-        raise refusal(name, f"{name}(...)")
-    plain = model is not None and not any(
-        c.__name__ == "FastGradModel" for c in type(model).__mro__
-    )
-    distribution = keras.distribution.distribution()
-    if plain and distribution is not None:  # its sharded state: untested
-        raise refusal(
-            "plain_fit_under_distribution",
-            f"{name}(...) with distribution={type(distribution).__name__}(...)",
-        )
+    shell().check_callback(callback, model)

@@ -113,8 +113,10 @@ class RetraceWatch(_base.FastGradCallback):
 
     def _watch_xla_recompiles(self, batch, logs):
         changes = (logs or {}).get("input_shape_changes")
-        if changes is None or self.model.jit_compile is not True or backend.is_jax():
-            return  # (on JAX, jit traces again for a new shape: counted above)
+        if changes is None or self.model.jit_compile is not True:
+            return
+        if not backend.shell().RECOMPILES_UNTRACED:
+            return  # (JAX: jit traces again for a new shape, counted above)
         if self._shape_changes is None:
             self._shape_changes = changes
         if changes > self._shape_changes and not self._xla_warned:

@@ -10,7 +10,6 @@ call one function here):
   only `training=True` creates) before the first trace; and under
   MultiWorkerMirroredStrategy Keras' own version fails (`builds_itself`,
   `build_for_training`).
-- `fit`: a `DivergenceStop` joins the callbacks (`with_divergence_stop`).
 - `_get_metrics_result_or_logs`: right after an epoch's last batch and
   before validation, the place to apply a partial accumulation window
   (`with_flushed`).
@@ -24,7 +23,6 @@ from keras import tree
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.step.divergence import DivergenceStop
 
 
 # ------------------------------------------------------------- __new__
@@ -54,6 +52,28 @@ def cloned_options(frame, base):
 
 
 _FUNCTIONAL_VARIANTS = {}
+
+
+def is_functional_init(model, args, kwargs):
+    """Whether `model.__init__` got the functional form (`Model(inputs,
+    outputs)`), which `init_functional` runs (a `keras.Sequential` runs
+    its own)."""
+    functional = compat.functional_init_arguments(args, kwargs)
+    return functional and not isinstance(model, keras.Sequential)
+
+
+def init_functional(model, args, kwargs):
+    """What `keras.Model.__init__` does for the functional form, without
+    injecting `Functional` into the class's bases (which would break later
+    subclassed uses of `FastGradModel`)."""
+    if not isinstance(model, compat.Functional):
+        # `super().__init__(inputs=..., outputs=...)` from a subclass's
+        # `__init__`: Keras would rewrite the bases of every class up to
+        # `keras.Model` (and so break every later subclassed
+        # `FastGradModel`); this instance gets the class's functional
+        # variant instead.
+        model.__class__ = functional_variant(type(model))
+    compat.init_functional(model, args, kwargs)
 
 
 def functional_variant(cls):
@@ -234,29 +254,6 @@ def _placeholder_value(value):
     if value.dtype == tf.string:
         return tf.fill(shape, "")
     return tf.zeros(shape, value.dtype)
-
-
-# ------------------------------------------------------------------ fit
-def with_divergence_stop(model, args, kwargs):
-    """`fit`'s arguments with a `DivergenceStop` (reading the model's
-    streak) added to the callbacks, when `max_consecutive_nonfinite` is
-    set."""
-    if model.max_consecutive_nonfinite is None:
-        return args, kwargs
-    if len(args) > 5:  # `callbacks` given by position
-        return args[:5] + (_add_stop(model, args[5]),) + args[6:], kwargs
-    return args, {**kwargs, "callbacks": _add_stop(model, kwargs.get("callbacks"))}
-
-
-def _add_stop(model, callbacks):
-    if callbacks is None:
-        callbacks = []
-    elif isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = list(callbacks.callbacks)
-    else:
-        callbacks = list(callbacks)
-    state = model.fastgrad_step_state
-    return callbacks + [DivergenceStop(lambda: state.divergence)]
 
 
 # ---------------------------------------------- _get_metrics_result_or_logs

@@ -32,11 +32,12 @@ from keras_fastgrad.models.model import (
     OPTION_NAMES,
     FastGradModel,
     _checked_options,
-    check_compiled,
 )
+from keras_fastgrad.models.options import check_compiled
 from keras_fastgrad.models.sequential import FastGradSequential
 
 _ADAPTER_NAME = "keras_fastgrad>FastGradAdapter"
+_shell = _backend.shell()
 
 
 def fastgrad(model, **options):
@@ -210,9 +211,8 @@ class _Attachment:
         # `object.__setattr__`: not tracked by Keras (nor saved).
         object.__setattr__(model, "_fg_attachment", self)
         object.__setattr__(model, "make_train_function", self.make_train_function)
-        if _backend.is_jax():
-            for name in compat.JAX_STATE_METHODS:
-                object.__setattr__(model, name, self._jax_state_method(name))
+        for name in _shell.STATE_METHODS:  # (JAX's; none on TensorFlow)
+            object.__setattr__(model, name, self._state_method(name))
         model.train_function = None  # traced again, with the step
 
     def __enter__(self):
@@ -263,8 +263,8 @@ class _Attachment:
         with self:  # tracing (first call, new shapes) needs the class
             return traced(*args)
 
-    def _jax_state_method(self, name):
-        """Keras' JAX trainer method `name` (`compat.JAX_STATE_METHODS`),
+    def _state_method(self, name):
+        """Keras' trainer method `name` (the shell's `STATE_METHODS`),
         run on the step's variable lists (the step's own variables ride
         at the end of `non_trainable_variables`) when the state it reads
         or writes is the step's: the state a prepared call will take, or
@@ -283,7 +283,7 @@ class _Attachment:
     def detach(self):
         model = self.model
         self.detached = True
-        for name in ("_fg_attachment", "make_train_function", *compat.JAX_STATE_METHODS):
+        for name in ("_fg_attachment", "make_train_function", *_shell.STATE_METHODS):
             if name in vars(model):
                 object.__delattr__(model, name)
         if self.depth == 0:

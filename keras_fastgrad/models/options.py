@@ -1,6 +1,7 @@
 """`FastGradModel`'s options and the checks of how they meet the rest of
-the training set-up (the optimizer, the strategy, XLA), run once in Python
-before anything is traced.
+the training set-up (the optimizer), run once in Python before anything is
+traced. (What a `tf.distribute` strategy refuses is the TensorFlow shell's:
+`keras_fastgrad.backend.tensorflow.trainer.check_strategy`.)
 
 Every message follows the Keras recipe: the argument in backticks, the rule,
 the value received and, where there is one, the fix. The generic checks
@@ -10,13 +11,12 @@ the value received and, where there is one, the fix. The generic checks
 import difflib
 import numbers
 
-import keras
 import numpy as np
 
-from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad._validation import check_bool, check_choice, check_int, check_optional_int
 from keras_fastgrad.step.adaptive_clipping import DEFAULT_EPSILON as DEFAULT_AGC_EPSILON
+from keras_fastgrad.step.task_losses import check_task_count
 
 
 def check_accumulation_steps(value):
@@ -120,6 +120,16 @@ def check_multitask(value):
     )
 
 
+def check_compiled(model, options):
+    """Refuses `options` (`FastGradModel`'s, checked) that do not fit the
+    compiled `model`: a concern its optimizer owns too, a multi-task
+    method without two task losses. Reads the model only, so `fastgrad`
+    refuses before it changes anything."""
+    check_optimizer_ownership(model.optimizer, options["accumulation_steps"], options["clip_norm"])
+    if options["multitask"] is not None:
+        check_task_count(model, aggregators.get(options["multitask"]))
+
+
 def check_optimizer_ownership(optimizer, accumulation_steps, clip_norm):
     """Refuses a concern owned twice: by the model and by the optimizer.
 
@@ -156,68 +166,6 @@ def check_optimizer_ownership(optimizer, accumulation_steps, clip_norm):
                     "model clips the final gradient of each update once, "
                     "after accumulation), or use `clip_norm=None`."
                 )
-
-
-def check_jit_compile_under_strategy(jit_compile, strategy):
-    """Refuses XLA where TensorFlow cannot compile the distributed step.
-
-    - MirroredStrategy with 2+ devices on this worker: XLA cannot compile one
-      function that reads variables placed on several devices (plain
-      `keras.Model` fails too, deep in TF: "Trying to access resource ...
-      located in device ...").
-    - Any multi-replica strategy on CPU devices: XLA has no collectives on
-      CPU ("Collectives are not yet implemented for CPU devices when
-      compiling with XLA", then a crash of the worker process).
-    GPU workers with one device each (MultiWorkerMirroredStrategy) pass.
-    """
-    if jit_compile is not True or strategy.num_replicas_in_sync == 1:
-        return
-    try:
-        devices = list(strategy.extended.worker_devices)
-    except (AttributeError, RuntimeError):
-        devices = []
-    if len(devices) > 1:
-        reason = (
-            f"with {len(devices)} devices on this worker: XLA cannot compile "
-            "a function that reads variables on several devices "
-            "(https://www.tensorflow.org/xla/known_issues"
-            "#tfvariable_on_a_different_device)"
-        )
-    elif any("CPU" in d.upper() for d in devices):
-        reason = (
-            "on CPU devices: XLA has no collectives on CPU (TensorFlow: "
-            '"Collectives are not yet implemented for CPU devices when '
-            'compiling with XLA")'
-        )
-    else:
-        return
-    raise ValueError(
-        "`jit_compile=True` is not supported by TensorFlow under "
-        f"`{type(strategy).__name__}` {reason}. Received: jit_compile=True. "
-        'Fix: compile with `jit_compile=False` (or `"auto"`, which Keras '
-        "resolves to False under a strategy)."
-    )
-
-
-def check_steps_per_execution_under_strategy(steps_per_execution, strategy):
-    """Refuses `steps_per_execution > 1` with several replicas.
-
-    Keras' multi-step loop (a `tf.while_loop` around `strategy.run`) does
-    not run under MirroredStrategy in Keras 3.15 / TF 2.21: plain
-    `keras.Model.fit` fails too, with "You must feed a value for
-    placeholder tensor 'while/cond/Placeholder'".
-    """
-    if steps_per_execution > 1 and strategy.num_replicas_in_sync > 1:
-        raise ValueError(
-            "`steps_per_execution` must be 1 under "
-            f"`{type(strategy).__name__}` with "
-            f"{strategy.num_replicas_in_sync} replicas: Keras' multi-step "
-            'loop fails there (plain `keras.Model.fit` too, with "You must '
-            'feed a value for placeholder tensor"). Received: '
-            f"steps_per_execution={steps_per_execution}. Fix: compile with "
-            "`steps_per_execution=1` (a larger global batch amortises the "
-            "per-call cost instead)."
-        )
 
 
 # Where a multi-task method compares the tasks (`keras_fastgrad.multitask`).
@@ -260,29 +208,6 @@ def check_multitask_space(space, features, multitask):
             "`multitask_features`."
         )
     return {"multitask_space": space, "multitask_features": features}
-
-
-def check_keras_supports_replicas(strategy):
-    """Refuses a distribution strategy on Keras < 3.10.
-
-    Before 3.10 Keras creates metric variables mirrored on write: every
-    metric update is a `merge_call`, which the step cannot run inside its
-    conditional update (TensorFlow: "`merge_call` called while defining a
-    new graph or a tf.function"). From 3.10 they are sync-on-read. This
-    holds for a strategy of one replica too (a `MirroredStrategy` on a
-    machine with one GPU, or none): only the default strategy is free of it.
-    """
-    if compat.MULTI_REPLICA_SUPPORTED or compat.is_default_strategy(strategy):
-        return
-    replicas = strategy.num_replicas_in_sync
-    raise ValueError(
-        "Training a FastGradModel under a distribution strategy needs Keras "
-        ">= 3.10: older Keras updates metrics with a `merge_call`, which "
-        "the step cannot run inside its conditional update. Received: "
-        f"keras=={keras.__version__}, `{type(strategy).__name__}` with "
-        f'{replicas} replica(s). Fix: `pip install "keras>=3.10"`, or '
-        "train without a strategy."
-    )
 
 
 def check_keyword_names(kwargs, option_names, keras_names, owner="FastGradModel"):

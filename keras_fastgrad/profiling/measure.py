@@ -11,12 +11,21 @@ reported: a slow moment of a shared machine hits every column alike.
 """
 
 import dataclasses
+import importlib
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.models.model import FastGradModel
 from keras_fastgrad.profiling import _report
 from keras_fastgrad.profiling import _runs as runs
 from keras_fastgrad.profiling._runs import MODES, PHASES
+
+# Per backend shell (`keras_fastgrad.backend.shell().NAME`): the module
+# that makes each mode's calls, and the mode that runs the compiled step
+# (whose traces `profile_step` counts).
+_RUNS = {
+    "tensorflow": ("keras_fastgrad.profiling._runs", "function"),
+    "jax": ("keras_fastgrad.profiling._jax_runs", "xla"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,12 +186,9 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
     """
     from keras_fastgrad import backend
 
-    on_jax = backend.is_jax()
-    mode_calls = runs.mode_calls
-    if on_jax:
-        from keras_fastgrad.profiling import _jax_runs
-
-        mode_calls = _jax_runs.mode_calls
+    shell = backend.shell()
+    runs_module, compiled_mode = _RUNS[shell.NAME]
+    mode_calls = importlib.import_module(runs_module).mode_calls
     modes, repeats, warmup, batch_size, verbose = _report.check_arguments(
         model, modes, repeats, warmup, batch_size, verbose, data
     )
@@ -209,10 +215,8 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
         state.restore()
         medians = runs.interleaved_medians(calls, repeats)
         traces = None
-        if on_jax and "step_function" in facts:
-            traces = _jax_runs.traces(facts["step_function"])
-        elif "step_function" in facts and "function" not in skipped:
-            traces = facts["step_function"].experimental_get_tracing_count()
+        if "step_function" in facts and compiled_mode not in skipped:
+            traces = shell.trace_count(facts["step_function"])
     finally:
         state.restore()
         model.train_function = saved_train_function
@@ -221,9 +225,11 @@ def profile_step(model, data, modes=MODES, repeats=20, warmup=3, batch_size=None
         for mode in modes
         if mode not in skipped
     }
+    # A tape watches what the step reads (`FastGradModel` counts it); JAX
+    # differentiates every trainable variable (`facts`, as for any model).
     tape_variables = (
         model.tape_variable_count
-        if isinstance(model, FastGradModel) and not on_jax
+        if isinstance(model, FastGradModel) and shell.TAPE
         else facts.get("watched")
     )
     profile = StepProfile(

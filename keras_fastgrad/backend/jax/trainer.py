@@ -1,0 +1,180 @@
+"""The JAX shell's entry points for `FastGradModel`, as Keras'
+`backend/jax/trainer.py` is `keras.Model`'s: picked once by
+`keras_fastgrad.backend.shell()`, called by the model's Keras hooks.
+
+Each entry point is also defined by the TensorFlow shell's `trainer.py`,
+with the same contract (`keras_fastgrad.backend.SHELL_ENTRY_POINTS`). Here:
+Keras jits a stateless `train_step(state, data)`
+(`keras_fastgrad.backend.jax.step`), the step's variables ride in Keras'
+state tuple, and what the JAX step does not implement is refused by name
+(`keras_fastgrad.backend.support`).
+"""
+
+import functools
+
+import keras
+
+from keras_fastgrad import _compat as compat
+from keras_fastgrad import backend as _backend
+from keras_fastgrad.backend.jax import state as jax_state
+from keras_fastgrad.backend.support import refusal
+
+NAME = "jax"
+# Keras' JAX trainer methods that read the model's state between batches
+# (a plain model's `fit` routes them to the step's: `models.adapt`).
+STATE_METHODS = compat.JAX_STATE_METHODS
+# No tape: `jax.value_and_grad` differentiates every trainable variable.
+TAPE = False
+# `jax.jit` traces again for every new input shape (the trace count shows
+# each compilation).
+RECOMPILES_UNTRACED = False
+
+
+# ------------------------------------------------------------------ compile
+def loss_tracker(streak):
+    """The `loss` metric: a `Mean` that reports NaN while `streak()` (the
+    count of micro-batches dropped in a row) is above 0, in `keras.ops`."""
+    return jax_state.JaxTrainingLoss(name="loss", streak=streak)
+
+
+# ----------------------------------------------------------- train function
+def make_train_function(model, make, force):
+    """The model's train function, made by `make(force=force)` (Keras' own
+    `make_train_function`, which jits `model.train_step`).
+
+    Raises:
+        NotImplementedError: for what the JAX step does not implement
+            (`check_model`).
+    """
+    model._fg_prepare_state()
+    check_model(model)
+    model._fg_keep_for_a_refusal()  # (the step's variables now built)
+    # Keras jits `model.train_step`; `jax.jit` caches its traces per
+    # function, and bound methods of one model compare equal, so a rebuild
+    # would reuse the old trace (the old options, log keys) wherever
+    # something still holds the old train function. A new `partial` each
+    # time is a new function: traced anew.
+    object.__setattr__(model, "train_step", functools.partial(type(model).train_step, model))
+    try:
+        return make(force=force)
+    finally:
+        vars(model).pop("train_step", None)
+
+
+def train_step(model, state, data):
+    """The step on Keras' state tuple (`keras_fastgrad.backend.jax.step`):
+    returns `(logs, state)` as Keras' JAX trainer expects."""
+    from keras_fastgrad.backend.jax import step as jax_step  # imports jax
+
+    result = jax_step.train_step(model, state, data)
+    model.fastgrad_step_state.kept_arrays = None  # traced: Keras keeps the state now
+    return result
+
+
+# ---------------------------------------------------------------------- fit
+def with_divergence_stop(model, args, kwargs):
+    """`fit`'s arguments with a `JaxDivergenceStop` added to the callbacks
+    (when `max_consecutive_nonfinite` is set), the keras_fastgrad callbacks
+    among them checked (`check_callback`)."""
+    return jax_state.with_divergence_stop(model, args, kwargs)
+
+
+def arrays_kept_for_a_refusal(model):
+    """The arrays of every variable of Keras' state tuple built so far:
+    Keras' JAX `fit` detaches them while it trains, and a refusal raised
+    while the first step is traced would leave the variables without values
+    (`compat.attached_values`; `fit` gives them back)."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = [
+        *model.trainable_variables,
+        *model.non_trainable_variables,
+        *(optimizer.variables if optimizer is not None else []),
+        *model.metrics_variables,
+    ]
+    return compat.attached_values(variables)
+
+
+# --------------------------------------------------------------- readouts
+def step_variables(model):
+    """The step's own variables, once built: Keras threads only the
+    model's four variable lists through its stateless step, so they ride
+    in `non_trainable_variables`."""
+    return jax_state.step_variables(model)
+
+
+def tape_variable_count(model):
+    """The number of trainable variables `jax.value_and_grad`
+    differentiates (all of them) once the train function is made, else
+    `None`."""
+    return None if model.train_function is None else len(model.trainable_variables)
+
+
+def trace_count(function):
+    """How many times the `jax.jit` function was compiled, or `None` where
+    JAX does not say."""
+    return compat.jit_cache_size(function)
+
+
+# ----------------------------------------------------------------- refusals
+def check_options(options, defaults):
+    """Refuses the options (checked, by name) the JAX step does not
+    implement.
+
+    Args:
+        options: Dict of `FastGradModel`'s options.
+        defaults: Dict of their default values.
+
+    Raises:
+        NotImplementedError: naming the option.
+    """
+    for name in _backend._JAX_REFUSED_OPTIONS:
+        if options[name] != defaults[name]:
+            raise refusal(name, f"{name}={options[name]!r}")
+
+
+def check_model(model):
+    """Refuses what a model that trains would need of the step beyond the
+    supported set (read when the train function is made).
+
+    Raises:
+        NotImplementedError: naming the feature.
+    """
+    distribution = keras.distribution.distribution()
+    # DataParallel: the step's arrays are global (sharded over the batch),
+    # so its sums, counts and norms are the whole batch's as they stand.
+    if distribution is not None and type(distribution) is not keras.distribution.DataParallel:
+        raise refusal("distribution", f"distribution={type(distribution).__name__}(...)")
+    check_telemetry_keys(model.fastgrad_step_state.log_keys)
+    optimizer = model.optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "loss_scale_factor", None) is not None:
+        raise refusal("loss_scale_factor", f"loss_scale_factor={inner.loss_scale_factor!r}")
+
+
+def check_telemetry_keys(keys):
+    """Every telemetry key is measured on JAX (the multi-task keys come with
+    `multitask`, as on TensorFlow): a no-op."""
+    del keys
+
+
+def check_callback(callback, model=None):
+    """Refuses the callbacks of `_JAX_REFUSED_CALLBACKS` (none at present),
+    and every callback on a plain model's `fit` under a
+    `keras.distribution` (its sharded state: untested). On a plain model's
+    `fit` they attach the step as on TensorFlow (`models.adapt`).
+
+    Raises:
+        NotImplementedError: naming the callback.
+    """
+    name = type(callback).__name__
+    if name in _backend._JAX_REFUSED_CALLBACKS:
+        raise refusal(name, f"{name}(...)")
+    plain = model is not None and not any(
+        c.__name__ == "FastGradModel" for c in type(model).__mro__
+    )
+    distribution = keras.distribution.distribution()
+    if plain and distribution is not None:
+        raise refusal(
+            "plain_fit_under_distribution",
+            f"{name}(...) with distribution={type(distribution).__name__}(...)",
+        )
