@@ -240,6 +240,35 @@ def apply(counters, change, where=True):
     return Counters(*new)
 
 
+def measures_after(old, measured, entered, applied):
+    """The optional keys' values after an update's branch: `update_ratio`
+    where the update was `applied`, the gradient's keys (`grad_norm/<layer>`,
+    `agc_clipped_fraction`) where its branch was `entered` (a finite
+    micro-batch, any with `skip_nonfinite=False`, a complete window).
+
+    Args:
+        old: Dict `{key: float32 scalar}` of the values before.
+        measured: Dict `{key: float32 scalar}` measured in the branch.
+        entered: Boolean scalar (or `True`).
+        applied: Boolean scalar (or `True`).
+
+    Returns:
+        Dict `{key: float32 scalar}` of `measured`'s keys.
+
+    Example:
+
+    >>> out = measures_after({"update_ratio": 0.5, "grad_norm/d": 1.0},
+    ...                      {"update_ratio": 0.1, "grad_norm/d": 3.0},
+    ...                      entered=True, applied=False)
+    >>> {k: float(v) for k, v in out.items()}
+    {'update_ratio': 0.5, 'grad_norm/d': 3.0}
+    """
+    return {
+        key: ops.where(applied if key == UPDATE_RATIO else entered, value, old[key])
+        for key, value in measured.items()
+    }
+
+
 def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None):
     """The log dict of the fixed keys (`LOG_KEYS` order), then the optional
     keys', float32 scalars.

@@ -211,12 +211,8 @@ def unmeasured(model):
 
 
 def record_measures(new, measures, entered, applied):
-    """Writes `measure`'s values into `new`: `update_ratio` where the
-    update was `applied`, the gradient's keys where its branch was
-    `entered` (boolean scalars, or `True`), as on TensorFlow."""
-    for key, value in measures.items():
-        where = applied if key == UPDATE_RATIO else entered
-        new[key] = ops.where(where, value, new[key])
+    """Writes `measure`'s values into `new` (`core.measures_after`)."""
+    new.update(core.measures_after(new, measures, entered, applied))
 
 
 def logs(model, slots, new, ov, num_trainable):
