@@ -121,6 +121,24 @@ def is_optional_key(key):
     )
 
 
+def counts_nonfinite(drops, keys):
+    """Whether the step checks and counts non-finite micro-batches: when it
+    drops them (`drops`, a Python bool), or while a key of `COUNT_KEYS` is
+    requested (`keys`); an ungated step otherwise checks nothing, as
+    `keras.Model`.
+
+    >>> counts_nonfinite(False, {"updates"}), counts_nonfinite(False, {"nonfinite_count"})
+    (False, True)
+    """
+    return bool(drops or set(keys) & set(COUNT_KEYS))
+
+
+def locates_nonfinite(keys):
+    """Whether a dropped micro-batch's location (`LOCATION_KEYS`) is worked
+    out: only while one of those keys is requested (`keys`)."""
+    return bool(set(keys) & set(LOCATION_KEYS))
+
+
 class Counters(NamedTuple):
     """The step's saved counters, one float32 scalar each (values, or the
     variables holding them), in the order the files keep them.

@@ -170,6 +170,15 @@ def test_keys():
     assert core.is_task_key("task_cosine/a/b") and not core.is_optional_key("updates")
 
 
+def test_which_keys_switch_the_count_and_the_location_on():
+    assert core.counts_nonfinite(True, set())  # a gated step always counts
+    assert not core.counts_nonfinite(False, {"updates", "grad_norm"})
+    for key in ("nonfinite_count", "nonfinite_first_index", "nonfinite_num_variables"):
+        assert core.counts_nonfinite(False, {key})
+    assert not core.locates_nonfinite({"nonfinite_count"})
+    assert core.locates_nonfinite({"nonfinite_num_variables"})
+
+
 @pytest.mark.parametrize(
     "finite, scale, expected",
     [(True, None, False), (False, None, True), (False, 2.0, False), (False, 1.0, True)],
