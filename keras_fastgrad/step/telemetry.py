@@ -121,6 +121,24 @@ def is_optional_key(key):
     )
 
 
+def counts_nonfinite(drops, keys):
+    """Whether the step checks and counts non-finite micro-batches: when it
+    drops them (`drops`, a Python bool), or while a key of `COUNT_KEYS` is
+    requested (`keys`); an ungated step otherwise checks nothing, as
+    `keras.Model`.
+
+    >>> counts_nonfinite(False, {"updates"}), counts_nonfinite(False, {"nonfinite_count"})
+    (False, True)
+    """
+    return bool(drops or set(keys) & set(COUNT_KEYS))
+
+
+def locates_nonfinite(keys):
+    """Whether a dropped micro-batch's location (`LOCATION_KEYS`) is worked
+    out: only while one of those keys is requested (`keys`)."""
+    return bool(set(keys) & set(LOCATION_KEYS))
+
+
 class Counters(NamedTuple):
     """The step's saved counters, one float32 scalar each (values, or the
     variables holding them), in the order the files keep them.
@@ -238,6 +256,35 @@ def apply(counters, change, where=True):
             value = ops.cast(value, "float32")
             new.append(value if where is True else ops.where(where, value, old))
     return Counters(*new)
+
+
+def measures_after(old, measured, entered, applied):
+    """The optional keys' values after an update's branch: `update_ratio`
+    where the update was `applied`, the gradient's keys (`grad_norm/<layer>`,
+    `agc_clipped_fraction`) where its branch was `entered` (a finite
+    micro-batch, any with `skip_nonfinite=False`, a complete window).
+
+    Args:
+        old: Dict `{key: float32 scalar}` of the values before.
+        measured: Dict `{key: float32 scalar}` measured in the branch.
+        entered: Boolean scalar (or `True`).
+        applied: Boolean scalar (or `True`).
+
+    Returns:
+        Dict `{key: float32 scalar}` of `measured`'s keys.
+
+    Example:
+
+    >>> out = measures_after({"update_ratio": 0.5, "grad_norm/d": 1.0},
+    ...                      {"update_ratio": 0.1, "grad_norm/d": 3.0},
+    ...                      entered=True, applied=False)
+    >>> {k: float(v) for k, v in out.items()}
+    {'update_ratio': 0.5, 'grad_norm/d': 3.0}
+    """
+    return {
+        key: ops.where(applied if key == UPDATE_RATIO else entered, value, old[key])
+        for key, value in measured.items()
+    }
 
 
 def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None):

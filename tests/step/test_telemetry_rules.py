@@ -141,6 +141,21 @@ def test_logs_in_log_keys_order_only_the_wanted():
     assert list(some) == ["updates", "tape_variables"]
 
 
+def test_measures_after_an_update_branch():
+    old = {"update_ratio": 0.5, "grad_norm/d": 1.0}
+    new = {"update_ratio": 0.1, "grad_norm/d": 3.0}
+    t, f = keras.ops.convert_to_tensor(True), keras.ops.convert_to_tensor(False)
+
+    def values(entered, applied):
+        out = core.measures_after(old, new, entered, applied)
+        return {k: round(float(keras.ops.convert_to_numpy(v)), 6) for k, v in out.items()}
+
+    # a dropped update (branch entered, nothing applied) keeps the old ratio
+    assert values(t, f) == {"update_ratio": 0.5, "grad_norm/d": 3.0}
+    assert values(t, t) == {"update_ratio": 0.1, "grad_norm/d": 3.0}
+    assert values(f, f) == old
+
+
 def test_variables_are_the_counters_in_file_order():
     telemetry = core.StepTelemetry()
     telemetry.build(["d/kernel", "d/bias", "e/kernel"], ["grad_norm/e", core.UPDATE_RATIO])
@@ -153,6 +168,15 @@ def test_keys():
     assert core.layer_key("dense_1/kernel") == "grad_norm/dense_1"
     assert core.is_optional_key("grad_norm/dense_1") and core.is_optional_key("gns_simple")
     assert core.is_task_key("task_cosine/a/b") and not core.is_optional_key("updates")
+
+
+def test_which_keys_switch_the_count_and_the_location_on():
+    assert core.counts_nonfinite(True, set())  # a gated step always counts
+    assert not core.counts_nonfinite(False, {"updates", "grad_norm"})
+    for key in ("nonfinite_count", "nonfinite_first_index", "nonfinite_num_variables"):
+        assert core.counts_nonfinite(False, {key})
+    assert not core.locates_nonfinite({"nonfinite_count"})
+    assert core.locates_nonfinite({"nonfinite_num_variables"})
 
 
 @pytest.mark.parametrize(

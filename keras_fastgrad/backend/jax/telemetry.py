@@ -36,11 +36,11 @@ from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
 from keras_fastgrad.step.telemetry import (
     AGC_CLIPPED_FRACTION,
-    COUNT_KEYS,
-    LOCATION_KEYS,
     LOG_KEYS,
     UPDATE_RATIO,
 )
+
+COUNT_KEYS = core.COUNT_KEYS  # (`jax_agc.counted` reads it here)
 
 # Where each counter's value sits among the step's values (`jax_state.Slots`).
 _SLOT = core.Counters(
@@ -80,7 +80,7 @@ def _location(model, grads):
     """`(first, num)`: the index of the first non-finite gradient (-1 when
     only the loss, or a clip factor, was) and how many were; `(None,
     None)` unless a key asks."""
-    if not requested(model) & set(LOCATION_KEYS):
+    if not core.locates_nonfinite(requested(model)):
         return None, None
     if grads:  # (TensorFlow's `summarize` of its marks: a sum that overflows counts)
         return finite.summarize(finite.marks(grads), with_loss=False)
@@ -99,7 +99,7 @@ def record_ungated(model, new, grads, finite):
     """`skip_nonfinite=False` without loss scaling: a non-finite
     micro-batch is applied, and counted (with its location) only while a
     `nonfinite_*` key is requested, as on TensorFlow."""
-    if requested(model) & set(COUNT_KEYS):
+    if core.counts_nonfinite(False, requested(model)):
         record_drop(model, new, grads, ~finite, failed=False)
 
 
@@ -211,12 +211,8 @@ def unmeasured(model):
 
 
 def record_measures(new, measures, entered, applied):
-    """Writes `measure`'s values into `new`: `update_ratio` where the
-    update was `applied`, the gradient's keys where its branch was
-    `entered` (boolean scalars, or `True`), as on TensorFlow."""
-    for key, value in measures.items():
-        where = applied if key == UPDATE_RATIO else entered
-        new[key] = ops.where(where, value, new[key])
+    """Writes `measure`'s values into `new` (`core.measures_after`)."""
+    new.update(core.measures_after(new, measures, entered, applied))
 
 
 def logs(model, slots, new, ov, num_trainable):
