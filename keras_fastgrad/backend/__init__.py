@@ -31,6 +31,7 @@ _JAX_REFUSED_CALLBACKS = ()
 # What each shell's `trainer` module defines (same names, same contracts):
 SHELL_ENTRY_POINTS = (
     "NAME",  # "tensorflow" or "jax": the Keras backend it runs on
+    "STEP_UNIT_CLASSES",  # (telemetry, divergence) classes for `StepState`
     "STATE_METHODS",  # Keras' trainer methods reading the state between batches
     "TAPE",  # whether gradients come from a tape watching a subset of variables
     "RECOMPILES_UNTRACED",  # whether a new input shape recompiles without a retrace

@@ -158,7 +158,7 @@ class FastGradModel(StepReadouts, TrainingHooks, keras.Model):
         """The step's options and (empty) state on a Keras-initialised
         model: from `__init__`, or on an existing model (`fastgrad`)."""
         # Saved as its own entry of `.keras` / `.weights.h5` files.
-        self.fastgrad_step_state = StepState(self)
+        self.fastgrad_step_state = StepState(self, *_shell.STEP_UNIT_CLASSES)
         self._fg_set_options(options)
 
     def _fg_set_options(self, options):

@@ -38,13 +38,12 @@ import weakref
 import keras
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend.tensorflow.divergence import DivergenceWatch
-from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
 from keras_fastgrad.step import noise_scale, state_files
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
+from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.replicas import replicas_of
-from keras_fastgrad.step.telemetry import LOG_KEYS, is_optional_key
+from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 # The units with state only some models have, by attribute name: saved
 # under keys of their own (`state_files`), in this order.
@@ -101,7 +100,10 @@ class StepState(compat.KerasSaveable):
             tracing raises: `models.model`); `None` otherwise.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, telemetry=StepTelemetry, divergence=DivergenceWatch):
+        # The shell's classes of the units that write their own variables
+        # (`telemetry`, `divergence`: the core's, or a shell's subclass).
+        self._unit_classes = (telemetry, divergence)
         # A weak reference: Keras' saving walks this entry's attributes, and
         # the model would lead it back in a loop.
         self._model_ref = weakref.ref(model)
@@ -168,9 +170,10 @@ class StepState(compat.KerasSaveable):
         strategy = getattr(model, "distribute_strategy", None)
         scope = contextlib.nullcontext() if strategy is None else strategy.scope()
         with scope, keras.name_scope("fastgrad"):
-            telemetry = StepTelemetry()
+            telemetry_class, divergence_class = self._unit_classes
+            telemetry = telemetry_class()
             telemetry.build([v.path for v in variables], optional)
-            divergence = DivergenceWatch(self.options.max_consecutive_nonfinite)
+            divergence = divergence_class(self.options.max_consecutive_nonfinite)
             divergence.build()
             accumulator = None
             if self.options.accumulation_steps > 1:

@@ -12,9 +12,15 @@ import keras
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.tensorflow import log_packing
+from keras_fastgrad.backend.tensorflow.divergence import DivergenceWatch
+from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
 from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
 from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss
+
+# The classes of the step's units that write their own variables
+# (`StepState`'s `telemetry`, `divergence`).
+STEP_UNIT_CLASSES = (StepTelemetry, DivergenceWatch)
 
 NAME = "tensorflow"
 # Keras' trainer methods that read the model's state between batches, which
