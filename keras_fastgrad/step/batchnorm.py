@@ -21,8 +21,9 @@ per feature (`n` the mask weights under a mask), over the micro-batch's
 slices, its replicas and the window's micro-batches, and the moving
 statistics take one step, with the layer's momentum, from the pooled mean
 and `M2 / n` (the maths: `keras_fastgrad.maths.batchnorm`): what
-`keras.Model` does on the concatenated batch. The forward pass still normalises each micro-batch by its own moments (ghost
-batch normalisation): only the moving statistics are those of the window.
+`keras.Model` does on the concatenated batch. The forward pass still
+normalises each micro-batch by its own moments (ghost batch
+normalisation): only the moving statistics are those of the window.
 
 State: per layer, the micro-batch's moments (`scratch`: per replica, not
 saved) and the window's (global, saved with the model). A micro-batch that
