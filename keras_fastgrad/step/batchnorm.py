@@ -224,7 +224,7 @@ def kept(keep, with_micro_batch, without):
     return ops.where(keep, with_micro_batch, without)
 
 
-def moved(window, layers, sizes, moving, complete=None):
+def moved(window, layers, sizes, moving, complete=None, split=None):
     """One momentum step of each layer's moving statistics from the
     window's pooled moments (features without samples keep theirs), and
     the window emptied.
@@ -236,6 +236,9 @@ def moved(window, layers, sizes, moving, complete=None):
         moving: Per layer, the values `(moving_mean, moving_variance)`.
         complete: Optional boolean scalar: where false, nothing moves and
             the window stays.
+        split: Optional callable `split(tensor, sizes)`, the backend's
+            split of a `[sum(sizes)]` tensor into the layers' parts (by
+            default, slices).
 
     Returns:
         `(new_moving, new_window)`: per layer the new pair, and the window.
@@ -248,18 +251,25 @@ def moved(window, layers, sizes, moving, complete=None):
     >>> float(mean[0]), float(var[0]), float(empty[0, 0])
     (1.0, 2.0, 0.0)
     """
-    has_samples, mean, variance = pooled(window)
-    new_moving, offset = [], 0
-    for layer, size, pair in zip(layers, sizes, moving):
-        part = slice(offset, offset + size)
-        offset += size
+    parts = [_parts(t, sizes, split) for t in pooled(window)]
+    new_moving = []
+    for layer, pair, (has_samples, mean, variance) in zip(layers, moving, zip(*parts)):
         new_pair = []
-        for old, new in zip(pair, (mean[part], variance[part])):
-            value = momentum_step(old, new, has_samples[part], layer.momentum)
+        for old, new in zip(pair, (mean, variance)):
+            value = momentum_step(old, new, has_samples, layer.momentum)
             new_pair.append(value if complete is None else ops.where(complete, value, old))
         new_moving.append(tuple(new_pair))
     empty = ops.zeros_like(window)
     return new_moving, (empty if complete is None else ops.where(complete, empty, window))
+
+
+def _parts(tensor, sizes, split):
+    if len(sizes) == 1:
+        return [tensor]
+    if split is not None:
+        return split(tensor, sizes)
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    return [tensor[end - size : end] for size, end in zip(sizes, ends)]
 
 
 def completes_window(micro_step, accumulation_steps):

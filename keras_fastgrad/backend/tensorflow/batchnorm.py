@@ -79,7 +79,8 @@ def apply(unit):
     with the optimizer update."""
     moving = [(layer.moving_mean, layer.moving_variance) for layer in unit.layers]
     values = [tuple(_read(v) for v in pair) for pair in moving]
-    new, empty = core.moved(_read(unit.window), unit.layers, unit.sizes, values)
+    window = _read(unit.window)
+    new, empty = core.moved(window, unit.layers, unit.sizes, values, split=tf.split)
     for variables, new_values in zip(moving, new):
         for variable, value in zip(variables, new_values):
             variable.assign(value)
