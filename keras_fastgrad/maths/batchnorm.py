@@ -1,9 +1,8 @@
 """BatchNorm window statistics: moments pooled over a window, one step.
 
 Written once in `keras.ops` (explicit inputs, no variables) for both
-backends' steps: TensorFlow's `keras_fastgrad.step.batchnorm` (its
-variables, replicas and recording; the contract in its docstring; traced
-op counts unchanged) and JAX's `keras_fastgrad.backend.jax.batchnorm`.
+backends' steps (the unit's contract and rules:
+`keras_fastgrad.step.batchnorm`).
 
 Each layer's per-feature moments are a `[3, features]` stack `(n, mean,
 M2)`, `M2 = n * variance` (biased variance; `n` the positions reduced over,
@@ -55,7 +54,7 @@ def counts(inputs, mask, axis):
     over, or (masked, as Keras weighs them) the mask's weights.
 
     Args:
-        inputs: The layer's input (static rank).
+        inputs: The layer's input (static rank and feature axis).
         mask: `None`, or the mask Keras passes the layer (rank one less).
         axis: Int, the layer's feature axis.
 
@@ -69,13 +68,12 @@ def counts(inputs, mask, axis):
     """
     rank = len(inputs.shape)
     axis = axis % rank
-    features = inputs.shape[axis]
-    if mask is None:
-        total = 1
-        for a, size in enumerate(inputs.shape):
-            total = total if a == axis else total * size
-        return ops.full((features,), float(total), "float32")
-    weights = ops.broadcast_to(ops.expand_dims(ops.cast(mask, "float32"), -1), inputs.shape)
+    features = inputs.shape[axis]  # (static: the layer is built)
+    if mask is None:  # (the other sizes may be known only when the step runs)
+        count = ops.cast(ops.size(inputs) // features, "float32")
+        return ops.full((features,), count, "float32")
+    weights = ops.expand_dims(ops.cast(mask, "float32"), -1)
+    weights = ops.broadcast_to(weights, ops.shape(inputs))
     return ops.sum(weights, axis=[a for a in range(rank) if a != axis])
 
 

@@ -2,12 +2,9 @@
 
 McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"
 (arXiv:1812.06162), App. A.1, for small batches of uneven sizes (the
-derivation: `keras_fastgrad.step.noise_scale`'s docstring). Both steps
-call these on explicit values and keep the results where their state
-lives: TensorFlow's `step.noise_scale.NoiseScale` assigns them to its
-variables, JAX's `backend.jax_noise_scale` threads them through Keras'
-state tuple. How each step gets the squared norms (sparse rows, replicas,
-slices) is its own.
+derivation and the unit's rules: `keras_fastgrad.step.noise_scale`), on
+explicit values; each backend's shell keeps the results where its state
+lives (variables on TensorFlow, Keras' state tuple on JAX).
 
 A window's measures are five sums over its small batches `i` (rows `n_i`,
 loss normaliser `D_i`): `[sum |g_i|^2, sum 1/n_i, k, sum D_i^2/n_i,

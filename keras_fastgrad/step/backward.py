@@ -16,6 +16,8 @@ import contextlib
 import warnings
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
+from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow.compile_loss import output_loss_metrics
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.compile_loss import (
@@ -104,7 +106,7 @@ def _gradients(model, state, x, y, sample_weight):
             state.scaling,
             slices,
             merger=state.merger,
-            measure=noise_scale.slice_measure() if measure else None,
+            measure=tf_noise_scale.slice_measure() if measure else None,
             options=state.options.combining(),
         )
     else:
@@ -131,7 +133,7 @@ def _gradients(model, state, x, y, sample_weight):
 
 def _small_batch(grads, num_rows, share):
     """The noise scale's measures of the micro-batch (one small batch)."""
-    return noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)
+    return tf_noise_scale.small_batch(grads, tf.cast(num_rows, tf.float32), share.actual)
 
 
 def _recording_batchnorm(state):
@@ -139,7 +141,7 @@ def _recording_batchnorm(state):
     moving statistics held (`batchnorm.WindowMoments`), when pooled."""
     if state.batchnorm is None:
         return contextlib.nullcontext()
-    return state.batchnorm.recording()
+    return tf_batchnorm.recording(state.batchnorm)
 
 
 def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):

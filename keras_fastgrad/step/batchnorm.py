@@ -20,30 +20,35 @@ and LeVeque's parallel combination of `(n, mean, M2)`, `M2 = n * variance`):
 per feature (`n` the mask weights under a mask), over the micro-batch's
 slices, its replicas and the window's micro-batches, and the moving
 statistics take one step, with the layer's momentum, from the pooled mean
-and `M2 / n` (the maths in `keras.ops`, shared with the JAX step:
-`keras_fastgrad.maths.batchnorm`): what `keras.Model` does on the
-concatenated batch. The
-forward pass still normalises each micro-batch by its own moments (ghost
-batch normalisation): only the moving statistics are those of the window.
+and `M2 / n` (the maths: `keras_fastgrad.maths.batchnorm`): what
+`keras.Model` does on the concatenated batch. The forward pass still
+normalises each micro-batch by its own moments (ghost batch
+normalisation): only the moving statistics are those of the window.
 
 State: per layer, the micro-batch's moments (`scratch`: per replica, not
 saved) and the window's (global, saved with the model). A micro-batch that
 is dropped (not finite) leaves the window as it was, like its gradient.
+
+Here, once for both backends: the choices and their refusals, the moments a
+forward pass records (`Recorder`), their pooling over replicas and the
+window (`pooled_over_replicas`, `kept`), and the moving statistics' step
+(`moved`). The shells say how the state is held and written
+(`keras_fastgrad.backend.tensorflow.batchnorm`: variables, replicas, the
+slices' loop; `keras_fastgrad.backend.jax.batchnorm`: Keras' state tuple).
 """
 
-import threading
-
 import keras
+from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.maths.batchnorm import (  # (the maths once, in keras.ops)
     chan_combine,  # noqa: F401 (re-exported)
     combined,
+    counts,
+    moments_stack,
     momentum_step,
     pooled,
 )
-from keras_fastgrad.step.replicas import num_replicas, replica_sum
 from keras_fastgrad.step.variables import global_variable
 
 CHOICES = ("window", "micro_batch")
@@ -68,14 +73,14 @@ def pools_window(options, layers):
 
 
 class WindowMoments:
-    """Per-feature `(n, mean, M2)` of each BatchNorm layer's inputs over a
-    window; the moving statistics updated from them once per window.
+    """The variables of the pooled moments: the window's and, with slices,
+    each layer's micro-batch moments (the shells read and write them).
 
     Args:
         layers: The built `BatchNormalization` layers.
-        sliced: Python bool, the step runs `micro_batches` slices (a
-            `tf.while_loop`: their moments are added in variables; else the
-            forward pass hands them on as tensors).
+        sliced: Python bool, the step runs `micro_batches` slices (on
+            TensorFlow a `tf.while_loop`: their moments are added in
+            variables; else the forward pass hands them on as tensors).
 
     Raises:
         ValueError: for a layer with `renorm=True` (its renormalisation
@@ -90,19 +95,16 @@ class WindowMoments:
         self.sizes = [int(layer.moving_mean.shape[0]) for layer in self.layers]
         self.scratch = {}
         self.window = None
-        self._traced = threading.local()  # this thread's trace: moments as tensors
 
     def build(self):
         """Creates the float32 state: the window's `[3, features]` moments
         (`n`, `mean`, `M2`, all layers side by side; global), and with
         slices each layer's micro-batch moments (per replica)."""
-        self.window = global_variable(
-            keras.ops.zeros([3, sum(self.sizes)]), "batchnorm_window_moments"
-        )
+        self.window = global_variable(ops.zeros([3, sum(self.sizes)]), "batchnorm_window_moments")
         if self.sliced:
             self.scratch = {
                 id(layer): compat.variable(
-                    keras.ops.zeros([3, size]),
+                    ops.zeros([3, size]),
                     trainable=False,
                     autocast=False,
                     synchronization="on_read",
@@ -119,82 +121,165 @@ class WindowMoments:
 
     def reset_state(self):
         """An empty window (nothing pooled yet)."""
-        self.window.assign(keras.ops.zeros(self.window.shape, self.window.dtype))  # (from the host)
+        self.window.assign(ops.zeros(self.window.shape, self.window.dtype))  # (from the host)
 
-    # ------------------------------------------------- in the forward pass
+
+def layer_moments(layer, inputs, mask, mean, variance):
+    """The `[3, features]` float32 `(n, mean, M2)` of one call of `layer`
+    in training mode (Keras' batch moments `mean`, `variance`; `n` the
+    positions reduced over, or the mask's weights), outside the gradient."""
+    n = counts(inputs, mask, layer.axis)
+    return ops.stop_gradient(moments_stack(n, mean, variance))
+
+
+class Recorder:
+    """The moments one forward pass records, per layer; several calls of a
+    layer are pooled.
+
+    Args:
+        layers: The `BatchNormalization` layers pooled.
+        store: Optional callable `store(layer, moments)` that keeps a
+            call's moments instead (TensorFlow's slices: in a variable).
+    """
+
+    def __init__(self, layers, store=None):
+        self.layers = list(layers)
+        self.moments = {}
+        self._store = store
+        self._recorded = set()
+
+    def record(self, layer, inputs, mask, mean, variance):
+        """Keeps the moments of one call of `layer` (`layer_moments`)."""
+        moments = layer_moments(layer, inputs, mask, mean, variance)
+        self._recorded.add(id(layer))
+        if self._store is not None:
+            self._store(layer, moments)
+            return
+        before = self.moments.get(id(layer))
+        self.moments[id(layer)] = moments if before is None else combined(before, moments)
+
+    def held(self, layer):
+        """Refuses a layer that held its moving statistics without
+        recording (`refuse_unrecorded`)."""
+        if id(layer) not in self._recorded:
+            refuse_unrecorded(layer)
+
     def recording(self):
-        """A context for the step's forward pass: each layer's training
-        moments are added to its micro-batch moments, and its moving
-        statistics stay where they are (they move in `apply`).
+        """A context for a forward pass: each layer's training moments are
+        recorded and its moving statistics stay where they are (they move
+        with the window, `moved`).
 
         Raises:
             ValueError: (while tracing) for a layer that assigns its moving
                 statistics without Keras' moments computation (a subclass
                 with a `call` of its own): nothing would be pooled."""
-        self._traced.moments = {}
-        recorded = set()
+        return compat.batchnorm_recording(self.layers, self.record, self.held)
 
-        def record(layer, *moments):
-            recorded.add(id(layer))
-            self._record(layer, *moments)
-
-        def held(layer):
-            if id(layer) not in recorded:
-                _refuse_unrecorded(layer)
-
-        return compat.batchnorm_recording(self.layers, record, held)
-
-    def _record(self, layer, inputs, mask, mean, variance):
-        # Keras' moments are the micro-batch's (or slice's: no padding)
-        n = _counts(layer, inputs, mask)
-        mean = tf.reshape(tf.cast(mean, tf.float32), [-1])
-        m2 = tf.reshape(tf.cast(variance, tf.float32), [-1]) * n
-        moments = tf.stop_gradient(tf.stack([n, mean, m2]))
-        if self.sliced:
-            scratch = self.scratch[id(layer)]
-            scratch.assign(combined(tf.convert_to_tensor(scratch.value), moments))
-            return
-        traced = self._traced.moments  # several calls of a layer: all pooled
-        before = traced.get(id(layer))
-        traced[id(layer)] = moments if before is None else combined(before, moments)
-
-    # ------------------------------------------------ after the finite check
-    def end_micro_batch(self, keep):
-        """Adds the micro-batch's moments, pooled over the replicas (two
-        small all-reduces with several), to the window if `keep`. Runs in
-        replica context, on every replica."""
-        local = tf.concat(
-            [self._micro_batch_moments(l, s) for l, s in zip(self.layers, self.sizes)], 1
+    def stacked(self, sizes):
+        """`[3, sum(sizes)]`: every layer's recorded moments side by side
+        (zeros for a layer that took none)."""
+        return ops.concatenate(
+            [
+                self.moments.get(id(layer), ops.zeros((3, size), "float32"))
+                for layer, size in zip(self.layers, sizes)
+            ],
+            axis=1,
         )
-        if num_replicas() > 1:
-            local = _pooled_over_replicas(local)
-        current = tf.convert_to_tensor(self.window.value)
-        self.window.assign(tf.where(keep, combined(current, local), current))
 
-    def _micro_batch_moments(self, layer, size):
-        """The layer's `[3, size]` moments of this micro-batch (zeros if it
-        took none); a slices' sum is emptied for the next one."""
-        if self.sliced:
-            scratch = self.scratch[id(layer)]
-            moments = tf.convert_to_tensor(scratch.value)
-            with tf.control_dependencies([moments]):
-                scratch.assign(tf.zeros([3, size]))
-            return moments
-        moments = getattr(self._traced, "moments", {}).get(id(layer))
-        return tf.zeros([3, size]) if moments is None else moments
 
-    # ------------------------------------------------------- at the update
-    def apply(self):
-        """One momentum step of each layer's moving statistics from the
-        window's pooled moments (features without samples keep theirs),
-        then empties the window. Runs with the optimizer update."""
-        has_samples, mean, variance = pooled(tf.convert_to_tensor(self.window.value))
-        parts = zip(*(tf.split(t, self.sizes) for t in (has_samples, mean, variance)))
-        for layer, (has_samples, mean, variance) in zip(self.layers, parts):
-            for moving, new in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
-                old = tf.convert_to_tensor(moving.value)
-                moving.assign(momentum_step(old, new, has_samples, layer.momentum))
-        self.window.assign(tf.zeros(self.window.shape))
+def pooled_over_replicas(local, replica_sum):
+    """The `[3, features]` moments over all replicas: the k-group form of
+    Chan's combination, `mean = sum n_r mean_r / N`, `M2 = sum (M2_r +
+    n_r (mean_r - mean)**2)`. A `synchronized=True` layer's replicas each
+    hold the global moments with their own count: the same formula gives
+    them back.
+
+    Args:
+        local: This replica's `[3, features]` moments.
+        replica_sum: The backend's sum over the replicas of a list of
+            tensors (two calls, all layers together).
+
+    Example (two replicas holding the same samples `[1, 3]` of one feature:
+    the four samples `[1, 3, 1, 3]`, mean 2, `M2` 4):
+
+    >>> local = np.array([[2.0], [2.0], [2.0]], "float32")  # n 2, mean 2, M2 2
+    >>> def replica_sum(values):  # two replicas, equal values
+    ...     return [2.0 * v for v in values]
+    >>> [float(v[0]) for v in pooled_over_replicas(local, replica_sum)]
+    [4.0, 2.0, 4.0]
+    """
+    n, mean, m2 = ops.unstack(local, 3)
+    total, weighted = replica_sum([n, n * mean])
+    global_mean = ops.divide_no_nan(weighted, total)
+    (spread,) = replica_sum([m2 + n * ops.square(mean - global_mean)])
+    return ops.stack([total, global_mean, spread])
+
+
+def kept(keep, with_micro_batch, without):
+    """The window after a micro-batch: `with_micro_batch` (its moments
+    combined in) where `keep`, `without` where it is dropped (not finite:
+    left out, like its gradient)."""
+    if keep is True:
+        return with_micro_batch
+    return ops.where(keep, with_micro_batch, without)
+
+
+def moved(window, layers, sizes, moving, complete=None, split=None):
+    """One momentum step of each layer's moving statistics from the
+    window's pooled moments (features without samples keep theirs), and
+    the window emptied.
+
+    Args:
+        window: `[3, sum(sizes)]` float32, the window's moments.
+        layers: The `BatchNormalization` layers (their `momentum`).
+        sizes: Their feature counts.
+        moving: Per layer, the values `(moving_mean, moving_variance)`.
+        complete: Optional boolean scalar: where false, nothing moves and
+            the window stays.
+        split: Optional callable `split(tensor, sizes)`, the backend's
+            split of a `[sum(sizes)]` tensor into the layers' parts (by
+            default, slices).
+
+    Returns:
+        `(new_moving, new_window)`: per layer the new pair, and the window.
+
+    Example (one layer of one feature: 4 samples, mean 2, variance 3):
+
+    >>> window = np.array([[4.0], [2.0], [12.0]], "float32")
+    >>> layer = keras.layers.BatchNormalization(momentum=0.5)
+    >>> ((mean, var),), empty = moved(window, [layer], [1], [(np.zeros(1), np.ones(1))])
+    >>> float(mean[0]), float(var[0]), float(empty[0, 0])
+    (1.0, 2.0, 0.0)
+    """
+    parts = [_parts(t, sizes, split) for t in pooled(window)]
+    new_moving = []
+    for layer, pair, (has_samples, mean, variance) in zip(layers, moving, zip(*parts)):
+        new_pair = []
+        for old, new in zip(pair, (mean, variance)):
+            value = momentum_step(old, new, has_samples, layer.momentum)
+            new_pair.append(value if complete is None else ops.where(complete, value, old))
+        new_moving.append(tuple(new_pair))
+    empty = ops.zeros_like(window)
+    return new_moving, (empty if complete is None else ops.where(complete, empty, window))
+
+
+def _parts(tensor, sizes, split):
+    if len(sizes) == 1:
+        return [tensor]
+    if split is not None:
+        return split(tensor, sizes)
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    return [tensor[end - size : end] for size, end in zip(sizes, ends)]
+
+
+def completes_window(micro_step, accumulation_steps):
+    """Whether the moving statistics move after this micro-step: `None`
+    (every step) without accumulation (`micro_step` `None`), else whether
+    `micro_step` (counted from 1) ends a window. The partial window at an
+    epoch's end moves them once more."""
+    if micro_step is None:
+        return None
+    return ops.equal(micro_step % accumulation_steps, 0)
 
 
 def _check_layer(layer):
@@ -215,39 +300,16 @@ def _check_layer(layer):
         )
 
 
-def _refuse_unrecorded(layer):
+def refuse_unrecorded(layer):
+    """Raises: a layer updated its moving statistics without Keras'
+    moments computation (nothing recorded to pool)."""
     raise ValueError(
         f"`batchnorm_statistics='window'` cannot pool the BatchNormalization "
         f"layer `{layer.name}` ({type(layer).__name__}): it updates its moving "
-        "statistics without Keras' moments computation. Fix: pass "
-        "`batchnorm_statistics='micro_batch'`."
+        "statistics without Keras' moments computation. Received: a call that "
+        "assigned `moving_mean`/`moving_variance` with no moments recorded. "
+        "Fix: pass `batchnorm_statistics='micro_batch'`."
     )
-
-
-def _counts(layer, inputs, mask):
-    """The samples behind each feature's moments: the positions reduced
-    over, or (masked, as Keras weighs them) the mask's weights."""
-    axis = layer.axis % len(inputs.shape)
-    features = tf.shape(inputs)[axis]
-    if mask is None:
-        count = tf.cast(tf.size(inputs) // features, tf.float32)
-        return tf.fill([features], count)
-    weights = tf.broadcast_to(tf.cast(mask, tf.float32)[..., None], tf.shape(inputs))
-    axes = [a for a in range(len(inputs.shape)) if a != axis]
-    return tf.reduce_sum(weights, axis=axes)
-
-
-def _pooled_over_replicas(local):
-    """The `[3, features]` moments over all replicas: the k-group form of
-    Chan's combination, `mean = sum n_r mean_r / N`, `M2 = sum (M2_r +
-    n_r (mean_r - mean)**2)` (two all-reduces, all layers together). A
-    `synchronized=True` layer's replicas each hold the global moments with
-    their own count: the same formula gives them back."""
-    n, mean, m2 = tf.unstack(local)
-    total, weighted = replica_sum([n, n * mean])
-    global_mean = tf.math.divide_no_nan(weighted, total)
-    (spread,) = replica_sum([m2 + n * tf.square(mean - global_mean)])
-    return tf.stack([total, global_mean, spread])
 
 
 def check_synchronized_slices(layers, micro_batches, strategy):
@@ -263,7 +325,8 @@ def check_synchronized_slices(layers, micro_batches, strategy):
     Args:
         layers: The model's BatchNorm layers (`batchnorm_layers`).
         micro_batches: The `micro_batches` option.
-        strategy: The model's `distribute_strategy`.
+        strategy: The model's `distribute_strategy` (`None`: none, as on
+            Keras' JAX backend; TensorFlow's default strategy is none).
 
     Raises:
         ValueError: naming the layer and both fixes.
@@ -273,9 +336,8 @@ def check_synchronized_slices(layers, micro_batches, strategy):
     synchronized = [layer for layer in layers if getattr(layer, "synchronized", False)]
     if not synchronized:
         return
-    with strategy.scope():  # (the default strategy's scope is no strategy)
-        if not tf.distribute.has_strategy():
-            return
+    if strategy is None or compat.is_default_strategy(strategy):
+        return
     m = micro_batches
     raise ValueError(
         f"`micro_batches` cannot run the BatchNormalization layer "

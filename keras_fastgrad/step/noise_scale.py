@@ -40,21 +40,34 @@ estimate assumes each row weighs alike in the loss (true for Keras' mean
 reductions without sample weights; with per-timestep or per-pixel losses
 a row is still one sample). Sample weights are refused (`check_batch`),
 as is `reduction="sum"`.
+
+Here, once for both backends: the options' and the batch's refusals, the
+telemetry keys, which small batches are measured, the window's state
+(`Estimates`, a record of its five values) and how it moves
+(`included`, `after_window`, `logs`; the estimators themselves:
+`keras_fastgrad.maths.noise_scale`). The variables (`NoiseScale`) are
+Keras variables; each backend's shell reads and writes them
+(`keras_fastgrad.backend.tensorflow.noise_scale`: replicas, sparse
+gradients, one `AssignAdd`; `keras_fastgrad.backend.jax.noise_scale`:
+values in Keras' state tuple).
 """
 
-import keras
+from typing import Any, NamedTuple
 
-from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.backend.tensorflow.variables import increment
+import keras
+from keras import ops
+
 from keras_fastgrad.maths import noise_scale as maths
-from keras_fastgrad.step.gradients import summed_rows
-from keras_fastgrad.step.replicas import replica_sum
 from keras_fastgrad.step.variables import global_variable
 
 SIMPLE, GRAD_SQ, TRACE = "gns_simple", "gns_grad_sq", "gns_trace"
 KEYS = (SIMPLE, GRAD_SQ, TRACE)
 DEFAULT_DECAY = 0.99
-_MEASURES = maths.MEASURES  # sum |g_i|^2, sum 1/n_i, k, sum D_i^2/n_i, sum D_i
+MEASURES = maths.MEASURES  # sum |g_i|^2, sum 1/n_i, k, sum D_i^2/n_i, sum D_i
+# What a slice past the first adds: its weight, not its squared norm.
+WEIGHTS_ONLY = (0.0, 0.0, 0.0, 1.0, 1.0)
+
+small_batch = maths.small_batch  # one small batch's measures (the maths' contract)
 
 
 def is_key(key):
@@ -132,75 +145,152 @@ def check_batch(sample_weight, mean_reduction):
         )
 
 
-def squared_norm(grads):
-    """`|grads|^2` in float32 (sparse gradients read on their rows,
-    duplicates summed), `None` for no gradients. One fused `l2_loss` per
-    gradient and no overflow rescue (unlike `clipping.global_norm`): a
-    square beyond float32 is `inf`, and the window's estimate, not finite,
-    is skipped."""
-    parts = [tf.cast(summed_rows(g), tf.float32) for g in grads if g is not None]
-    if not parts:
-        return None
-    return 2.0 * tf.add_n([tf.nn.l2_loss(p) for p in parts])
+class Estimates(NamedTuple):
+    """The noise scale's state: the window's sums and the moving averages.
+
+    Fields hold values (tensors; `NoiseScale.state()`: its variables, in
+    this order).
+
+    Fields:
+        window: float32 `(5,)`, the window's summed `small_batch` measures.
+        ema_grad_sq: float32 scalar, the EMA of `|G|^2`.
+        ema_trace: float32 scalar, the EMA of `tr(Sigma)`.
+        ema_weight: float32 scalar, `1 - decay^windows`: the EMAs' bias.
+        decay: float32 scalar, the EMAs' decay per window.
+    """
+
+    window: Any
+    ema_grad_sq: Any
+    ema_trace: Any
+    ema_weight: Any
+    decay: Any
 
 
-def small_batch(grads, rows, normaliser):
-    """One small batch's measures, `[|g|^2, 1/n, 1, D^2/n, D]` (zeros for a
-    batch without rows or with a zero normaliser: left out;
-    `keras_fastgrad.maths.noise_scale.small_batch`).
+def squared_norm(grads, sum_of_squares=None):
+    """`|grads|^2` in float32, `None` for no gradients (`None` entries
+    left out). No overflow rescue (unlike `clipping.global_norm`): a square
+    beyond float32 is `inf`, and the window's estimate, not finite, is
+    skipped.
 
     Args:
-        grads: Its gradients times `normaliser` (as the step weights them).
-        rows: float32 scalar, its number of (real) rows `n`.
-        normaliser: float32 scalar, its loss normaliser `D`.
+        grads: List of gradients (`None` for a variable without one).
+        sum_of_squares: Optional callable, the backend's way to sum the
+            squares of a non-empty list of gradients (sparse ones
+            included); by default `keras.ops`' square and sum.
 
     Example:
 
-    >>> m = small_batch([tf.constant([6.0, 8.0])], tf.constant(4.0), tf.constant(2.0))
-    >>> m.numpy().tolist()  # |(3, 4)|^2, 1/4, 1, 2^2/4, 2
-    [25.0, 0.25, 1.0, 1.0, 2.0]
+    >>> float(squared_norm([keras.ops.array([3.0, 4.0]), None]))
+    25.0
     """
-    return maths.small_batch(squared_norm(grads), rows, normaliser)
+    parts = [g for g in grads if g is not None]
+    if not parts:
+        return None
+    if sum_of_squares is not None:
+        return sum_of_squares(parts)
+    squares = [ops.sum(ops.square(ops.cast(g, "float32"))) for g in parts]
+    total = squares[0]
+    for square in squares[1:]:
+        total = total + square
+    return total
 
 
-def slice_measure():
-    """The `measure` pair `slicing.sliced_gradients` takes. Each slice
-    adds its weight to the window (`D_i^2 / n_i`, `D_i`), but only the
-    first (always full) has its squared norm measured: each small batch's
-    is unbiased, and measuring every slice would cost a pass over the
-    gradient per slice (about 5% of a step on the benchmark MLP with
-    `micro_batches=4`; one per batch stays within 1-2%)."""
-    weights_only = tf.constant([0.0, 0.0, 0.0, 1.0, 1.0])
+def weights_only(rows, normaliser):
+    """A small batch's measures without its squared norm: only its weight
+    (`D^2/n`, `D`) enters the window (`[0, 0, 0, D^2/n, D]`)."""
+    return small_batch(None, rows, normaliser) * ops.convert_to_tensor(WEIGHTS_ONLY)
+
+
+def slice_measure(cond, sum_of_squares=None):
+    """The `measure` pair the slices' loop takes (`micro_batches`).
+
+    Each slice adds its weight to the window (`D_i^2 / n_i`, `D_i`), but
+    only the first (always full) has its squared norm measured: each small
+    batch's is unbiased, and measuring every slice would cost a pass over
+    the gradient per slice (about 5% of a step on the benchmark MLP with
+    `micro_batches=4`; one per batch stays within 1-2%).
+
+    Args:
+        cond: The backend's conditional, `cond(pred, true_fn, false_fn)`.
+        sum_of_squares: As in `squared_norm`.
+
+    Returns:
+        `(measure, zeros)`: `measure(grads, rows, normaliser, index)`, a
+        slice's `(5,)` measures, and the loop's initial sum.
+    """
 
     def measure(grads, rows, normaliser, index):
-        return tf.cond(
-            tf.equal(index, 0),
-            lambda: small_batch(grads, rows, normaliser),
-            lambda: small_batch([], rows, normaliser) * weights_only,
+        return cond(
+            index == 0,
+            lambda: small_batch(squared_norm(grads, sum_of_squares), rows, normaliser),
+            lambda: weights_only(rows, normaliser),
         )
 
-    return measure, tf.zeros([_MEASURES])
+    return measure, ops.zeros([MEASURES])
+
+
+def included(measures, include):
+    """What a micro-batch adds to the window: its measures (summed over
+    replicas, if several), zeros unless `include` (it is not finite: left
+    out, as from the update)."""
+    return ops.where(include, measures, ops.zeros_like(measures))
+
+
+def after_window(state, big_sq, done=None):
+    """The `Estimates` after a window's update: both estimates into their
+    moving averages (`maths.window_estimate`, `maths.moving_averages`;
+    left as they are for a window without an estimate) and an empty window.
+
+    Args:
+        state: `Estimates` (values).
+        big_sq: float32 scalar, `|G_big|^2` of the window's (global,
+            unscaled, unclipped) gradient; `None`: no gradient (0).
+        done: Optional boolean scalar: where false, the window is not
+            applied and `state` is returned as it was.
+
+    Example (`maths.window_estimate`'s window; decay 0.5):
+
+    >>> zero = keras.ops.array(0.0)
+    >>> state = Estimates(keras.ops.array([6.0, 1.0, 2.0, 4.0, 4.0]), zero, zero, zero, 0.5)
+    >>> new = after_window(state, keras.ops.array(2.5))
+    >>> [float(v) for v in new[1:4]], [float(v) for v in new.window]
+    ([1.0, 1.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0])
+    """
+    if big_sq is None:
+        big_sq = ops.convert_to_tensor(0.0)
+    grad_sq, trace, valid = maths.window_estimate(state.window, big_sq)
+    if done is not None:
+        valid = valid & done
+    emas = (state.ema_grad_sq, state.ema_trace, state.ema_weight)
+    emas = maths.moving_averages(emas, state.decay, grad_sq, trace, valid)
+    empty = ops.zeros_like(state.window)
+    window = empty if done is None else ops.where(done, empty, state.window)
+    return Estimates(window, *emas, state.decay)
+
+
+def logs(ema_grad_sq, ema_trace, ema_weight, keys=KEYS):
+    """The `gns_*` keys among `keys`: `gns_grad_sq`, `gns_trace` (the
+    bias-corrected EMAs) and `gns_simple` (their ratio); NaN before the
+    first estimate.
+
+    Example:
+
+    >>> out = logs(2.0, 4.0, keras.ops.array(0.5))
+    >>> {k: float(v) for k, v in out.items()}
+    {'gns_simple': 2.0, 'gns_grad_sq': 4.0, 'gns_trace': 8.0}
+    """
+    values = dict(zip(KEYS, maths.logs(ema_grad_sq, ema_trace, ema_weight)))
+    return {k: v for k, v in values.items() if k in keys}
 
 
 class NoiseScale:
-    """The window's small-batch sums and the EMAs of both estimates.
+    """The noise scale's variables (`Estimates` of them): the window's
+    small-batch sums and the EMAs of both estimates. The backend's shell
+    reads and writes them in the step.
 
     Args:
         decay: Float in (0, 1), the EMAs' decay per window (a variable:
             `set_decay` changes it without a retrace).
-
-    Example (one window of two small batches, 2 rows each):
-
-    >>> ns = NoiseScale(decay=0.5)
-    >>> ns.build()
-    >>> ns.record_small(small_batch([tf.constant([2.0, 2.0])], tf.constant(2.0),
-    ...                             tf.constant(2.0)), tf.constant(True))
-    >>> ns.record_small(small_batch([tf.constant([0.0, 4.0])], tf.constant(2.0),
-    ...                             tf.constant(2.0)), tf.constant(True))
-    >>> ns.record_window([tf.constant([0.5, 1.5])])  # their weighted mean
-    >>> logs = ns.logs()  # small |g|^2 = (2 + 4) / 2, big 2.5, s = 1/2, t = 1/4
-    >>> [round(float(logs[k]), 4) for k in KEYS]  # B_simple = 2 / 2
-    [1.0, 2.0, 2.0]
     """
 
     NUM_VARIABLES = 5
@@ -211,55 +301,31 @@ class NoiseScale:
     def build(self):
         """Creates the state (global float32 variables)."""
         self.decay = global_variable(self._initial_decay, "gns_decay")
-        self.window = global_variable([0.0] * _MEASURES, "gns_window")
+        self.window = global_variable([0.0] * MEASURES, "gns_window")
         self.ema_grad_sq = global_variable(0.0, "gns_ema_grad_sq")
         self.ema_trace = global_variable(0.0, "gns_ema_trace")
         # sum of the EMA weights so far (1 - decay^windows): its bias.
         self.ema_weight = global_variable(0.0, "gns_ema_weight")
 
+    def state(self):
+        """`Estimates` of the variables."""
+        return Estimates(self.window, self.ema_grad_sq, self.ema_trace, self.ema_weight, self.decay)
+
     @property
     def variables(self):
+        """What is saved, in this order (files of earlier releases)."""
         return [self.window, self.ema_grad_sq, self.ema_trace, self.ema_weight, self.decay]
 
     def reset_state(self):
         """An empty window and no estimate yet (the decay kept)."""
         for v in (self.window, self.ema_grad_sq, self.ema_trace, self.ema_weight):
-            v.assign(keras.ops.zeros(v.shape, v.dtype))  # (from the host, on either backend)
+            v.assign(ops.zeros(v.shape, v.dtype))  # (from the host, on either backend)
 
     def set_decay(self, decay):
         """Sets the EMAs' decay (from the host)."""
         self.decay.assign(float(decay))
 
-    def record_small(self, measures, include):
-        """Adds this replica's small batch(es) (`small_batch`, summed if
-        several) to the window: summed over the replicas, left out unless
-        `include` (a non-finite micro-batch). Runs in replica context,
-        outside any `cond` (the variables are written once for all)."""
-        (measures,) = replica_sum([measures])
-        increment(self.window, tf.where(include, measures, tf.zeros_like(measures)))
-
-    def record_window(self, grads):
-        """At the update, with the window's (global, unscaled, unclipped)
-        gradient: both estimates into their EMAs, and the window restarts.
-        A window with fewer than two small batches' worth of spread
-        (`s <= t`) or a non-finite estimate leaves the EMAs as they are."""
-        big_sq = squared_norm(grads)
-        if big_sq is None:
-            big_sq = tf.constant(0.0)
-        grad_sq, trace, valid = maths.window_estimate(
-            tf.convert_to_tensor(self.window.value), big_sq
-        )
-        emas = (self.ema_grad_sq, self.ema_trace, self.ema_weight)
-        values = [tf.convert_to_tensor(v.value) for v in emas]  # (one read each)
-        decay = tf.convert_to_tensor(self.decay.value)
-        new = maths.moving_averages(values, decay, grad_sq, trace, valid)
-        for variable, value in zip(emas, new):
-            variable.assign(value)
-        self.window.assign(tf.zeros([_MEASURES]))
-
     def logs(self):
-        """`gns_grad_sq`, `gns_trace` (bias-corrected EMAs) and
-        `gns_simple` (their ratio); NaN before the first estimate."""
+        """The `gns_*` keys now, from the host (`logs`)."""
         emas = (self.ema_grad_sq, self.ema_trace, self.ema_weight)
-        simple, grad_sq, trace = maths.logs(*(tf.convert_to_tensor(v.value) for v in emas))
-        return {SIMPLE: simple, GRAD_SQ: grad_sq, TRACE: trace}
+        return logs(*(ops.convert_to_tensor(v.value) for v in emas))

@@ -24,6 +24,8 @@ import numpy as np
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import accumulation as tf_window
+from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
+from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
     adaptive_clip,
     before_gate,
@@ -181,7 +183,7 @@ def update(model, state, grads, normaliser=None, norm=None, agc=None):
     computed before the update's `cond` (`adaptive_clipping.before_gate`).
     """
     if state.batchnorm is not None:  # the window's one step of the statistics
-        state.batchnorm.apply()
+        tf_batchnorm.apply(state.batchnorm)
     # Without the gate (`skip_nonfinite=False`, no loss scaling) a
     # non-finite update is applied, as keras.Model does: no check, and
     # clipping keeps its guard (every gradient NaN, as Keras' clipping).
@@ -190,7 +192,7 @@ def update(model, state, grads, normaliser=None, norm=None, agc=None):
     if normaliser is not None:
         grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
     if state.noise_scale is not None:  # the big batch: unscaled, unclipped
-        state.noise_scale.record_window(grads)
+        tf_noise_scale.record_window(state.noise_scale, grads)
     grads, agc_finite = adaptive_clip(model, state, grads, agc)  # (grads, None) when off
     grads, norm, was_clipped = _clipped(state, grads, norm, gated)
     own = state.accumulator is None and num_replicas() == 1
@@ -319,9 +321,7 @@ def with_telemetry(state, logs):
         if state.merger is not None:  # task keys, from the Gram matrix
             measured.update(state.merger.logs())
         if state.noise_scale is not None:
-            measured.update(
-                {k: v for k, v in state.noise_scale.logs().items() if k in state.log_keys}
-            )
+            measured.update(tf_noise_scale.logs(state.noise_scale, state.log_keys))
         state.telemetry_names = tuple(measured)
         logs.update(measured)
     return for_keras_reduction(logs)

@@ -404,3 +404,114 @@ def test_synchronized_batchnorm_with_micro_batches_runs_without_a_strategy():
     plain.fit(x, y, batch_size=7, verbose=0)
     for a, b in zip(synced.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+# ---------------------------------------------- the core's rules, on values
+# (`keras_fastgrad.step.batchnorm`, no backend: both backends run these)
+
+
+def _moments(samples):
+    """numpy `[3, features]` `(n, mean, M2)` of `samples` `[rows, features]`."""
+    samples = np.asarray(samples, np.float64)
+    n = np.full(samples.shape[1], len(samples))
+    mean = samples.mean(0)
+    return np.stack([n, mean, ((samples - mean) ** 2).sum(0)])
+
+
+def test_core_pooling_over_replicas_equals_the_moments_of_all_samples():
+    """Three replicas of uneven sizes, each calling the core's k-group
+    combination with a `replica_sum` that sums over them (threads, as a
+    strategy's replicas): each gets the moments of the concatenation."""
+    import threading
+
+    from keras_fastgrad.step.batchnorm import pooled_over_replicas
+
+    rng = np.random.default_rng(0)
+    parts = [rng.normal(size=(n, 3)) * (1 + i) + i for i, n in enumerate((2, 5, 1))]
+    barrier = threading.Barrier(len(parts))
+    posted, results = [None] * len(parts), [None] * len(parts)
+
+    def replica(r):
+        def replica_sum(values):
+            posted[r] = [np.asarray(v, np.float64) for v in values]
+            barrier.wait()
+            total = [sum(p[i] for p in posted) for i in range(len(values))]
+            barrier.wait()
+            return [keras.ops.convert_to_tensor(t, "float32") for t in total]
+
+        local = keras.ops.convert_to_tensor(_moments(parts[r]), "float32")
+        results[r] = keras.ops.convert_to_numpy(pooled_over_replicas(local, replica_sum))
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(len(parts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = _moments(np.concatenate(parts))
+    for result in results:
+        np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_core_recorder_window_and_step_against_numpy():
+    """A layer called twice (pooled), a dropped micro-batch left out, then
+    one momentum step from the moments of everything kept: numpy's."""
+    from keras_fastgrad.step import batchnorm as core
+
+    layer = keras.layers.BatchNormalization(momentum=0.75)
+    layer.build((None, 2))
+    rng = np.random.default_rng(1)
+    calls = [rng.normal(size=(n, 2)).astype("float32") * 2 + 1 for n in (3, 5, 4)]
+    window = keras.ops.zeros((3, 2))
+    for keep, x in ((True, calls[0]), (False, calls[2] * 50), (True, calls[1])):
+        recorder = core.Recorder([layer])
+        for half in (x[:2], x[2:]):  # two calls of the layer in one forward pass
+            m = keras.ops.convert_to_tensor(half)
+            recorder.record(layer, m, None, keras.ops.mean(m, 0), keras.ops.var(m, 0))
+        window = core.kept(
+            keras.ops.array(keep), core.combined(window, recorder.stacked([2])), window
+        )
+    expected = _moments(np.concatenate([calls[0], calls[1]]))
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(window), expected, rtol=1e-5)
+    old_mean, old_var = np.zeros(2, "float32"), np.ones(2, "float32")
+    ((mean, var),), empty = core.moved(window, [layer], [2], [(old_mean, old_var)])
+    everything = np.concatenate([calls[0], calls[1]]).astype(np.float64)
+    np.testing.assert_allclose(mean, 0.25 * everything.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(var, 0.75 + 0.25 * everything.var(0), rtol=1e-5)
+    assert not np.any(keras.ops.convert_to_numpy(empty))
+    # a window not complete: nothing moves
+    (same,), kept_window = core.moved(
+        window, [layer], [2], [(old_mean, old_var)], complete=keras.ops.array(False)
+    )
+    np.testing.assert_array_equal(same[0], old_mean)
+    np.testing.assert_array_equal(kept_window, window)
+
+
+def test_core_counts_weigh_by_the_mask():
+    from keras_fastgrad.maths.batchnorm import counts
+
+    inputs = np.ones((2, 3, 4), "float32")
+    mask = np.array([[1, 1, 0], [1, 0, 0]], bool)
+    assert [float(c) for c in counts(inputs, mask, -1)] == [3.0] * 4
+    assert [float(c) for c in counts(inputs, None, 1)] == [8.0] * 3
+
+
+class _OwnMovingStatistics(keras.layers.BatchNormalization):
+    """Moves its statistics in a `call` of its own (no Keras moments)."""
+
+    def call(self, inputs, training=None, mask=None):
+        if training:
+            self.moving_mean.assign(self.moving_mean * 0.5)
+        return inputs
+
+
+def test_a_batchnorm_moving_its_statistics_without_keras_moments_is_refused():
+    """Both backends' steps refuse it with the core's message (nothing
+    would be pooled), naming the layer and the fix."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    h = _OwnMovingStatistics(name="own_bn")(inputs)
+    model = FastGradModel(inputs, keras.layers.Dense(1)(h), accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    with pytest.raises(ValueError, match=r"`own_bn`.*batchnorm_statistics='micro_batch'"):
+        model.fit(x, y, batch_size=2, verbose=0)

@@ -378,3 +378,56 @@ def test_keys_requested_directly_on_a_model_with_one_batch_size_are_refused():
     model.enable_telemetry(["gns_simple"])
     with pytest.raises(ValueError, match=r"Received: accumulation_steps=1, micro_batches=1"):
         model.fit(x, y, verbose=0)
+
+
+# ---------------------------------------------- the core's rules, on values
+# (`keras_fastgrad.step.noise_scale`, no backend: both backends run these)
+
+
+def test_one_window_of_the_core_gives_the_papers_estimates():
+    """Equal small batches, the big one their mean: after one window the
+    bias-corrected EMAs are the window's estimates, the paper's pair
+    (`gns_reference.paper_estimates`, transcribed from the paper)."""
+    from keras_fastgrad.step import noise_scale as core
+
+    rng = np.random.default_rng(0)
+    small = [rng.normal(size=6).astype("float32") for _ in range(4)]
+    rows, d = 8.0, 1.0
+    big = np.mean(small, axis=0)
+    window = keras.ops.zeros([core.MEASURES])
+    for g in small:
+        measures = core.small_batch(core.squared_norm([g, None]), rows, d)
+        window = window + core.included(measures, True)
+    skipped = core.small_batch(core.squared_norm([small[0] * 100]), rows, d)
+    window = window + core.included(skipped, False)  # a dropped micro-batch: nothing
+    zero = keras.ops.zeros(())
+    state = core.Estimates(window, zero, zero, zero, keras.ops.array(0.9))
+    after = core.after_window(state, core.squared_norm([big]))
+    logs = core.logs(after.ema_grad_sq, after.ema_trace, after.ema_weight)
+    small_sq = [float(np.sum(g.astype(np.float64) ** 2)) for g in small]
+    big_sq = float(np.sum(big.astype(np.float64) ** 2))
+    grad_sq, trace = ref.paper_estimates(small_sq, [rows] * 4, big_sq, 4 * rows)
+    np.testing.assert_allclose(float(logs["gns_grad_sq"]), grad_sq, rtol=1e-4)
+    np.testing.assert_allclose(float(logs["gns_trace"]), trace, rtol=1e-4)
+    np.testing.assert_allclose(float(logs["gns_simple"]), trace / grad_sq, rtol=1e-4)
+    assert not np.any(keras.ops.convert_to_numpy(after.window))
+    # not `done`: nothing moves
+    held = core.after_window(state, core.squared_norm([big]), done=keras.ops.array(False))
+    for before, now in zip(state, held):
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(now))
+
+
+def test_the_core_measures_only_the_first_slice():
+    from keras_fastgrad.step import noise_scale as core
+
+    def cond(pred, true_fn, false_fn):  # a Python conditional
+        return true_fn() if pred else false_fn()
+
+    measure, zeros = core.slice_measure(cond)
+    g = [np.array([6.0, 8.0], "float32")]
+    first = measure(g, 4.0, 2.0, 0)
+    later = measure(g, 4.0, 2.0, 1)
+    assert [float(v) for v in first] == [25.0, 0.25, 1.0, 1.0, 2.0]  # |(6, 8) / 2|^2, ...
+    assert [float(v) for v in later] == [0.0, 0.0, 0.0, 1.0, 2.0]  # its weight only
+    assert [float(v) for v in zeros] == [0.0] * 5
+    assert core.squared_norm([None]) is None

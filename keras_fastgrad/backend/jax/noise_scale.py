@@ -1,8 +1,9 @@
 """The gradient noise scale in the JAX step (`GradientNoiseScale`, the
 `gns_*` telemetry keys), on values.
 
-The same estimate as on TensorFlow (`keras_fastgrad.step.noise_scale`; the
-maths, once for both: `keras_fastgrad.maths.noise_scale`): each
+The rules, the estimators and the keys, once for both backends:
+`keras_fastgrad.step.noise_scale` (and `keras_fastgrad.maths.noise_scale`).
+Each
 micro-batch of an accumulation window is a small batch (its gradient times
 its loss normaliser `D_i`, unscaled, as the window adds it up; a
 non-finite one is left out), the window's gradient at its update
@@ -10,8 +11,8 @@ non-finite one is left out), the window's gradient at its update
 `tr(Sigma)` move once per applied window. The state is `NoiseScale`'s
 variables (the window's five sums, the three EMAs, the decay), threaded
 through Keras' state tuple with the step's others (`add_slots`): each
-function here returns nothing and writes new values into the step's
-`new` dict, which the step writes back.
+function here reads them from the step's `new` dict as a
+`noise_scale.Estimates`, and writes the new values back into it.
 
 On JAX the small batches are the accumulation window's micro-batches
 only: under `micro_batches` a micro-batch's slices are not measured apart
@@ -23,12 +24,11 @@ arrays are global). Without accumulation nothing is measurable
 
 from keras import ops
 
-from keras_fastgrad.maths import noise_scale as maths
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.splitting import first_input
 
-# The noise scale's slots in the step's `new` dict, as `NoiseScale` orders
-# its variables.
+# The noise scale's slots in the step's `new` dict, in `Estimates`' order
+# (`NoiseScale.variables`' too).
 _SLOTS = ("gns_window", "gns_ema_grad_sq", "gns_ema_trace", "gns_ema_weight", "gns_decay")
 
 
@@ -44,18 +44,13 @@ def add_slots(model, slots):
     if not measured(model):
         return
     where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-    variables = model.fastgrad_step_state.noise_scale.variables
+    variables = model.fastgrad_step_state.noise_scale.state()
     for key, variable in zip(_SLOTS, variables, strict=True):
         slots.ntv[key] = where[id(variable)]
 
 
-def squared_norm(grads):
-    """float32 scalar: `|grads|^2` (no overflow rescue: a square beyond
-    float32 is `inf`, and the window's estimate, not finite, is skipped)."""
-    total = ops.zeros((), "float32")
-    for g in grads:
-        total = total + ops.sum(ops.square(g))
-    return total
+def _state(new):
+    return noise_scale.Estimates(*(new[k] for k in _SLOTS))
 
 
 def record_small(model, new, grads, x, normaliser, include, batch):
@@ -76,9 +71,8 @@ def record_small(model, new, grads, x, normaliser, include, batch):
         return
     noise_scale.check_batch(*batch)
     rows = ops.convert_to_tensor(float(first_input(x).shape[0]))
-    measures = maths.small_batch(squared_norm(grads), rows, normaliser)
-    window = new["gns_window"]
-    new["gns_window"] = window + ops.where(include, measures, ops.zeros_like(measures))
+    measures = noise_scale.small_batch(noise_scale.squared_norm(grads), rows, normaliser)
+    new["gns_window"] = new["gns_window"] + noise_scale.included(measures, include)
 
 
 def big_squared_norm(model, grads):
@@ -86,32 +80,24 @@ def big_squared_norm(model, grads):
     the update's branch; zero when not measured (nothing computed)."""
     if not measured(model):
         return ops.zeros((), "float32")
-    return squared_norm(grads)
+    return noise_scale.squared_norm(grads)
 
 
 def record_window(model, new, big_sq, done):
-    """Where `done` (the window applied): its estimates into the moving
-    averages (`maths.window_estimate`, `maths.moving_averages`), and the
-    window restarts; a no-op when not measured."""
+    """Where `done` (the window applied): the state after the window
+    (`noise_scale.after_window`); a no-op when not measured."""
     if not measured(model):
         return
-    window = new["gns_window"]
-    grad_sq, trace, valid = maths.window_estimate(window, big_sq)
-    emas = tuple(new[k] for k in _SLOTS[1:4])
-    emas = maths.moving_averages(emas, new["gns_decay"], grad_sq, trace, valid & done)
-    for key, value in zip(_SLOTS[1:4], emas):
-        new[key] = value
-    new["gns_window"] = ops.where(done, ops.zeros_like(window), window)
+    state = noise_scale.after_window(_state(new), big_sq, done)
+    new.update(zip(_SLOTS[:4], state[:4]))
 
 
 def logs(model, new, keys):
     """The requested `gns_*` keys' values (float32 scalars)."""
-    wanted = [k for k in noise_scale.KEYS if k in keys]
-    if not wanted or not measured(model):
+    if not measured(model) or not any(noise_scale.is_key(k) for k in keys):
         return {}
-    simple, grad_sq, trace = maths.logs(*(new[k] for k in _SLOTS[1:4]))
-    values = {noise_scale.SIMPLE: simple, noise_scale.GRAD_SQ: grad_sq, noise_scale.TRACE: trace}
-    return {k: values[k] for k in wanted}
+    state = _state(new)
+    return noise_scale.logs(state.ema_grad_sq, state.ema_trace, state.ema_weight, keys)
 
 
 def host_logs(model):
@@ -119,7 +105,4 @@ def host_logs(model):
     window's estimate), `{}` when not measured."""
     if not measured(model):
         return {}
-    noise = model.fastgrad_step_state.noise_scale
-    emas = (noise.ema_grad_sq, noise.ema_trace, noise.ema_weight)
-    values = maths.logs(*(ops.convert_to_tensor(v.value) for v in emas))
-    return {k: float(v) for k, v in zip(noise_scale.KEYS, values)}
+    return {k: float(v) for k, v in model.fastgrad_step_state.noise_scale.logs().items()}

@@ -10,6 +10,8 @@ branch) `record_drop`.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
+from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow.clipping import fits_clip, scaled_norm
 from keras_fastgrad.step import finite
 from keras_fastgrad.step import verdict as rules
@@ -95,14 +97,14 @@ def record_small_batches(state, batch, verdict):
     """The noise scale's small batches (a no-op unless it is measured):
     added to the window unless the micro-batch is not finite."""
     if state.noise_scale is not None:
-        state.noise_scale.record_small(batch.small_batches, verdict.all_finite)
+        tf_noise_scale.record_small(state.noise_scale, batch.small_batches, verdict.all_finite)
 
 
 def pool_batchnorm_moments(state, verdict):
     """The micro-batch's BatchNorm moments (pooled over replicas) into
     the window, unless it is dropped (a no-op unless they are pooled)."""
     if state.batchnorm is not None:
-        state.batchnorm.end_micro_batch(verdict.keep)
+        tf_batchnorm.end_micro_batch(state.batchnorm, verdict.keep)
 
 
 def update_loss_scale(state, verdict):
