@@ -55,7 +55,8 @@ def test_bad_arguments_are_refused_before_any_model_is_built(ab, monkeypatch, ar
 
 
 def test_the_patches_are_lifted_even_when_the_build_fails(ab):
-    from keras_fastgrad.step import accumulation, slicing
+    from keras_fastgrad.backend.tensorflow import slicing
+    from keras_fastgrad.step import accumulation
 
     before = (slicing._PARALLEL_ITERATIONS, slicing._unset, slicing._added)
     reset = accumulation.WindowAccumulator.reset
