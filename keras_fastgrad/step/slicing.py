@@ -129,7 +129,8 @@ def add_slice(totals, sums, loss, share, measure=None):
 
 def batch_normaliser(totals, mean, one):
     """The batch's normaliser: `sum_i D_i` under a mean reduction, `one`
-    (a float32 1, in the shell's kind) under `"sum"`."""
+    under `"sum"` (the shell's float32 1; `None` for a consumer that
+    takes "no normaliser", as the JAX shell's merge)."""
     return totals.normaliser if mean else one
 
 

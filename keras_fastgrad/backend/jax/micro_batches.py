@@ -96,8 +96,8 @@ def sliced_task_gradients(
 ):
     """With `multitask` (parameter space): each task's gradient summed over
     the slices on its own (the whole batch's task gradients, times
-    `sum_i D_i`), merged ONCE after the slices, as TensorFlow's
-    `step.slicing` merges them: the same update as the un-split step.
+    `sum_i D_i`), merged ONCE after the slices (`step.slicing`'s rule):
+    the same update as the un-split step.
 
     Args and returns as `sliced_gradients`; `aux` has a fifth entry, the
     task telemetry logs (`jax_multitask.gradients`').
@@ -140,7 +140,7 @@ def sliced_task_gradients(
         per_task,
         reaching,
         ntv,
-        totals.normaliser if mean else None,
+        slicing.batch_normaliser(totals, mean, None),
         regularization if facts["regularized"] else None,
         ops.isfinite(totals.loss),
     )
