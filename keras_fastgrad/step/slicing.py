@@ -19,7 +19,7 @@ their gradients are summed in float32 (`SliceTotals`, `add_slice`):
   losses are weighted by the slice's share of the rows (`rows_fraction`);
   the weight regularisation, in every slice's loss once, is taken back
   after the loop to once per batch (`surplus_regularization`).
-- A non-finite slice makes the sums, hence the batch's gradient and loss,
+- A non-finite slice makes the sums, hence the batch's gradient,
   non-finite: the whole batch is dropped by the step's finite verdict, as
   the un-split batch would be (no slice is dropped on its own).
 - The layers' state (BatchNorm's moving statistics, seeds) is handed from
@@ -32,9 +32,13 @@ their gradients are summed in float32 (`SliceTotals`, `add_slice`):
   on its own and the sums merged once after the loop: the same update as
   the un-split step (the merge is not linear).
 
-What is refused (terms beyond the output losses a slice cannot weight
-exactly; synchronized BatchNorm) is refused where the options and the loss
-are checked (`compile_loss.check_extra_terms`, `batchnorm`).
+Refused, where the options and the loss are checked: `micro_batches` not
+an integer >= 1, or with `multitask_space="features"` (`models.options`);
+terms beyond the output losses a slice cannot weight exactly
+(`compile_loss.check_extra_terms`); a synchronized BatchNorm
+(`batchnorm`). The JAX step does not yet apply the `"sum"` rules above to
+terms beyond the output losses: it refuses them by name
+(`backend.support`, key `micro_batches_sum_terms`).
 
 Written once for both backends, importing neither: the loops (a
 `tf.while_loop` with one slice in memory / `jax.lax.scan`) and the
