@@ -183,6 +183,17 @@ def sum_reduction_loss(terms, rows, batch_rows, add_n=None):
     return add_n(parts) if add_n is not None else functools.reduce(operator.add, parts)
 
 
+def slice_losses(losses, terms, mean, merged, rows, batch_rows, add_n=None):
+    """The losses a slice's gradient is taken of: its own `losses`, except
+    a single loss under `reduction="sum"` with per-row layer losses
+    (`terms.rows`), which is `sum_reduction_loss`. Merged (multi-task)
+    losses stay as they are (`compile_loss.check_extra_terms` refuses
+    per-row terms under `"sum"` there)."""
+    if merged or mean or terms.rows is None:
+        return losses
+    return [sum_reduction_loss(terms, rows, batch_rows, add_n)]
+
+
 def surplus_regularization(totals, mean):
     """How many weight penalties too many the summed losses hold: each
     slice's loss held the penalty once, weighted by its `D_i`. Under a

@@ -330,3 +330,21 @@ def test_whole_batch_predictions_and_the_state_hand_off():
     before = [ops.zeros((2,), "float32"), ops.zeros((), "int32")]
     after = slicing.hand_off([ops.ones((2,), "float16"), ops.convert_to_tensor(3.0)], before)
     assert [keras.backend.standardize_dtype(v.dtype) for v in after] == ["float32", "int32"]
+
+
+def test_only_a_single_sum_reduced_loss_with_per_row_terms_is_reweighted():
+    import collections
+
+    from keras import ops
+
+    from keras_fastgrad.step import slicing
+
+    terms = collections.namedtuple("Terms", "total compiled weights rows")
+    with_rows = terms(*[ops.convert_to_tensor(v) for v in (5.5, 2.0, 0.5, 3.0)])
+    without = with_rows._replace(rows=None)
+    losses = ["as computed"]
+    assert slicing.slice_losses(losses, with_rows, True, False, 2, 8) is losses  # a mean
+    assert slicing.slice_losses(losses, with_rows, False, True, 2, 8) is losses  # merged
+    assert slicing.slice_losses(losses, without, False, False, 2, 8) is losses
+    (loss,) = slicing.slice_losses(losses, with_rows, False, False, 2, 8)
+    np.testing.assert_allclose(float(loss), 2.0 + 0.5 + 3.0 * 2 / 8)

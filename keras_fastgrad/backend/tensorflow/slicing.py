@@ -271,8 +271,9 @@ def _slice_gradients(
             losses, terms = _slice_losses(model, x, y, y_pred, sample_weight, merger)
         share = shares.share()
         check_extra_terms(model, share, options, terms, merged=merger is not None)
-        if merger is None and not share.mean and terms.rows is not None:
-            losses = [slicing.sum_reduction_loss(terms, rows, batch_rows, tf.add_n)]
+        losses = slicing.slice_losses(
+            losses, terms, share.mean, merger is not None, rows, batch_rows, tf.add_n
+        )
         weight = share.loss_weight(num_replicas())
         scaled = [scaling.scale(loss, weight) for loss in losses]
     sources = [v.value for v in variables]
