@@ -11,7 +11,7 @@ set, built twice in this process:
 - side "before": the code those commits replaced, recreated while that
   side's train function is traced (a `tf.function` keeps what its trace
   read; nothing else in keras_fastgrad/ changed between 8af9b44, their
-  parent, and fd57dc7): in `keras_fastgrad.step.slicing`,
+  parent, and fd57dc7): in `keras_fastgrad.backend.tensorflow.slicing`,
   `_PARALLEL_ITERATIONS` is 10 (TensorFlow's default, which the slices'
   `tf.while_loop` had), `_unset` is `tf.zeros(shape, tf.float32)` (the
   sums started from zeros) and `_added` the plain `total + cast(g)` of
@@ -116,8 +116,7 @@ def code(side, seen):
     `added` ("cond" or "plain"), `reset` ("run_time_zeros" or
     "zeros_like")."""
     from keras_fastgrad._tf_startup import tf
-    from keras_fastgrad.backend.tensorflow import accumulation
-    from keras_fastgrad.step import slicing
+    from keras_fastgrad.backend.tensorflow import accumulation, slicing
 
     originals = {
         (slicing, "_PARALLEL_ITERATIONS"): slicing._PARALLEL_ITERATIONS,
@@ -162,7 +161,7 @@ def code(side, seen):
     }
     if originals[slicing, "_PARALLEL_ITERATIONS"] != 1:
         raise RuntimeError(
-            "keras_fastgrad.step.slicing._PARALLEL_ITERATIONS is "
+            "keras_fastgrad.backend.tensorflow.slicing._PARALLEL_ITERATIONS is "
             f"{originals[slicing, '_PARALLEL_ITERATIONS']}, not issue 48's 1: the code "
             "changed since this A/B was written. Fix: update `code` to the new 'after'."
         )

@@ -59,8 +59,7 @@ def test_bad_arguments_are_refused_before_any_model_is_built(ab, monkeypatch, ar
 
 
 def test_the_patches_are_lifted_even_when_the_build_fails(ab):
-    from keras_fastgrad.backend.tensorflow import accumulation
-    from keras_fastgrad.step import slicing
+    from keras_fastgrad.backend.tensorflow import accumulation, slicing
 
     before = (slicing._PARALLEL_ITERATIONS, slicing._unset, slicing._added)
     reset = accumulation.reset

@@ -1,20 +1,22 @@
 """How `micro_batches` splits a batch: as `numpy.array_split`, no padding.
 
-A batch of n rows gives `k = min(m, n)` slices (one, empty, for an empty
-batch), the first `n mod k` of `ceil(n / k)` rows and the others of
-`floor(n / k)` (`slice_sizes`). `groups` gives the loops that run over
-them (`keras_fastgrad.step.slicing`): outside XLA one loop, each slice
-taken with a dynamic first dimension; under XLA, which needs static
-shapes, one loop per slice size, the rows of each grouped as
-`[slices, size, ...]` before it.
+A batch of n rows split m ways gives `k = max(min(m, n), 1)` slices (one,
+empty, for an empty batch), the first `n mod k` of `ceil(n / k)` rows and
+the others of `floor(n / k)` (`slice_sizes`). Slice `i` takes the rows
+`start(i)` to `start(i) + rows(i) - 1`: every row is in exactly one slice,
+in order, and no slice holds anything else (`SlicePlan`). The slices of one
+size form a group (`SlicePlan.groups`): a loop with a static slice shape
+runs once per group.
+
+Written once for both backends, importing neither: the plan's numbers are
+Python ints (a static batch) or scalar tensors (a traced one); the
+comparisons a tensor needs are passed in (`minimum`, `maximum`,
+`indicator`), Python's own by default.
 """
 
-import collections
+import typing
 
 from keras import tree
-
-from keras_fastgrad import _compat as compat
-from keras_fastgrad._tf_startup import tf
 
 
 def first_input(x):
@@ -24,6 +26,11 @@ def first_input(x):
         ValueError: when `x` holds no tensor (`fit([None], y)`): without
             this, the lookup's `StopIteration` would end the epoch silently
             after zero steps. `keras.Model` raises `ValueError` here too.
+
+    Example:
+
+    >>> first_input([None, np.ones((3, 2))]).shape
+    (3, 2)
     """
     for t in tree.flatten(x):
         if t is not None:
@@ -37,6 +44,66 @@ def first_input(x):
     )
 
 
+class SliceGroup(typing.NamedTuple):
+    """Slices `first` to `end - 1`, each of `size` rows (`end == first`:
+    an empty group)."""
+
+    first: typing.Any
+    end: typing.Any
+    size: typing.Any
+
+
+class SlicePlan(typing.NamedTuple):
+    """How a batch of `n` rows is split: `count` slices, the first `big`
+    of `small + 1` rows, the others of `small` (`plan`).
+
+    Fields are Python ints for a static batch, int32 scalars for a traced
+    one. A method taking `minimum` / `indicator` uses Python's own unless
+    the backend's are passed (a traced index).
+    """
+
+    n: typing.Any
+    count: typing.Any
+    small: typing.Any
+    big: typing.Any
+
+    def start(self, i, minimum=min):
+        """The first row of slice `i`."""
+        return i * self.small + minimum(i, self.big)
+
+    def rows(self, i, indicator=int):
+        """The rows of slice `i`: `indicator(i < big)` is 1 or 0 (`int`, or
+        a cast to the index's integer dtype for a traced `i`)."""
+        return self.small + indicator(i < self.big)
+
+    def groups(self):
+        """`[SliceGroup]`: the `big` slices of `small + 1` rows, then the
+        others of `small` (either group may be empty)."""
+        return [
+            SliceGroup(0, self.big, self.small + 1),
+            SliceGroup(self.big, self.count, self.small),
+        ]
+
+
+def plan(n, slices, minimum=min, maximum=max):
+    """The `SlicePlan` of a batch of `n` rows split `slices` ways.
+
+    Args:
+        n: Python int, or an int32 scalar with `minimum`/`maximum` the
+            backend's.
+        slices: Python int >= 1, the `micro_batches` option.
+
+    Example:
+
+    >>> plan(22, 3)
+    SlicePlan(n=22, count=3, small=7, big=1)
+    >>> [plan(22, 3).start(i) for i in range(3)], plan(22, 3).rows(2)
+    ([0, 8, 15], 7)
+    """
+    count = maximum(minimum(n, slices), 1)
+    return SlicePlan(n, count, n // count, n % count)
+
+
 def slice_sizes(n, slices):
     """The rows of each slice of a batch of `n` rows split `slices` ways:
     those of `numpy.array_split`, with no empty slice unless `n` is 0.
@@ -48,85 +115,19 @@ def slice_sizes(n, slices):
     >>> [len(part) for part in np.array_split(np.arange(22), 3)]
     [8, 7, 7]
     """
-    count = max(min(slices, n), 1)
-    small, big = divmod(n, count)
-    return [small + 1] * big + [small] * (count - big)
+    split = plan(n, slices)
+    return [split.rows(i) for i in range(split.count)]
 
 
-class Split(
-    collections.namedtuple("Split", ["n", "count", "small", "big", "x", "y", "sample_weight"])
-):
-    """One batch and how it is split (`slice_sizes`, as int32 tensors):
-    `count` slices, the first `big` of `small + 1` rows, the others of
-    `small`; `x`, `y`, `sample_weight` the whole batch's structures
-    (`None` where the batch has none)."""
+def static_groups(n, slices):
+    """The non-empty `SliceGroup`s of a batch of a static `n` rows (Python
+    ints): the loops a backend with static shapes runs, in order.
 
-    def start(self, i):
-        """The first row of slice `i`."""
-        return i * self.small + tf.minimum(i, self.big)
+    Example:
 
-    def size(self, i):
-        """The rows of slice `i`."""
-        return self.small + tf.cast(i < self.big, tf.int32)
-
-    def structures(self):
-        return (self.x, self.y, self.sample_weight)
-
-
-def split(x, y, sample_weight, slices):
-    """The batch and its split (`slice_sizes`, traced)."""
-    n = tf.shape(first_input(x))[0]
-    count = tf.maximum(tf.minimum(n, slices), 1)
-    return Split(n, count, n // count, n % count, x, y, sample_weight)
-
-
-def _map(fn, structures):
-    """`fn` over every tensor of the `(x, y, sample_weight)` structures."""
-    return tuple(None if s is None else tree.map_structure(fn, s) for s in structures)
-
-
-class Group(collections.namedtuple("Group", ["first", "end", "take"])):
-    """Slices `first` to `end - 1`; `take(i)` gives slice `i`'s `(x, y,
-    sample_weight, rows)`."""
-
-
-def groups(batch):
-    """The loops to run: outside XLA one over every slice (dynamic
-    shapes); under XLA one per slice size, each slice of a static shape."""
-    if not compat.in_xla_context():
-
-        def take(i):
-            start, size = batch.start(i), batch.size(i)
-            parts = _map(lambda t: t[start : start + size], batch.structures())
-            return (*parts, size)
-
-        return [Group(tf.constant(0), batch.count, take)]
-    groups = []
-    for first, end, size in (
-        (tf.constant(0), batch.big, batch.small + 1),
-        (batch.big, batch.count, batch.small),
-    ):
-        groups.append(Group(first, end, _static_take(batch, first, end, size)))
-    return groups
-
-
-def _static_take(batch, first, end, size):
-    """`take` for slices `first` to `end - 1`, all of `size` rows: the
-    rows reshaped to `[end - first, size, ...]` before the loop. An empty
-    group is given one slice of the batch's rows that the loop never
-    reaches: XLA compiles the body for it, and indexing an empty axis
-    does not compile."""
-    count = tf.maximum(end - first, 1)
-    rows = batch.start(first) + tf.range(count * size)
-    rows = tf.minimum(rows, tf.maximum(batch.n - 1, 0))
-
-    def grouped(t):
-        t = tf.gather(tf.convert_to_tensor(t), rows)
-        return tf.reshape(t, tf.concat([[count, size], tf.shape(t)[1:]], 0))
-
-    parts = _map(grouped, batch.structures())
-
-    def take(i):
-        return (*_map(lambda t: t[i - first], parts), size)
-
-    return take
+    >>> static_groups(22, 3)
+    [SliceGroup(first=0, end=1, size=8), SliceGroup(first=1, end=3, size=7)]
+    >>> static_groups(0, 3)
+    [SliceGroup(first=0, end=1, size=0)]
+    """
+    return [g for g in plan(n, slices).groups() if g.end > g.first]

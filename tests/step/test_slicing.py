@@ -204,3 +204,147 @@ def test_slice_sizes_are_numpy_array_split_without_empty_slices(n, slices):
 
     expected = [len(p) for p in np.array_split(np.arange(n), slices) if len(p)] or [0]
     assert slice_sizes(n, slices) == expected
+
+
+# The rules of `keras_fastgrad.step.slicing` / `splitting` (backend-neutral:
+# these run under every backend), against numpy or values worked by hand.
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 7, 22])
+@pytest.mark.parametrize("slices", [1, 3, 4])
+def test_each_slice_takes_the_rows_numpy_array_split_gives_it(n, slices):
+    from keras import ops
+
+    from keras_fastgrad.step import splitting
+
+    expected = [p.tolist() for p in np.array_split(np.arange(n), slices) if len(p)] or [[]]
+    static = splitting.plan(n, slices)
+    traced = splitting.plan(ops.convert_to_tensor(n), slices, ops.minimum, ops.maximum)
+    cast = lambda c: ops.cast(c, "int32")  # noqa: E731
+    for split, indicator, minimum in ((static, int, min), (traced, cast, ops.minimum)):
+        assert int(split.count) == len(expected)
+        taken = []
+        for i in range(len(expected)):
+            start = int(split.start(i, minimum))
+            taken.append(list(range(start, start + int(split.rows(i, indicator)))))
+        assert taken == expected
+    # The static groups: every slice once, in order, one size per group.
+    grouped = []
+    for group in splitting.static_groups(n, slices):
+        for i in range(group.first, group.end):
+            assert static.rows(i) == group.size
+            grouped.append(i)
+    assert grouped == list(range(len(expected)))
+
+
+def test_the_totals_give_the_whole_batch_loss_and_gradient():
+    from keras import ops
+
+    from keras_fastgrad.step import slicing
+
+    # Two slices, mean reduction: normalisers 3 and 2, mean losses 1 and 4,
+    # mean gradients [1, 2] and [6, -1] (by hand: the batch's loss is
+    # (3*1 + 2*4) / 5 = 2.2, its gradient (3*[1, 2] + 2*[6, -1]) / 5).
+    zero = ops.zeros((), "float32")
+    totals = slicing.SliceTotals([[ops.zeros((2,), "float32")]], zero, zero)
+    for d, loss, g in ((3.0, 1.0, [1.0, 2.0]), (2.0, 4.0, [6.0, -1.0])):
+        d = ops.convert_to_tensor(d)
+        sums = [[totals.sums[0][0] + ops.convert_to_tensor(g) * d]]
+        totals = slicing.add_slice(totals, sums, ops.convert_to_tensor(loss), d)
+    one = ops.convert_to_tensor(1.0)
+    normaliser = slicing.batch_normaliser(totals, True, one)
+    np.testing.assert_allclose(float(normaliser), 5.0)
+    np.testing.assert_allclose(float(slicing.batch_loss(totals, True)), 2.2, rtol=1e-6)
+    (grad,) = slicing.batch_gradient(totals.sums[0], normaliser, True, accumulating=False)
+    np.testing.assert_allclose(ops.convert_to_numpy(grad), [3.0, 0.8], rtol=1e-6)
+    # Accumulating: the window divides, the sums stay; `"sum"`: never divided.
+    (kept,) = slicing.batch_gradient(totals.sums[0], normaliser, True, accumulating=True)
+    np.testing.assert_allclose(ops.convert_to_numpy(kept), [15.0, 4.0], rtol=1e-6)
+    assert float(slicing.batch_normaliser(totals, False, one)) == 1.0
+    np.testing.assert_allclose(float(slicing.batch_loss(totals, False)), 11.0, rtol=1e-6)
+    # An empty batch (no weighted element): loss 0, not nan.
+    empty = slicing.SliceTotals([], zero, zero)
+    assert float(slicing.batch_loss(empty, True)) == 0.0
+
+
+def test_a_non_finite_slice_makes_the_batch_non_finite():
+    from keras import ops
+
+    from keras_fastgrad.step import slicing
+
+    zero = ops.zeros((), "float32")
+    totals = slicing.SliceTotals([[zero]], zero, zero)
+    for g, loss in ((1.0, 1.0), (np.nan, 2.0), (1.0, 1.0)):
+        one = ops.convert_to_tensor(1.0)
+        sums = [[totals.sums[0][0] + ops.convert_to_tensor(g)]]
+        totals = slicing.add_slice(totals, sums, ops.convert_to_tensor(loss), one)
+    (grad,) = slicing.batch_gradient(totals.sums[0], totals.normaliser, True, False)
+    assert np.isnan(float(grad))  # (the step's finite verdict drops the batch)
+    assert np.isfinite(float(slicing.batch_loss(totals, True)))  # (the loss was finite)
+
+
+def test_sum_reduction_rules_by_hand():
+    import collections
+
+    from keras import ops
+
+    from keras_fastgrad.step import slicing
+
+    # 3 slices of shares 1: two penalties too many; under a mean, exact.
+    zero = ops.zeros((), "float32")
+    totals = slicing.SliceTotals([], zero, ops.convert_to_tensor(3.0))
+    assert float(slicing.surplus_regularization(totals, mean=False)) == 2.0
+    assert slicing.surplus_regularization(totals, mean=True) is None
+    grads = [ops.convert_to_tensor([1.0, 1.0]), None, ops.convert_to_tensor(5.0)]
+    penalty = [ops.convert_to_tensor([0.5, -0.5]), ops.convert_to_tensor(1.0), None]
+    taken = slicing.take_back(grads, penalty, 2.0)
+    np.testing.assert_allclose(ops.convert_to_numpy(taken[0]), [0.0, 2.0])
+    assert taken[1] is None and float(taken[2]) == 5.0
+    # A slice of 2 rows of a batch of 8: its per-row losses count a quarter.
+    terms = collections.namedtuple("Terms", "total compiled weights rows")
+    t = [ops.convert_to_tensor(v) for v in (0.0, 2.0, 0.5, 3.0)]
+    loss = slicing.sum_reduction_loss(terms(*t), 2, 8)
+    np.testing.assert_allclose(float(loss), 2.0 + 0.5 + 3.0 / 4)
+    assert float(slicing.rows_fraction(0, 0, "float32")) == 0.0
+
+
+def test_whole_batch_predictions_and_the_state_hand_off():
+    from keras import ops
+
+    from keras_fastgrad import _compat
+    from keras_fastgrad.step import slicing
+
+    a = np.arange(6, dtype="float32").reshape(3, 2)
+    b = np.arange(6, 10, dtype="float32").reshape(2, 2)
+    masks = [np.array([True, False, True]), np.array([False, True])]
+    groups = [
+        ([ops.convert_to_tensor(a), ops.convert_to_tensor(a[:, 0])], [masks[0], None]),
+        ([ops.convert_to_tensor(b), ops.convert_to_tensor(b[:, 0])], [masks[1], None]),
+    ]
+    joined = slicing.whole_batch(groups, {"p": 0, "q": 0})
+    np.testing.assert_array_equal(ops.convert_to_numpy(joined["p"]), np.concatenate([a, b]))
+    np.testing.assert_array_equal(ops.convert_to_numpy(joined["q"]), [0, 2, 4, 6, 8])
+    mask = _compat.get_keras_mask(joined["p"])
+    np.testing.assert_array_equal(ops.convert_to_numpy(mask), np.concatenate(masks))
+    assert _compat.get_keras_mask(joined["q"]) is None
+    before = [ops.zeros((2,), "float32"), ops.zeros((), "int32")]
+    after = slicing.hand_off([ops.ones((2,), "float16"), ops.convert_to_tensor(3.0)], before)
+    assert [keras.backend.standardize_dtype(v.dtype) for v in after] == ["float32", "int32"]
+
+
+def test_only_a_single_sum_reduced_loss_with_per_row_terms_is_reweighted():
+    import collections
+
+    from keras import ops
+
+    from keras_fastgrad.step import slicing
+
+    terms = collections.namedtuple("Terms", "total compiled weights rows")
+    with_rows = terms(*[ops.convert_to_tensor(v) for v in (5.5, 2.0, 0.5, 3.0)])
+    without = with_rows._replace(rows=None)
+    losses = ["as computed"]
+    assert slicing.slice_losses(losses, with_rows, True, False, 2, 8) is losses  # a mean
+    assert slicing.slice_losses(losses, with_rows, False, True, 2, 8) is losses  # merged
+    assert slicing.slice_losses(losses, without, False, False, 2, 8) is losses
+    (loss,) = slicing.slice_losses(losses, with_rows, False, False, 2, 8)
+    np.testing.assert_allclose(float(loss), 2.0 + 0.5 + 3.0 * 2 / 8)

@@ -1,31 +1,19 @@
-"""`micro_batches` in the JAX step: one batch, `m` slices, one gradient.
+"""`micro_batches` on JAX: the slices' scans (the rules:
+`keras_fastgrad.step.slicing`, `keras_fastgrad.step.splitting`).
 
-The batch of n rows is split as `numpy.array_split` splits it
-(`keras_fastgrad.step.splitting.slice_sizes`: the first `n mod k` slices
-of `ceil(n / k)` rows, the others of `floor(n / k)`). On JAX the batch's
-shape is static under `jit`, so the split is too: the slices of each size
-run in one `jax.lax.scan` (at most two scans, the model traced once per
-slice size). A scan runs its body one slice after the other, so only one
-slice's activations are live at a time (a Python loop would put every
-slice's forward and backward in one graph, which XLA may schedule side by
-side). Each slice's loss is multiplied by its normaliser `D_i`
-(`jax_weighting.LossShares`, as `keras_fastgrad.step.weighting` on
-TensorFlow), so the summed gradients are those of the summed losses;
-divided by `sum_i D_i` (`reduction="sum"`: not divided) they are exactly
-the whole batch's gradient, masks and sample weights included. Under
-`accumulation_steps` the batch is one micro-step whose share is
-`sum_i D_i`.
-
-The layers' state (BatchNorm's moving statistics, seeds) is carried from
-slice to slice: BatchNorm normalises each slice by its own moments and its
-moving statistics take one step per slice, as TensorFlow's
-`batchnorm_statistics="micro_batch"`; with the default `"window"` the
-slices' moments are pooled instead (`jax_batchnorm.forward`). The loss
-tracker and the metrics see the whole batch: its loss (the slices' losses
-weighted by their `D_i`) and its predictions (the slices' concatenated,
-with their masks). Terms beyond the output losses (regularisers,
-`add_loss`) are exact only where the slices are weighted by their rows
-under a mean reduction; otherwise refused by name, as under accumulation.
+How, on JAX: the batch's shape is static under `jit`, so the split is too
+(`splitting.static_groups`): the slices of each size run in one
+`jax.lax.scan` (at most two scans, the model traced once per slice size).
+A scan runs its body one slice after the other, so only one slice's
+activations are live at a time (a Python loop would put every slice's
+forward and backward in one graph, which XLA may schedule side by side).
+Each slice's gradient comes from `jax.value_and_grad` of its loss times
+its `D_i` (`jax_weighting.forward_with_share`; `jax.vjp` per task with
+`multitask`), the sums and the layers' and metrics' state are the scan's
+carry (`slicing.SliceTotals`, `slicing.hand_off`). BatchNorm: each slice
+normalised by its own moments, the moving statistics one step per slice
+(`batchnorm_statistics="micro_batch"`) or pooled over the slices
+(`"window"`, `jax_batchnorm.forward`).
 """
 
 import jax
@@ -37,7 +25,8 @@ from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import multitask as jax_multitask
 from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.backend.jax import weighting as jax_weighting
-from keras_fastgrad.step.splitting import first_input, slice_sizes
+from keras_fastgrad.step import slicing, splitting
+from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import task_names
 
 
@@ -94,12 +83,12 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
             grads = [g * d for g in grads]
         return [grads], d, aux
 
-    (sums,), loss_sum, d_sum, aux = scan_slices(model, state, (x, y, sample_weight), one_slice, 1)
-    grads = sums
+    totals, aux = scan_slices(model, state, (x, y, sample_weight), one_slice, 1)
+    (grads,) = totals.sums
     if slots.scaler is not None:
         inverse = 1.0 / ops.cast(ov[slots.ov["scale"]], "float32")
         grads = [g * inverse for g in grads]
-    return _per_batch(grads, loss_sum, d_sum, facts["mean"], accumulating, aux)
+    return _per_batch(grads, totals, facts["mean"], accumulating, aux)
 
 
 def sliced_task_gradients(
@@ -107,8 +96,8 @@ def sliced_task_gradients(
 ):
     """With `multitask` (parameter space): each task's gradient summed over
     the slices on its own (the whole batch's task gradients, times
-    `sum_i D_i`), merged ONCE after the slices, as TensorFlow's
-    `step.slicing` merges them: the same update as the un-split step.
+    `sum_i D_i`), merged ONCE after the slices (`step.slicing`'s rule):
+    the same update as the un-split step.
 
     Args and returns as `sliced_gradients`; `aux` has a fifth entry, the
     task telemetry logs (`jax_multitask.gradients`').
@@ -140,11 +129,9 @@ def sliced_task_gradients(
             rows.append([ops.zeros(t.shape, "float32") for t in tv])
         return rows, d, aux
 
-    sums, loss_sum, d_sum, aux = scan_slices(
-        model, state, (x, y, sample_weight), one_slice, num_tasks + 1
-    )
+    totals, aux = scan_slices(model, state, (x, y, sample_weight), one_slice, num_tasks + 1)
     mean = facts["mean"]
-    per_task, regularization = sums[:num_tasks], sums[num_tasks]
+    per_task, regularization = totals.sums[:num_tasks], totals.sums[num_tasks]
     reaching = [  # (every slice's trace reaches the same; united, never fewer)
         tuple(sorted(set().union(*ts))) for ts in zip(*facts["reaching"])
     ]
@@ -153,17 +140,17 @@ def sliced_task_gradients(
         per_task,
         reaching,
         ntv,
-        d_sum if mean else None,
+        slicing.batch_normaliser(totals, mean, None),
         regularization if facts["regularized"] else None,
-        ops.isfinite(loss_sum),
+        ops.isfinite(totals.loss),
     )
-    grads, d, mean, aux = _per_batch(merged, loss_sum, d_sum, mean, accumulating, aux)
+    grads, d, mean, aux = _per_batch(merged, totals, mean, accumulating, aux)
     return grads, d, mean, jax_multitask.with_updates(model, aux, updates, gram)
 
 
 def scan_slices(model, state, batch, one_slice, num_rows):
     """Runs `one_slice` on each slice of `batch`, in order, the layers'
-    and metrics' state carried from slice to slice.
+    and metrics' state handed from slice to slice (`slicing.hand_off`).
 
     Args:
         model: The `FastGradModel`.
@@ -175,94 +162,62 @@ def scan_slices(model, state, batch, one_slice, num_rows):
         num_rows: int, how many gradient lists `one_slice` returns.
 
     Returns:
-        `(sums, loss_sum, d_sum, (None, y_pred, non_trainable, metrics))`:
-        each row's gradients summed over the slices, the slices' losses
-        times their `D_i` summed, the `D_i` summed, and the whole batch's
-        predictions and the state after the last slice.
+        `(totals, (None, y_pred, non_trainable, metrics))`: the
+        `slicing.SliceTotals` of the slices, and the whole batch's predictions and the state
+        after the last slice.
     """
     tv, ntv, _, mv = state
-    x = batch[0]
-    sizes = slice_sizes(first_input(x).shape[0], model.fastgrad_step_state.options.micro_batches)
-    facts = {}
+    n = first_input(batch[0]).shape[0]
+    split = splitting.plan(n, model.fastgrad_step_state.options.micro_batches)
+    structure = []
 
     def body(carry, piece):
-        sums, loss_sum, d_sum, layer_state, metric_state = carry
+        totals, layer_state, metric_state = carry
         rows, d, aux = one_slice(layer_state, metric_state, *piece)
         unscaled, y_pred, new_layer_state, new_metric_state = aux
         flat = keras.tree.flatten(y_pred)
-        facts["structure"] = y_pred
-        masks = [compat.get_keras_mask(p) for p in flat]
+        structure[:] = [y_pred]
+        sums = [[s + g for s, g in zip(total, row)] for total, row in zip(totals.sums, rows)]
         carry = (
-            [[s + g for s, g in zip(total, row)] for total, row in zip(sums, rows)],
-            loss_sum + ops.cast(unscaled, "float32") * d,
-            d_sum + d,
-            _like(new_layer_state, layer_state),
-            _like(new_metric_state, metric_state),
+            slicing.add_slice(totals, sums, unscaled, d),
+            slicing.hand_off(new_layer_state, layer_state),
+            slicing.hand_off(new_metric_state, metric_state),
         )
-        return carry, (flat, masks)
+        return carry, (flat, [compat.get_keras_mask(p) for p in flat])
 
+    zero = ops.zeros((), "float32")
     carry = (
-        [[ops.zeros(t.shape, "float32") for t in tv] for _ in range(num_rows)],
-        ops.zeros((), "float32"),
-        ops.zeros((), "float32"),
+        slicing.SliceTotals(
+            [[ops.zeros(t.shape, "float32") for t in tv] for _ in range(num_rows)], zero, zero
+        ),
         list(ntv),
         list(mv),
     )
     outputs = []
-    start = 0
-    for size, count in _groups(sizes):
-        take = (
-            lambda t, s=start, c=count, z=size: ops.reshape(  # noqa: E731
-                t[s : s + c * z], (c, z, *t.shape[1:])
-            )
-        )
+    for group in splitting.static_groups(n, split.count):
+        count = group.end - group.first
+        first = split.start(group.first)
+
+        def take(t, first=first, count=count, size=group.size):
+            return ops.reshape(t[first : first + count * size], (count, size, *t.shape[1:]))
+
         pieces = tuple(None if s is None else keras.tree.map_structure(take, s) for s in batch)
-        carry, out = jax.lax.scan(body, carry, pieces)
-        outputs.append(out)
-        start += count * size
-    sums, loss_sum, d_sum, new_ntv, new_mv = carry
-    y_pred = _whole_batch(outputs, facts["structure"])
-    return sums, loss_sum, d_sum, (None, y_pred, new_ntv, new_mv)
+        carry, (flat, masks) = jax.lax.scan(body, carry, pieces)
+        outputs.append((_rows_first(flat), _rows_first(masks)))
+    totals, new_ntv, new_mv = carry
+    y_pred = slicing.whole_batch(outputs, structure[0])
+    return totals, (None, y_pred, new_ntv, new_mv)
 
 
-def _per_batch(grads, loss_sum, d_sum, mean, accumulating, aux):
-    """`(grads, D, mean, aux)` from the slices' sums: the batch's loss and,
-    not accumulating under a mean reduction, its gradient (the sums
-    divided by `sum_i D_i`)."""
-    unscaled_loss = ops.divide_no_nan(loss_sum, d_sum) if mean else loss_sum
-    if not accumulating and mean:
-        inverse = ops.divide_no_nan(1.0, d_sum)
-        grads = [g * inverse for g in grads]
-    d = d_sum if mean else ops.convert_to_tensor(1.0)
-    return grads, d, mean, (unscaled_loss, *aux[1:])
+def _per_batch(grads, totals, mean, accumulating, aux):
+    """`(grads, D, mean, aux)` from the slices' totals: the batch's loss,
+    gradient and normaliser (`slicing.batch_loss`, `batch_gradient`,
+    `batch_normaliser`)."""
+    d = slicing.batch_normaliser(totals, mean, ops.convert_to_tensor(1.0))
+    grads = slicing.batch_gradient(grads, d, mean, accumulating)
+    return grads, d, mean, (slicing.batch_loss(totals, mean), *aux[1:])
 
 
-def _groups(sizes):
-    """`[(size, count)]`: the runs of equal slice sizes, in order."""
-    groups = []
-    for size in sizes:
-        if groups and groups[-1][0] == size:
-            groups[-1] = (size, groups[-1][1] + 1)
-        else:
-            groups.append((size, 1))
-    return groups
-
-
-def _like(values, before):
-    """The scan's carry keeps its dtypes (a layer may return another)."""
-    return [ops.cast(v, b.dtype) for v, b in zip(values, before)]
-
-
-def _whole_batch(outputs, structure):
-    """The slices' predictions (`[slices, rows, ...]` per group) as the
-    whole batch's, their masks set again."""
-    merged = []
-    for k in range(len(outputs[0][0])):
-        parts = [flat[k] for flat, _ in outputs]
-        p = ops.concatenate([ops.reshape(t, (-1, *t.shape[2:])) for t in parts], axis=0)
-        masks = [masks[k] for _, masks in outputs]
-        if masks[0] is not None:
-            mask = ops.concatenate([ops.reshape(m, (-1, *m.shape[2:])) for m in masks], axis=0)
-            compat.set_keras_mask(p, mask)
-        merged.append(p)
-    return keras.tree.pack_sequence_as(structure, merged)
+def _rows_first(tensors):
+    """`[slices, rows, ...]` tensors (`None` kept) as `[slices * rows, ...]`."""
+    return [None if t is None else ops.reshape(t, (-1, *t.shape[2:])) for t in tensors]
