@@ -9,7 +9,7 @@ a difference in what the two steps promise.
   `optimizer.apply_gradients` runs only when every gradient is finite, the
   promise `FastGradModel`'s default (`skip_nonfinite=True`) keeps. The
   predicate is the library's own work (one sum per gradient, `is_finite`
-  on their stack: keras_fastgrad/step/finite.py): sparse gradients
+  on their stack: keras_fastgrad/backend/tensorflow/finite.py): sparse gradients
   (`tf.IndexedSlices`) are summed over their rows, `None` gradients are
   left out. With `gradient_accumulation_steps=N` on the optimizer, a
   non-finite micro-batch is dropped before it reaches the accumulators,

@@ -32,6 +32,7 @@ _JAX_REFUSED_CALLBACKS = ()
 SHELL_ENTRY_POINTS = (
     "NAME",  # "tensorflow" or "jax": the Keras backend it runs on
     "STEP_UNIT_CLASSES",  # (telemetry, divergence) classes for `StepState`
+    "LOSS_SCALING",  # the loss scaling unit's class (`StepState.scaling`)
     "STATE_METHODS",  # Keras' trainer methods reading the state between batches
     "TAPE",  # whether gradients come from a tape watching a subset of variables
     "RECOMPILES_UNTRACED",  # whether a new input shape recompiles without a retrace

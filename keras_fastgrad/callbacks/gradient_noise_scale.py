@@ -7,7 +7,7 @@ import numbers
 from keras_fastgrad.callbacks import _base
 from keras_fastgrad.callbacks._tensorboard import SummaryWriter
 from keras_fastgrad.step import noise_scale
-from keras_fastgrad.step.replicas import replicas_of
+from keras_fastgrad.step.state import replicas_of
 
 
 class GradientNoiseScale(_base.FastGradCallback):

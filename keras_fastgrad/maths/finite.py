@@ -1,7 +1,7 @@
 """The finite check: one reduction per gradient, a boolean for the step.
 
 Written once in `keras.ops` for both backends' steps (TensorFlow's
-`keras_fastgrad.step.finite`, which passes its own element sums in, JAX's
+`keras_fastgrad.backend.tensorflow.finite`, which passes its own element sums in, JAX's
 `keras_fastgrad.backend.jax.units`). A
 sum is non-finite when any of its terms is (NaN and +-Inf propagate), so
 one sum per gradient, a single pass with no temporary, decides. The one
@@ -36,7 +36,7 @@ def marks(grads, loss=None, sums=element_sums):
     Example:
 
     `sums`: how the element sums are taken (`element_sums`; the
-    TensorFlow shell passes its own, `keras_fastgrad.step.finite`).
+    TensorFlow shell passes its own, `keras_fastgrad.backend.tensorflow.finite`).
 
     >>> m = marks([keras.ops.array([1.0, 2.0]), None], keras.ops.array(0.5))
     >>> keras.ops.convert_to_numpy(m).tolist()

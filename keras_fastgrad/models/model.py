@@ -20,7 +20,6 @@ from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step, partial_window
 from keras_fastgrad.models.readouts import StepReadouts
 from keras_fastgrad.models.training_hooks import TrainingHooks
-from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.options import StepOptions
 from keras_fastgrad.step.state import StepState
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
@@ -219,7 +218,7 @@ class FastGradModel(StepReadouts, TrainingHooks, keras.Model):
         state.build(self)
         if not self.optimizer.built:  # state must exist before tracing
             self.optimizer.build(self.trainable_variables)
-        state.scaling = LossScaling(self.optimizer)
+        state.scaling = _shell.LOSS_SCALING(self.optimizer)
         state.flush_function = None
 
     def apply_partial_window(self):
@@ -248,7 +247,7 @@ class FastGradModel(StepReadouts, TrainingHooks, keras.Model):
         On TensorFlow `train_step(data)`, traced by Keras: gradients ->
         finite check -> [BatchNorm] moments -> loss-scale update -> update
         or drop, or accumulate and, on a complete window, clip and apply
-        (`keras_fastgrad.step.train_step`). On JAX Keras calls
+        (`keras_fastgrad.backend.tensorflow.train_step`). On JAX Keras calls
         `train_step(state, data)`: the same chain on the state tuple
         (`keras_fastgrad.backend.jax.step`). Returns what Keras' own
         `train_step` returns there: the logs (with the telemetry keys), and

@@ -1,7 +1,7 @@
 """A window left partial, applied now (`FastGradModel.apply_partial_window`,
 which `fit` calls at every epoch's end): the pending test and the refusal of
 an uncompiled model, for both backends, then the backend's flush
-(`keras_fastgrad.backend.tensorflow.accumulation.apply_partial_window`,
+(`keras_fastgrad.backend.tensorflow.train_step.apply_partial_window`,
 `keras_fastgrad.backend.jax.window.apply_partial_window`): the window
 applied if it holds samples, then restarted (`step.accumulation`'s rule)."""
 
@@ -41,7 +41,7 @@ def apply_partial_window(model):
         refuse_without_optimizer(model, pending)
         from keras_fastgrad.backend.jax import window as shell  # imports jax
     else:
-        from keras_fastgrad.backend.tensorflow import accumulation as shell
+        from keras_fastgrad.backend.tensorflow import train_step as shell
 
         if model.train_function is None:  # loaded, or recompiled: not made yet
             refuse_without_optimizer(model, pending)

@@ -12,8 +12,8 @@ from keras import tree
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.forward import call_for_training, watching
 from keras_fastgrad.models.model import FastGradModel
-from keras_fastgrad.step.forward import call_for_training, watching
 from keras_fastgrad.step.slicing import first_input
 
 MODES = ("eager", "function", "xla", "mixed_float16", "mixed_bfloat16")

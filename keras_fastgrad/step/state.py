@@ -1,7 +1,7 @@
 """`StepState`: everything `FastGradModel`'s step keeps between calls.
 
 One object per model (`model.fastgrad_step_state`), passed explicitly to
-the step's units (`keras_fastgrad.step.train_step`). Unlike optax's
+the step's units (`keras_fastgrad.backend.tensorflow.train_step`). Unlike optax's
 immutable states, the units assign into its variables instead of returning
 a new state: Keras' train function runs the step for its side effects and
 the variables must exist before the trace. What it holds:
@@ -42,7 +42,6 @@ from keras_fastgrad.step import noise_scale, state_files
 from keras_fastgrad.step.accumulation import WindowAccumulator
 from keras_fastgrad.step.batchnorm import WindowMoments, batchnorm_layers, pools_window
 from keras_fastgrad.step.divergence import DivergenceWatch
-from keras_fastgrad.step.replicas import replicas_of
 from keras_fastgrad.step.telemetry import LOG_KEYS, StepTelemetry, is_optional_key
 
 # The units with state only some models have, by attribute name: saved
@@ -68,6 +67,13 @@ class TraceFacts(
         no_gradient: list of the paths of variables without a gradient.
         grad_is_none: list of bools, per trainable variable.
     """
+
+
+def replicas_of(model):
+    """How many replicas `model` trains on: its `tf.distribute` strategy's
+    (1 without one, as on Keras' JAX backend)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return 1 if strategy is None else strategy.num_replicas_in_sync
 
 
 class StepState(compat.KerasSaveable):

@@ -17,8 +17,8 @@ from tests.helpers import as_numpy, sparse
 if keras.backend.backend() == "tensorflow":
     import tensorflow as tf
 
+    from keras_fastgrad.backend.tensorflow import finite
     from keras_fastgrad.backend.tensorflow.clipping import clip_by_global_norm, global_norm
-    from keras_fastgrad.step import finite
 else:  # the JAX step's unit (`jax_units.global_norm`: `maths.norms`, dense)
     from keras_fastgrad.backend.jax.units import global_norm
 TF_ONLY = pytest.mark.tensorflow_only(

@@ -1,5 +1,5 @@
 """Unit tests of the finite check, called directly (the other units of the step:
-the other files of `tests/step/`): `keras_fastgrad.step.finite` on
+the other files of `tests/step/`): `keras_fastgrad.backend.tensorflow.finite` on
 TensorFlow, `keras_fastgrad.maths.finite` (what the JAX step calls) under
 `KERAS_BACKEND=jax`; sparse gradients and the replicas' flags are
 TensorFlow's alone (`tensorflow_only`).
@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import sparse
 
 if keras.backend.backend() == "tensorflow":
-    from keras_fastgrad.step import finite
+    from keras_fastgrad.backend.tensorflow import finite
 else:  # the JAX step's unit
     from keras_fastgrad.maths import finite
 

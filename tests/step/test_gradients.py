@@ -1,4 +1,4 @@
-"""Unit tests of `keras_fastgrad.step.gradients`, called directly (the other units of the step:
+"""Unit tests of `keras_fastgrad.backend.tensorflow.gradients`, called directly (the other units of the step:
 the other files of `tests/step/`).
 
 References: every expected value is either worked out by hand (written in
@@ -11,7 +11,7 @@ expected value is taken from the units' own output.
 import numpy as np
 import tensorflow as tf
 
-from keras_fastgrad.step import gradients as _gradients
+from keras_fastgrad.backend.tensorflow import gradients as _gradients
 from tests.helpers import as_numpy, sparse
 
 # ----------------------------------------------------------------- _gradients

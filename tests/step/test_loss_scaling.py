@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_fastgrad.step.loss_scaling import LossScaling
+from keras_fastgrad.backend.tensorflow.loss_scaling import LossScaling
 
 NAN = float("nan")
 

@@ -1,7 +1,7 @@
 """`FastGradModel`'s step on Keras' JAX backend (`train_step(state, data)`).
 
 The same chain and contract as the TensorFlow step
-(`keras_fastgrad.step.train_step`), for the options the JAX backend supports
+(`keras_fastgrad.backend.tensorflow.train_step`), for the options the JAX backend supports
 (`keras_fastgrad.backend`):
 
     gradient (`jax.value_and_grad` of Keras' `compute_loss_and_updates`,

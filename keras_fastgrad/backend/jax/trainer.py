@@ -19,11 +19,14 @@ from keras_fastgrad import backend as _backend
 from keras_fastgrad.backend.jax import state as jax_state
 from keras_fastgrad.backend.support import refusal
 from keras_fastgrad.step.divergence import DivergenceWatch
+from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.telemetry import StepTelemetry
 
 # The classes of the step's units that write their own variables
 # (`StepState`'s `telemetry`, `divergence`).
 STEP_UNIT_CLASSES = (StepTelemetry, DivergenceWatch)
+# The loss scaling unit's class (`StepState.scaling`).
+LOSS_SCALING = LossScaling
 
 NAME = "jax"
 # Keras' JAX trainer methods that read the model's state between batches

@@ -17,12 +17,10 @@ sync-on-read sums: micro-steps do not all-reduce gradients; the update sums
 the window once (`replica_sum`), and a checkpoint reads the total.
 """
 
-import functools
-
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.gradients import to_float32
 from keras_fastgrad.backend.tensorflow.variables import add_into, increment, run_time_zeros
 from keras_fastgrad.step import accumulation as rules
-from keras_fastgrad.step.gradients import to_float32
 
 
 def add(acc, micro_batch, otherwise=None):
@@ -166,29 +164,6 @@ def restart(acc):
     """Empties the window and starts the next one at micro-step 0
     (`rules.restarted`)."""
     _assign(acc, rules.restarted(acc.state(), _zeros))
-
-
-def apply_partial_window(model):
-    """`FastGradModel.apply_partial_window` on TensorFlow: one traced flush
-    of the window (`train_step.flush`: applied if it holds samples, then
-    restarted) under the model's strategy. Returns the telemetry logs as
-    Python floats. Called by `models.partial_window` once a window is
-    pending."""
-    from keras_fastgrad.step import train_step  # (which imports this module)
-
-    state = model.fastgrad_step_state
-    if state.flush_function is None:
-        # A `partial`, not a lambda: TF keys its retracing warning on a
-        # function's code, shared by every model's lambda.
-        state.flush_function = tf.function(
-            functools.partial(model.distribute_strategy.run, train_step.flush, args=(model, state)),
-            jit_compile=bool(model.jit_compile),
-        )
-    state.flush_function()
-    logs = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables or 0)
-    if state.noise_scale is not None:  # the partial window's estimate
-        logs.update(state.noise_scale.logs())
-    return {k: float(v) for k, v in logs.items()}
 
 
 def _zeros(variable):

@@ -11,13 +11,13 @@ float32 drops the update (`Clipped.all_finite` is false).
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.gradients import summed_slices
 from keras_fastgrad.maths import adaptive_clipping as agc_maths
 from keras_fastgrad.maths.adaptive_clipping import (
     DEFAULT_EPSILON,
     unit_axes,
 )
 from keras_fastgrad.step import adaptive_clipping as rules
-from keras_fastgrad.step.gradients import summed_slices
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from keras_fastgrad._compat import direct_merge_calls
 from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.step.replicas import first_replica
+from keras_fastgrad.backend.tensorflow.replicas import first_replica
 
 
 def apply_if(should_apply, update_fn, args=(), otherwise=None, otherwise_args=()):

@@ -14,9 +14,9 @@ import threading
 import weakref
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.replicas import num_replicas, replica_sum
 from keras_fastgrad.maths.batchnorm import combined
 from keras_fastgrad.step import batchnorm as core
-from keras_fastgrad.step.replicas import num_replicas, replica_sum
 
 # Each unit's `core.Recorder` of the trace in progress, per thread.
 _traces = weakref.WeakKeyDictionary()

@@ -12,8 +12,8 @@ duplicate rows added up first, so the norm is that of the dense gradient.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.gradients import scale, summed_rows
 from keras_fastgrad.maths import norms
-from keras_fastgrad.step.gradients import scale, summed_rows
 
 # Written once for both backends (`keras_fastgrad.maths.norms`).
 clip_factor = norms.clip_factor

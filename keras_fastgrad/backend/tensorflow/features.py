@@ -7,9 +7,9 @@ calls; the rules (the Gram over `Z`, the cotangents, the kept state) are
 
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import multitask as parameter_space
+from keras_fastgrad.backend.tensorflow.gradients import to_float32_list
 from keras_fastgrad.multitask.representation import Capture
 from keras_fastgrad.step import multitask as core
-from keras_fastgrad.step.gradients import to_float32_list
 
 
 class Step(Capture):

@@ -12,10 +12,10 @@ the merge's state lives; the rules are `keras_fastgrad.step.multitask`'s.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.finite import all_finite
+from keras_fastgrad.backend.tensorflow.gradients import to_float32_list, values
+from keras_fastgrad.backend.tensorflow.replicas import num_replicas, replica_sum
 from keras_fastgrad.step import multitask as core
-from keras_fastgrad.step.finite import all_finite
-from keras_fastgrad.step.gradients import to_float32_list, values
-from keras_fastgrad.step.replicas import num_replicas, replica_sum
 from keras_fastgrad.step.variables import global_variable
 
 

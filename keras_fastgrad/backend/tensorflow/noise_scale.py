@@ -9,10 +9,10 @@ window's sums added with one `AssignAdd`.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.gradients import summed_rows
+from keras_fastgrad.backend.tensorflow.replicas import replica_sum
+from keras_fastgrad.backend.tensorflow.variables import increment
 from keras_fastgrad.step import noise_scale as core
-from keras_fastgrad.step.gradients import summed_rows
-from keras_fastgrad.step.replicas import replica_sum
-from keras_fastgrad.step.variables import increment
 
 
 def _sum_of_squares(grads):

@@ -18,10 +18,10 @@ from keras import tree
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._compat import get_keras_mask
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.forward import call_for_training, watching
+from keras_fastgrad.backend.tensorflow.replicas import num_replicas
 from keras_fastgrad.step import slicing, splitting
 from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
-from keras_fastgrad.step.forward import call_for_training, watching
-from keras_fastgrad.step.replicas import num_replicas
 from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
 from keras_fastgrad.step.weighting import LossShares, Share
 

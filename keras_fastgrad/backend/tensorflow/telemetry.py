@@ -6,10 +6,10 @@ per-layer norms; `update_ratio`'s sums as `AddN`s.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.gradients import summed_rows
 from keras_fastgrad.backend.tensorflow.variables import increment
 from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step import telemetry as core
-from keras_fastgrad.step.gradients import summed_rows
 
 
 def write(counters, change):

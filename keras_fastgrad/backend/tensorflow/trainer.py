@@ -12,15 +12,18 @@ import keras
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.tensorflow import log_packing
+from keras_fastgrad.backend.tensorflow import train_step as _step
 from keras_fastgrad.backend.tensorflow.divergence import DivergenceWatch
+from keras_fastgrad.backend.tensorflow.loss_scaling import LossScaling
 from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
-from keras_fastgrad.step import train_step as _step
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
 from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss
 
 # The classes of the step's units that write their own variables
 # (`StepState`'s `telemetry`, `divergence`).
 STEP_UNIT_CLASSES = (StepTelemetry, DivergenceWatch)
+# The loss scaling unit's class (`StepState.scaling`).
+LOSS_SCALING = LossScaling
 
 NAME = "tensorflow"
 # Keras' trainer methods that read the model's state between batches, which
@@ -70,7 +73,7 @@ def make_train_function(model, make, force):
 
 
 def train_step(model, data):
-    """One micro-batch through the chain (`keras_fastgrad.step.train_step`),
+    """One micro-batch through the chain (`keras_fastgrad.backend.tensorflow.train_step`),
     traced by Keras' `tf.function`: gradients (forward, backward, unscale,
     task merge) -> finite check -> [BatchNorm pooled] moments -> loss-scale
     update -> update or drop in one `cond` (one replica, no accumulation),

@@ -11,15 +11,15 @@ branch) `record_drop`.
 
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
+from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow.clipping import fits_clip, scaled_norm
-from keras_fastgrad.step import finite
-from keras_fastgrad.step import verdict as rules
-from keras_fastgrad.step.replicas import (
+from keras_fastgrad.backend.tensorflow.replicas import (
     distributed,
     num_replicas,
     replica_sum,
 )
+from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.verdict import COUNT_KEYS, WHERE_KEYS, Verdict
 
 __all__ = ["Verdict", "COUNT_KEYS", "WHERE_KEYS"]  # (the core's, re-exported for the chain)

@@ -19,8 +19,8 @@ only in the branch of a dropped micro-batch.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.gradients import values
 from keras_fastgrad.maths import finite as _maths
-from keras_fastgrad.step.gradients import values
 
 # Written once for both backends (`keras_fastgrad.maths.finite`).
 is_finite = _maths.is_finite

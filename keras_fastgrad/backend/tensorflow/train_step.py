@@ -25,6 +25,7 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import accumulation as tf_window
 from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
+from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
     adaptive_clip,
@@ -32,8 +33,17 @@ from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
     counted_at_verdict,
 )
 from keras_fastgrad.backend.tensorflow.applying import apply_if
+from keras_fastgrad.backend.tensorflow.backward import Batch, gradients
 from keras_fastgrad.backend.tensorflow.clipping import clip_by_global_norm, fits_clip, scaled_norm
 from keras_fastgrad.backend.tensorflow.compile_loss import keep_output_loss_metrics
+from keras_fastgrad.backend.tensorflow.gradients import scale
+from keras_fastgrad.backend.tensorflow.replicas import (
+    distributed,
+    for_keras_reduction,
+    global_metric_results,
+    num_replicas,
+    replica_sum,
+)
 from keras_fastgrad.backend.tensorflow.verdict import (
     Verdict,
     finite_check,
@@ -43,19 +53,9 @@ from keras_fastgrad.backend.tensorflow.verdict import (
     single_cond,
     update_loss_scale,
 )
-from keras_fastgrad.step import finite
 from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.adaptive_clipping import both_finite
-from keras_fastgrad.step.backward import Batch, gradients
-from keras_fastgrad.step.gradients import scale
-from keras_fastgrad.step.replicas import (
-    distributed,
-    for_keras_reduction,
-    global_metric_results,
-    num_replicas,
-    replica_sum,
-)
 
 __all__ = [  # the chain, in order (`FastGradModel.train_step`)
     "Batch",
@@ -168,6 +168,27 @@ def flush(model, state):
     """Applies a partial window, if it holds samples, and restarts it."""
     apply_if(state.accumulator.has_samples(), functools.partial(apply_window, model, state))
     tf_window.restart(state.accumulator)
+
+
+def apply_partial_window(model):
+    """`FastGradModel.apply_partial_window` on TensorFlow: one traced flush
+    of the window (`flush`: applied if it holds samples, then
+    restarted) under the model's strategy. Returns the telemetry logs as
+    Python floats. Called by `models.partial_window` once a window is
+    pending."""
+    state = model.fastgrad_step_state
+    if state.flush_function is None:
+        # A `partial`, not a lambda: TF keys its retracing warning on a
+        # function's code, shared by every model's lambda.
+        state.flush_function = tf.function(
+            functools.partial(model.distribute_strategy.run, flush, args=(model, state)),
+            jit_compile=bool(model.jit_compile),
+        )
+    state.flush_function()
+    logs = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables or 0)
+    if state.noise_scale is not None:  # the partial window's estimate
+        logs.update(state.noise_scale.logs())
+    return {k: float(v) for k, v in logs.items()}
 
 
 def update(model, state, grads, normaliser=None, norm=None, agc=None):

@@ -17,13 +17,6 @@ from keras_fastgrad._compat import in_multi_worker_mode
 from keras_fastgrad._tf_startup import tf
 
 
-def replicas_of(model):
-    """How many replicas `model` trains on: its `tf.distribute` strategy's
-    (1 without one, as on Keras' JAX backend)."""
-    strategy = getattr(model, "distribute_strategy", None)
-    return 1 if strategy is None else strategy.num_replicas_in_sync
-
-
 def num_replicas():
     """Number of replicas in sync of the current strategy (1 without one).
 

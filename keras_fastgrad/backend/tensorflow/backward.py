@@ -19,16 +19,16 @@ from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow.compile_loss import output_loss_metrics
+from keras_fastgrad.backend.tensorflow.forward import call_for_training, watching
+from keras_fastgrad.backend.tensorflow.replicas import (
+    num_replicas,
+)
 from keras_fastgrad.backend.tensorflow.slicing import sliced_gradients
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.compile_loss import (
     check_extra_terms,
     loss_terms,
     present_terms,
-)
-from keras_fastgrad.step.forward import call_for_training, watching
-from keras_fastgrad.step.replicas import (
-    num_replicas,
 )
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
