@@ -64,10 +64,14 @@ class TapeVariableCounter(_base.FastGradCallback):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        self._count = float(len(self.model.trainable_variables))
+        # A model unbuilt when `fit` starts (a subclass, on TensorFlow)
+        # has its variables once the step is built: counted then.
+        self._count = float(len(self.model.trainable_variables)) if self.model.built else None
         self._checked = False
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._count is None:  # the step has been traced by now
+            self._count = float(len(self.model.trainable_variables))
         if logs is None:
             return
         logs[TRAINABLE_VARIABLES] = self._count
@@ -76,7 +80,7 @@ class TapeVariableCounter(_base.FastGradCallback):
             self._check(logs.get("tape_variables"))
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
+        if logs is not None and self._count is not None:
             logs[TRAINABLE_VARIABLES] = self._count
 
     def _check(self, watched):

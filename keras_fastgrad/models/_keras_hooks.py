@@ -164,6 +164,18 @@ def build_for_training(model, iterator=None, data_batch=None):
             compat.symbolic_build(model, data_batch)
 
 
+def build_from_the_first_call(model, data_iterator):
+    """`build_for_training` from the data iterator a TensorFlow train
+    function is called with (its `element_spec`: no batch read). For a
+    plain model that the callbacks attach to (`adapt.attach`): its `fit`
+    ran Keras' `_maybe_symbolic_build`, which builds nothing without a
+    strategy (Keras leaves it to the first trace), and the step's state
+    and optimizer must be built for the model's variables before it is
+    traced."""
+    spec = tree.map_structure(lambda s: None if _is_absent(s) else s, data_iterator.element_spec)
+    build_for_training(model, data_batch=spec)
+
+
 def _batch_structure(model, iterator):
     """What the build needs of `fit`'s data (structure, shapes, dtypes),
     read as `keras.Model.fit` would: without a strategy Keras reads no

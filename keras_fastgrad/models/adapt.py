@@ -27,6 +27,7 @@ import keras
 from keras_fastgrad import _compat as compat
 from keras_fastgrad import aggregators
 from keras_fastgrad import backend as _backend
+from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models._keras_hooks import functional_variant
 from keras_fastgrad.models.model import (
     OPTION_NAMES,
@@ -235,13 +236,20 @@ class _Attachment:
 
     def make_train_function(self, force=False):
         """The model's `make_train_function` while attached: the step's
-        train function, called through `train_function`."""
+        train function, called through `train_function`. On TensorFlow, a
+        model that still needs building (unbuilt: Keras builds it only in
+        the first trace, after the callbacks attached; or variables only
+        a training call creates) gets the step's train function at its
+        first call, built first from that call's data
+        (`_keras_hooks.build_from_the_first_call`): the step's state and
+        the optimizer are built for the model's variables, as
+        `FastGradModel`'s `_maybe_symbolic_build` builds them."""
         model = self.model
         if model.train_function is not None and not force:
             return model.train_function
-        with self:  # (Keras' version sets `train_function`, returns nothing)
-            self.step_class.make_train_function(model, force=True)
-        traced = model.train_function
+        traced = []  # the step's train function, once made
+        if _backend.is_jax() or not _needs_build(model):
+            traced.append(self._step_train_function())
         self.used = True
 
         def train_function(*args):  # TF: `(iterator)`; JAX: `(state, iterator)`
@@ -249,6 +257,16 @@ class _Attachment:
 
         model.train_function = train_function
         return train_function
+
+    def _step_train_function(self, data_iterator=None):
+        """The step's train function (the model built first from
+        `data_iterator`'s batches, when given)."""
+        model = self.model
+        with self:  # (Keras' version sets `train_function`, returns nothing)
+            if data_iterator is not None:
+                integration.build_from_the_first_call(model, data_iterator)
+            self.step_class.make_train_function(model, force=True)
+        return model.train_function
 
     def train_function(self, traced, *args):
         if not self.prepared:
@@ -258,10 +276,14 @@ class _Attachment:
             self.detach()
             self.model.make_train_function()
             return self.model.train_function(*args)
+        if not traced:  # TensorFlow, a model to build: from this call's data
+            own = self.model.train_function
+            traced.append(self._step_train_function(args[-1]))
+            self.model.train_function = own
         self.prepared = False
         self.state_from_step = True
         with self:  # tracing (first call, new shapes) needs the class
-            return traced(*args)
+            return traced[0](*args)
 
     def _state_method(self, name):
         """Keras' trainer method `name` (the shell's `STATE_METHODS`),
@@ -293,6 +315,13 @@ class _Attachment:
                 vars(model).pop(name, None)
             self.stash = {}
         model.train_function = None
+
+
+def _needs_build(model):
+    """Whether `model` must be built before the step's state is: unbuilt,
+    or never trained with layers still unbuilt (`builds_itself` without
+    the strategy's case: under one Keras' `fit` has built it)."""
+    return not model.built or integration._first_training(model)
 
 
 def _give_step(model, options):

@@ -848,6 +848,41 @@ class Subclassed(keras.Model):
         return self.out(self.hidden(x))
 
 
+def test_an_unbuilt_subclassed_model_trains_with_the_callbacks_as_keras():
+    # Unbuilt when `fit` starts: without a strategy Keras' TensorFlow `fit`
+    # builds it only in the first trace, after the callbacks attached the
+    # step; the step builds it (and its optimizer) from the first call's data.
+    def build():
+        keras.utils.set_random_seed(3)
+        model = Subclassed()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        return model
+
+    x, y = data()
+    model, reference = build(), build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "no trainable weights"
+        history = model.fit(
+            x,
+            y,
+            batch_size=4,
+            verbose=0,
+            shuffle=False,
+            callbacks=[GradientNormLogger(), NonFiniteGuard("warn"), TapeVariableCounter()],
+        )
+    reference.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+    assert type(model) is Subclassed
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert history.history["tape_variables"] == [4.0]
+    assert history.history["trainable_variables"] == [4.0]
+    assert history.history["grad_norm"][0] > 0
+    model.fit(x, y, batch_size=4, verbose=0, shuffle=False)  # Keras' own step again
+    reference.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _plain(kind):
     keras.utils.set_random_seed(3)
     if kind == "functional":

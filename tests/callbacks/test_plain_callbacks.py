@@ -67,19 +67,9 @@ def trained(build, x, y, with_callbacks, epochs=2):
     return model, history.history
 
 
-# A subclassed model unbuilt when `fit` starts: on TensorFlow the callbacks'
-# step traces without its variables ("The model does not have any trainable
-# weights") and the optimizer then refuses them ("Unknown variable").
-_UNBUILT_ON_TF = pytest.mark.xfail(
-    condition=keras.backend.backend() == "tensorflow",
-    reason="TensorFlow: an unbuilt subclassed model's callbacks step fails (Unknown variable)",
-    strict=True,
-)
-
-
 @pytest.mark.parametrize(
     "build",
-    [mlp, sequential, pytest.param(subclassed, marks=_UNBUILT_ON_TF)],
+    [mlp, sequential, subclassed],
     ids=["functional", "seq", "sub"],
 )
 def test_plain_fit_with_the_callbacks_trains_as_keras(build):

@@ -287,6 +287,33 @@ def test_embedding_sparse_path_equals_the_dense_gradient(options):
     assert relative_error(ref, model, start) < 1e-5
 
 
+@pytest.mark.parametrize("clip_norm", [1e3, 0.05], ids=["never_clips", "clips"])
+@pytest.mark.parametrize("optimizer", ["adam", "rmsprop", "adagrad"])
+def test_clipped_sparse_gradient_under_an_adaptive_optimizer_is_the_dense_step(
+    optimizer, clip_norm
+):
+    # One batch, no accumulation: the clipped gradient of an Embedding
+    # whose ids repeat reaches the optimizer with each row once. Keras'
+    # adaptive optimizers square an IndexedSlices' values row by row (a
+    # repeated id adds its parts' squares); the update must be the dense
+    # gradient's, as Keras' own `global_clipnorm` gives it (its clipping
+    # makes the gradient dense) and as accumulation gives it.
+    rng = np.random.default_rng(9)
+    x = rng.integers(0, 8, size=(12, 5)).astype("int32")
+    y = rng.normal(size=(12, 1)).astype("float32") * 5.0
+    ref = embedding_model(keras.Model, one_hot=True)
+    model = embedding_model(FG, clip_norm=clip_norm)
+    model.set_weights(ref.get_weights())
+    start = ref.get_weights()
+    optimizer = type(keras.optimizers.get(optimizer))
+    # (the reference's gradient is dense: its norm is the dense gradient's)
+    ref.compile(optimizer=optimizer(0.05, global_clipnorm=clip_norm), loss="mse")
+    model.compile(optimizer=optimizer(0.05), loss="mse")
+    ref.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert relative_error(ref, model, start) < 1e-5
+
+
 # ------------------------------------------------------------ BatchNorm
 def bn_segmenter(cls, **options):
     keras.utils.set_random_seed(10)

@@ -9,10 +9,16 @@ power of two: the squares of finite float32 values then fit, and values
 small enough to underflow weigh nothing against a norm above 2**64. The
 maths is `keras_fastgrad.maths.norms`, shared with the JAX step. Sparse gradients (`tf.IndexedSlices`) are measured on their rows,
 duplicate rows added up first, so the norm is that of the dense gradient.
+A clipped sparse gradient comes out with each row once (still sparse):
+Keras' Adam, RMSprop and Adagrad square an `IndexedSlices`' values row by
+row, so a repeated id would add its parts' squares, not the square of its
+row (the dense gradient's); Keras' own `global_clipnorm` hands them a dense
+gradient (its `v * scale` makes the `IndexedSlices` dense), and so the
+clipped update is that dense step, as under accumulation and on JAX.
 """
 
 from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.backend.tensorflow.gradients import scale, summed_rows
+from keras_fastgrad.backend.tensorflow.gradients import scale, summed_rows, summed_slices
 from keras_fastgrad.maths import norms
 
 # Written once for both backends (`keras_fastgrad.maths.norms`).
@@ -70,9 +76,11 @@ def clip_by_global_norm(grads, clip_norm, norm, checked=False):
             then a non-finite norm needs no guard here.
 
     Returns:
-        Tuple `(clipped_grads, was_clipped)`. A NaN norm gives non-finite
-        gradients (unless `checked`), which the step's check before the
-        update drops.
+        Tuple `(clipped_grads, was_clipped)`, a sparse gradient with each
+        row once (duplicates added up: the dense gradient's rows, which
+        the optimizer then applies as Keras applies the dense one). A NaN
+        norm gives non-finite gradients (unless `checked`), which the
+        step's check before the update drops.
 
     Example:
 
@@ -83,4 +91,9 @@ def clip_by_global_norm(grads, clip_norm, norm, checked=False):
     """
     unit, root = norm if isinstance(norm, tuple) else (tf.constant(1.0), norm)
     factor, was_clipped = clip_factor(clip_norm, unit, root, checked)
-    return [scale(g, factor) for g in grads], was_clipped
+    return [scale(_rows_once(g), factor) for g in grads], was_clipped
+
+
+def _rows_once(g):
+    """`g`, a sparse one with each row once (`gradients.summed_slices`)."""
+    return summed_slices(g) if isinstance(g, tf.IndexedSlices) else g
