@@ -22,6 +22,9 @@ Rows (targets from issue 29):
   (both accumulation rows with `batchnorm_statistics="micro_batch"`, the
   moving statistics as Keras' accumulation moves them);
 - `clip_norm=1` / `global_clipnorm=1`: reported;
+- `clip_norm=1` / `global_clipnorm=1` gated the same way          <= 1.02
+  (issue 50: the clip factor applied inside the gated update, as Keras
+  applies its own inside the optimizer's);
 - A/A: keras.Model / a second one alike, and the same for Keras'
   accumulation (no target: the method's own noise on that model).
 
@@ -66,6 +69,7 @@ SIDES = {
     "keras_acc_twin": ("keras", {}, {"gradient_accumulation_steps": 4}),
     "keras_acc_gated": ("gated", {}, {"gradient_accumulation_steps": 4}),
     "keras_clip": ("keras", {}, {"global_clipnorm": 1.0}),
+    "keras_clip_gated": ("gated", {}, {"global_clipnorm": 1.0}),
 }
 ROWS = [  # (pair, numerator, denominator, target)
     ("default / keras.Model gated on finite gradients", "default", "keras_gated", "<= 1.03"),
@@ -84,6 +88,12 @@ ROWS = [  # (pair, numerator, denominator, target)
         "<= 1.03",
     ),
     ("clip_norm=1 / global_clipnorm=1", "clip", "keras_clip", None),
+    (
+        "clip_norm=1 / global_clipnorm=1 gated on finite gradients",
+        "clip",
+        "keras_clip_gated",
+        "<= 1.02",
+    ),
     ("keras.Model / keras.Model alike (A/A: the noise)", "keras_twin", "keras", None),
     (
         "gradient_accumulation_steps=4 / the same alike (A/A: the noise)",

@@ -32,6 +32,7 @@ _JAX_REFUSED_CALLBACKS = ()
 SHELL_ENTRY_POINTS = (
     "NAME",  # "tensorflow" or "jax": the Keras backend it runs on
     "STEP_UNIT_CLASSES",  # (telemetry, divergence) classes for `StepState`
+    "BUILDS_BEFORE_FIT",  # whether `fit` builds the model before its train function
     "LOSS_SCALING",  # the loss scaling unit's class (`StepState.scaling`)
     "STATE_METHODS",  # Keras' trainer methods reading the state between batches
     "TAPE",  # whether gradients come from a tape watching a subset of variables

@@ -248,7 +248,7 @@ class _Attachment:
         if model.train_function is not None and not force:
             return model.train_function
         traced = []  # the step's train function, once made
-        if _backend.is_jax() or not _needs_build(model):
+        if _shell.BUILDS_BEFORE_FIT or not _needs_build(model):
             traced.append(self._step_train_function())
         self.used = True
 

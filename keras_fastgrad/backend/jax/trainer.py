@@ -28,6 +28,10 @@ STEP_UNIT_CLASSES = (StepTelemetry, DivergenceWatch)
 # The loss scaling unit's class (`StepState.scaling`).
 LOSS_SCALING = LossScaling
 
+# Whether a model is built before `fit` makes its train function (Keras'
+# JAX `fit` builds it before the callbacks attach).
+BUILDS_BEFORE_FIT = True
+
 NAME = "jax"
 # Keras' JAX trainer methods that read the model's state between batches
 # (a plain model's `fit` routes them to the step's: `models.adapt`).

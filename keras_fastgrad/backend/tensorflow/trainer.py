@@ -25,6 +25,11 @@ STEP_UNIT_CLASSES = (StepTelemetry, DivergenceWatch)
 # The loss scaling unit's class (`StepState.scaling`).
 LOSS_SCALING = LossScaling
 
+# Whether a model is built before `fit` makes its train function (Keras'
+# `fit` builds an unbuilt model in its first trace, after the callbacks
+# attached, without a distribution strategy).
+BUILDS_BEFORE_FIT = False
+
 NAME = "tensorflow"
 # Keras' trainer methods that read the model's state between batches, which
 # a plain model's `fit` must route to the step's (`models.adapt`): none.
