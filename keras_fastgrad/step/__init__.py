@@ -1,13 +1,16 @@
-"""The train step, one unit per module, in the order it runs them
-(`train_step.py` chains them, starting with `backward.py` and
-`verdict.py`; `state.py` holds what they keep, `state_files.py` writes it into files):
+"""The step's backend-neutral core: every decision of the train step,
+written once for both backends (`keras.ops`, typed records, no TensorFlow,
+no JAX). The shells (`keras_fastgrad.backend.tensorflow`,
+`keras_fastgrad.backend.jax`) run the step and call these rules:
 
-    forward (`forward.py`) -> weigh by the loss's normaliser (`weighting.py`;
-    micro-batches: `slicing.py`) -> unscale (`loss_scaling.py`) -> finite
-    check (`finite.py`) -> accumulate (`accumulation.py`; BatchNorm moments
-    pooled over the window: `batchnorm.py`; the noise scale measured:
-    `noise_scale.py`) -> adaptive clip (`adaptive_clipping.py`) -> clip
-    (`clipping.py`) ->
-    apply (`applying.py`, legal under `tf.distribute`: `replicas.py`) ->
-    record (`telemetry.py`, `divergence.py`)
+    weigh each micro-batch (`weighting.py`; micro-batches: `splitting.py`,
+    `slicing.py`) -> keep or drop it (`verdict.py`; the streak and the stop:
+    `divergence.py`) -> the loss scale (`loss_scaling.py`) -> the window
+    (`accumulation.py`; BatchNorm moments pooled over it: `batchnorm.py`;
+    the noise scale: `noise_scale.py`) -> adaptive clip
+    (`adaptive_clipping.py`) -> the update's check (`verdict.py`) -> record
+    (`telemetry.py`); several tasks merged: `multitask.py`.
+
+`state.py` holds what the units keep between steps (`options.py`: the
+options as they read them), `state_files.py` writes it into files.
 """

@@ -48,9 +48,17 @@ def accumulate_or_apply(model, slots, values, new, micro_batch):
     tv, ov = window_update(
         model, slots, (tv, ov), new, window, micro_batch.mean, do_window, not every_kept
     )
-    window = accumulation.emptied(window, lambda v: ops.where(complete, ops.zeros_like(v), v))
+    window = accumulation.emptied(window, lambda v: _emptied_where(complete, v))
     new.update(window._asdict())
     return tv, ov
+
+
+def _emptied_where(complete, value):
+    """`value` emptied where `complete`: a float's 0 as a scalar (broadcast
+    by `where`, no zeros of its shape), an integer count's in its dtype."""
+    if "float" in str(value.dtype):
+        return ops.where(complete, 0.0, value)
+    return ops.where(complete, ops.zeros_like(value), value)
 
 
 def _window(slots, ntv, new):
