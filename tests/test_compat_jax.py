@@ -36,7 +36,7 @@ def test_jit_cache_size_counts_compilations():
 def test_the_tensorflow_bridge_is_asked_for_by_name_on_jax():
     # `keras_fastgrad._compat` imports it on TensorFlow only; on JAX a name
     # of it is looked up when asked for (TensorFlow itself never imported:
-    # tests/jax_backend/test_jax_without_tensorflow.py).
+    # tests/test_without_tensorflow_jax.py).
     from keras_fastgrad._compat import tensorflow as tensorflow_bridge
 
     assert not set(compat._TENSORFLOW_NAMES) & set(vars(compat))

@@ -206,7 +206,7 @@ np.save({path!r} + ".npy", np.stack([bn.moving_mean.numpy(), bn.moving_variance.
 
 
 # Not `slow`: the JAX stage of CI runs the fast tier only, where a slow
-# (full-tier) test of tests/jax_backend would never run.
+# (full-tier) test of a JAX-only file would never run.
 @pytest.mark.needs_tensorflow(reason="the file is saved by a TensorFlow process")
 def test_a_window_pending_on_tensorflow_resumes_on_jax(tmp_path):
     path = str(tmp_path / "tf.keras")
