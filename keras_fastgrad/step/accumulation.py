@@ -170,7 +170,7 @@ def counted(keep, cast):
     return cast(keep)
 
 
-def added(window, micro_batch, where=ops.where):
+def added(window, micro_batch, where=None):
     """The window with `micro_batch` added, on values: its weighted
     gradients to the sums and its `D_j` to the normaliser when kept, the
     included count, and one micro-step either way.
@@ -192,6 +192,7 @@ def added(window, micro_batch, where=ops.where):
     >>> keras.ops.convert_to_numpy(window.sums[0]).tolist(), window[1:]
     ([4.0, 2.0], (2.0, 1, 1))
     """
+    where = ops.where if where is None else where
     keep = micro_batch.keep
     dtype = getattr(window.included, "dtype", "int32")
     return WindowState(
@@ -249,7 +250,7 @@ def applies(complete, included, every_kept):
     return complete & has_samples(included)
 
 
-def window_gradient(sums, normaliser, mean, divide_no_nan=ops.divide_no_nan):
+def window_gradient(sums, normaliser, mean, divide_no_nan=None):
     """The window's gradient: `sum_j D_j g_j / sum_j D_j`, or the sums
     themselves when not `mean` (a `"sum"` loss). A normaliser of 0 gives 0,
     as Keras' `divide_no_nan` reduction does on the big batch.
@@ -270,7 +271,7 @@ def window_gradient(sums, normaliser, mean, divide_no_nan=ops.divide_no_nan):
     """
     if not mean:
         return sums
-    inverse = divide_no_nan(1.0, normaliser)
+    inverse = (divide_no_nan or ops.divide_no_nan)(1.0, normaliser)
     return [None if g is None else g * inverse for g in sums]
 
 

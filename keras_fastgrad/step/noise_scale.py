@@ -268,8 +268,8 @@ def after_window(state, big_sq, done=None):
     return Estimates(window, *emas, state.decay)
 
 
-def logs(ema_grad_sq, ema_trace, ema_weight, keys=KEYS):
-    """The `gns_*` keys among `keys`: `gns_grad_sq`, `gns_trace` (the
+def logs(ema_grad_sq, ema_trace, ema_weight, keys=None):
+    """The `gns_*` keys among `keys` (`None`: all): `gns_grad_sq`, `gns_trace` (the
     bias-corrected EMAs) and `gns_simple` (their ratio); NaN before the
     first estimate.
 
@@ -280,7 +280,7 @@ def logs(ema_grad_sq, ema_trace, ema_weight, keys=KEYS):
     {'gns_simple': 2.0, 'gns_grad_sq': 4.0, 'gns_trace': 8.0}
     """
     values = dict(zip(KEYS, maths.logs(ema_grad_sq, ema_trace, ema_weight)))
-    return {k: v for k, v in values.items() if k in keys}
+    return {k: v for k, v in values.items() if k in (KEYS if keys is None else keys)}
 
 
 class NoiseScale:

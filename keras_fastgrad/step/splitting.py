@@ -67,14 +67,15 @@ class SlicePlan(typing.NamedTuple):
     small: typing.Any
     big: typing.Any
 
-    def start(self, i, minimum=min):
-        """The first row of slice `i`."""
-        return i * self.small + minimum(i, self.big)
+    def start(self, i, minimum=None):
+        """The first row of slice `i` (`minimum`: the backend's, Python's
+        `min` by default)."""
+        return i * self.small + (minimum or min)(i, self.big)
 
-    def rows(self, i, indicator=int):
+    def rows(self, i, indicator=None):
         """The rows of slice `i`: `indicator(i < big)` is 1 or 0 (`int`, or
         a cast to the index's integer dtype for a traced `i`)."""
-        return self.small + indicator(i < self.big)
+        return self.small + (indicator or int)(i < self.big)
 
     def groups(self):
         """`[SliceGroup]`: the `big` slices of `small + 1` rows, then the
@@ -85,7 +86,7 @@ class SlicePlan(typing.NamedTuple):
         ]
 
 
-def plan(n, slices, minimum=min, maximum=max):
+def plan(n, slices, minimum=None, maximum=None):
     """The `SlicePlan` of a batch of `n` rows split `slices` ways.
 
     Args:
@@ -100,7 +101,7 @@ def plan(n, slices, minimum=min, maximum=max):
     >>> [plan(22, 3).start(i) for i in range(3)], plan(22, 3).rows(2)
     ([0, 8, 15], 7)
     """
-    count = maximum(minimum(n, slices), 1)
+    count = (maximum or max)((minimum or min)(n, slices), 1)
     return SlicePlan(n, count, n // count, n % count)
 
 
