@@ -111,24 +111,11 @@ def _modules(folders):
     return sorted(p for folder in folders for p in (REPO / folder).rglob("*.py"))
 
 
-def _imports(tree):
-    """Every module name an import statement of `tree` names (function-level
-    imports too)."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
-
-
 def backend_imports(source):
     """The backend or shell modules `source` imports (sorted)."""
     return sorted(
         name
-        for name in _imports(ast.parse(source))
+        for name in _step_lines().imported(source)  # (every import, function-level too)
         if any(name == b or name.startswith(b + ".") for b in BACKEND_MODULES)
     )
 
