@@ -11,8 +11,11 @@ TensorFlow when any of its import statements (top-level or in a function)
 names `tensorflow`, `keras_fastgrad._tf_startup`, the TensorFlow shell
 (`keras_fastgrad.backend.tensorflow`) or `keras_fastgrad._compat.tensorflow`;
 JAX when one names `jax`, the JAX shell or `keras_fastgrad._compat.jax`;
-neither makes it backend-neutral. Prints the share of each and the
-lines of each shell (`backend/tensorflow/`, `backend/jax/`).
+neither makes it backend-neutral. Prints the share of each, the
+lines of each shell (`backend/tensorflow/`, `backend/jax/`), and the stricter
+share of backend-neutral code outside the shells' folders (a shell module
+written only with `keras.ops` imports neither backend, yet only its shell
+calls it).
 """
 
 import argparse
@@ -104,6 +107,14 @@ def shell_lines(rows, shell):
     return sum(lines for path, _, lines in rows if path.startswith(prefix))
 
 
+def neutral_outside_shells(rows):
+    """Backend-neutral code lines that are not under a shell's folder."""
+    shells = tuple(f"keras_fastgrad/backend/{shell}/" for shell in ("tensorflow", "jax"))
+    return sum(
+        lines for path, kind, lines in rows if kind == "neither" and not path.startswith(shells)
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", action="store_true", help="print every module's row")
@@ -117,6 +128,8 @@ def main(argv=None):
         print(f"{kind:10s} {totals[kind]:5d} lines  {totals[kind] / total:6.1%}")
     print(f"{'total':10s} {total:5d} lines")
     print(f"backend-neutral share: {totals['neither'] / total:.1%}")
+    outside = neutral_outside_shells(rows)
+    print(f"backend-neutral outside the shells' folders: {outside} lines, {outside / total:.1%}")
     for shell in ("tensorflow", "jax"):
         print(f"shell backend/{shell}/: {shell_lines(rows, shell)} lines")
     return 0
