@@ -74,6 +74,8 @@ from typing import Any, NamedTuple
 import keras
 from keras import ops
 
+from keras_fastgrad.maths import finite
+from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step import noise_scale
 
 LOG_KEYS = (
@@ -137,6 +139,36 @@ def locates_nonfinite(keys):
     """Whether a dropped micro-batch's location (`LOCATION_KEYS`) is worked
     out: only while one of those keys is requested (`keys`)."""
     return bool(set(keys) & set(LOCATION_KEYS))
+
+
+def location(keys, marks, with_loss=True):
+    """Where a dropped micro-batch went bad, `(first_bad, num_bad)`
+    (`finite.summarize`), worked out only while a `LOCATION_KEYS` key is
+    requested; `(None, None)` otherwise (`dropped` then leaves the latest
+    location as it was).
+
+    Args:
+        keys: The requested keys (a set).
+        marks: The micro-batch's `maths.finite.marks` vector, or a callable
+            returning it (called only while a key asks); `None` (no
+            gradient, no loss: nothing to point at) gives `(-1, 0)`.
+        with_loss: Python bool, whether the vector's last entry is the
+            loss's.
+
+    Example:
+
+    >>> first, num = location({"nonfinite_first_index"}, keras.ops.array([1.0, float("nan")]), False)
+    >>> int(first), int(num)
+    (1, 1)
+    >>> location({"updates"}, lambda: 1 / 0)
+    (None, None)
+    """
+    if not locates_nonfinite(keys):
+        return None, None
+    marks = marks() if callable(marks) else marks
+    if marks is None:
+        return -1.0, 0.0
+    return finite.summarize(marks, with_loss=with_loss)
 
 
 class Counters(NamedTuple):
@@ -287,9 +319,10 @@ def measures_after(old, measured, entered, applied):
     }
 
 
-def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None):
-    """The log dict of the fixed keys (`LOG_KEYS` order), then the optional
-    keys', float32 scalars.
+def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None, noise=None):
+    """The step's telemetry log dict, float32 scalars: the fixed keys
+    (`LOG_KEYS` order), then the optional keys', then the noise scale's
+    (`noise_scale.logs`).
 
     Args:
         counters: `Counters` of values or of the variables holding them.
@@ -300,6 +333,9 @@ def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None
             those are read.
         optional: `(key, value or variable)` pairs of the optional keys.
         read: How the shell reads one of them (default: a float32 cast).
+        noise: Optional `noise_scale.Estimates` (values or the variables);
+            its moving averages are read only while a `gns_*` key is
+            wanted.
 
     Example:
 
@@ -323,6 +359,9 @@ def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None
         else:
             out[key] = read(getattr(counters, key))
     out.update({key: read(value) for key, value in optional if wanted(key)})
+    if noise is not None and any(wanted(key) for key in noise_scale.KEYS):
+        emas = (noise.ema_grad_sq, noise.ema_trace, noise.ema_weight)
+        out.update(noise_scale.logs(*(read(v) for v in emas), keys=keys))
     return out
 
 
@@ -381,6 +420,41 @@ class StepTelemetry:
             if variable is not None:
                 pairs.append((key, variable))
         return pairs
+
+    def measured_keys(self, clip_adaptive):
+        """The optional keys an update measures, in the logs' order
+        (`agc_clipped_fraction` only with `clip_adaptive`, the option:
+        `None` is off)."""
+        keys = [key for key, _ in self.optional_variables()]
+        return [k for k in keys if clip_adaptive is not None or k != AGC_CLIPPED_FRACTION]
+
+    def measure(self, grads=None, before=None, after=None, agc_fraction=None, total=None):
+        """The optional keys' values for one update, `{key: float32
+        scalar}`, of the keys requested (variables built) that the
+        arguments give: `grad_norm/<layer>` of `grads` (the update's
+        gradient after adaptive clipping, before `clip_norm`, dense: a
+        sparse one's rows summed by the caller), `update_ratio` of the
+        weights `before` and `after` it (`total`: as in
+        `maths.telemetry.update_ratio`), `agc_clipped_fraction`
+        (`agc_fraction`, float32 scalar). Where the shell keeps them:
+        `measures_after`.
+
+        Example:
+
+        >>> t = StepTelemetry()
+        >>> t.build(["d/kernel", "d/bias"], ["grad_norm/d", "update_ratio"])
+        >>> out = t.measure([keras.ops.array([3.0]), keras.ops.array([4.0])])
+        >>> {k: float(v) for k, v in out.items()}
+        {'grad_norm/d': 5.0}
+        """
+        out = {}
+        if grads is not None and self.layer_norms:
+            out.update(maths.layer_norms(grads, self.layer_of_variable, self.layer_norms))
+        if before is not None and self.update_ratio is not None:
+            out[UPDATE_RATIO] = maths.update_ratio(before, after, total=total)
+        if agc_fraction is not None and self.agc_clipped_fraction is not None:
+            out[AGC_CLIPPED_FRACTION] = agc_fraction
+        return out
 
     def record_adaptive_clipping(self, fraction):
         """The fraction of units adaptive clipping clipped (update branch)."""

@@ -141,6 +141,56 @@ def test_logs_in_log_keys_order_only_the_wanted():
     assert list(some) == ["updates", "tape_variables"]
 
 
+def test_logs_end_with_the_noise_scales_keys_when_wanted():
+    from keras_fastgrad.step import noise_scale
+
+    # EMAs 2 and 4 with weight 0.5: |G|^2 = 4, tr(Sigma) = 8, B_simple = 2
+    noise = noise_scale.Estimates(None, 2.0, 4.0, keras.ops.convert_to_tensor(0.5), 0.99)
+    logs = core.logs(core.INITIAL, 1.0, 2, keys={"updates", "gns_simple"}, noise=noise)
+    assert {k: float(keras.ops.convert_to_numpy(v)) for k, v in logs.items()} == {
+        "updates": 0.0,
+        "gns_simple": 2.0,
+    }
+    every = core.logs(core.INITIAL, 1.0, 2, noise=noise)
+    assert list(every) == list(core.LOG_KEYS) + ["gns_simple", "gns_grad_sq", "gns_trace"]
+    assert list(core.logs(core.INITIAL, 1.0, 2, keys={"updates"}, noise=noise)) == ["updates"]
+
+
+def test_location_only_while_a_key_asks():
+    nan, inf = float("nan"), float("inf")
+    marks = keras.ops.convert_to_tensor([1.0, nan, inf, nan])  # the last entry: the loss
+
+    def never():
+        raise AssertionError("the marks are read only while a location key is asked")
+
+    assert core.location({"updates", "nonfinite_count"}, never) == (None, None)
+    first, num = core.location({"nonfinite_num_variables"}, lambda: marks)
+    assert (int(first), int(num)) == (1, 2)  # the loss is not a gradient
+    first, num = core.location({"nonfinite_first_index"}, marks, with_loss=False)
+    assert (int(first), int(num)) == (1, 3)
+    first, num = core.location({"nonfinite_first_index"}, lambda: None)  # no gradient
+    assert (float(first), float(num)) == (-1.0, 0.0)
+
+
+def test_an_update_measures_the_requested_keys():
+    telemetry = core.StepTelemetry()
+    telemetry.build(["d/kernel", "d/bias", "e/kernel"], ["grad_norm/d", core.UPDATE_RATIO])
+    grads = [keras.ops.convert_to_tensor(v) for v in ([3.0], [4.0], [12.0])]
+    before = [keras.ops.convert_to_tensor(v) for v in ([3.0, 4.0], [0.0], [0.0])]
+    after = [keras.ops.convert_to_tensor(v) for v in ([3.0, 4.5], [0.0], [0.0])]
+
+    def floats(out):
+        return {k: round(float(keras.ops.convert_to_numpy(v)), 6) for k, v in out.items()}
+
+    # grad_norm/d = |(3, 4)| = 5 (e not requested); ratio = 0.5 / |(3, 4)| = 0.1
+    assert floats(telemetry.measure(grads, before, after, agc_fraction=0.5)) == {
+        "grad_norm/d": 5.0,
+        "update_ratio": 0.1,
+    }
+    assert floats(telemetry.measure(grads)) == {"grad_norm/d": 5.0}
+    assert telemetry.measured_keys(clip_adaptive=None) == ["grad_norm/d", "update_ratio"]
+
+
 def test_measures_after_an_update_branch():
     old = {"update_ratio": 0.5, "grad_norm/d": 1.0}
     new = {"update_ratio": 0.1, "grad_norm/d": 3.0}

@@ -29,16 +29,11 @@ from keras import ops
 
 from keras_fastgrad.backend.jax import noise_scale as jax_noise_scale
 from keras_fastgrad.maths import finite
-from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step import divergence
 from keras_fastgrad.step import telemetry as core
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
-from keras_fastgrad.step.telemetry import (
-    AGC_CLIPPED_FRACTION,
-    LOG_KEYS,
-    UPDATE_RATIO,
-)
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
 
 COUNT_KEYS = core.COUNT_KEYS  # (`jax_agc.counted` reads it here)
 
@@ -77,14 +72,10 @@ def requested(model):
 
 
 def _location(model, grads):
-    """`(first, num)`: the index of the first non-finite gradient (-1 when
-    only the loss, or a clip factor, was) and how many were; `(None,
-    None)` unless a key asks."""
-    if not core.locates_nonfinite(requested(model)):
-        return None, None
-    if grads:  # (TensorFlow's `summarize` of its marks: a sum that overflows counts)
-        return finite.summarize(finite.marks(grads), with_loss=False)
-    return ops.zeros((), "float32"), -1.0
+    """`core.location` of a micro-batch's gradients (their marks: a
+    gradient whose sum overflows counts, as on TensorFlow)."""
+    marks = lambda: finite.marks(grads) if grads else None  # noqa: E731
+    return core.location(requested(model), marks, with_loss=False)
 
 
 def record_drop(model, new, grads, dropped, failed):
@@ -110,10 +101,15 @@ def record_update(new, applied, norm, was_clipped):
     new["streak"] = divergence.streak_after(new["streak"], failed=False, applied=applied)
 
 
-def record_dropped_update(new, dropped):
-    """A finite micro-batch (or window) whose update overflowed, dropped
-    where `dropped` (boolean scalar): counted, and a failure."""
-    _change(new, core.dropped_update(), dropped)
+def record_dropped_update(new, dropped, counted=None):
+    """A finite micro-batch (or window) whose update overflowed, or that
+    AGC's check refused, dropped where `dropped` (boolean scalar): counted,
+    and a failure. `counted` (boolean scalar, or `None`) marks an update
+    already counted as a non-finite micro-batch at its verdict
+    (`adaptive_clipping.counted_at_verdict`): not counted again, still a
+    failure."""
+    fresh = dropped if counted is None else dropped & ~counted
+    _change(new, core.dropped_update(), fresh)
     new["streak"] = divergence.streak_after(new["streak"], failed=dropped)
 
 
@@ -172,37 +168,18 @@ def optional_variables(telemetry):
 
 
 def measured_keys(model):
-    """The optional keys the step measures (`agc_clipped_fraction` only
-    with `clip_adaptive`)."""
-    keys = [k for k, _ in optional_variables(model.fastgrad_step_state.telemetry)]
-    if model.fastgrad_step_state.options.clip_adaptive is None:
-        keys = [k for k in keys if k != AGC_CLIPPED_FRACTION]
-    return keys
+    """`StepTelemetry.measured_keys` of the model's step."""
+    state = model.fastgrad_step_state
+    return state.telemetry.measured_keys(state.options.clip_adaptive)
 
 
 def measure(model, grads, before, after, counted):
-    """`{key: float32 scalar}`: the optional keys' values for one update
-    (`{}` when none is requested).
-
-    Args:
-        model: The `FastGradModel`.
-        grads: The update's gradient after adaptive clipping, before
-            `clip_norm` (in `model.trainable_variables`' order).
-        before: The trainable values before the update.
-        after: The trainable values after it.
-        counted: The dict `jax_agc.clip` filled (AGC's clipped fraction).
-    """
-    keys = measured_keys(model)
-    layers = [k for k in keys if k not in (UPDATE_RATIO, AGC_CLIPPED_FRACTION)]
-    out = {}
-    if layers:
-        layer_of = model.fastgrad_step_state.telemetry.layer_of_variable
-        out.update(maths.layer_norms(grads, layer_of, layers))
-    if UPDATE_RATIO in keys:
-        out[UPDATE_RATIO] = maths.update_ratio(before, after)
-    if AGC_CLIPPED_FRACTION in keys:
-        out[AGC_CLIPPED_FRACTION] = counted[AGC_CLIPPED_FRACTION]
-    return out
+    """`StepTelemetry.measure` of one update: `grads` its gradient after
+    adaptive clipping, before `clip_norm`; `before`, `after` the trainable
+    values; `counted` the dict `jax_agc.clip` filled (AGC's clipped
+    fraction). `{}` when no optional key is requested."""
+    telemetry = model.fastgrad_step_state.telemetry
+    return telemetry.measure(grads, before, after, counted.get(AGC_CLIPPED_FRACTION))
 
 
 def unmeasured(model):
@@ -217,11 +194,9 @@ def record_measures(new, measures, entered, applied):
 
 def logs(model, slots, new, ov, num_trainable):
     """The requested keys' values (float32 scalars,
-    `keras_fastgrad.step.telemetry.logs`), then the noise scale's
-    (`jax_noise_scale`)."""
+    `keras_fastgrad.step.telemetry.logs`), the noise scale's included."""
     keys = model.fastgrad_step_state.log_keys
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else 1.0
     measured = [(k, new[k]) for k in measured_keys(model)]
-    out = core.logs(_counters(new), scale, num_trainable, keys, measured)
-    out.update(jax_noise_scale.logs(model, new, keys))
-    return out
+    noise = jax_noise_scale.estimates(model, new)
+    return core.logs(_counters(new), scale, num_trainable, keys, measured, noise=noise)

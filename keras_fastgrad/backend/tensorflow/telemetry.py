@@ -1,14 +1,14 @@
 """The step's telemetry on TensorFlow: the counters' changes
 (`keras_fastgrad.step.telemetry`'s rules) written into their variables
 inside the branch that decided them, a count as one `AssignAddVariableOp`
-(`step.variables.increment`); sparse gradients' rows summed before the
-per-layer norms; `update_ratio`'s sums as `AddN`s.
+(`step.variables.increment`); the optional keys' values
+(`StepTelemetry.measure`) assigned, sparse gradients' rows summed before
+the per-layer norms, `update_ratio`'s sums as `AddN`s.
 """
 
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow.gradients import summed_rows
 from keras_fastgrad.backend.tensorflow.variables import increment
-from keras_fastgrad.maths import telemetry as maths
 from keras_fastgrad.step import telemetry as core
 
 
@@ -54,13 +54,9 @@ class StepTelemetry(core.StepTelemetry):
 
     def record_layer_norms(self, grads):
         """Per-layer norms of the update's gradient (before clipping;
-        `keras_fastgrad.maths.telemetry`), a sparse gradient's rows summed."""
-        if not self.layer_norms:
-            return
-        grads = [None if g is None else summed_rows(g) for g in grads]
-        norms = maths.layer_norms(grads, self.layer_of_variable, self.layer_norms)
-        for layer, variable in self.layer_norms.items():
-            variable.assign(norms[layer])
+        `core.StepTelemetry.measure`), a sparse gradient's rows summed."""
+        if self.layer_norms:
+            self._assign(self.measure([None if g is None else summed_rows(g) for g in grads]))
 
     def snapshot(self, variables):
         """float32 copies of the weights before an update, if needed."""
@@ -69,13 +65,18 @@ class StepTelemetry(core.StepTelemetry):
         return [tf.identity(tf.cast(v.value, tf.float32)) for v in variables]
 
     def record_update_ratio(self, before, variables):
-        """`maths.telemetry.update_ratio` of the update (inside its branch),
-        its sums as `AddN`s."""
-        if self.update_ratio is not None:
+        """`update_ratio` of the update (inside its branch,
+        `core.StepTelemetry.measure`), its sums as `AddN`s."""
+        if before is not None:
             after = [v.value for v in variables]
-            self.update_ratio.assign(maths.update_ratio(before, after, total=tf.add_n))
+            self._assign(self.measure(before=before, after=after, total=tf.add_n))
 
-    def logs(self, loss_scale, tape_variables, keys=None):
+    def _assign(self, measured):
+        variables = dict(self.optional_variables())
+        for key, value in measured.items():
+            variables[key].assign(value)
+
+    def logs(self, loss_scale, tape_variables, keys=None, noise=None):
         """The log dict (`keras_fastgrad.step.telemetry.logs`), each wanted
         variable read once (one `ReadVariableOp`).
 
@@ -83,6 +84,7 @@ class StepTelemetry(core.StepTelemetry):
             loss_scale: float32 scalar, the current loss scale.
             tape_variables: Python int, the watched variables' number.
             keys: Optional set of keys: only those are read; `None`: every key.
+            noise: Optional `NoiseScale` (its `gns_*` keys).
         """
         return core.logs(
             self.counters(),
@@ -91,4 +93,5 @@ class StepTelemetry(core.StepTelemetry):
             keys,
             self.optional_variables(),
             read=lambda variable: tf.convert_to_tensor(variable.value),
+            noise=None if noise is None else noise.state(),
         )

@@ -185,9 +185,8 @@ def apply_partial_window(model):
             jit_compile=bool(model.jit_compile),
         )
     state.flush_function()
-    logs = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables or 0)
-    if state.noise_scale is not None:  # the partial window's estimate
-        logs.update(state.noise_scale.logs())
+    scale = state.scaling.current_scale()  # (and the partial window's noise scale)
+    logs = state.telemetry.logs(scale, state.tape_variables or 0, noise=state.noise_scale)
     return {k: float(v) for k, v in logs.items()}
 
 
@@ -337,12 +336,10 @@ def with_telemetry(state, logs):
     state.telemetry_names = ()
     if state.log_keys:
         measured = state.telemetry.logs(
-            state.scaling.current_scale(), state.tape_variables, keys=state.log_keys
+            state.scaling.current_scale(), state.tape_variables, state.log_keys, state.noise_scale
         )
         if state.merger is not None:  # task keys, from the Gram matrix
             measured.update(state.merger.logs())
-        if state.noise_scale is not None:
-            measured.update(tf_noise_scale.logs(state.noise_scale, state.log_keys))
         state.telemetry_names = tuple(measured)
         logs.update(measured)
     return for_keras_reduction(logs)

@@ -19,6 +19,7 @@ from keras_fastgrad.backend.tensorflow.replicas import (
     num_replicas,
     replica_sum,
 )
+from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.verdict import COUNT_KEYS, WHERE_KEYS, Verdict
 
@@ -127,10 +128,7 @@ def record_drop(state, marks, counts=None):
         counts: Boolean scalar, whether the drop counts towards the streak
             (`divergence.failed`, under loss scaling); `None`: it does.
     """
-    if state.log_keys & WHERE_KEYS:  # only read then (see `telemetry`)
-        state.telemetry.record_drop(*finite.summarize(marks() if callable(marks) else marks))
-    else:
-        state.telemetry.record_drop()
+    state.telemetry.record_drop(*telemetry_rules.location(state.log_keys, marks))
     if state.drops_nonfinite():
         state.divergence.record_drop(counts)
 
