@@ -88,7 +88,9 @@ RULES = {
         (
             "keras_fastgrad.step.telemetry",
             ("LOG_KEYS", "Counters", "dropped", "dropped_update", "updated", "input_shape")
-            + ("measures_after", "counts_nonfinite", "locates_nonfinite", "location"),
+            + ("measures_after", "counts_nonfinite", "locates_nonfinite", "location")
+            + ("Change", "micro_batch_dropped", "update_applied", "update_dropped")
+            + ("counted_once", "apply_change"),
         ),
     ],
     "the multi-task merge": [

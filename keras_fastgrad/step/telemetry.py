@@ -61,12 +61,17 @@ How the counters change is written once, here, as pure rules over a
 `Counters` record (one value per saved counter): each rule returns the
 *change* it makes (`Counters` with `None` for a counter it leaves as it
 is; for a count, `True` or a boolean scalar: "one more where it holds";
-for a latest value, the new value), and `apply` gives the new values. The
-JAX shell (`keras_fastgrad.backend.jax.telemetry`) applies the changes to
-the values in Keras' state tuple; the TensorFlow shell
+for a latest value, the new value), and `apply` gives the new values.
+Each event of the step (`micro_batch_dropped`, `update_applied`,
+`update_dropped`) is a `Change`: the counters' change and the divergence
+streak's (`keras_fastgrad.step.divergence`). The JAX shell
+(`keras_fastgrad.backend.jax.telemetry`) applies them to the values in
+Keras' state tuple (`apply_change`); the TensorFlow shell
 (`keras_fastgrad.backend.tensorflow.telemetry`) writes them into the
 variables (a count as one `AssignAddVariableOp`) inside the branch that
-decided them. `logs` makes the log dict from the counters on both.
+decided them. `logs` makes the log dict (the noise scale's keys
+included) on both; `location` says where a dropped micro-batch went bad,
+`StepTelemetry.measure` what an update's optional keys hold.
 """
 
 from typing import Any, NamedTuple
@@ -76,7 +81,7 @@ from keras import ops
 
 from keras_fastgrad.maths import finite
 from keras_fastgrad.maths import telemetry as maths
-from keras_fastgrad.step import noise_scale
+from keras_fastgrad.step import divergence, noise_scale
 
 LOG_KEYS = (
     "grad_norm",
@@ -288,6 +293,94 @@ def apply(counters, change, where=True):
             value = ops.cast(value, "float32")
             new.append(value if where is True else ops.where(where, value, old))
     return Counters(*new)
+
+
+class Change(NamedTuple):
+    """What one event of the step changes in its counted state: a record
+    of deltas and new values, which each shell applies where its state
+    lives (`apply_change` on values; the TensorFlow shell's variables by
+    `assign_add` / `assign`).
+
+    Fields:
+        counters: `Counters` of the counters' changes (see `apply`).
+        failed: The divergence streak's change: one more failure where it
+            holds (`True`, or a boolean scalar within the event's `where`);
+            `False`: none (`divergence.streak_after`).
+        applied: The streak back to 0 where it holds (`True`: an applied
+            update); `None`: not reset.
+    """
+
+    counters: Counters = Counters()
+    failed: Any = False
+    applied: Any = None
+
+
+def micro_batch_dropped(first_bad=None, num_bad=None, failed=None, gated=True):
+    """A dropped (or, ungated, a non-finite) micro-batch: counted, located
+    (`location`; `None`: left as it was) and, where the step drops
+    (`gated`, a Python bool), a failure where `failed` holds (`None`:
+    always; a boolean scalar: `divergence.counts_as_failure`'s).
+    `skip_nonfinite=False` applies the micro-batch (`gated=False`): it is
+    counted while a `COUNT_KEYS` key asks, and is no failure.
+
+    Example:
+
+    >>> micro_batch_dropped(gated=False).failed, micro_batch_dropped().failed
+    (False, True)
+    """
+    if not gated:
+        failed = False
+    elif failed is None:
+        failed = True
+    return Change(dropped(first_bad, num_bad), failed)
+
+
+def update_applied(norm=None, was_clipped=None):
+    """An applied update (`updated`): counted, its norm and clipping
+    recorded, the streak reset."""
+    return Change(updated(norm, was_clipped), applied=True)
+
+
+def update_dropped():
+    """A finite micro-batch's (or window's) update that overflowed, or
+    that AGC's check refused (`dropped_update`): counted, and a failure."""
+    return Change(dropped_update(), failed=True)
+
+
+def counted_once(change):
+    """`(counters_only, streak_only)`: `change` in two parts, for an event
+    whose counters change only where it was not counted already (an
+    update refused by AGC after its micro-batches' verdict counted them:
+    `adaptive_clipping.counted_at_verdict`) while the streak changes
+    anyway."""
+    return change._replace(failed=False, applied=None), change._replace(counters=Counters())
+
+
+def apply_change(counters, streak, change, where=True):
+    """`(counters, streak)` after `change`, made where `where` holds.
+
+    Args:
+        counters: `Counters` of float32 values.
+        streak: float32 scalar, the divergence streak.
+        change: A `Change`.
+        where: Boolean scalar or `True`: whether the event happened.
+
+    Example:
+
+    >>> c, streak = apply_change(INITIAL, 2.0, update_dropped())
+    >>> float(c.nonfinite_count), float(streak)
+    (1.0, 3.0)
+    >>> c, streak = apply_change(c, streak, update_applied(), where=keras.ops.array(True))
+    >>> float(c.updates), float(streak)
+    (1.0, 0.0)
+    """
+
+    def at(value):  # `True`: where the event happened; else the caller's, within it
+        return where if value is True else value
+
+    counters = apply(counters, change.counters, where)
+    applied = None if change.applied is None else at(change.applied)
+    return counters, divergence.streak_after(streak, failed=at(change.failed), applied=applied)
 
 
 def measures_after(old, measured, entered, applied):

@@ -1,9 +1,9 @@
-"""The step's telemetry on Keras' JAX backend: the counters' and the
-divergence streak's rules (`keras_fastgrad.step.telemetry`,
-`keras_fastgrad.step.divergence`) applied to their values in Keras' state
-tuple (`jax_state.Slots`), inside the jitted step, where a traced branch
-cannot assign: each change is selected (`where`) by the boolean scalar
-that decided it.
+"""The step's telemetry on Keras' JAX backend: each event's change of the
+counters and the divergence streak (`keras_fastgrad.step.telemetry`'s
+`Change`) applied to their values in Keras' state tuple
+(`jax_state.Slots`) by `core.apply_change`, inside the jitted step, where a
+traced branch cannot assign: each change is selected (`where`) by the
+boolean scalar that decided it.
 
 What is JAX's own here: where a dropped micro-batch went bad is worked
 out from the gradient arrays (while `nonfinite_first_index` or
@@ -18,8 +18,9 @@ The optional keys (`keras_fastgrad.maths.telemetry`): `grad_norm/<layer>`
 and `agc_clipped_fraction` of the update's gradient (after adaptive
 clipping, before `clip_norm`) where its branch runs, `update_ratio` of an
 applied update only, as on TensorFlow; their variables ride in the state
-tuple with the step's others (not saved). The noise scale's keys come from
-`jax_noise_scale`, the multi-task keys from the micro-batch's Gram matrix
+tuple with the step's others (not saved). The log dict is the core's
+(`core.logs`, the noise scale's keys included), the multi-task keys come
+from the micro-batch's Gram matrix
 (`keras_fastgrad.backend.jax.multitask`).
 """
 
@@ -29,7 +30,6 @@ from keras import ops
 
 from keras_fastgrad.backend.jax import noise_scale as jax_noise_scale
 from keras_fastgrad.maths import finite
-from keras_fastgrad.step import divergence
 from keras_fastgrad.step import telemetry as core
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
@@ -55,13 +55,13 @@ def _counters(new):
     return core.Counters(*(new[slot] for slot in _SLOT))
 
 
-def _change(new, change, where=True):
-    """`core.apply` of a rule's `change` to the values in `new`."""
-    for slot, before, after in zip(
-        _SLOT, _counters(new), core.apply(_counters(new), change, where)
-    ):
-        if after is not before:
-            new[slot] = after
+def _record(new, change, where=True):
+    """`core.apply_change` of `change` (a `core.Change`) to the values in `new`."""
+    before = _counters(new)
+    after, new["streak"] = core.apply_change(before, new["streak"], change, where)
+    for slot, old, value in zip(_SLOT, before, after):
+        if value is not old:
+            new[slot] = value
 
 
 def requested(model):
@@ -78,12 +78,11 @@ def _location(model, grads):
     return core.location(requested(model), marks, with_loss=False)
 
 
-def record_drop(model, new, grads, dropped, failed):
+def record_drop(model, new, grads, dropped, failed, gated=True):
     """A micro-batch dropped where `dropped` (boolean scalar): counted, with
-    where it went bad while a key asks, and towards the divergence streak
-    where `failed` (boolean scalar; `False`: never)."""
-    _change(new, core.dropped(*_location(model, grads)), dropped)
-    new["streak"] = divergence.streak_after(new["streak"], failed=failed)
+    where it went bad while a key asks, and a failure where `failed`
+    (boolean scalar) holds (`core.micro_batch_dropped`)."""
+    _record(new, core.micro_batch_dropped(*_location(model, grads), failed, gated), dropped)
 
 
 def record_ungated(model, new, grads, finite):
@@ -91,14 +90,13 @@ def record_ungated(model, new, grads, finite):
     micro-batch is applied, and counted (with its location) only while a
     `nonfinite_*` key is requested, as on TensorFlow."""
     if core.counts_nonfinite(False, requested(model)):
-        record_drop(model, new, grads, ~finite, failed=False)
+        record_drop(model, new, grads, ~finite, None, gated=False)
 
 
 def record_update(new, applied, norm, was_clipped):
     """An update applied where `applied` (boolean scalar): counted, its
     norm (`None`: not measured) and clipping recorded, the streak reset."""
-    _change(new, core.updated(norm, was_clipped), applied)
-    new["streak"] = divergence.streak_after(new["streak"], failed=False, applied=applied)
+    _record(new, core.update_applied(norm, was_clipped), applied)
 
 
 def record_dropped_update(new, dropped, counted=None):
@@ -106,11 +104,12 @@ def record_dropped_update(new, dropped, counted=None):
     AGC's check refused, dropped where `dropped` (boolean scalar): counted,
     and a failure. `counted` (boolean scalar, or `None`) marks an update
     already counted as a non-finite micro-batch at its verdict
-    (`adaptive_clipping.counted_at_verdict`): not counted again, still a
-    failure."""
-    fresh = dropped if counted is None else dropped & ~counted
-    _change(new, core.dropped_update(), fresh)
-    new["streak"] = divergence.streak_after(new["streak"], failed=dropped)
+    (`core.counted_once`): not counted again, still a failure."""
+    change = core.update_dropped()
+    if counted is not None:
+        counters_only, change = core.counted_once(change)
+        _record(new, counters_only, dropped & ~counted)
+    _record(new, change, dropped)
 
 
 def record_trace_facts(model, state, x, y, sample_weight):
@@ -159,7 +158,7 @@ def record_input_shape(model, new, x):
         return
     first = first_input(x)
     rows, size = float(first.shape[0]), float(math.prod(first.shape))
-    _change(new, core.input_shape(new["last_batch"], new["last_size"], rows, size))
+    _record(new, core.Change(core.input_shape(new["last_batch"], new["last_size"], rows, size)))
 
 
 def optional_variables(telemetry):

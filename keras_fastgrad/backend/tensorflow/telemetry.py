@@ -1,6 +1,7 @@
-"""The step's telemetry on TensorFlow: the counters' changes
-(`keras_fastgrad.step.telemetry`'s rules) written into their variables
-inside the branch that decided them, a count as one `AssignAddVariableOp`
+"""The step's telemetry on TensorFlow: the counters' and the divergence
+streak's changes (`keras_fastgrad.step.telemetry`'s `Change` of each
+event) written into their variables inside the branch that decided them,
+a count as one `AssignAddVariableOp`
 (`step.variables.increment`); the optional keys' values
 (`StepTelemetry.measure`) assigned, sparse gradients' rows summed before
 the per-layer norms, `update_ratio`'s sums as `AddN`s.
@@ -9,6 +10,7 @@ the per-layer norms, `update_ratio`'s sums as `AddN`s.
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow.gradients import summed_rows
 from keras_fastgrad.backend.tensorflow.variables import increment
+from keras_fastgrad.step import divergence
 from keras_fastgrad.step import telemetry as core
 
 
@@ -25,23 +27,25 @@ def write(counters, change):
             variable.assign(tf.cast(value, tf.float32))
 
 
+def record(state, change):
+    """Writes a `core.Change` (one event of the step) inside the branch
+    that decided it: the counters into `state.telemetry`'s variables
+    (`write`), the divergence streak into `state.divergence`'s (a failure
+    as one `AssignAddVariableOp`, an applied update's reset as an
+    `Assign`)."""
+    write(state.telemetry.counters(), change.counters)
+    streak = state.divergence.streak
+    if change.failed is not False:
+        increment(streak, divergence.failure(change.failed))
+    if change.applied is not None:  # (`True`: the reset, with no read)
+        now = None if change.applied is True else tf.convert_to_tensor(streak.value)
+        streak.assign(divergence.streak_after(now, failed=False, applied=change.applied))
+
+
 class StepTelemetry(core.StepTelemetry):
     """`keras_fastgrad.step.telemetry.StepTelemetry` with the TensorFlow
-    step's writes (each inside the branch it records; checked in
-    `tests/step/test_telemetry_rules.py`)."""
-
-    def record_drop(self, first_bad=None, num_bad=None):
-        """Counts a dropped micro-batch and, when given, where it went bad."""
-        write(self.counters(), core.dropped(first_bad, num_bad))
-
-    def record_dropped_update(self):
-        """A window (or replica sum) of finite gradients that overflowed
-        was dropped at its update."""
-        write(self.counters(), core.dropped_update())
-
-    def record_update(self, norm, was_clipped):
-        """Records one optimizer update (inside the update branch)."""
-        write(self.counters(), core.updated(norm, was_clipped))
+    step's writes of the measured values (each inside the branch it
+    records; the events' changes: `record`)."""
 
     def record_input_shape(self, first_input):
         """Counts a micro-batch whose first input's shape (its rows or

@@ -13,6 +13,7 @@ from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
 from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
+from keras_fastgrad.backend.tensorflow import telemetry as tf_telemetry
 from keras_fastgrad.backend.tensorflow.clipping import fits_clip, scaled_norm
 from keras_fastgrad.backend.tensorflow.replicas import (
     distributed,
@@ -128,9 +129,9 @@ def record_drop(state, marks, counts=None):
         counts: Boolean scalar, whether the drop counts towards the streak
             (`divergence.failed`, under loss scaling); `None`: it does.
     """
-    state.telemetry.record_drop(*telemetry_rules.location(state.log_keys, marks))
-    if state.drops_nonfinite():
-        state.divergence.record_drop(counts)
+    where = telemetry_rules.location(state.log_keys, marks)
+    change = telemetry_rules.micro_batch_dropped(*where, counts, state.drops_nonfinite())
+    tf_telemetry.record(state, change)
 
 
 def single_cond(state):
