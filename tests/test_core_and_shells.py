@@ -78,14 +78,19 @@ RULES = {
         ("keras_fastgrad.maths.batchnorm", ("pooled", "momentum_step")),
     ],
     "the noise-scale estimators": [
-        ("keras_fastgrad.step.noise_scale", ("Estimates", "after_window", "measurable")),
+        (
+            "keras_fastgrad.step.noise_scale",
+            ("Estimates", "after_window", "measurable", "small_batch_of"),
+        ),
         ("keras_fastgrad.maths.noise_scale", ("estimate", "window_estimate", "moving_averages")),
     ],
     "the telemetry counters and keys": [
         (
             "keras_fastgrad.step.telemetry",
             ("LOG_KEYS", "Counters", "dropped", "dropped_update", "updated", "input_shape")
-            + ("measures_after", "counts_nonfinite", "locates_nonfinite"),
+            + ("measures_after", "counts_nonfinite", "locates_nonfinite", "location")
+            + ("Change", "micro_batch_dropped", "update_applied", "update_dropped")
+            + ("counted_once", "apply_change"),
         ),
     ],
     "the multi-task merge": [

@@ -19,10 +19,10 @@ optax's `apply_if_finite(max_consecutive_errors)`:
   streak reaches the limit (read asynchronously, at no cost to the step).
 
 The rules (`counts_as_failure`, `streak_after`, `loss_result`, `diverged`)
-are written once, here, in `keras.ops`; the TensorFlow shell
-(`keras_fastgrad.backend.tensorflow.divergence`) writes the streak into its
-variable, the JAX shell (`keras_fastgrad.backend.jax.telemetry`) into the
-value in Keras' state tuple.
+are written once, here, in `keras.ops`; each event's change of the streak
+is `keras_fastgrad.step.telemetry`'s (`Change`), which the TensorFlow shell
+writes into the streak's variable, the JAX shell into its value in Keras'
+state tuple.
 """
 
 import math
@@ -100,7 +100,7 @@ def loss_result(mean, streak):
 
 class DivergenceWatch:
     """The step's failure streak, in a variable saved with the model (the
-    shells change it by `streak_after`).
+    shells change it by `keras_fastgrad.step.telemetry.Change`).
 
     Args:
         limit: Integer >= 1 or `None` (never stop).

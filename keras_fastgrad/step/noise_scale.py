@@ -195,6 +195,25 @@ def squared_norm(grads, sum_of_squares=None):
     return total
 
 
+def small_batch_of(grads, rows, normaliser, sum_of_squares=None):
+    """One small batch's measures from its gradients: `small_batch` of
+    their `squared_norm` (`sum_of_squares` as there).
+
+    Args:
+        grads: Its gradients times `normaliser` (as the step weights
+            them), unscaled (`None` entries left out).
+        rows: float32 scalar, its number of (real) rows `n`.
+        normaliser: float32 scalar, its loss normaliser `D`.
+
+    Example:
+
+    >>> m = small_batch_of([keras.ops.array([6.0, 8.0])], keras.ops.array(4.0), keras.ops.array(2.0))
+    >>> [float(v) for v in m]
+    [25.0, 0.25, 1.0, 1.0, 2.0]
+    """
+    return small_batch(squared_norm(grads, sum_of_squares), rows, normaliser)
+
+
 def weights_only(rows, normaliser):
     """A small batch's measures without its squared norm: only its weight
     (`D^2/n`, `D`) enters the window (`[0, 0, 0, D^2/n, D]`)."""
@@ -222,7 +241,7 @@ def slice_measure(cond, sum_of_squares=None):
     def measure(grads, rows, normaliser, index):
         return cond(
             index == 0,
-            lambda: small_batch(squared_norm(grads, sum_of_squares), rows, normaliser),
+            lambda: small_batch_of(grads, rows, normaliser, sum_of_squares),
             lambda: weights_only(rows, normaliser),
         )
 

@@ -61,12 +61,17 @@ How the counters change is written once, here, as pure rules over a
 `Counters` record (one value per saved counter): each rule returns the
 *change* it makes (`Counters` with `None` for a counter it leaves as it
 is; for a count, `True` or a boolean scalar: "one more where it holds";
-for a latest value, the new value), and `apply` gives the new values. The
-JAX shell (`keras_fastgrad.backend.jax.telemetry`) applies the changes to
-the values in Keras' state tuple; the TensorFlow shell
+for a latest value, the new value), and `apply` gives the new values.
+Each event of the step (`micro_batch_dropped`, `update_applied`,
+`update_dropped`) is a `Change`: the counters' change and the divergence
+streak's (`keras_fastgrad.step.divergence`). The JAX shell
+(`keras_fastgrad.backend.jax.telemetry`) applies them to the values in
+Keras' state tuple (`apply_change`); the TensorFlow shell
 (`keras_fastgrad.backend.tensorflow.telemetry`) writes them into the
 variables (a count as one `AssignAddVariableOp`) inside the branch that
-decided them. `logs` makes the log dict from the counters on both.
+decided them. `logs` makes the log dict (the noise scale's keys
+included) on both; `location` says where a dropped micro-batch went bad,
+`StepTelemetry.measure` what an update's optional keys hold.
 """
 
 from typing import Any, NamedTuple
@@ -74,7 +79,9 @@ from typing import Any, NamedTuple
 import keras
 from keras import ops
 
-from keras_fastgrad.step import noise_scale
+from keras_fastgrad.maths import finite
+from keras_fastgrad.maths import telemetry as maths
+from keras_fastgrad.step import divergence, noise_scale
 
 LOG_KEYS = (
     "grad_norm",
@@ -137,6 +144,36 @@ def locates_nonfinite(keys):
     """Whether a dropped micro-batch's location (`LOCATION_KEYS`) is worked
     out: only while one of those keys is requested (`keys`)."""
     return bool(set(keys) & set(LOCATION_KEYS))
+
+
+def location(keys, marks, with_loss=True):
+    """Where a dropped micro-batch went bad, `(first_bad, num_bad)`
+    (`finite.summarize`), worked out only while a `LOCATION_KEYS` key is
+    requested; `(None, None)` otherwise (`dropped` then leaves the latest
+    location as it was).
+
+    Args:
+        keys: The requested keys (a set).
+        marks: The micro-batch's `maths.finite.marks` vector, or a callable
+            returning it (called only while a key asks); `None` (no
+            gradient, no loss: nothing to point at) gives `(-1, 0)`.
+        with_loss: Python bool, whether the vector's last entry is the
+            loss's.
+
+    Example:
+
+    >>> first, num = location({"nonfinite_first_index"}, keras.ops.array([1.0, float("nan")]), False)
+    >>> int(first), int(num)
+    (1, 1)
+    >>> location({"updates"}, lambda: 1 / 0)
+    (None, None)
+    """
+    if not locates_nonfinite(keys):
+        return None, None
+    marks = marks() if callable(marks) else marks
+    if marks is None:
+        return -1.0, 0.0
+    return finite.summarize(marks, with_loss=with_loss)
 
 
 class Counters(NamedTuple):
@@ -258,6 +295,94 @@ def apply(counters, change, where=True):
     return Counters(*new)
 
 
+class Change(NamedTuple):
+    """What one event of the step changes in its counted state: a record
+    of deltas and new values, which each shell applies where its state
+    lives (`apply_change` on values; the TensorFlow shell's variables by
+    `assign_add` / `assign`).
+
+    Fields:
+        counters: `Counters` of the counters' changes (see `apply`).
+        failed: The divergence streak's change: one more failure where it
+            holds (`True`, or a boolean scalar within the event's `where`);
+            `False`: none (`divergence.streak_after`).
+        applied: The streak back to 0 where it holds (`True`: an applied
+            update); `None`: not reset.
+    """
+
+    counters: Counters = Counters()
+    failed: Any = False
+    applied: Any = None
+
+
+def micro_batch_dropped(first_bad=None, num_bad=None, failed=None, gated=True):
+    """A dropped (or, ungated, a non-finite) micro-batch: counted, located
+    (`location`; `None`: left as it was) and, where the step drops
+    (`gated`, a Python bool), a failure where `failed` holds (`None`:
+    always; a boolean scalar: `divergence.counts_as_failure`'s).
+    `skip_nonfinite=False` applies the micro-batch (`gated=False`): it is
+    counted while a `COUNT_KEYS` key asks, and is no failure.
+
+    Example:
+
+    >>> micro_batch_dropped(gated=False).failed, micro_batch_dropped().failed
+    (False, True)
+    """
+    if not gated:
+        failed = False
+    elif failed is None:
+        failed = True
+    return Change(dropped(first_bad, num_bad), failed)
+
+
+def update_applied(norm=None, was_clipped=None):
+    """An applied update (`updated`): counted, its norm and clipping
+    recorded, the streak reset."""
+    return Change(updated(norm, was_clipped), applied=True)
+
+
+def update_dropped():
+    """A finite micro-batch's (or window's) update that overflowed, or
+    that AGC's check refused (`dropped_update`): counted, and a failure."""
+    return Change(dropped_update(), failed=True)
+
+
+def counted_once(change):
+    """`(counters_only, streak_only)`: `change` in two parts, for an event
+    whose counters change only where it was not counted already (an
+    update refused by AGC after its micro-batches' verdict counted them:
+    `adaptive_clipping.counted_at_verdict`) while the streak changes
+    anyway."""
+    return change._replace(failed=False, applied=None), change._replace(counters=Counters())
+
+
+def apply_change(counters, streak, change, where=True):
+    """`(counters, streak)` after `change`, made where `where` holds.
+
+    Args:
+        counters: `Counters` of float32 values.
+        streak: float32 scalar, the divergence streak.
+        change: A `Change`.
+        where: Boolean scalar or `True`: whether the event happened.
+
+    Example:
+
+    >>> c, streak = apply_change(INITIAL, 2.0, update_dropped())
+    >>> float(c.nonfinite_count), float(streak)
+    (1.0, 3.0)
+    >>> c, streak = apply_change(c, streak, update_applied(), where=keras.ops.array(True))
+    >>> float(c.updates), float(streak)
+    (1.0, 0.0)
+    """
+
+    def at(value):  # `True`: where the event happened; else the caller's, within it
+        return where if value is True else value
+
+    counters = apply(counters, change.counters, where)
+    applied = None if change.applied is None else at(change.applied)
+    return counters, divergence.streak_after(streak, failed=at(change.failed), applied=applied)
+
+
 def measures_after(old, measured, entered, applied):
     """The optional keys' values after an update's branch: `update_ratio`
     where the update was `applied`, the gradient's keys (`grad_norm/<layer>`,
@@ -287,9 +412,10 @@ def measures_after(old, measured, entered, applied):
     }
 
 
-def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None):
-    """The log dict of the fixed keys (`LOG_KEYS` order), then the optional
-    keys', float32 scalars.
+def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None, noise=None):
+    """The step's telemetry log dict, float32 scalars: the fixed keys
+    (`LOG_KEYS` order), then the optional keys', then the noise scale's
+    (`noise_scale.logs`).
 
     Args:
         counters: `Counters` of values or of the variables holding them.
@@ -300,6 +426,9 @@ def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None
             those are read.
         optional: `(key, value or variable)` pairs of the optional keys.
         read: How the shell reads one of them (default: a float32 cast).
+        noise: Optional `noise_scale.Estimates` (values or the variables);
+            its moving averages are read only while a `gns_*` key is
+            wanted.
 
     Example:
 
@@ -323,6 +452,9 @@ def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None
         else:
             out[key] = read(getattr(counters, key))
     out.update({key: read(value) for key, value in optional if wanted(key)})
+    if noise is not None and any(wanted(key) for key in noise_scale.KEYS):
+        emas = (noise.ema_grad_sq, noise.ema_trace, noise.ema_weight)
+        out.update(noise_scale.logs(*(read(v) for v in emas), keys=keys))
     return out
 
 
@@ -381,6 +513,41 @@ class StepTelemetry:
             if variable is not None:
                 pairs.append((key, variable))
         return pairs
+
+    def measured_keys(self, clip_adaptive):
+        """The optional keys an update measures, in the logs' order
+        (`agc_clipped_fraction` only with `clip_adaptive`, the option:
+        `None` is off)."""
+        keys = [key for key, _ in self.optional_variables()]
+        return [k for k in keys if clip_adaptive is not None or k != AGC_CLIPPED_FRACTION]
+
+    def measure(self, grads=None, before=None, after=None, agc_fraction=None, total=None):
+        """The optional keys' values for one update, `{key: float32
+        scalar}`, of the keys requested (variables built) that the
+        arguments give: `grad_norm/<layer>` of `grads` (the update's
+        gradient after adaptive clipping, before `clip_norm`, dense: a
+        sparse one's rows summed by the caller), `update_ratio` of the
+        weights `before` and `after` it (`total`: as in
+        `maths.telemetry.update_ratio`), `agc_clipped_fraction`
+        (`agc_fraction`, float32 scalar). Where the shell keeps them:
+        `measures_after`.
+
+        Example:
+
+        >>> t = StepTelemetry()
+        >>> t.build(["d/kernel", "d/bias"], ["grad_norm/d", "update_ratio"])
+        >>> out = t.measure([keras.ops.array([3.0]), keras.ops.array([4.0])])
+        >>> {k: float(v) for k, v in out.items()}
+        {'grad_norm/d': 5.0}
+        """
+        out = {}
+        if grads is not None and self.layer_norms:
+            out.update(maths.layer_norms(grads, self.layer_of_variable, self.layer_norms))
+        if before is not None and self.update_ratio is not None:
+            out[UPDATE_RATIO] = maths.update_ratio(before, after, total=total)
+        if agc_fraction is not None and self.agc_clipped_fraction is not None:
+            out[AGC_CLIPPED_FRACTION] = agc_fraction
+        return out
 
     def record_adaptive_clipping(self, fraction):
         """The fraction of units adaptive clipping clipped (update branch)."""

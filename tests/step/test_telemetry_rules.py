@@ -141,6 +141,56 @@ def test_logs_in_log_keys_order_only_the_wanted():
     assert list(some) == ["updates", "tape_variables"]
 
 
+def test_logs_end_with_the_noise_scales_keys_when_wanted():
+    from keras_fastgrad.step import noise_scale
+
+    # EMAs 2 and 4 with weight 0.5: |G|^2 = 4, tr(Sigma) = 8, B_simple = 2
+    noise = noise_scale.Estimates(None, 2.0, 4.0, keras.ops.convert_to_tensor(0.5), 0.99)
+    logs = core.logs(core.INITIAL, 1.0, 2, keys={"updates", "gns_simple"}, noise=noise)
+    assert {k: float(keras.ops.convert_to_numpy(v)) for k, v in logs.items()} == {
+        "updates": 0.0,
+        "gns_simple": 2.0,
+    }
+    every = core.logs(core.INITIAL, 1.0, 2, noise=noise)
+    assert list(every) == list(core.LOG_KEYS) + ["gns_simple", "gns_grad_sq", "gns_trace"]
+    assert list(core.logs(core.INITIAL, 1.0, 2, keys={"updates"}, noise=noise)) == ["updates"]
+
+
+def test_location_only_while_a_key_asks():
+    nan, inf = float("nan"), float("inf")
+    marks = keras.ops.convert_to_tensor([1.0, nan, inf, nan])  # the last entry: the loss
+
+    def never():
+        raise AssertionError("the marks are read only while a location key is asked")
+
+    assert core.location({"updates", "nonfinite_count"}, never) == (None, None)
+    first, num = core.location({"nonfinite_num_variables"}, lambda: marks)
+    assert (int(first), int(num)) == (1, 2)  # the loss is not a gradient
+    first, num = core.location({"nonfinite_first_index"}, marks, with_loss=False)
+    assert (int(first), int(num)) == (1, 3)
+    first, num = core.location({"nonfinite_first_index"}, lambda: None)  # no gradient
+    assert (float(first), float(num)) == (-1.0, 0.0)
+
+
+def test_an_update_measures_the_requested_keys():
+    telemetry = core.StepTelemetry()
+    telemetry.build(["d/kernel", "d/bias", "e/kernel"], ["grad_norm/d", core.UPDATE_RATIO])
+    grads = [keras.ops.convert_to_tensor(v) for v in ([3.0], [4.0], [12.0])]
+    before = [keras.ops.convert_to_tensor(v) for v in ([3.0, 4.0], [0.0], [0.0])]
+    after = [keras.ops.convert_to_tensor(v) for v in ([3.0, 4.5], [0.0], [0.0])]
+
+    def floats(out):
+        return {k: round(float(keras.ops.convert_to_numpy(v)), 6) for k, v in out.items()}
+
+    # grad_norm/d = |(3, 4)| = 5 (e not requested); ratio = 0.5 / |(3, 4)| = 0.1
+    assert floats(telemetry.measure(grads, before, after, agc_fraction=0.5)) == {
+        "grad_norm/d": 5.0,
+        "update_ratio": 0.1,
+    }
+    assert floats(telemetry.measure(grads)) == {"grad_norm/d": 5.0}
+    assert telemetry.measured_keys(clip_adaptive=None) == ["grad_norm/d", "update_ratio"]
+
+
 def test_measures_after_an_update_branch():
     old = {"update_ratio": 0.5, "grad_norm/d": 1.0}
     new = {"update_ratio": 0.1, "grad_norm/d": 3.0}
@@ -203,6 +253,31 @@ def test_streak():
     assert divergence.streak_after(streak, applied=True) == 0.0
 
 
+def test_each_events_change_of_counters_and_streak():
+    t, f = keras.ops.convert_to_tensor(True), keras.ops.convert_to_tensor(False)
+
+    def after(events, streak=0.0):
+        counters = core.INITIAL
+        for change, where in events:
+            counters, streak = core.apply_change(counters, streak, change, where)
+        values = _floats(counters)
+        return values["nonfinite_count"], values["updates"], float(streak)
+
+    # (nonfinite_count, updates, streak), by hand
+    assert after([(core.micro_batch_dropped(), True)]) == (1.0, 0.0, 1.0)
+    assert after([(core.micro_batch_dropped(), f)]) == (0.0, 0.0, 0.0)  # not dropped
+    # loss scaling: dropped, no failure (the scale still above 1)
+    assert after([(core.micro_batch_dropped(failed=f), t)]) == (1.0, 0.0, 0.0)
+    # skip_nonfinite=False: counted, never a failure
+    assert after([(core.micro_batch_dropped(failed=t, gated=False), t)]) == (1.0, 0.0, 0.0)
+    assert after([(core.update_dropped(), t)], streak=2.0) == (1.0, 0.0, 3.0)
+    assert after([(core.update_applied(), t)], streak=2.0) == (0.0, 1.0, 0.0)
+    assert after([(core.update_applied(), f)], streak=2.0) == (0.0, 0.0, 2.0)
+    # counted at its verdict already: the streak only
+    _, streak_only = core.counted_once(core.update_dropped())
+    assert after([(streak_only, t)], streak=1.0) == (0.0, 0.0, 2.0)
+
+
 def test_loss_result_is_nan_while_dropping():
     mean = keras.ops.convert_to_tensor(0.25)
     assert float(divergence.loss_result(mean, 0.0)) == 0.25
@@ -221,23 +296,34 @@ def test_training_loss():
     assert math.isnan(float(dropping.result()))
 
 
+def _tensorflow_state(limit=None):
+    import types
+
+    from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
+
+    telemetry, watch = StepTelemetry(), divergence.DivergenceWatch(limit)
+    telemetry.build()
+    watch.build()
+    return types.SimpleNamespace(telemetry=telemetry, divergence=watch)
+
+
 @TF_ONLY
 def test_tensorflow_shell_writes_the_rules():
     import tensorflow as tf
 
-    from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
+    from keras_fastgrad.backend.tensorflow.telemetry import record
 
-    t = StepTelemetry()
-    t.build()
+    state = _tensorflow_state()
+    t = state.telemetry
     t.record_input_shape(tf.zeros((8, 4)))
-    t.record_drop(tf.constant(3), tf.constant(2))
-    t.record_update(tf.constant(2.5), tf.constant(True))
-    t.record_drop()
-    t.record_dropped_update()
+    record(state, core.micro_batch_dropped(tf.constant(3), tf.constant(2)))
+    record(state, core.update_applied(tf.constant(2.5), tf.constant(True)))
+    record(state, core.micro_batch_dropped())
+    record(state, core.update_dropped())
     t.record_input_shape(tf.zeros((4, 4)))
     t.record_input_shape(tf.zeros((4, 5)))
-    t.record_update(tf.constant(1.5), tf.constant(False))
-    t.record_update(None, None)
+    record(state, core.update_applied(tf.constant(1.5), tf.constant(False)))
+    record(state, core.update_applied(None, None))
     events = [e for e in EVENTS if e[0] != "shape"] + [
         ("shape", True, 8.0, 32.0),
         ("shape", True, 4.0, 16.0),
@@ -250,14 +336,26 @@ def test_tensorflow_shell_writes_the_rules():
 
 @TF_ONLY
 def test_tensorflow_shell_streak():
-    from keras_fastgrad.backend.tensorflow.divergence import DivergenceWatch
+    from keras_fastgrad.backend.tensorflow.telemetry import record
 
-    watch = DivergenceWatch(limit=2)
-    watch.build()
-    watch.record_drop()
-    watch.record_drop(keras.ops.convert_to_tensor(False))
+    state = _tensorflow_state(limit=2)
+    watch = state.divergence
+
+    def streak():
+        return float(np.asarray(watch.streak.numpy()))
+
+    record(state, core.micro_batch_dropped())
+    record(state, core.micro_batch_dropped(failed=keras.ops.convert_to_tensor(False)))
     assert not watch.diverged()
-    watch.record_drop(keras.ops.convert_to_tensor(True))
+    record(state, core.micro_batch_dropped(failed=keras.ops.convert_to_tensor(True)))
     assert watch.diverged()
-    watch.record_update()
-    assert not watch.diverged() and float(np.asarray(watch.streak.numpy())) == 0.0
+    record(state, core.micro_batch_dropped(gated=False))  # counted, no failure
+    assert streak() == 2.0
+    record(state, core.update_applied())
+    assert not watch.diverged() and streak() == 0.0
+    counters_only, streak_only = core.counted_once(core.update_dropped())
+    record(state, counters_only)
+    assert streak() == 0.0
+    record(state, streak_only)
+    assert streak() == 1.0
+    assert float(state.telemetry.nonfinite_count.numpy()) == 5.0  # 4 drops, 1 update

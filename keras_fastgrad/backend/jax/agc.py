@@ -10,8 +10,6 @@ the weights, with either `skip_nonfinite` (the unit norms' flag); a unit
 norm that overflows float32 drops the update too.
 """
 
-from keras import ops
-
 from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.maths.adaptive_clipping import clip_unitwise
 from keras_fastgrad.step import adaptive_clipping as rules
@@ -53,11 +51,9 @@ def record_drop(new, dropped, counted=None):
     """An update AGC's check dropped (`dropped`: boolean scalar), counted
     as non-finite and towards the divergence streak, once: `counted`
     (boolean scalar, or `None`) marks one already counted as a non-finite
-    micro-batch (`skip_nonfinite=False` with a `nonfinite_*` key)."""
-    fresh = dropped if counted is None else dropped & ~counted
-    new["nonfinite_count"] += ops.cast(fresh, "float32")
-    new["streak"] += ops.cast(dropped, "float32")
-    new["first_index"] = ops.where(fresh, -1.0, new["first_index"])
+    micro-batch (`skip_nonfinite=False` with a `nonfinite_*` key):
+    `telemetry.record_dropped_update`."""
+    telemetry.record_dropped_update(new, dropped, counted)
 
 
 # `clip_norm`'s check of the update and AGC's, together (the core's rule).

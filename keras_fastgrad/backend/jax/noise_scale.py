@@ -71,7 +71,7 @@ def record_small(model, new, grads, x, normaliser, include, batch):
         return
     noise_scale.check_batch(*batch)
     rows = ops.convert_to_tensor(float(first_input(x).shape[0]))
-    measures = noise_scale.small_batch(noise_scale.squared_norm(grads), rows, normaliser)
+    measures = noise_scale.small_batch_of(grads, rows, normaliser)
     new["gns_window"] = new["gns_window"] + noise_scale.included(measures, include)
 
 
@@ -92,12 +92,10 @@ def record_window(model, new, big_sq, done):
     new.update(zip(_SLOTS[:4], state[:4]))
 
 
-def logs(model, new, keys):
-    """The requested `gns_*` keys' values (float32 scalars)."""
-    if not measured(model) or not any(noise_scale.is_key(k) for k in keys):
-        return {}
-    state = _state(new)
-    return noise_scale.logs(state.ema_grad_sq, state.ema_trace, state.ema_weight, keys)
+def estimates(model, new):
+    """The noise scale's values in `new` (`noise_scale.Estimates`, for
+    `keras_fastgrad.step.telemetry.logs`), `None` when not measured."""
+    return _state(new) if measured(model) else None
 
 
 def host_logs(model):

@@ -1,9 +1,9 @@
-"""The step's telemetry on Keras' JAX backend: the counters' and the
-divergence streak's rules (`keras_fastgrad.step.telemetry`,
-`keras_fastgrad.step.divergence`) applied to their values in Keras' state
-tuple (`jax_state.Slots`), inside the jitted step, where a traced branch
-cannot assign: each change is selected (`where`) by the boolean scalar
-that decided it.
+"""The step's telemetry on Keras' JAX backend: each event's change of the
+counters and the divergence streak (`keras_fastgrad.step.telemetry`'s
+`Change`) applied to their values in Keras' state tuple
+(`jax_state.Slots`) by `core.apply_change`, inside the jitted step, where a
+traced branch cannot assign: each change is selected (`where`) by the
+boolean scalar that decided it.
 
 What is JAX's own here: where a dropped micro-batch went bad is worked
 out from the gradient arrays (while `nonfinite_first_index` or
@@ -18,8 +18,9 @@ The optional keys (`keras_fastgrad.maths.telemetry`): `grad_norm/<layer>`
 and `agc_clipped_fraction` of the update's gradient (after adaptive
 clipping, before `clip_norm`) where its branch runs, `update_ratio` of an
 applied update only, as on TensorFlow; their variables ride in the state
-tuple with the step's others (not saved). The noise scale's keys come from
-`jax_noise_scale`, the multi-task keys from the micro-batch's Gram matrix
+tuple with the step's others (not saved). The log dict is the core's
+(`core.logs`, the noise scale's keys included), the multi-task keys come
+from the micro-batch's Gram matrix
 (`keras_fastgrad.backend.jax.multitask`).
 """
 
@@ -29,16 +30,10 @@ from keras import ops
 
 from keras_fastgrad.backend.jax import noise_scale as jax_noise_scale
 from keras_fastgrad.maths import finite
-from keras_fastgrad.maths import telemetry as maths
-from keras_fastgrad.step import divergence
 from keras_fastgrad.step import telemetry as core
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
-from keras_fastgrad.step.telemetry import (
-    AGC_CLIPPED_FRACTION,
-    LOG_KEYS,
-    UPDATE_RATIO,
-)
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
 
 COUNT_KEYS = core.COUNT_KEYS  # (`jax_agc.counted` reads it here)
 
@@ -60,13 +55,13 @@ def _counters(new):
     return core.Counters(*(new[slot] for slot in _SLOT))
 
 
-def _change(new, change, where=True):
-    """`core.apply` of a rule's `change` to the values in `new`."""
-    for slot, before, after in zip(
-        _SLOT, _counters(new), core.apply(_counters(new), change, where)
-    ):
-        if after is not before:
-            new[slot] = after
+def _record(new, change, where=True):
+    """`core.apply_change` of `change` (a `core.Change`) to the values in `new`."""
+    before = _counters(new)
+    after, new["streak"] = core.apply_change(before, new["streak"], change, where)
+    for slot, old, value in zip(_SLOT, before, after):
+        if value is not old:
+            new[slot] = value
 
 
 def requested(model):
@@ -77,22 +72,17 @@ def requested(model):
 
 
 def _location(model, grads):
-    """`(first, num)`: the index of the first non-finite gradient (-1 when
-    only the loss, or a clip factor, was) and how many were; `(None,
-    None)` unless a key asks."""
-    if not core.locates_nonfinite(requested(model)):
-        return None, None
-    if grads:  # (TensorFlow's `summarize` of its marks: a sum that overflows counts)
-        return finite.summarize(finite.marks(grads), with_loss=False)
-    return ops.zeros((), "float32"), -1.0
+    """`core.location` of a micro-batch's gradients (their marks: a
+    gradient whose sum overflows counts, as on TensorFlow)."""
+    marks = lambda: finite.marks(grads) if grads else None  # noqa: E731
+    return core.location(requested(model), marks, with_loss=False)
 
 
-def record_drop(model, new, grads, dropped, failed):
+def record_drop(model, new, grads, dropped, failed, gated=True):
     """A micro-batch dropped where `dropped` (boolean scalar): counted, with
-    where it went bad while a key asks, and towards the divergence streak
-    where `failed` (boolean scalar; `False`: never)."""
-    _change(new, core.dropped(*_location(model, grads)), dropped)
-    new["streak"] = divergence.streak_after(new["streak"], failed=failed)
+    where it went bad while a key asks, and a failure where `failed`
+    (boolean scalar) holds (`core.micro_batch_dropped`)."""
+    _record(new, core.micro_batch_dropped(*_location(model, grads), failed, gated), dropped)
 
 
 def record_ungated(model, new, grads, finite):
@@ -100,21 +90,26 @@ def record_ungated(model, new, grads, finite):
     micro-batch is applied, and counted (with its location) only while a
     `nonfinite_*` key is requested, as on TensorFlow."""
     if core.counts_nonfinite(False, requested(model)):
-        record_drop(model, new, grads, ~finite, failed=False)
+        record_drop(model, new, grads, ~finite, None, gated=False)
 
 
 def record_update(new, applied, norm, was_clipped):
     """An update applied where `applied` (boolean scalar): counted, its
     norm (`None`: not measured) and clipping recorded, the streak reset."""
-    _change(new, core.updated(norm, was_clipped), applied)
-    new["streak"] = divergence.streak_after(new["streak"], failed=False, applied=applied)
+    _record(new, core.update_applied(norm, was_clipped), applied)
 
 
-def record_dropped_update(new, dropped):
-    """A finite micro-batch (or window) whose update overflowed, dropped
-    where `dropped` (boolean scalar): counted, and a failure."""
-    _change(new, core.dropped_update(), dropped)
-    new["streak"] = divergence.streak_after(new["streak"], failed=dropped)
+def record_dropped_update(new, dropped, counted=None):
+    """A finite micro-batch (or window) whose update overflowed, or that
+    AGC's check refused, dropped where `dropped` (boolean scalar): counted,
+    and a failure. `counted` (boolean scalar, or `None`) marks an update
+    already counted as a non-finite micro-batch at its verdict
+    (`core.counted_once`): not counted again, still a failure."""
+    change = core.update_dropped()
+    if counted is not None:
+        counters_only, change = core.counted_once(change)
+        _record(new, counters_only, dropped & ~counted)
+    _record(new, change, dropped)
 
 
 def record_trace_facts(model, state, x, y, sample_weight):
@@ -163,7 +158,7 @@ def record_input_shape(model, new, x):
         return
     first = first_input(x)
     rows, size = float(first.shape[0]), float(math.prod(first.shape))
-    _change(new, core.input_shape(new["last_batch"], new["last_size"], rows, size))
+    _record(new, core.Change(core.input_shape(new["last_batch"], new["last_size"], rows, size)))
 
 
 def optional_variables(telemetry):
@@ -172,37 +167,18 @@ def optional_variables(telemetry):
 
 
 def measured_keys(model):
-    """The optional keys the step measures (`agc_clipped_fraction` only
-    with `clip_adaptive`)."""
-    keys = [k for k, _ in optional_variables(model.fastgrad_step_state.telemetry)]
-    if model.fastgrad_step_state.options.clip_adaptive is None:
-        keys = [k for k in keys if k != AGC_CLIPPED_FRACTION]
-    return keys
+    """`StepTelemetry.measured_keys` of the model's step."""
+    state = model.fastgrad_step_state
+    return state.telemetry.measured_keys(state.options.clip_adaptive)
 
 
 def measure(model, grads, before, after, counted):
-    """`{key: float32 scalar}`: the optional keys' values for one update
-    (`{}` when none is requested).
-
-    Args:
-        model: The `FastGradModel`.
-        grads: The update's gradient after adaptive clipping, before
-            `clip_norm` (in `model.trainable_variables`' order).
-        before: The trainable values before the update.
-        after: The trainable values after it.
-        counted: The dict `jax_agc.clip` filled (AGC's clipped fraction).
-    """
-    keys = measured_keys(model)
-    layers = [k for k in keys if k not in (UPDATE_RATIO, AGC_CLIPPED_FRACTION)]
-    out = {}
-    if layers:
-        layer_of = model.fastgrad_step_state.telemetry.layer_of_variable
-        out.update(maths.layer_norms(grads, layer_of, layers))
-    if UPDATE_RATIO in keys:
-        out[UPDATE_RATIO] = maths.update_ratio(before, after)
-    if AGC_CLIPPED_FRACTION in keys:
-        out[AGC_CLIPPED_FRACTION] = counted[AGC_CLIPPED_FRACTION]
-    return out
+    """`StepTelemetry.measure` of one update: `grads` its gradient after
+    adaptive clipping, before `clip_norm`; `before`, `after` the trainable
+    values; `counted` the dict `jax_agc.clip` filled (AGC's clipped
+    fraction). `{}` when no optional key is requested."""
+    telemetry = model.fastgrad_step_state.telemetry
+    return telemetry.measure(grads, before, after, counted.get(AGC_CLIPPED_FRACTION))
 
 
 def unmeasured(model):
@@ -217,11 +193,9 @@ def record_measures(new, measures, entered, applied):
 
 def logs(model, slots, new, ov, num_trainable):
     """The requested keys' values (float32 scalars,
-    `keras_fastgrad.step.telemetry.logs`), then the noise scale's
-    (`jax_noise_scale`)."""
+    `keras_fastgrad.step.telemetry.logs`), the noise scale's included."""
     keys = model.fastgrad_step_state.log_keys
     scale = ov[slots.ov["scale"]] if slots.scaler is not None else 1.0
     measured = [(k, new[k]) for k in measured_keys(model)]
-    out = core.logs(_counters(new), scale, num_trainable, keys, measured)
-    out.update(jax_noise_scale.logs(model, new, keys))
-    return out
+    noise = jax_noise_scale.estimates(model, new)
+    return core.logs(_counters(new), scale, num_trainable, keys, measured, noise=noise)

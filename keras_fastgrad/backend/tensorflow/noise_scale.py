@@ -35,17 +35,13 @@ def small_batch(grads, rows, normaliser):
         rows: float32 scalar, its number of (real) rows `n`.
         normaliser: float32 scalar, its loss normaliser `D`.
     """
-    return core.small_batch(squared_norm(grads), rows, normaliser)
+    return core.small_batch_of(grads, rows, normaliser, _sum_of_squares)
 
 
 def slice_measure():
     """The `measure` pair `slicing.sliced_gradients` takes
     (`core.slice_measure`, with `tf.cond`)."""
     return core.slice_measure(tf.cond, _sum_of_squares)
-
-
-def _read(variable):
-    return tf.convert_to_tensor(variable.value)  # (one read)
 
 
 def record_small(noise, measures, include):
@@ -61,13 +57,7 @@ def record_window(noise, grads):
     """At the update, with the window's (global, unscaled, unclipped)
     gradient: `noise`'s variables after the window (`core.after_window`)."""
     big_sq = squared_norm(grads)
-    state = core.Estimates(*(_read(v) for v in noise.state()))
+    state = core.Estimates(*(tf.convert_to_tensor(v.value) for v in noise.state()))
     new = core.after_window(state, big_sq)
     for variable, value in zip(noise.state()[:4], new[:4]):  # (the decay kept)
         variable.assign(value)
-
-
-def logs(noise, keys):
-    """The `gns_*` keys among `keys` (`core.logs`), in the step."""
-    emas = (noise.ema_grad_sq, noise.ema_trace, noise.ema_weight)
-    return core.logs(*(_read(v) for v in emas), keys=keys)

@@ -1,14 +1,16 @@
-"""The step's telemetry on TensorFlow: the counters' changes
-(`keras_fastgrad.step.telemetry`'s rules) written into their variables
-inside the branch that decided them, a count as one `AssignAddVariableOp`
-(`step.variables.increment`); sparse gradients' rows summed before the
-per-layer norms; `update_ratio`'s sums as `AddN`s.
+"""The step's telemetry on TensorFlow: the counters' and the divergence
+streak's changes (`keras_fastgrad.step.telemetry`'s `Change` of each
+event) written into their variables inside the branch that decided them,
+a count as one `AssignAddVariableOp`
+(`step.variables.increment`); the optional keys' values
+(`StepTelemetry.measure`) assigned, sparse gradients' rows summed before
+the per-layer norms, `update_ratio`'s sums as `AddN`s.
 """
 
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow.gradients import summed_rows
 from keras_fastgrad.backend.tensorflow.variables import increment
-from keras_fastgrad.maths import telemetry as maths
+from keras_fastgrad.step import divergence
 from keras_fastgrad.step import telemetry as core
 
 
@@ -25,23 +27,25 @@ def write(counters, change):
             variable.assign(tf.cast(value, tf.float32))
 
 
+def record(state, change):
+    """Writes a `core.Change` (one event of the step) inside the branch
+    that decided it: the counters into `state.telemetry`'s variables
+    (`write`), the divergence streak into `state.divergence`'s (a failure
+    as one `AssignAddVariableOp`, an applied update's reset as an
+    `Assign`)."""
+    write(state.telemetry.counters(), change.counters)
+    streak = state.divergence.streak
+    if change.failed is not False:
+        increment(streak, divergence.failure(change.failed))
+    if change.applied is not None:  # (`True`: the reset, with no read)
+        now = None if change.applied is True else tf.convert_to_tensor(streak.value)
+        streak.assign(divergence.streak_after(now, failed=False, applied=change.applied))
+
+
 class StepTelemetry(core.StepTelemetry):
     """`keras_fastgrad.step.telemetry.StepTelemetry` with the TensorFlow
-    step's writes (each inside the branch it records; checked in
-    `tests/step/test_telemetry_rules.py`)."""
-
-    def record_drop(self, first_bad=None, num_bad=None):
-        """Counts a dropped micro-batch and, when given, where it went bad."""
-        write(self.counters(), core.dropped(first_bad, num_bad))
-
-    def record_dropped_update(self):
-        """A window (or replica sum) of finite gradients that overflowed
-        was dropped at its update."""
-        write(self.counters(), core.dropped_update())
-
-    def record_update(self, norm, was_clipped):
-        """Records one optimizer update (inside the update branch)."""
-        write(self.counters(), core.updated(norm, was_clipped))
+    step's writes of the measured values (each inside the branch it
+    records; the events' changes: `record`)."""
 
     def record_input_shape(self, first_input):
         """Counts a micro-batch whose first input's shape (its rows or
@@ -54,13 +58,9 @@ class StepTelemetry(core.StepTelemetry):
 
     def record_layer_norms(self, grads):
         """Per-layer norms of the update's gradient (before clipping;
-        `keras_fastgrad.maths.telemetry`), a sparse gradient's rows summed."""
-        if not self.layer_norms:
-            return
-        grads = [None if g is None else summed_rows(g) for g in grads]
-        norms = maths.layer_norms(grads, self.layer_of_variable, self.layer_norms)
-        for layer, variable in self.layer_norms.items():
-            variable.assign(norms[layer])
+        `core.StepTelemetry.measure`), a sparse gradient's rows summed."""
+        if self.layer_norms:
+            self._assign(self.measure([None if g is None else summed_rows(g) for g in grads]))
 
     def snapshot(self, variables):
         """float32 copies of the weights before an update, if needed."""
@@ -69,13 +69,18 @@ class StepTelemetry(core.StepTelemetry):
         return [tf.identity(tf.cast(v.value, tf.float32)) for v in variables]
 
     def record_update_ratio(self, before, variables):
-        """`maths.telemetry.update_ratio` of the update (inside its branch),
-        its sums as `AddN`s."""
-        if self.update_ratio is not None:
+        """`update_ratio` of the update (inside its branch,
+        `core.StepTelemetry.measure`), its sums as `AddN`s."""
+        if before is not None:
             after = [v.value for v in variables]
-            self.update_ratio.assign(maths.update_ratio(before, after, total=tf.add_n))
+            self._assign(self.measure(before=before, after=after, total=tf.add_n))
 
-    def logs(self, loss_scale, tape_variables, keys=None):
+    def _assign(self, measured):
+        variables = dict(self.optional_variables())
+        for key, value in measured.items():
+            variables[key].assign(value)
+
+    def logs(self, loss_scale, tape_variables, keys=None, noise=None):
         """The log dict (`keras_fastgrad.step.telemetry.logs`), each wanted
         variable read once (one `ReadVariableOp`).
 
@@ -83,6 +88,7 @@ class StepTelemetry(core.StepTelemetry):
             loss_scale: float32 scalar, the current loss scale.
             tape_variables: Python int, the watched variables' number.
             keys: Optional set of keys: only those are read; `None`: every key.
+            noise: Optional `NoiseScale` (its `gns_*` keys).
         """
         return core.logs(
             self.counters(),
@@ -91,4 +97,5 @@ class StepTelemetry(core.StepTelemetry):
             keys,
             self.optional_variables(),
             read=lambda variable: tf.convert_to_tensor(variable.value),
+            noise=None if noise is None else noise.state(),
         )

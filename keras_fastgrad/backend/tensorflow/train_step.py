@@ -27,6 +27,7 @@ from keras_fastgrad.backend.tensorflow import accumulation as tf_window
 from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
 from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
+from keras_fastgrad.backend.tensorflow import telemetry as tf_telemetry
 from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
     adaptive_clip,
     before_gate,
@@ -53,6 +54,7 @@ from keras_fastgrad.backend.tensorflow.verdict import (
     single_cond,
     update_loss_scale,
 )
+from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.adaptive_clipping import both_finite
@@ -185,9 +187,8 @@ def apply_partial_window(model):
             jit_compile=bool(model.jit_compile),
         )
     state.flush_function()
-    logs = state.telemetry.logs(state.scaling.current_scale(), state.tape_variables or 0)
-    if state.noise_scale is not None:  # the partial window's estimate
-        logs.update(state.noise_scale.logs())
+    scale = state.scaling.current_scale()  # (and the partial window's noise scale)
+    logs = state.telemetry.logs(scale, state.tape_variables or 0, noise=state.noise_scale)
     return {k: float(v) for k, v in logs.items()}
 
 
@@ -263,15 +264,14 @@ def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
         if state.accumulator is not None:  # growth counts updates
             state.scaling.record_update()
         telemetry.record_update_ratio(before, variables)
-        telemetry.record_update(norm, was_clipped)
-        state.divergence.record_update()
+        tf_telemetry.record(state, telemetry_rules.update_applied(norm, was_clipped))
 
     def drop():
+        change = telemetry_rules.update_dropped()
         if counted_at_verdict(state):  # a non-finite one: counted once
-            apply_if(finite.all_finite(grads), telemetry.record_dropped_update)
-        else:
-            telemetry.record_dropped_update()
-        state.divergence.record_drop()
+            counters_only, change = telemetry_rules.counted_once(change)
+            apply_if(finite.all_finite(grads), lambda: tf_telemetry.record(state, counters_only))
+        tf_telemetry.record(state, change)
 
     if finite_update is None:
         apply()
@@ -337,12 +337,10 @@ def with_telemetry(state, logs):
     state.telemetry_names = ()
     if state.log_keys:
         measured = state.telemetry.logs(
-            state.scaling.current_scale(), state.tape_variables, keys=state.log_keys
+            state.scaling.current_scale(), state.tape_variables, state.log_keys, state.noise_scale
         )
         if state.merger is not None:  # task keys, from the Gram matrix
             measured.update(state.merger.logs())
-        if state.noise_scale is not None:
-            measured.update(tf_noise_scale.logs(state.noise_scale, state.log_keys))
         state.telemetry_names = tuple(measured)
         logs.update(measured)
     return for_keras_reduction(logs)

@@ -13,11 +13,10 @@ import keras
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.tensorflow import log_packing
 from keras_fastgrad.backend.tensorflow import train_step as _step
-from keras_fastgrad.backend.tensorflow.divergence import DivergenceWatch
 from keras_fastgrad.backend.tensorflow.loss_scaling import LossScaling
 from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
-from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss
+from keras_fastgrad.step.divergence import DivergenceStop, DivergenceWatch, TrainingLoss
 
 # The classes of the step's units that write their own variables
 # (`StepState`'s `telemetry`, `divergence`).

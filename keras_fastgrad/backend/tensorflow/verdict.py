@@ -13,12 +13,14 @@ from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
 from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
+from keras_fastgrad.backend.tensorflow import telemetry as tf_telemetry
 from keras_fastgrad.backend.tensorflow.clipping import fits_clip, scaled_norm
 from keras_fastgrad.backend.tensorflow.replicas import (
     distributed,
     num_replicas,
     replica_sum,
 )
+from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.verdict import COUNT_KEYS, WHERE_KEYS, Verdict
 
@@ -127,12 +129,9 @@ def record_drop(state, marks, counts=None):
         counts: Boolean scalar, whether the drop counts towards the streak
             (`divergence.failed`, under loss scaling); `None`: it does.
     """
-    if state.log_keys & WHERE_KEYS:  # only read then (see `telemetry`)
-        state.telemetry.record_drop(*finite.summarize(marks() if callable(marks) else marks))
-    else:
-        state.telemetry.record_drop()
-    if state.drops_nonfinite():
-        state.divergence.record_drop(counts)
+    where = telemetry_rules.location(state.log_keys, marks)
+    change = telemetry_rules.micro_batch_dropped(*where, counts, state.drops_nonfinite())
+    tf_telemetry.record(state, change)
 
 
 def single_cond(state):
