@@ -167,7 +167,7 @@ def build_for_training(model, iterator=None, data_batch=None):
 def build_from_the_first_call(model, data_iterator):
     """`build_for_training` from the data iterator a TensorFlow train
     function is called with (its `element_spec`: no batch read). For a
-    plain model that the callbacks attach to (`adapt.attach`): its `fit`
+    plain model that the callbacks attach to (`attachment.attach`): its `fit`
     ran Keras' `_maybe_symbolic_build`, which builds nothing without a
     strategy (Keras leaves it to the first trace), and the step's state
     and optimizer must be built for the model's variables before it is
