@@ -17,23 +17,20 @@ _shell = _backend.shell()
 
 
 def attach(model):
-    """Gives a plain model the step for one `fit` (the callbacks' case):
-    default options that train exactly like `keras.Model` (nothing
-    skipped, never stopped). Returns whether the model is attached for
-    this `fit` (also when another callback of the same `fit` attached it
-    first; not for a model that has the step of its own); `detach` undoes
-    it, from whichever of those callbacks ends first.
+    """Gives a plain model the step for one `fit` (the callbacks' case), with
+    default options that train exactly like `keras.Model` (nothing skipped,
+    never stopped). The model is a `FastGradModel` only inside `stepping`;
+    everywhere else (`save`, `get_config`, a `fit` that raised) it is the
+    plain model. A train function left by a `fit` that raised detaches
+    itself at the next training call no callback prepared.
 
-    The model stays an instance of its own class: it becomes a
-    `FastGradModel` only while keras_fastgrad's code runs (its train
-    function, built by the `make_train_function` that `attach` puts on
-    the instance, and the hooks of the callbacks; see `stepping`). So an
-    exception anywhere else in `fit` (a callback, an interrupt between
-    batches) leaves a plain model: its type, `save`, `save_weights` and
-    `get_config` are a plain model's. What `fit` cannot undo when it raises
-    (the instance's `make_train_function` and train function) undoes itself
-    at the next training call that no callback of ours prepared
-    (`_Attachment.train_function`)."""
+    Returns:
+        Whether the model is attached for this `fit` (also when another
+        callback of the same `fit` attached it first); `False` for a model
+        that has the step of its own. `detach` undoes it.
+
+    Raises:
+        TypeError, ValueError: as `fastgrad` refuses the model."""
     attachment = _attachment(model)
     if attachment is not None:
         if not attachment.used:  # another callback of this `fit` attached
@@ -80,8 +77,7 @@ class _Attachment:
 
     The class of the step and the instance attributes it needs (the
     step's state and options: `FastGradModel._fg_setup`) are put on the
-    model on `__enter__` and taken off on `__exit__` (a class assignment
-    and a dozen dict entries: microseconds per call). Between calls the
+    model on `__enter__` and taken off on `__exit__`. Between calls the
     model holds only the `make_train_function` of `attach`, its train
     function and this object, none of which Keras saves.
     """
@@ -129,14 +125,10 @@ class _Attachment:
 
     def make_train_function(self, force=False):
         """The model's `make_train_function` while attached: the step's
-        train function, called through `train_function`. On TensorFlow, a
-        model that still needs building (unbuilt: Keras builds it only in
-        the first trace, after the callbacks attached; or variables only
-        a training call creates) gets the step's train function at its
-        first call, built first from that call's data
-        (`_keras_hooks.build_from_the_first_call`): the step's state and
-        the optimizer are built for the model's variables, as
-        `FastGradModel`'s `_maybe_symbolic_build` builds them."""
+        train function, called through `train_function`. A model that
+        still needs building (`_needs_build`, on a shell that does not build
+        it before `fit`) gets it at its first call, built first from that
+        call's data (`_keras_hooks.build_from_the_first_call`)."""
         model = self.model
         if model.train_function is not None and not force:
             return model.train_function

@@ -246,16 +246,11 @@ class FastGradModel(StepReadouts, TrainingHooks, SavingHooks, keras.Model):
     def train_step(self, data, *jax_batch):
         """One micro-batch through the step, by the backend's shell.
 
-        On TensorFlow `train_step(data)`, traced by Keras: gradients ->
-        finite check -> [BatchNorm] moments -> loss-scale update -> update
-        or drop, or accumulate and, on a complete window, clip and apply
-        (`keras_fastgrad.backend.tensorflow.train_step`). On JAX Keras calls
-        `train_step(state, data)`: the same chain on the state tuple
-        (`keras_fastgrad.backend.jax.step`). Returns what Keras' own
-        `train_step` returns there: the logs (with the telemetry keys), and
-        on JAX the new state. A micro-batch whose loss or gradient is not
-        finite is dropped (with `skip_nonfinite`, or under loss scaling)
-        and counted instead.
+        Takes Keras' arguments for the backend (`data` on TensorFlow,
+        `(state, data)` on JAX) and returns what Keras' own `train_step`
+        returns there: the logs (with the telemetry keys), and on JAX the
+        new state. A micro-batch whose loss or gradient is not finite is
+        dropped and counted (with `skip_nonfinite`, or under loss scaling).
         """
         own_step.note_base_step(self)  # a subclass's own step called this one
         return _shell.train_step(self, data, *jax_batch)
