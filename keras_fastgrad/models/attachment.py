@@ -10,7 +10,7 @@ import contextlib
 
 from keras_fastgrad import backend as _backend
 from keras_fastgrad.models import _keras_hooks as integration
-from keras_fastgrad.models import step_classes
+from keras_fastgrad.models.adapt import check_model, step_class
 from keras_fastgrad.models.model import FastGradModel, _checked_options
 
 _shell = _backend.shell()
@@ -38,7 +38,7 @@ def attach(model):
         detach(model)  # left by a `fit` that raised: start afresh
     if isinstance(model, FastGradModel):
         return False
-    step_classes.check_model(model)
+    check_model(model)
     _Attachment(model)
     return True
 
@@ -85,7 +85,7 @@ class _Attachment:
     def __init__(self, model):
         self.model = model
         self.original = type(model)
-        self.step_class = step_classes.step_class(self.original)
+        self.step_class = step_class(self.original)
         self.depth = 0
         self.used = False  # a train function was made: the `fit` started
         self.prepared = False

@@ -263,10 +263,8 @@ OPTION_NAMES = tuple(_DEFAULT_OPTIONS)
 
 def _checked_options(**options):
     """The constructor's options (defaults for those not given),
-    validated (Keras-style errors)."""
-    options = _options.check_options({**_DEFAULT_OPTIONS, **options})
-    _backend.check_options(options, _DEFAULT_OPTIONS)  # JAX: the supported set
-    return options
+    validated (Keras-style errors; the backend's refusals)."""
+    return _options.checked_options(FastGradModel, **options)
 
 
 # Legacy `.h5` files name a model by its bare class name (Keras'

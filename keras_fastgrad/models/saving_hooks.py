@@ -8,14 +8,7 @@ methods that make, save, load, clone and pickle a model by its class
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
-
-
-def _model_module():
-    # `models/model.py` defines the class these hooks name (and imports this
-    # module for its bases): read when a hook runs.
-    from keras_fastgrad.models import model
-
-    return model
+from keras_fastgrad.models import options as _options
 
 
 class SavingHooks:
@@ -32,8 +25,7 @@ class SavingHooks:
             cls = integration.functional_variant(cls)
         instance = super().__new__(cls, *args, **kwargs)
         if functional:  # read (and removed) by `__init__`
-            base = _model_module().FastGradModel
-            options = integration.cloned_options(compat.caller_frame(1), base)
+            options = integration.cloned_options(compat.caller_frame(1), _base(cls))
             if options is not None:
                 vars(instance)["_fg_cloned_options"] = options
         return instance
@@ -44,31 +36,40 @@ class SavingHooks:
         # functional variants and `fastgrad`'s classes share their name with
         # another class. Loading goes by the file's registered names anyway.
         _, args = super().__reduce__()
-        return (compat.unpickle_model_function(_model_module().FastGradModel), args)
+        return (compat.unpickle_model_function(_base(type(self))), args)
 
     def compile_from_config(self, config):
-        if type(self).compile is not _model_module().FastGradModel.compile:  # a subclass's own
+        if type(self).compile is not _base(type(self)).compile:  # a subclass's own
             return super().compile_from_config(config)
         integration.compile_from_config(self, config)
 
     @compat.keras_default  # Keras' automatic config of a subclass's own arguments
     def get_config(self):
-        base = _model_module().FastGradModel
-        return model_config.with_options(super().get_config(), type(self), base, self._fg_options())
+        return model_config.with_options(
+            super().get_config(), type(self), _base(type(self)), self._fg_options()
+        )
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         # The options are set after Keras has built the model from the rest
         # (a subclass's `__init__`, a `Sequential`'s layers, ...).
-        model_module = _model_module()
-        base, names = model_module.FastGradModel, model_module.OPTION_NAMES
+        base = _base(cls)
+        names = model_config.option_names(base)
         config, options = model_config.pop_options(config, cls, base, names)
         model = super().from_config(config, custom_objects=custom_objects)
         if options and isinstance(model, base):
-            checked = model_module._checked_options(**{**model._fg_options(), **options})
-            model._fg_set_options(checked)
+            options = {**model._fg_options(), **options}
+            model._fg_set_options(_options.checked_options(base, **options))
         return model
 
     def _fg_options(self):
         """The constructor's options, serializable (`get_config`, clones)."""
-        return model_config.serializable_options(self, _model_module().OPTION_NAMES)
+        names = model_config.option_names(_base(type(self)))
+        return model_config.serializable_options(self, names)
+
+
+def _base(cls):
+    """The class among `cls`'s bases that has these hooks as its own base
+    (`FastGradModel`): its constructor's keyword-only arguments are the
+    options."""
+    return next(k for k in cls.__mro__ if SavingHooks in k.__bases__)
