@@ -14,15 +14,10 @@ JAX_STATE_METHODS = ("_get_jax_state", "jax_state_sync")
 
 
 def attached_values(variables):
-    """`(variable, array)` pairs of the arrays attached to `variables` now.
-
-    Keras' JAX `fit` detaches the arrays from the model's variables while it
-    trains (`_purge_model_variables`: `v._value = None`) and attaches the
-    step's results at the end of an epoch, or in its `finally` once a step
-    has run. An exception raised while the first step is traced (a
-    keras_fastgrad refusal that needs the traced loss) came after the
-    detaching and before any result: the variables were left without values
-    (`get_weights` raised). `reattach` gives them back these arrays."""
+    """`(variable, array)` pairs of the arrays attached to `variables` now,
+    for `reattach`: Keras' JAX `fit` detaches them while it trains
+    (`_purge_model_variables`), and an exception raised before its first
+    step returns would leave the variables without values."""
     return [(v, v._value) for v in variables]
 
 

@@ -71,8 +71,7 @@ def loss_tracker(model):
 
 def update_compiled_metrics(model, y, y_pred, sample_weight):
     """The compiled metrics' update, as `keras.Model.compute_metrics` does
-    it before it reads every result (the step reads them once, after its
-    `cond`)."""
+    it, without reading the results."""
     if model._compile_metrics is not None:
         model._compile_metrics.update_state(y, y_pred, sample_weight)
 

@@ -40,6 +40,7 @@ SHELL_ENTRY_POINTS = (
     "loss_tracker",  # (streak) -> the `loss` metric, NaN while micro-batches drop
     "make_train_function",  # (model, make, force) -> Keras' train function, the step in it
     "train_step",  # (model, *Keras' train_step arguments) -> the step's result
+    "apply_partial_window",  # (compiled model) -> the pending window applied, its logs
     "with_divergence_stop",  # (model, args, kwargs) -> `fit`'s arguments, the stop added
     "arrays_kept_for_a_refusal",  # (model) -> what `fit` gives back if tracing raises
     "step_variables",  # (model) -> the step's variables Keras must thread

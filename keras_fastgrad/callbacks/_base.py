@@ -33,7 +33,7 @@ class FastGradCallback(keras.callbacks.Callback):
     `keras.Model` (no accumulation, clipping or skipping), so the step can
     measure; the model is itself again after `fit`, also when `fit` raises
     (it is a `FastGradModel` only while the step and the callbacks' hooks
-    run: `keras_fastgrad.models.adapt.attach`). Subclasses that override
+    run: `keras_fastgrad.models.attachment.attach`). Subclasses that override
     `on_train_begin` / `on_train_end` call `super()`; their `on_*` hooks
     see the model as a `FastGradModel`.
 
@@ -67,7 +67,7 @@ class FastGradCallback(keras.callbacks.Callback):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         # A plain model is a `FastGradModel` only while our code runs: each
-        # hook a subclass defines sees it as one (`adapt.stepping`).
+        # hook a subclass defines sees it as one (`attachment.stepping`).
         for name, hook in list(vars(cls).items()):
             if name.startswith("on_") and callable(hook):
                 setattr(cls, name, _seeing_the_step(hook))
@@ -78,23 +78,22 @@ class FastGradCallback(keras.callbacks.Callback):
 
     def set_model(self, model):
         from keras_fastgrad import backend
-        from keras_fastgrad.models import (
-            adapt,  # A plain Keras model gets the step for this `fit` (`adapt.attach`:
-        )
+        from keras_fastgrad.models import attachment
 
         backend.check_callback(self, model)  # on JAX: refused, by name
 
+        # A plain Keras model gets the step for this `fit` (`attachment.attach`:
         # default options, exactly `keras.Model`'s updates), until
         # `on_train_end`.
-        self._attached = adapt.attach(model)
+        self._attached = attachment.attach(model)
         self._fitting = False
         super().set_model(model)
         try:
-            with adapt.stepping(model):
+            with attachment.stepping(model):
                 self.check_model(model)
                 model.enable_telemetry(self.required_telemetry(model))
         except Exception:
-            adapt.detach(model)  # refused: the model stays as it was
+            attachment.detach(model)  # refused: the model stays as it was
             self._attached = False
             raise
 
@@ -102,9 +101,9 @@ class FastGradCallback(keras.callbacks.Callback):
         self._fitting = True
 
     def on_train_batch_begin(self, batch, logs=None):
-        from keras_fastgrad.models import adapt
+        from keras_fastgrad.models import attachment
 
-        adapt.prepare_call(self.model)  # the step runs for this `fit`
+        attachment.prepare_call(self.model)  # the step runs for this `fit`
 
     def on_train_end(self, logs=None):
         self._fitting = False
@@ -118,11 +117,11 @@ class FastGradCallback(keras.callbacks.Callback):
         self._detach()
 
     def _detach(self):
-        from keras_fastgrad.models import adapt
+        from keras_fastgrad.models import attachment
 
         if getattr(self, "_attached", False):
             self._attached = False
-            adapt.detach(self.model)
+            attachment.detach(self.model)
 
     def check_model(self, model):
         """Hook: raise if this callback's settings do not fit `model`."""
@@ -136,11 +135,11 @@ def _seeing_the_step(hook):
 
     @functools.wraps(hook)
     def seeing_the_step(self, *args, **kwargs):
-        from keras_fastgrad.models import adapt
+        from keras_fastgrad.models import attachment
 
         if announces:
-            adapt.prepare_call(self.model)
-        with adapt.stepping(self.model):
+            attachment.prepare_call(self.model)
+        with attachment.stepping(self.model):
             return hook(self, *args, **kwargs)
 
     return seeing_the_step

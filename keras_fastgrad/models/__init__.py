@@ -1,5 +1,7 @@
-"""The models: `FastGradModel` (`model.py`), `FastGradSequential`
-(`sequential.py`), `fastgrad(model)` for a model you have (`adapt.py`), and
+"""The models: `FastGradModel` (`model.py`, with its bases `readouts.py`,
+`training_hooks.py` and `saving_hooks.py`), `FastGradSequential`
+(`sequential.py`), `fastgrad(model)` for a model you have (`adapt.py`), a
+plain model's `fit` given the step by the callbacks (`attachment.py`), and
 where they meet Keras' own machinery (`_keras_hooks.py`)."""
 
 from keras_fastgrad.models.adapt import fastgrad

@@ -115,15 +115,11 @@ def compile_from_config(model, config):
 
 # -------------------------------------------------- _maybe_symbolic_build
 def builds_itself(model):
-    """Whether the model needs our build before training rather than
-    Keras' `_maybe_symbolic_build`.
-
-    The step's state (accumulators) and the optimizer are built before the
-    train function is traced, for the variables of the model as it trains:
-    so the first training call also creates those that only
-    `call(..., training=True)` would create (an auxiliary head), which
-    Keras leaves to the first trace. Keras builds an unbuilt model
-    symbolically only under a strategy; we build it without one too."""
+    """Whether the model needs `build_for_training` before training rather
+    than Keras' `_maybe_symbolic_build`: under a strategy of its own,
+    unbuilt, or never trained with a layer still unbuilt. The step's state
+    and the optimizer must exist, for the variables a training call
+    creates, before the train function is traced."""
     return (
         compat.own_distribute_strategy(model) is not None
         or not model.built
@@ -167,7 +163,7 @@ def build_for_training(model, iterator=None, data_batch=None):
 def build_from_the_first_call(model, data_iterator):
     """`build_for_training` from the data iterator a TensorFlow train
     function is called with (its `element_spec`: no batch read). For a
-    plain model that the callbacks attach to (`adapt.attach`): its `fit`
+    plain model that the callbacks attach to (`attachment.attach`): its `fit`
     ran Keras' `_maybe_symbolic_build`, which builds nothing without a
     strategy (Keras leaves it to the first trace), and the step's state
     and optimizer must be built for the model's variables before it is

@@ -34,6 +34,12 @@ KERAS_KEYWORDS = tuple(
 )
 
 
+@functools.lru_cache(maxsize=None)
+def option_names(base):
+    """The names of `base.__init__`'s keyword-only arguments (the options)."""
+    return tuple(default_options(base))
+
+
 def default_options(base):
     """`{name: default}` of `base.__init__`'s keyword-only arguments (the
     options, read off the constructor's signature)."""

@@ -7,7 +7,8 @@ and `train_step`, which hand the step to the backend's shell
 units on TensorFlow, `keras_fastgrad.backend.jax.step` on JAX). Its bases
 hold the rest: `models/readouts.py` (what the step measured) and
 `models/training_hooks.py` (Keras' hooks around training; their work in
-`models/_keras_hooks.py`).
+`models/_keras_hooks.py`) and `models/saving_hooks.py` (Keras' hooks that
+make, save, load, clone and pickle it by its class).
 """
 
 import keras
@@ -19,6 +20,7 @@ from keras_fastgrad.models import config as model_config
 from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step, partial_window
 from keras_fastgrad.models.readouts import StepReadouts
+from keras_fastgrad.models.saving_hooks import SavingHooks
 from keras_fastgrad.models.training_hooks import TrainingHooks
 from keras_fastgrad.step.options import StepOptions
 from keras_fastgrad.step.state import StepState
@@ -31,7 +33,7 @@ _shell = _backend.shell()
 
 
 @keras.saving.register_keras_serializable(package="keras_fastgrad")
-class FastGradModel(StepReadouts, TrainingHooks, keras.Model):
+class FastGradModel(StepReadouts, TrainingHooks, SavingHooks, keras.Model):
     """A `keras.Model` with exact accumulation, clipping and NaN safety.
 
     Use it wherever you would use `keras.Model` (functional or subclassed),
@@ -244,68 +246,14 @@ class FastGradModel(StepReadouts, TrainingHooks, keras.Model):
     def train_step(self, data, *jax_batch):
         """One micro-batch through the step, by the backend's shell.
 
-        On TensorFlow `train_step(data)`, traced by Keras: gradients ->
-        finite check -> [BatchNorm] moments -> loss-scale update -> update
-        or drop, or accumulate and, on a complete window, clip and apply
-        (`keras_fastgrad.backend.tensorflow.train_step`). On JAX Keras calls
-        `train_step(state, data)`: the same chain on the state tuple
-        (`keras_fastgrad.backend.jax.step`). Returns what Keras' own
-        `train_step` returns there: the logs (with the telemetry keys), and
-        on JAX the new state. A micro-batch whose loss or gradient is not
-        finite is dropped (with `skip_nonfinite`, or under loss scaling)
-        and counted instead.
+        Takes Keras' arguments for the backend (`data` on TensorFlow,
+        `(state, data)` on JAX) and returns what Keras' own `train_step`
+        returns there: the logs (with the telemetry keys), and on JAX the
+        new state. A micro-batch whose loss or gradient is not finite is
+        dropped and counted (with `skip_nonfinite`, or under loss scaling).
         """
         own_step.note_base_step(self)  # a subclass's own step called this one
         return _shell.train_step(self, data, *jax_batch)
-
-    # ---------------------------------------- Keras hooks naming the class
-    def __new__(cls, *args, **kwargs):
-        # Like `keras.Model.__new__`, but the functional form is an instance
-        # of a class that also inherits from `Functional`: this class's
-        # bases never change.
-        functional = integration.is_functional_call(cls, args, kwargs)
-        if functional and not issubclass(cls, compat.Functional):
-            cls = integration.functional_variant(cls)
-        instance = super().__new__(cls, *args, **kwargs)
-        if functional:  # read (and removed) by `__init__`
-            options = integration.cloned_options(compat.caller_frame(1), FastGradModel)
-            if options is not None:
-                vars(instance)["_fg_cloned_options"] = options
-        return instance
-
-    def __reduce__(self):
-        # Keras pickles a model as its `.keras` bytes plus the class's
-        # `_unpickle_model`, which pickle finds by the class's name; the
-        # functional variants and `fastgrad`'s classes share their name with
-        # another class. Loading goes by the file's registered names anyway.
-        _, args = super().__reduce__()
-        return (compat.unpickle_model_function(FastGradModel), args)
-
-    def compile_from_config(self, config):
-        if type(self).compile is not FastGradModel.compile:  # a subclass's own
-            return super().compile_from_config(config)
-        integration.compile_from_config(self, config)
-
-    # ---------------------------------------------------------------- config
-    @compat.keras_default  # Keras' automatic config of a subclass's own arguments
-    def get_config(self):
-        return model_config.with_options(
-            super().get_config(), type(self), FastGradModel, self._fg_options()
-        )
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        # The options are set after Keras has built the model from the rest
-        # (a subclass's `__init__`, a `Sequential`'s layers, ...).
-        config, options = model_config.pop_options(config, cls, FastGradModel, OPTION_NAMES)
-        model = super().from_config(config, custom_objects=custom_objects)
-        if options and isinstance(model, FastGradModel):
-            model._fg_set_options(_checked_options(**{**model._fg_options(), **options}))
-        return model
-
-    def _fg_options(self):
-        """The constructor's options, serializable (`get_config`, clones)."""
-        return model_config.serializable_options(self, OPTION_NAMES)
 
 
 # The constructor's options and their defaults, read off its signature.
@@ -315,10 +263,8 @@ OPTION_NAMES = tuple(_DEFAULT_OPTIONS)
 
 def _checked_options(**options):
     """The constructor's options (defaults for those not given),
-    validated (Keras-style errors)."""
-    options = _options.check_options({**_DEFAULT_OPTIONS, **options})
-    _backend.check_options(options, _DEFAULT_OPTIONS)  # JAX: the supported set
-    return options
+    validated (Keras-style errors; the backend's refusals)."""
+    return _options.checked_options(FastGradModel, **options)
 
 
 # Legacy `.h5` files name a model by its bare class name (Keras'

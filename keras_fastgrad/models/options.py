@@ -14,7 +14,9 @@ import numbers
 import numpy as np
 
 from keras_fastgrad import aggregators
+from keras_fastgrad import backend as _backend
 from keras_fastgrad._validation import check_bool, check_choice, check_int, check_optional_int
+from keras_fastgrad.models import config as model_config
 from keras_fastgrad.step.adaptive_clipping import DEFAULT_EPSILON as DEFAULT_AGC_EPSILON
 from keras_fastgrad.step.task_losses import check_task_count
 
@@ -233,6 +235,20 @@ def check_keyword_names(kwargs, option_names, keras_names, owner="FastGradModel"
         f"{list(option_names)}; the other keywords go to `keras.Model`: "
         f"{list(keras_names)}). Received: {name}={kwargs[name]!r}. {fix}"
     )
+
+
+def checked_options(base, **options):
+    """The options of `base`'s constructor (`FastGradModel`'s; its defaults
+    for those not given), validated by `check_options`, then by the
+    backend's shell (what its step does not implement).
+
+    Raises:
+        ValueError, TypeError, NotImplementedError: naming the option.
+    """
+    defaults = model_config.default_options(base)
+    options = check_options({**defaults, **options})
+    _backend.check_options(options, defaults)
+    return options
 
 
 def check_options(options):

@@ -1,9 +1,8 @@
 """A window left partial, applied now (`FastGradModel.apply_partial_window`,
 which `fit` calls at every epoch's end): the pending test and the refusal of
-an uncompiled model, for both backends, then the backend's flush
-(`keras_fastgrad.backend.tensorflow.train_step.apply_partial_window`,
-`keras_fastgrad.backend.jax.window.apply_partial_window`): the window
-applied if it holds samples, then restarted (`step.accumulation`'s rule)."""
+an uncompiled model, then the backend's flush (the shell's
+`apply_partial_window`): the window applied if it holds samples, then
+restarted (`step.accumulation`'s rule)."""
 
 from keras_fastgrad import backend as _backend
 from keras_fastgrad.models.readouts import host_value
@@ -33,17 +32,13 @@ def refuse_without_optimizer(model, pending):
 def apply_partial_window(model):
     """Applies the pending window of `model` (see
     `FastGradModel.apply_partial_window`). Returns the telemetry logs as
-    Python floats, or `None` when nothing was pending."""
+    Python floats, or `None` when nothing was pending.
+
+    Raises:
+        ValueError: when a window is pending and `model` has no optimizer.
+    """
     pending = pending_micro_batches(model)
     if not pending:
         return None
-    if _backend.is_jax():
-        refuse_without_optimizer(model, pending)
-        from keras_fastgrad.backend.jax import window as shell  # imports jax
-    else:
-        from keras_fastgrad.backend.tensorflow import train_step as shell
-
-        if model.train_function is None:  # loaded, or recompiled: not made yet
-            refuse_without_optimizer(model, pending)
-            model._fg_prepare_state()
-    return shell.apply_partial_window(model)
+    refuse_without_optimizer(model, pending)
+    return _backend.shell().apply_partial_window(model)

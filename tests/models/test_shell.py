@@ -47,8 +47,6 @@ def test_the_models_ask_the_shell_not_the_backend():
     ]
     asking = []
     for path in paths:
-        if path.name == "partial_window.py":  # (the window's unit: moves with it)
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             called = isinstance(node, ast.Call) and ast.unparse(node.func).endswith("is_jax")
             if called and path.name != "__init__.py":

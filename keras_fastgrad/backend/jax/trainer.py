@@ -84,6 +84,15 @@ def train_step(model, state, data):
     return result
 
 
+def apply_partial_window(model):
+    """The pending window of a compiled `model` applied on its variables,
+    then restarted (`keras_fastgrad.backend.jax.window`). Returns the
+    telemetry logs as Python floats."""
+    from keras_fastgrad.backend.jax import window  # imports jax
+
+    return window.apply_partial_window(model)
+
+
 # ---------------------------------------------------------------------- fit
 def with_divergence_stop(model, args, kwargs):
     """`fit`'s arguments with a `JaxDivergenceStop` added to the callbacks

@@ -98,6 +98,16 @@ def train_step(model, data):
     return _step.with_telemetry(state, logs)
 
 
+def apply_partial_window(model):
+    """The pending window of a compiled `model` applied in one traced flush,
+    then restarted (`keras_fastgrad.backend.tensorflow.train_step`), the
+    step's state prepared first where no train function made it. Returns
+    the telemetry logs as Python floats."""
+    if model.train_function is None:  # loaded, or recompiled: not made yet
+        model._fg_prepare_state()
+    return _step.apply_partial_window(model)
+
+
 # ---------------------------------------------------------------------- fit
 def with_divergence_stop(model, args, kwargs):
     """`fit`'s arguments with a `DivergenceStop` (reading the model's
