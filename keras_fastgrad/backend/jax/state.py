@@ -17,6 +17,7 @@ import keras
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax.telemetry import optional_variables
 from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss, loss_result
+from keras_fastgrad.step.trainer import check_trainable_unchanged
 
 
 class Slots:
@@ -67,46 +68,6 @@ class Slots:
                 "scale": ov[id(self.scaler.dynamic_scale)],
                 "counter": ov[id(self.scaler.step_counter)],
             }
-
-
-def check_trainable_unchanged(model):
-    """Refuses (trace time) trainable variables other than those the
-    step's state, and the optimizer, were built for. On TensorFlow the
-    traced step keeps training the variables it was traced with (and
-    `TapeVariableCounter` warns), and a layer may create variables in its
-    first training call; Keras' JAX step takes the trainable values anew
-    each call and cannot create variables: `keras.Model` fails there too,
-    in the optimizer.
-
-    Raises:
-        ValueError: naming the counts, the likely cause and the fix.
-    """
-    built = len(model.fastgrad_step_state.telemetry.layer_of_variable)
-    now = len(model.trainable_variables)
-    if now == built:
-        return
-    frozen = [layer.name for layer in model.layers if layer.weights and not layer.trainable]
-    if now < built:
-        cause = f"a layer's `trainable` set to False without a new `compile`; frozen layers now: {frozen}"
-        fix = "call `model.compile(...)` again after changing `trainable`"
-    else:
-        cause = (
-            "a layer made variables inside the train step, e.g. one used only "
-            "with `training=True`, or a layer's `trainable` set to True "
-            "without a new `compile`"
-        )
-        fix = (
-            "make every variable before `fit` (call the model once on a batch "
-            "with `training=True`, or create them in the layer's `build`), and "
-            "call `model.compile(...)` again after changing `trainable`"
-        )
-    raise ValueError(
-        "The model's trainable variables changed after the step was built: "
-        f"the step and the optimizer were built for {built}, the model now has "
-        f"{now} ({cause}). Keras' JAX step cannot train other variables than "
-        "those (`keras.Model` fails here too). Received: "
-        f"{now} trainable variables, built for {built}. Fix: {fix}."
-    )
 
 
 def step_variables(model):
@@ -177,26 +138,3 @@ class JaxDivergenceStop(DivergenceStop):
             return
         self.model  # noqa: B018 (JAX: syncs the state into the variables)
         super().on_train_batch_end(batch, logs)
-
-
-def with_divergence_stop(model, args, kwargs):
-    """`fit`'s arguments with a `JaxDivergenceStop` added (as
-    `_keras_hooks.with_divergence_stop` does on TF); refuses the
-    keras_fastgrad callbacks, not ported to JAX yet."""
-    from keras_fastgrad.backend import check_callback
-
-    position = len(args) > 5
-    given = args[5] if position else kwargs.get("callbacks")
-    if isinstance(given, keras.callbacks.CallbackList):
-        given = list(given.callbacks)
-    callbacks = list(given or [])
-    for callback in callbacks:
-        # By module (`callbacks` sits above `models`, which imports this).
-        if type(callback).__module__.startswith("keras_fastgrad.callbacks"):
-            check_callback(callback)
-    if model.max_consecutive_nonfinite is not None:
-        state = model.fastgrad_step_state
-        callbacks.append(JaxDivergenceStop(lambda: state.divergence))
-    if position:
-        return args[:5] + (callbacks,) + args[6:], kwargs
-    return args, {**kwargs, "callbacks": callbacks}

@@ -22,6 +22,7 @@ streak) is theirs, variable for variable.
 """
 
 import contextlib
+import functools
 
 import jax
 import keras
@@ -38,10 +39,11 @@ from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax import window as jax_window
-from keras_fastgrad.backend.jax.state import Slots, check_trainable_unchanged
+from keras_fastgrad.backend.jax.state import Slots
 from keras_fastgrad.step import divergence, verdict
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.splitting import first_input
+from keras_fastgrad.step.trainer import check_loss_terms, check_trainable_unchanged
 
 
 def train_step(model, state, data):
@@ -67,7 +69,7 @@ def train_step(model, state, data):
         grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
     unscaled_loss, y_pred, new_ntv, new_mv, *task_logs = aux  # (multitask: its telemetry)
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
-        _record_mean_reduction(model.fastgrad_step_state, mean, len(tv))
+        model.fastgrad_step_state.record_mean_reduction(mean, len(tv))
     new = dict((k, ntv[i]) for k, i in slots.ntv.items())
     drops = model.fastgrad_step_state.drops_nonfinite()
     sliced = model.fastgrad_step_state.options.micro_batches > 1  # (divided: as on TF)
@@ -112,7 +114,7 @@ def _variables_made_in_the_step_refused(model):
     only with `training=True`, built lazily) fails inside Keras' stateless
     call (a shape mismatch of the state's values): refused by name instead,
     wherever the variables' count did change
-    (`jax_state.check_trainable_unchanged`, which `Slots` ran before the
+    (`step.trainer.check_trainable_unchanged`, which `Slots` ran before the
     forward pass, when it still matched)."""
     try:
         yield
@@ -177,47 +179,8 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     return grads, d, found["mean"], aux
 
 
-def _record_mean_reduction(step_state, mean, num_variables):
-    """The window's reduction for the flush, and for a file saved with the
-    window pending (`state_files`: a `reduction="sum"` window loaded as a
-    mean one would be divided by its micro-batches' count)."""
-    step_state.accumulator.mean_reduction = mean
-    known = step_state.window_facts()  # (every variable gets a gradient array on JAX)
-    step_state.set_window_facts(known[0] if known else [False] * num_variables, mean)
-
-
-def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
-    """Refuses (trace time) loss terms beyond the output losses that a
-    window cannot weight exactly: by TensorFlow's rule
-    (`compile_loss.check_extra_terms`: the same `ValueError` and fix), then
-    the one case TensorFlow weighs and the JAX step does not yet
-    (`NotImplementedError`): `micro_batches` under `reduction="sum"`, where
-    TensorFlow counts the weight regularisation once per batch and weights
-    the layers' per-row losses by each slice's share of the rows. Elsewhere
-    each micro-batch's loss, terms included, is weighted by its share `D_j`
-    on both backends (exact where TensorFlow's rule lets it through)."""
-    import types
-
-    from keras_fastgrad.backend.support import refusal
-    from keras_fastgrad.step.compile_loss import (
-        LossTerms,
-        check_extra_terms,
-        default_compute_loss,
-        regularized_variables,
-    )
-
-    set_options = model.fastgrad_step_state.options
-    options = set_options.combining()
-    # (the layers' losses went with Keras' stateless call: their ids remain)
-    rows = any(compat.has_own_losses(layer) for layer in compat.flatten_layers(model))
-    known, weights = default_compute_loss(model), regularized_variables(model)
-    present = lambda found: 0.0 if found else None  # noqa: E731 (a placeholder part)
-    share = types.SimpleNamespace(mean=mean, by_rows=by_rows, describe=describe)
-    merged = model.fastgrad_step_state.merger is not None
-    terms = LossTerms(None, None, present(weights), present(rows), known)
-    check_extra_terms(model, share, options, terms, merged=merged)
-    if set_options.micro_batches > 1 and not mean and (rows or weights):
-        raise refusal("micro_batches_sum_terms", ", ".join(options))
+# Refuses (trace time) the loss terms a window cannot weight exactly.
+_check_extra_terms = functools.partial(check_loss_terms, backend="jax")
 
 
 def _finite_check(model, grads, loss, own_gradient):
