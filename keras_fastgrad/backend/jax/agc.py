@@ -55,9 +55,12 @@ def record_drop(new, dropped, counted=None):
     (boolean scalar, or `None`) marks one already counted as a non-finite
     micro-batch (`skip_nonfinite=False` with a `nonfinite_*` key)."""
     fresh = dropped if counted is None else dropped & ~counted
-    new["nonfinite_count"] += ops.cast(fresh, "float32")
-    new["streak"] += ops.cast(dropped, "float32")
-    new["first_index"] = ops.where(fresh, -1.0, new["first_index"])
+    counters = new.counters
+    new.counters = counters._replace(
+        nonfinite_count=counters.nonfinite_count + ops.cast(fresh, "float32"),
+        nonfinite_first_index=ops.where(fresh, -1.0, counters.nonfinite_first_index),
+    )
+    new.streak += ops.cast(dropped, "float32")
 
 
 # `clip_norm`'s check of the update and AGC's, together (the core's rule).

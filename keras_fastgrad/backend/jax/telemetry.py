@@ -1,7 +1,8 @@
 """The step's telemetry on Keras' JAX backend: the counters' and the
 divergence streak's rules (`keras_fastgrad.step.telemetry`,
 `keras_fastgrad.step.divergence`) applied to their values in Keras' state
-tuple (`jax_state.Slots`), inside the jitted step, where a traced branch
+tuple (`jax_state.Slots`, `jax_state.StepValues`), inside the jitted
+step, where a traced branch
 cannot assign: each change is selected (`where`) by the boolean scalar
 that decided it.
 
@@ -42,31 +43,11 @@ from keras_fastgrad.step.telemetry import (
 
 COUNT_KEYS = core.COUNT_KEYS  # (`jax_agc.counted` reads it here)
 
-# Where each counter's value sits among the step's values (`jax_state.Slots`).
-_SLOT = core.Counters(
-    grad_norm="grad_norm",
-    clipped_updates="clipped_updates",
-    updates="updates",
-    nonfinite_count="nonfinite_count",
-    nonfinite_first_index="first_index",
-    nonfinite_num_variables="num_bad",
-    input_shape_changes="shape_changes",
-    last_input_batch="last_batch",
-    last_input_size="last_size",
-)
-
-
-def _counters(new):
-    return core.Counters(*(new[slot] for slot in _SLOT))
-
 
 def _change(new, change, where=True):
-    """`core.apply` of a rule's `change` to the values in `new`."""
-    for slot, before, after in zip(
-        _SLOT, _counters(new), core.apply(_counters(new), change, where)
-    ):
-        if after is not before:
-            new[slot] = after
+    """`core.apply` of a rule's `change` to `new`'s counters (`new`: the
+    step's `jax_state.StepValues`)."""
+    new.counters = core.apply(new.counters, change, where)
 
 
 def requested(model):
@@ -92,7 +73,7 @@ def record_drop(model, new, grads, dropped, failed):
     where it went bad while a key asks, and towards the divergence streak
     where `failed` (boolean scalar; `False`: never)."""
     _change(new, core.dropped(*_location(model, grads)), dropped)
-    new["streak"] = divergence.streak_after(new["streak"], failed=failed)
+    new.streak = divergence.streak_after(new.streak, failed=failed)
 
 
 def record_ungated(model, new, grads, finite):
@@ -107,14 +88,14 @@ def record_update(new, applied, norm, was_clipped):
     """An update applied where `applied` (boolean scalar): counted, its
     norm (`None`: not measured) and clipping recorded, the streak reset."""
     _change(new, core.updated(norm, was_clipped), applied)
-    new["streak"] = divergence.streak_after(new["streak"], failed=False, applied=applied)
+    new.streak = divergence.streak_after(new.streak, failed=False, applied=applied)
 
 
 def record_dropped_update(new, dropped):
     """A finite micro-batch (or window) whose update overflowed, dropped
     where `dropped` (boolean scalar): counted, and a failure."""
     _change(new, core.dropped_update(), dropped)
-    new["streak"] = divergence.streak_after(new["streak"], failed=dropped)
+    new.streak = divergence.streak_after(new.streak, failed=dropped)
 
 
 def record_trace_facts(model, state, x, y, sample_weight):
@@ -163,7 +144,8 @@ def record_input_shape(model, new, x):
         return
     first = first_input(x)
     rows, size = float(first.shape[0]), float(math.prod(first.shape))
-    _change(new, core.input_shape(new["last_batch"], new["last_size"], rows, size))
+    counters = new.counters
+    _change(new, core.input_shape(counters.last_input_batch, counters.last_input_size, rows, size))
 
 
 def optional_variables(telemetry):
@@ -211,8 +193,8 @@ def unmeasured(model):
 
 
 def record_measures(new, measures, entered, applied):
-    """Writes `measure`'s values into `new` (`core.measures_after`)."""
-    new.update(core.measures_after(new, measures, entered, applied))
+    """Writes `measure`'s values into `new.measured` (`core.measures_after`)."""
+    new.measured.update(core.measures_after(new.measured, measures, entered, applied))
 
 
 def logs(model, slots, new, ov, num_trainable):
@@ -220,8 +202,8 @@ def logs(model, slots, new, ov, num_trainable):
     `keras_fastgrad.step.telemetry.logs`), then the noise scale's
     (`jax_noise_scale`)."""
     keys = model.fastgrad_step_state.log_keys
-    scale = ov[slots.ov["scale"]] if slots.scaler is not None else 1.0
-    measured = [(k, new[k]) for k in measured_keys(model)]
-    out = core.logs(_counters(new), scale, num_trainable, keys, measured)
+    scale = ov[slots.scale.scale] if slots.scaler is not None else 1.0
+    measured = [(k, new.measured[k]) for k in measured_keys(model)]
+    out = core.logs(new.counters, scale, num_trainable, keys, measured)
     out.update(jax_noise_scale.logs(model, new, keys))
     return out
