@@ -382,7 +382,7 @@ def test_a_strategy_refused_before_keras_3_10(monkeypatch):
 
     import tensorflow as tf
 
-    from keras_fastgrad.backend.tensorflow import trainer as _validation
+    from keras_fastgrad.step import trainer as _validation
 
     class MirroredStrategy(SimpleNamespace):
         pass

@@ -50,7 +50,7 @@ RULES = {
         (
             "keras_fastgrad.step.accumulation",
             ("WindowState", "MicroBatch", "added", "is_complete", "applies", "window_gradient")
-            + ("emptied", "restarted", "pending"),
+            + ("emptied", "restarted", "pending", "closes", "flushed"),
         ),
     ],
     "micro_batches: the slices, their weights and sums": [
@@ -102,6 +102,13 @@ RULES = {
         ("keras_fastgrad.maths.multitask", ("gram", "split_by_reaching_tasks")),
     ],
     "the options as the step reads them": [("keras_fastgrad.step.options", ("StepOptions",))],
+    "the refusals, and the divergence stop added to `fit`": [
+        (
+            "keras_fastgrad.step.trainer",
+            ("refuses", "check_options", "check_callback", "check_model", "check_strategy")
+            + ("check_trainable_unchanged", "check_loss_terms", "with_divergence_stop"),
+        ),
+    ],
 }
 
 

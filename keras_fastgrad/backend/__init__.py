@@ -20,6 +20,8 @@ import functools
 
 import keras
 
+from keras_fastgrad.step import trainer as core
+
 # The options whose non-default values the JAX step does not implement (each
 # needs its row in `support.BACKEND_SUPPORT`, keyed by the option's name).
 _JAX_REFUSED_OPTIONS = ()
@@ -46,9 +48,6 @@ SHELL_ENTRY_POINTS = (
     "step_variables",  # (model) -> the step's variables Keras must thread
     "tape_variable_count",  # (model) -> variables differentiated, or None
     "trace_count",  # (the compiled step function) -> times traced/compiled
-    "check_options",  # (options, defaults): refuses what the shell does not implement
-    "check_telemetry_keys",  # (keys): refuses keys the shell does not measure
-    "check_callback",  # (callback, model=None): refuses a callback it does not serve
 )
 
 
@@ -76,7 +75,7 @@ def shell():
 
 def check_options(options, defaults):
     """Refuses the options (checked, by name) the backend's step does not
-    implement (on JAX: `_JAX_REFUSED_OPTIONS`).
+    implement (on JAX: `_JAX_REFUSED_OPTIONS`; `step.trainer.check_options`).
 
     Args:
         options: Dict of `FastGradModel`'s options.
@@ -85,25 +84,24 @@ def check_options(options, defaults):
     Raises:
         NotImplementedError: naming the option.
     """
-    shell().check_options(options, defaults)
+    refused = _JAX_REFUSED_OPTIONS if is_jax() else ()
+    core.check_options(options, defaults, refused)
 
 
 def check_telemetry_keys(keys):
-    """Refuses the telemetry keys the backend's step does not measure (none
-    at present, on either backend).
-
-    Raises:
-        NotImplementedError: naming the keys.
-    """
-    shell().check_telemetry_keys(keys)
+    """Refuses the telemetry keys the backend's step does not measure: none
+    at present, on either backend (every key is measured on both)."""
+    del keys
 
 
 def check_callback(callback, model=None):
     """Refuses a keras_fastgrad callback the backend's step does not serve:
     on JAX, those of `_JAX_REFUSED_CALLBACKS` (none at present), and every
-    one on a plain model's `fit` under a `keras.distribution`.
+    one on a plain model's `fit` under a `keras.distribution`
+    (`step.trainer.check_callback`).
 
     Raises:
         NotImplementedError: naming the callback.
     """
-    shell().check_callback(callback, model)
+    refused = _JAX_REFUSED_CALLBACKS if is_jax() else ()
+    core.check_callback(callback, model, refused, shell().NAME)

@@ -1,7 +1,7 @@
 """`FastGradModel`'s options and the checks of how they meet the rest of
 the training set-up (the optimizer), run once in Python before anything is
 traced. (What a `tf.distribute` strategy refuses is the TensorFlow shell's:
-`keras_fastgrad.backend.tensorflow.trainer.check_strategy`.)
+`keras_fastgrad.step.trainer.check_strategy`.)
 
 Every message follows the Keras recipe: the argument in backticks, the rule,
 the value received and, where there is one, the fix. The generic checks

@@ -225,6 +225,23 @@ def is_last(micro_step, steps):
     return (micro_step + 1) % steps == 0
 
 
+def closes(window, steps, every_kept):
+    """`(complete, applied)` of the window a micro-batch was just added to
+    (`window.micro_step` counting it): whether it is complete
+    (`is_complete`), and whether it is applied (`applies`).
+
+    Args:
+        window: `WindowState` (values, or variables).
+        steps: Python int, the window's micro-batches.
+        every_kept: Python bool, no micro-batch is ever left out.
+
+    >>> [bool(b) for b in closes(WindowState([], 2.0, 4, 0), 2, every_kept=False)]
+    [True, False]
+    """
+    complete = is_complete(window.micro_step, steps)
+    return complete, applies(complete, window.included, every_kept)
+
+
 def has_samples(included):
     """Whether the window holds an included micro-batch (its normaliser may
     be 0: then its update's gradient is 0, as Keras' on the big batch).
@@ -302,6 +319,30 @@ def restarted(window, zeros):
     WindowState(sums=[0], normaliser=0, micro_step=0, included=0)
     """
     return emptied(window, zeros)._replace(micro_step=zeros(window.micro_step))
+
+
+def flushed(window, apply_where, zeros):
+    """A partial window's flush (`apply_partial_window`, an epoch's end):
+    its update where it holds samples (`has_samples`), then the window
+    restarted (`restarted`).
+
+    Args:
+        window: `WindowState` (values, or variables).
+        apply_where: Callable taking a boolean scalar, the backend's
+            update of the window where it holds (a `cond`).
+        zeros: As for `emptied`.
+
+    Returns:
+        `WindowState`: the restarted window.
+
+    >>> applied = []
+    >>> flushed(WindowState([5.0], 2.0, 3, 1), applied.append, lambda v: 0)
+    WindowState(sums=[0], normaliser=0, micro_step=0, included=0)
+    >>> bool(applied[0])
+    True
+    """
+    apply_where(has_samples(window.included))
+    return restarted(window, zeros)
 
 
 def pending(micro_step, steps):

@@ -276,6 +276,17 @@ class StepState(compat.KerasSaveable):
             return list(self.facts.grad_is_none), self.accumulator.mean_reduction
         return self._loaded_window_facts
 
+    def record_mean_reduction(self, mean, num_variables):
+        """Records (trace time) the window's reduction, `mean` (Python
+        bool), for the flush and for a file saved with the window pending
+        (`state_files`: a `reduction="sum"` window loaded as a mean one
+        would be divided by its micro-batches' count); a step that knows
+        no variable without a gradient (`num_variables` of them, each
+        given an array) records them all as having one."""
+        self.accumulator.mean_reduction = mean
+        known = self.window_facts()
+        self.set_window_facts(known[0] if known else [False] * num_variables, mean)
+
     def set_window_facts(self, grad_is_none, mean_reduction):
         """The window's facts from a file (`state_files`): used until a
         trace records its own."""

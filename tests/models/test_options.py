@@ -142,7 +142,7 @@ def test_xla_under_multi_worker_on_cpu_is_refused_clearly():
     # a stand-in with that strategy's device list (no second process needed).
     from types import SimpleNamespace
 
-    from keras_fastgrad.backend.tensorflow.trainer import check_jit_compile_under_strategy
+    from keras_fastgrad.step.trainer import check_jit_compile_under_strategy
 
     class MultiWorkerMirroredStrategy(SimpleNamespace):
         pass

@@ -219,9 +219,11 @@ class TestWindowAccumulator:
         np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [3.0, 4.0])
         assert float(acc.normaliser.numpy()) == 1.0
 
-    def test_restart_empties_sums_and_starts_at_micro_step_zero(self):
+    def test_flush_applies_a_window_with_samples_then_starts_at_micro_step_zero(self):
         acc = self._one_micro_batch_into_a_window_of_two()
-        tf_window.restart(acc)
+        applied = []
+        tf_window.flush(acc, lambda: applied.append(tf_window.window_sums(acc)[0].numpy()))
+        assert len(applied) == 1 and applied[0].tolist() != [0.0, 0.0]
         np.testing.assert_array_equal(tf_window.window_sums(acc)[0].numpy(), [0.0, 0.0])
         assert float(acc.normaliser.numpy()) == 0.0
         assert int(acc.micro_step.numpy()) == 0

@@ -77,7 +77,7 @@ def test_all_finite_and_the_loss_scale_rule_on_values():
     class Scaler:
         dynamic_growth_steps = 2
 
-    slots = type("Slots", (), {"scaler": Scaler(), "ov": {"scale": 0, "counter": 1}})()
+    slots = type("Slots", (), {"scaler": Scaler(), "scale": (0, 1)})()
     ov = [keras.ops.array(8.0), keras.ops.array(0, "int32")]
     seen = []
     # finite, finite (grows), overflow (halves), finite outside a window's end

@@ -86,7 +86,7 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
     totals, aux = scan_slices(model, state, (x, y, sample_weight), one_slice, 1)
     (grads,) = totals.sums
     if slots.scaler is not None:
-        inverse = 1.0 / ops.cast(ov[slots.ov["scale"]], "float32")
+        inverse = 1.0 / ops.cast(ov[slots.scale.scale], "float32")
         grads = [g * inverse for g in grads]
     return _per_batch(grads, totals, facts["mean"], accumulating, aux)
 

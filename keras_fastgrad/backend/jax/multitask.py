@@ -83,7 +83,7 @@ def losses_program(model, slots, state, x, y, sample_weight, accumulating, check
     `scale` the loss scale's value (`None` without loss scaling)."""
     _, ntv, ov, mv = state
     rows = first_input(x).shape[0]
-    scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
+    scale = ov[slots.scale.scale] if slots.scaler is not None else None
     found = {"mean": True}
 
     def program(trainable):

@@ -10,9 +10,9 @@ non-finite one is left out), the window's gradient at its update
 (unscaled, unclipped) the big one, and the moving averages of `|G|^2` and
 `tr(Sigma)` move once per applied window. The state is `NoiseScale`'s
 variables (the window's five sums, the three EMAs, the decay), threaded
-through Keras' state tuple with the step's others (`add_slots`): each
-function here reads them from the step's `new` dict as a
-`noise_scale.Estimates`, and writes the new values back into it.
+through Keras' state tuple with the step's others (`jax_state.Slots`):
+each function here reads them from the step's `StepValues` as a
+`noise_scale.Estimates`, and replaces it with the new values.
 
 On JAX the small batches are the accumulation window's micro-batches
 only: under `micro_batches` a micro-batch's slices are not measured apart
@@ -27,30 +27,10 @@ from keras import ops
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.splitting import first_input
 
-# The noise scale's slots in the step's `new` dict, in `Estimates`' order
-# (`NoiseScale.variables`' too).
-_SLOTS = ("gns_window", "gns_ema_grad_sq", "gns_ema_trace", "gns_ema_weight", "gns_decay")
-
 
 def measured(model):
     """Whether the step measures the noise scale (a `gns_*` key asked)."""
     return model.fastgrad_step_state.noise_scale is not None
-
-
-def add_slots(model, slots):
-    """Adds the noise scale's variables' positions to `slots.ntv` (the
-    step then reads them into `new` and writes them back); a no-op when
-    not measured."""
-    if not measured(model):
-        return
-    where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-    variables = model.fastgrad_step_state.noise_scale.state()
-    for key, variable in zip(_SLOTS, variables, strict=True):
-        slots.ntv[key] = where[id(variable)]
-
-
-def _state(new):
-    return noise_scale.Estimates(*(new[k] for k in _SLOTS))
 
 
 def record_small(model, new, grads, x, normaliser, include, batch):
@@ -59,7 +39,7 @@ def record_small(model, new, grads, x, normaliser, include, batch):
 
     Args:
         model: The `FastGradModel`.
-        new: The step's dict of new values.
+        new: The step's `StepValues` (its `noise` replaced).
         grads: The micro-batch's gradients times `normaliser`, unscaled.
         x: Its inputs (the first one's rows are its rows `n`).
         normaliser: float32 scalar `D`.
@@ -72,7 +52,9 @@ def record_small(model, new, grads, x, normaliser, include, batch):
     noise_scale.check_batch(*batch)
     rows = ops.convert_to_tensor(float(first_input(x).shape[0]))
     measures = noise_scale.small_batch_of(grads, rows, normaliser)
-    new["gns_window"] = new["gns_window"] + noise_scale.included(measures, include)
+    new.noise = new.noise._replace(
+        window=new.noise.window + noise_scale.included(measures, include)
+    )
 
 
 def big_squared_norm(model, grads):
@@ -88,14 +70,13 @@ def record_window(model, new, big_sq, done):
     (`noise_scale.after_window`); a no-op when not measured."""
     if not measured(model):
         return
-    state = noise_scale.after_window(_state(new), big_sq, done)
-    new.update(zip(_SLOTS[:4], state[:4]))
+    new.noise = noise_scale.after_window(new.noise, big_sq, done)
 
 
 def estimates(model, new):
     """The noise scale's values in `new` (`noise_scale.Estimates`, for
     `keras_fastgrad.step.telemetry.logs`), `None` when not measured."""
-    return _state(new) if measured(model) else None
+    return new.noise if measured(model) else None
 
 
 def host_logs(model):

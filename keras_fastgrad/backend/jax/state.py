@@ -6,107 +6,164 @@ step's own variables (`StepState`'s: the window, the counters, the
 divergence streak) ride in the model's `non_trainable_variables` (the
 model's property adds them after the layers' own; `model.weights` and the
 files' layout stay those of TensorFlow). `Slots` finds each variable the
-step reads by position, once per trace, so the step works on plain values
-(no assignment inside a traced branch, which JAX cannot do).
+step reads by position, once per trace, in the core's record of its unit
+(`Counters`, `WindowState`, `Estimates`), and `StepValues` holds their
+values in the same records, so the step works on plain values (no
+assignment inside a traced branch, which JAX cannot do).
 """
 
 import math
+from typing import Any, NamedTuple
 
 import keras
+from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax.telemetry import optional_variables
+from keras_fastgrad.step.accumulation import WindowState
 from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss, loss_result
+from keras_fastgrad.step.noise_scale import Estimates
+from keras_fastgrad.step.telemetry import Counters
+from keras_fastgrad.step.trainer import check_trainable_unchanged
 
 
-class Slots:
-    """Positions of the step's variables in the state tuple's lists.
+class ScaleSlots(NamedTuple):
+    """Positions of `LossScaleOptimizer`'s state among the optimizer's
+    variables' values.
 
-    Args:
-        model: The `FastGradModel` (its `StepState` built).
+    Attributes:
+        scale: `dynamic_scale`'s.
+        counter: `step_counter`'s.
     """
 
-    def __init__(self, model):
-        state = model.fastgrad_step_state
-        check_trainable_unchanged(model)
-        ntv = model.non_trainable_variables
-        where = {id(v): i for i, v in enumerate(ntv)}
-        own = {id(v) for v in step_variables(model)}
-        self.layer_ntv = [i for i, v in enumerate(ntv) if id(v) not in own]
-        tel, acc = state.telemetry, state.accumulator
-        self.ntv = {
-            "updates": where[id(tel.updates)],
-            "clipped_updates": where[id(tel.clipped_updates)],
-            "grad_norm": where[id(tel.grad_norm)],
-            "nonfinite_count": where[id(tel.nonfinite_count)],
-            "streak": where[id(state.divergence.streak)],
-            "first_index": where[id(tel.nonfinite_first_index)],
-            "num_bad": where[id(tel.nonfinite_num_variables)],
-            "shape_changes": where[id(tel.input_shape_changes)],
-            "last_batch": where[id(tel.last_input_batch)],
-            "last_size": where[id(tel.last_input_size)],
-        }
-        for key, variable in optional_variables(tel):  # `grad_norm/<layer>`, ...
-            self.ntv[key] = where[id(variable)]
-        self.sums = []
-        if acc is not None:
-            self.sums = [where[id(v)] for v in acc.sums]
-            self.ntv.update(
-                normaliser=where[id(acc.normaliser)],
-                micro_step=where[id(acc.micro_step)],
-                included=where[id(acc.included)],
-            )
-        optimizer = model.optimizer
-        self.inner = getattr(optimizer, "inner_optimizer", optimizer)
-        self.scaler = optimizer if self.inner is not optimizer else None
-        ov = {id(v): i for i, v in enumerate(optimizer.variables)}
-        self.inner_ov = [ov[id(v)] for v in self.inner.variables]
-        self.ov = {}
-        if self.scaler is not None:
-            self.ov = {
-                "scale": ov[id(self.scaler.dynamic_scale)],
-                "counter": ov[id(self.scaler.step_counter)],
-            }
+    scale: int
+    counter: int
 
 
-def check_trainable_unchanged(model):
-    """Refuses (trace time) trainable variables other than those the
-    step's state, and the optimizer, were built for. On TensorFlow the
-    traced step keeps training the variables it was traced with (and
-    `TapeVariableCounter` warns), and a layer may create variables in its
-    first training call; Keras' JAX step takes the trainable values anew
-    each call and cannot create variables: `keras.Model` fails there too,
-    in the optimizer.
+class Slots(NamedTuple):
+    """Where the step finds its state in Keras' state tuple: the positions
+    of the step's values in the non-trainable (`ntv`) and optimizer (`ov`)
+    lists, one typed record per unit (the core's, holding positions
+    instead of values). Built once per trace by `slots(model)`.
 
-    Raises:
-        ValueError: naming the counts, the likely cause and the fix.
+    Attributes:
+        counters: `telemetry.Counters` of positions in `ntv`.
+        streak: Position of the divergence streak in `ntv`.
+        window: `accumulation.WindowState` of positions in `ntv` (`sums`
+            a list), `None` without accumulation.
+        measured: Tuple of `(key, position)`: the optional telemetry keys'
+            values (`grad_norm/<layer>`, ...) in `ntv`.
+        noise: `noise_scale.Estimates` of positions in `ntv`, `None`
+            unless the noise scale is measured.
+        layer_ntv: List of the positions of the layers' own values.
+        inner: The optimizer that applies the update (inside a
+            `LossScaleOptimizer`, its `inner_optimizer`).
+        scaler: The `LossScaleOptimizer`, or `None`.
+        inner_ov: List of the positions of `inner`'s values in `ov`.
+        scale: `ScaleSlots` of the loss scale, `None` without `scaler`.
     """
-    built = len(model.fastgrad_step_state.telemetry.layer_of_variable)
-    now = len(model.trainable_variables)
-    if now == built:
-        return
-    frozen = [layer.name for layer in model.layers if layer.weights and not layer.trainable]
-    if now < built:
-        cause = f"a layer's `trainable` set to False without a new `compile`; frozen layers now: {frozen}"
-        fix = "call `model.compile(...)` again after changing `trainable`"
-    else:
-        cause = (
-            "a layer made variables inside the train step, e.g. one used only "
-            "with `training=True`, or a layer's `trainable` set to True "
-            "without a new `compile`"
-        )
-        fix = (
-            "make every variable before `fit` (call the model once on a batch "
-            "with `training=True`, or create them in the layer's `build`), and "
-            "call `model.compile(...)` again after changing `trainable`"
-        )
-    raise ValueError(
-        "The model's trainable variables changed after the step was built: "
-        f"the step and the optimizer were built for {built}, the model now has "
-        f"{now} ({cause}). Keras' JAX step cannot train other variables than "
-        "those (`keras.Model` fails here too). Received: "
-        f"{now} trainable variables, built for {built}. Fix: {fix}."
+
+    counters: Any
+    streak: int
+    window: Any
+    measured: tuple
+    noise: Any
+    layer_ntv: list
+    inner: Any
+    scaler: Any
+    inner_ov: list
+    scale: Any
+
+
+def slots(model):
+    """The `Slots` of `model` (its `StepState` built), after checking that
+    its trainable variables are those the step was built for
+    (`step.trainer.check_trainable_unchanged`)."""
+    state = model.fastgrad_step_state
+    check_trainable_unchanged(model)
+    ntv = model.non_trainable_variables
+    where = {id(v): i for i, v in enumerate(ntv)}
+    own = {id(v) for v in step_variables(model)}
+    tel, acc, noise = state.telemetry, state.accumulator, state.noise_scale
+    window = None
+    if acc is not None:
+        window = WindowState(*([where[id(v)] for v in acc.sums], *_at(where, acc.state()[1:])))
+    optimizer = model.optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    scaler = optimizer if inner is not optimizer else None
+    ov = {id(v): i for i, v in enumerate(optimizer.variables)}
+    scale = None
+    if scaler is not None:
+        scale = ScaleSlots(*_at(ov, (scaler.dynamic_scale, scaler.step_counter)))
+    return Slots(
+        counters=Counters(*_at(where, tel.counters())),
+        streak=where[id(state.divergence.streak)],
+        window=window,
+        measured=tuple((key, where[id(v)]) for key, v in optional_variables(tel)),
+        noise=None if noise is None else Estimates(*_at(where, noise.state())),
+        layer_ntv=[i for i, v in enumerate(ntv) if id(v) not in own],
+        inner=inner,
+        scaler=scaler,
+        inner_ov=[ov[id(v)] for v in inner.variables],
+        scale=scale,
     )
+
+
+def _at(where, variables):
+    """The positions (`where`: `{id(variable): position}`) of `variables`."""
+    return [where[id(v)] for v in variables]
+
+
+class StepValues:
+    """The step's own values while it runs, one typed record per unit
+    (the core's records, of values): each unit replaces its field with its
+    new values (a traced branch on JAX cannot assign). `read` makes it
+    from the incoming `ntv`; `write` puts it back into the outgoing one.
+
+    Attributes:
+        counters: `telemetry.Counters` of float32 scalars.
+        streak: float32 scalar, the divergence streak.
+        window: `accumulation.WindowState` of values, or `None`.
+        measured: Dict `{key: float32 scalar}` of the optional telemetry
+            keys (the keys are the logs': `grad_norm/<layer>`, ...).
+        noise: `noise_scale.Estimates` of values, or `None`.
+    """
+
+    __slots__ = ("counters", "streak", "window", "measured", "noise")
+
+    def __init__(self, counters, streak, window, measured, noise):
+        self.counters, self.streak, self.window = counters, streak, window
+        self.measured, self.noise = measured, noise
+
+    @classmethod
+    def read(cls, slots, ntv):
+        """The values at `slots`' positions of `ntv`."""
+        window = None
+        if slots.window is not None:
+            sums, *scalars = slots.window
+            window = WindowState([ntv[i] for i in sums], *(ntv[i] for i in scalars))
+        return cls(
+            Counters(*(ntv[i] for i in slots.counters)),
+            ntv[slots.streak],
+            window,
+            {key: ntv[i] for key, i in slots.measured},
+            None if slots.noise is None else Estimates(*(ntv[i] for i in slots.noise)),
+        )
+
+    def write(self, slots, out, ntv):
+        """Writes the values into the list `out` at `slots`' positions, each
+        scalar in its variable's dtype (`ntv`: the incoming values)."""
+        scalars = [*zip(slots.counters, self.counters), (slots.streak, self.streak)]
+        scalars += [(i, self.measured[key]) for key, i in slots.measured]
+        if slots.noise is not None:
+            scalars += zip(slots.noise, self.noise)
+        if slots.window is not None:
+            scalars += zip(slots.window[1:], self.window[1:])
+            for i, total in zip(slots.window.sums, self.window.sums):
+                out[i] = total
+        for i, value in scalars:
+            out[i] = ops.cast(value, ntv[i].dtype)
+        return out
 
 
 def step_variables(model):
@@ -177,26 +234,3 @@ class JaxDivergenceStop(DivergenceStop):
             return
         self.model  # noqa: B018 (JAX: syncs the state into the variables)
         super().on_train_batch_end(batch, logs)
-
-
-def with_divergence_stop(model, args, kwargs):
-    """`fit`'s arguments with a `JaxDivergenceStop` added (as
-    `_keras_hooks.with_divergence_stop` does on TF); refuses the
-    keras_fastgrad callbacks, not ported to JAX yet."""
-    from keras_fastgrad.backend import check_callback
-
-    position = len(args) > 5
-    given = args[5] if position else kwargs.get("callbacks")
-    if isinstance(given, keras.callbacks.CallbackList):
-        given = list(given.callbacks)
-    callbacks = list(given or [])
-    for callback in callbacks:
-        # By module (`callbacks` sits above `models`, which imports this).
-        if type(callback).__module__.startswith("keras_fastgrad.callbacks"):
-            check_callback(callback)
-    if model.max_consecutive_nonfinite is not None:
-        state = model.fastgrad_step_state
-        callbacks.append(JaxDivergenceStop(lambda: state.divergence))
-    if position:
-        return args[:5] + (callbacks,) + args[6:], kwargs
-    return args, {**kwargs, "callbacks": callbacks}

@@ -15,17 +15,18 @@ The same chain and contract as the TensorFlow step
 Keras' JAX step is stateless: values come in through the state tuple and go
 out in it, and a traced branch cannot assign. So the step works on values:
 each unit returns new values, which are selected (`where`) or branched
-(`lax.cond`) and written back into the tuple (`jax_state.Slots`). The
+(`lax.cond`) and written back into the tuple (`jax_state.Slots`,
+`jax_state.StepValues`). The
 maths follows the TensorFlow units; the counting of dropped micro-batches
 and updates (`nonfinite_count`, `updates`, `clipped_updates`, the divergence
 streak) is theirs, variable for variable.
 """
 
 import contextlib
+import functools
 
 import jax
 import keras
-import numpy as np
 from keras import ops
 
 from keras_fastgrad import _compat as compat
@@ -38,10 +39,13 @@ from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax import window as jax_window
-from keras_fastgrad.backend.jax.state import Slots, check_trainable_unchanged
+from keras_fastgrad.backend.jax.state import StepValues
+from keras_fastgrad.backend.jax.state import slots as slots_of
 from keras_fastgrad.step import divergence, verdict
 from keras_fastgrad.step.accumulation import MicroBatch
+from keras_fastgrad.step.metrics import tracked_weight
 from keras_fastgrad.step.splitting import first_input
+from keras_fastgrad.step.trainer import check_loss_terms, check_trainable_unchanged
 
 
 def train_step(model, state, data):
@@ -58,8 +62,7 @@ def train_step(model, state, data):
     tv, ntv, ov, mv = (list(s) for s in state)
     if any(isinstance(v, jax.core.Tracer) for v in tv[:1]):  # traced (jit): counted, as on TF
         model.fastgrad_step_state.trace_count += 1
-    slots = Slots(model)
-    noise.add_slots(model, slots)
+    slots = slots_of(model)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     accumulating = model.fastgrad_step_state.accumulator is not None
     with _variables_made_in_the_step_refused(model):
@@ -67,13 +70,13 @@ def train_step(model, state, data):
         grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
     unscaled_loss, y_pred, new_ntv, new_mv, *task_logs = aux  # (multitask: its telemetry)
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
-        _record_mean_reduction(model.fastgrad_step_state, mean, len(tv))
-    new = dict((k, ntv[i]) for k, i in slots.ntv.items())
+        model.fastgrad_step_state.record_mean_reduction(mean, len(tv))
+    new = StepValues.read(slots, ntv)
     drops = model.fastgrad_step_state.drops_nonfinite()
     sliced = model.fastgrad_step_state.options.micro_batches > 1  # (divided: as on TF)
     own_gradient = drops and not accumulating and not sliced
     finite, scaled = _finite_check(model, grads, unscaled_loss, own_gradient)
-    scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
+    scale = ov[slots.scale.scale] if slots.scaler is not None else None
     failed = divergence.counts_as_failure(finite, scale)
     telemetry.record_input_shape(model, new, x)
     if not drops:  # applied as keras.Model does; counted only while asked
@@ -92,14 +95,11 @@ def train_step(model, state, data):
             model, slots, tv, ov, new, grads, (finite, failed, scaled), drops
         )
     mv, logs = _metrics(
-        model, mv, new_mv, unscaled_loss, new["streak"], keep, (x, y, y_pred, sample_weight)
+        model, mv, new_mv, unscaled_loss, new.streak, keep, (x, y, y_pred, sample_weight)
     )
-    out_ntv = list(new_ntv)  # the layers' updates (BatchNorm, seeds): as Keras' forward
-    for key, i in slots.ntv.items():
-        out_ntv[i] = ops.cast(new[key], ntv[i].dtype)
-    for i, total in zip(slots.sums, new.get("sums", [])):
-        out_ntv[i] = total
-    micro_step = new["micro_step"] if accumulating else None
+    # the layers' updates (BatchNorm, seeds): as Keras' forward; then the step's
+    out_ntv = new.write(slots, list(new_ntv), ntv)
+    micro_step = new.window.micro_step if accumulating else None
     out_ntv = jax_batchnorm.end_micro_batch(model, out_ntv, ntv, keep, micro_step)
     logs.update(telemetry.logs(model, slots, new, ov, len(tv)))
     logs.update(task_logs[0] if task_logs else {})
@@ -112,7 +112,7 @@ def _variables_made_in_the_step_refused(model):
     only with `training=True`, built lazily) fails inside Keras' stateless
     call (a shape mismatch of the state's values): refused by name instead,
     wherever the variables' count did change
-    (`jax_state.check_trainable_unchanged`, which `Slots` ran before the
+    (`step.trainer.check_trainable_unchanged`, which `slots` ran before the
     forward pass, when it still matched)."""
     try:
         yield
@@ -172,52 +172,13 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
     (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
     grads = [ops.cast(g, "float32") for g in grads]
     if slots.scaler is not None:
-        factor = d / ops.cast(ov[slots.ov["scale"]], "float32")
+        factor = d / ops.cast(ov[slots.scale.scale], "float32")
         grads = [g * factor for g in grads]
     return grads, d, found["mean"], aux
 
 
-def _record_mean_reduction(step_state, mean, num_variables):
-    """The window's reduction for the flush, and for a file saved with the
-    window pending (`state_files`: a `reduction="sum"` window loaded as a
-    mean one would be divided by its micro-batches' count)."""
-    step_state.accumulator.mean_reduction = mean
-    known = step_state.window_facts()  # (every variable gets a gradient array on JAX)
-    step_state.set_window_facts(known[0] if known else [False] * num_variables, mean)
-
-
-def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
-    """Refuses (trace time) loss terms beyond the output losses that a
-    window cannot weight exactly: by TensorFlow's rule
-    (`compile_loss.check_extra_terms`: the same `ValueError` and fix), then
-    the one case TensorFlow weighs and the JAX step does not yet
-    (`NotImplementedError`): `micro_batches` under `reduction="sum"`, where
-    TensorFlow counts the weight regularisation once per batch and weights
-    the layers' per-row losses by each slice's share of the rows. Elsewhere
-    each micro-batch's loss, terms included, is weighted by its share `D_j`
-    on both backends (exact where TensorFlow's rule lets it through)."""
-    import types
-
-    from keras_fastgrad.backend.support import refusal
-    from keras_fastgrad.step.compile_loss import (
-        LossTerms,
-        check_extra_terms,
-        default_compute_loss,
-        regularized_variables,
-    )
-
-    set_options = model.fastgrad_step_state.options
-    options = set_options.combining()
-    # (the layers' losses went with Keras' stateless call: their ids remain)
-    rows = any(compat.has_own_losses(layer) for layer in compat.flatten_layers(model))
-    known, weights = default_compute_loss(model), regularized_variables(model)
-    present = lambda found: 0.0 if found else None  # noqa: E731 (a placeholder part)
-    share = types.SimpleNamespace(mean=mean, by_rows=by_rows, describe=describe)
-    merged = model.fastgrad_step_state.merger is not None
-    terms = LossTerms(None, None, present(weights), present(rows), known)
-    check_extra_terms(model, share, options, terms, merged=merged)
-    if set_options.micro_batches > 1 and not mean and (rows or weights):
-        raise refusal("micro_batches_sum_terms", ", ".join(options))
+# Refuses (trace time) the loss terms a window cannot weight exactly.
+_check_extra_terms = functools.partial(check_loss_terms, backend="jax")
 
 
 def _finite_check(model, grads, loss, own_gradient):
@@ -278,10 +239,7 @@ def _metrics(model, mv, new_mv, unscaled_loss, streak, keep, batch):
     x, y, y_pred, sample_weight = batch
     metrics = model.metrics_variables
     with_streak = [(model.fastgrad_step_state.divergence.streak, streak)]
-    # Weighted by its rows, as Keras does; a batch of no rows by the smallest
-    # normal float32 (as the TF step's `train_step._tracked`): a period that
-    # kept only such batches logs 0.0 as Keras, not the tracker's NaN of nothing.
-    rows = max(float(first_input(x).shape[0]), float(np.finfo(np.float32).tiny))
+    rows = tracked_weight(float(first_input(x).shape[0]))  # (static under `jit`)
     with keras.StatelessScope(state_mapping=[*zip(metrics, new_mv), *with_streak]) as scope:
         compat.loss_tracker(model).update_state(unscaled_loss, sample_weight=rows)
         logs = model.compute_metrics(x, y, y_pred, sample_weight)

@@ -1,7 +1,7 @@
 """The step's telemetry on Keras' JAX backend: each event's change of the
 counters and the divergence streak (`keras_fastgrad.step.telemetry`'s
 `Change`) applied to their values in Keras' state tuple
-(`jax_state.Slots`) by `core.apply_change`, inside the jitted step, where a
+(`jax_state.Slots`, `jax_state.StepValues`) by `core.apply_change`, inside the jitted step, where a
 traced branch cannot assign: each change is selected (`where`) by the
 boolean scalar that decided it.
 
@@ -37,31 +37,11 @@ from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
 
 COUNT_KEYS = core.COUNT_KEYS  # (`jax_agc.counted` reads it here)
 
-# Where each counter's value sits among the step's values (`jax_state.Slots`).
-_SLOT = core.Counters(
-    grad_norm="grad_norm",
-    clipped_updates="clipped_updates",
-    updates="updates",
-    nonfinite_count="nonfinite_count",
-    nonfinite_first_index="first_index",
-    nonfinite_num_variables="num_bad",
-    input_shape_changes="shape_changes",
-    last_input_batch="last_batch",
-    last_input_size="last_size",
-)
-
-
-def _counters(new):
-    return core.Counters(*(new[slot] for slot in _SLOT))
-
 
 def _record(new, change, where=True):
-    """`core.apply_change` of `change` (a `core.Change`) to the values in `new`."""
-    before = _counters(new)
-    after, new["streak"] = core.apply_change(before, new["streak"], change, where)
-    for slot, old, value in zip(_SLOT, before, after):
-        if value is not old:
-            new[slot] = value
+    """`core.apply_change` of `change` (a `core.Change`) to `new`'s counters
+    and streak (`new`: the step's `jax_state.StepValues`)."""
+    new.counters, new.streak = core.apply_change(new.counters, new.streak, change, where)
 
 
 def requested(model):
@@ -158,7 +138,13 @@ def record_input_shape(model, new, x):
         return
     first = first_input(x)
     rows, size = float(first.shape[0]), float(math.prod(first.shape))
-    _record(new, core.Change(core.input_shape(new["last_batch"], new["last_size"], rows, size)))
+    counters = new.counters
+    _record(
+        new,
+        core.Change(
+            core.input_shape(counters.last_input_batch, counters.last_input_size, rows, size)
+        ),
+    )
 
 
 def optional_variables(telemetry):
@@ -187,15 +173,15 @@ def unmeasured(model):
 
 
 def record_measures(new, measures, entered, applied):
-    """Writes `measure`'s values into `new` (`core.measures_after`)."""
-    new.update(core.measures_after(new, measures, entered, applied))
+    """Writes `measure`'s values into `new.measured` (`core.measures_after`)."""
+    new.measured.update(core.measures_after(new.measured, measures, entered, applied))
 
 
 def logs(model, slots, new, ov, num_trainable):
     """The requested keys' values (float32 scalars,
     `keras_fastgrad.step.telemetry.logs`), the noise scale's included."""
     keys = model.fastgrad_step_state.log_keys
-    scale = ov[slots.ov["scale"]] if slots.scaler is not None else 1.0
-    measured = [(k, new[k]) for k in measured_keys(model)]
+    scale = ov[slots.scale.scale] if slots.scaler is not None else 1.0
+    measured = [(k, new.measured[k]) for k in measured_keys(model)]
     noise = jax_noise_scale.estimates(model, new)
-    return core.logs(_counters(new), scale, num_trainable, keys, measured, noise=noise)
+    return core.logs(new.counters, scale, num_trainable, keys, measured, noise=noise)

@@ -6,18 +6,16 @@ Each entry point is also defined by the TensorFlow shell's `trainer.py`,
 with the same contract (`keras_fastgrad.backend.SHELL_ENTRY_POINTS`). Here:
 Keras jits a stateless `train_step(state, data)`
 (`keras_fastgrad.backend.jax.step`), the step's variables ride in Keras'
-state tuple, and what the JAX step does not implement is refused by name
-(`keras_fastgrad.backend.support`).
+state tuple. What the JAX step does not implement is refused by name, by
+the core (`keras_fastgrad.step.trainer`, from `keras_fastgrad.backend.support`'s
+record).
 """
 
 import functools
 
-import keras
-
 from keras_fastgrad import _compat as compat
-from keras_fastgrad import backend as _backend
 from keras_fastgrad.backend.jax import state as jax_state
-from keras_fastgrad.backend.support import refusal
+from keras_fastgrad.step import trainer as core
 from keras_fastgrad.step.divergence import DivergenceWatch
 from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.telemetry import StepTelemetry
@@ -57,10 +55,10 @@ def make_train_function(model, make, force):
 
     Raises:
         NotImplementedError: for what the JAX step does not implement
-            (`check_model`).
+            (`step.trainer.check_model`).
     """
     model._fg_prepare_state()
-    check_model(model)
+    core.check_model(model, NAME)
     model._fg_keep_for_a_refusal()  # (the step's variables now built)
     # Keras jits `model.train_step`; `jax.jit` caches its traces per
     # function, and bound methods of one model compare equal, so a rebuild
@@ -97,8 +95,12 @@ def apply_partial_window(model):
 def with_divergence_stop(model, args, kwargs):
     """`fit`'s arguments with a `JaxDivergenceStop` added to the callbacks
     (when `max_consecutive_nonfinite` is set), the keras_fastgrad callbacks
-    among them checked (`check_callback`)."""
-    return jax_state.with_divergence_stop(model, args, kwargs)
+    among them checked (`step.trainer.with_divergence_stop`)."""
+    from keras_fastgrad.backend import check_callback
+
+    return core.with_divergence_stop(
+        model, args, kwargs, jax_state.JaxDivergenceStop, check_callback
+    )
 
 
 def arrays_kept_for_a_refusal(model):
@@ -135,68 +137,3 @@ def trace_count(function):
     """How many times the `jax.jit` function was compiled, or `None` where
     JAX does not say."""
     return compat.jit_cache_size(function)
-
-
-# ----------------------------------------------------------------- refusals
-def check_options(options, defaults):
-    """Refuses the options (checked, by name) the JAX step does not
-    implement.
-
-    Args:
-        options: Dict of `FastGradModel`'s options.
-        defaults: Dict of their default values.
-
-    Raises:
-        NotImplementedError: naming the option.
-    """
-    for name in _backend._JAX_REFUSED_OPTIONS:
-        if options[name] != defaults[name]:
-            raise refusal(name, f"{name}={options[name]!r}")
-
-
-def check_model(model):
-    """Refuses what a model that trains would need of the step beyond the
-    supported set (read when the train function is made).
-
-    Raises:
-        NotImplementedError: naming the feature.
-    """
-    distribution = keras.distribution.distribution()
-    # DataParallel: the step's arrays are global (sharded over the batch),
-    # so its sums, counts and norms are the whole batch's as they stand.
-    if distribution is not None and type(distribution) is not keras.distribution.DataParallel:
-        raise refusal("distribution", f"distribution={type(distribution).__name__}(...)")
-    check_telemetry_keys(model.fastgrad_step_state.log_keys)
-    optimizer = model.optimizer
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if getattr(inner, "loss_scale_factor", None) is not None:
-        raise refusal("loss_scale_factor", f"loss_scale_factor={inner.loss_scale_factor!r}")
-
-
-def check_telemetry_keys(keys):
-    """Every telemetry key is measured on JAX (the multi-task keys come with
-    `multitask`, as on TensorFlow): a no-op."""
-    del keys
-
-
-def check_callback(callback, model=None):
-    """Refuses the callbacks of `_JAX_REFUSED_CALLBACKS` (none at present),
-    and every callback on a plain model's `fit` under a
-    `keras.distribution` (its sharded state: untested). On a plain model's
-    `fit` they attach the step as on TensorFlow (`models.adapt`).
-
-    Raises:
-        NotImplementedError: naming the callback.
-    """
-    name = type(callback).__name__
-    if name in _backend._JAX_REFUSED_CALLBACKS:
-        raise refusal(name, f"{name}(...)")
-    plain = model is not None and not any(
-        c.__name__ == "FastGradModel" for c in type(model).__mro__
-    )
-    distribution = keras.distribution.distribution()
-    if plain and distribution is not None:
-        raise refusal(
-            "plain_fit_under_distribution",
-            f"{name}(...) with distribution={type(distribution).__name__}(...)",
-        )

@@ -18,7 +18,7 @@ def update_scale(slots, ov, finite, counts_growth):
     """`LossScaleOptimizer`'s rule (`maths.loss_scale.next_scale`) on `ov`."""
     if slots.scaler is None:
         return
-    i, j = slots.ov["scale"], slots.ov["counter"]
+    i, j = slots.scale
     growth_steps = slots.scaler.dynamic_growth_steps
     ov[i], ov[j] = next_scale(ov[i], ov[j], finite, growth_steps, counts_growth)
 

@@ -15,8 +15,10 @@ from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import noise_scale as noise
 from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
-from keras_fastgrad.backend.jax.state import Slots
-from keras_fastgrad.step import accumulation
+from keras_fastgrad.backend.jax.state import StepValues
+from keras_fastgrad.backend.jax.state import slots as slots_of
+from keras_fastgrad.step import accumulation, verdict
+from keras_fastgrad.step.adaptive_clipping import both_finite
 
 
 def accumulate_or_apply(model, slots, values, new, micro_batch):
@@ -29,9 +31,8 @@ def accumulate_or_apply(model, slots, values, new, micro_batch):
         slots: The step's `Slots`.
         values: `(tv, ntv, ov)`, the state tuple's incoming values (the
             window's sums are read from `ntv`).
-        new: The step's new counter values by key (the window's are
-            written back into it: `"sums"`, `"normaliser"`, `"micro_step"`,
-            `"included"`).
+        new: The step's `StepValues` (its `window` replaced by the new
+            one; its `window` on entry: the window's values, as `ntv`'s).
         micro_batch: `accumulation.MicroBatch` (`keep` the Python `True`
             when nothing is ever left out).
 
@@ -39,17 +40,14 @@ def accumulate_or_apply(model, slots, values, new, micro_batch):
         `(tv, ov)`.
     """
     tv, ntv, ov = values
-    window = accumulation.added(_window(slots, ntv, new), micro_batch)
-    complete = accumulation.is_complete(
-        window.micro_step, model.fastgrad_step_state.accumulator.steps
-    )
+    window = accumulation.added(new.window, micro_batch)
     every_kept = micro_batch.keep is True
-    do_window = accumulation.applies(complete, window.included, every_kept)
+    steps = model.fastgrad_step_state.accumulator.steps
+    complete, do_window = accumulation.closes(window, steps, every_kept)
     tv, ov = window_update(
         model, slots, (tv, ov), new, window, micro_batch.mean, do_window, not every_kept
     )
-    window = accumulation.emptied(window, lambda v: _emptied_where(complete, v))
-    new.update(window._asdict())
+    new.window = accumulation.emptied(window, lambda v: _emptied_where(complete, v))
     return tv, ov
 
 
@@ -59,13 +57,6 @@ def _emptied_where(complete, value):
     if "float" in str(value.dtype):
         return ops.where(complete, 0.0, value)
     return ops.where(complete, ops.zeros_like(value), value)
-
-
-def _window(slots, ntv, new):
-    """The window's incoming values as an `accumulation.WindowState`."""
-    return accumulation.WindowState(
-        [ntv[i] for i in slots.sums], new["normaliser"], new["micro_step"], new["included"]
-    )
 
 
 def window_update(model, slots, params, new, window, mean, do_window, gated):
@@ -91,10 +82,11 @@ def window_update(model, slots, params, new, window, mean, do_window, gated):
         grads, norm, was_clipped, ok = units.clip(options.clip_norm, grads, gated)
         if measures and not clipping:  # the `grad_norm` key
             norm = units.global_norm(adapted)
-        update_ok = True
-        if gated:
-            update_ok = units.all_finite(grads) if ok is None else ok
-        update_ok = update_ok if agc_ok is None else agc_ok & update_ok
+        # (the window's sums: checked again, `verdict.update_check`)
+        check = verdict.update_check(gated, False, options.clip_norm, agc_ok is not None, False)
+        finite_update = units.all_finite(grads) if check == "sums" else ok
+        update_ok = both_finite(finite_update, agc_ok)
+        update_ok = True if update_ok is None else update_ok
         before = t
         t, o = units.stateless_apply_if(slots.inner, t, o, grads, update_ok)
         optional = telemetry.measure(model, adapted, before, t, counted)
@@ -129,7 +121,7 @@ def window_update(model, slots, params, new, window, mean, do_window, gated):
     if slots.scaler is not None:  # growth counts applied updates
         grown = list(ov)
         units.update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)
-        for i in slots.ov.values():
+        for i in slots.scale:
             ov[i] = ops.where(applied, grown[i], ov[i])
     return list(tv), ov
 
@@ -158,22 +150,21 @@ def apply_partial_window(model):
 
 def _flush(model, tv, ntv, ov):
     """The pending window applied, on values (see `apply_partial_window`):
-    where it holds samples (`accumulation.has_samples`), then restarted
-    (`accumulation.restarted`); and the telemetry keys after it."""
-    slots = Slots(model)
-    noise.add_slots(model, slots)
-    new = dict((k, ntv[i]) for k, i in slots.ntv.items())
-    window = _window(slots, ntv, new)
+    where it holds samples, then restarted (`accumulation.flushed`); and
+    the telemetry keys after it."""
+    slots = slots_of(model)
+    new = StepValues.read(slots, ntv)
+    window = new.window
     mean = model.fastgrad_step_state.accumulator.mean_reduction
     gated = model.fastgrad_step_state.drops_nonfinite()
-    pending = accumulation.has_samples(window.included)
-    tv, ov = window_update(model, slots, (list(tv), list(ov)), new, window, mean, pending, gated)
+    params = [(list(tv), list(ov))]
+
+    def apply_where(held):
+        params[0] = window_update(model, slots, params[0], new, window, mean, held, gated)
+
+    new.window = accumulation.flushed(window, apply_where, ops.zeros_like)
+    tv, ov = params[0]
     logs = telemetry.logs(model, slots, new, ov, len(tv))
-    new.update(accumulation.restarted(window, ops.zeros_like)._asdict())
-    ntv = list(ntv)
-    for key, i in slots.ntv.items():
-        ntv[i] = ops.cast(new[key], ntv[i].dtype)
-    for i, total in zip(slots.sums, new["sums"]):
-        ntv[i] = total
+    ntv = new.write(slots, list(ntv), ntv)
     ntv = jax_batchnorm.apply_window(model, ntv)  # BatchNorm's one step from the window
     return tv, ntv, ov, logs

@@ -18,6 +18,7 @@ the window once (`replica_sum`), and a checkpoint reads the total.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.applying import apply_if
 from keras_fastgrad.backend.tensorflow.gradients import to_float32
 from keras_fastgrad.backend.tensorflow.variables import add_into, increment, run_time_zeros
 from keras_fastgrad.step import accumulation as rules
@@ -25,7 +26,7 @@ from keras_fastgrad.step import accumulation as rules
 
 def add(acc, micro_batch, otherwise=None):
     """Adds one micro-batch to `acc`'s window; returns whether the window
-    is now to be applied (`rules.applies`).
+    is now to be applied (`rules.closes`).
 
     Args:
         acc: The `WindowAccumulator` (built).
@@ -71,9 +72,8 @@ def add(acc, micro_batch, otherwise=None):
         increment(acc.normaliser, rules.kept(include, normaliser, tf.where))
         increment(acc.included, rules.counted(include, _as_count))
     _count(acc, weighted_grads, normaliser, include)
-    complete = rules.is_complete(acc.micro_step, acc.steps)
     # (every micro-batch kept: its last one is in the window, no read)
-    return rules.applies(complete, acc.included, every_kept=include is True)
+    return rules.closes(acc.state(), acc.steps, every_kept=include is True)[1]
 
 
 def add_or_apply(acc, micro_batch, apply):
@@ -160,10 +160,10 @@ def reset(acc):
     _assign(acc, rules.emptied(acc.state(), _zeros))
 
 
-def restart(acc):
-    """Empties the window and starts the next one at micro-step 0
-    (`rules.restarted`)."""
-    _assign(acc, rules.restarted(acc.state(), _zeros))
+def flush(acc, apply_window):
+    """Applies a partial window where it holds samples (`apply_window`, no
+    arguments, in a `cond`), then restarts it (`rules.flushed`)."""
+    _assign(acc, rules.flushed(acc.state(), lambda held: apply_if(held, apply_window), _zeros))
 
 
 def _zeros(variable):

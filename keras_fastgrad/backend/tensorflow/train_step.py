@@ -19,7 +19,6 @@ units are below. The maths is in the modules they call (`weighting`,
 import functools
 
 import keras
-import numpy as np
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
@@ -58,6 +57,7 @@ from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.adaptive_clipping import both_finite
+from keras_fastgrad.step.metrics import tracked_weight
 
 __all__ = [  # the chain, in order (`FastGradModel.train_step`)
     "Batch",
@@ -168,8 +168,7 @@ def apply_window(model, state):
 
 def flush(model, state):
     """Applies a partial window, if it holds samples, and restarts it."""
-    apply_if(state.accumulator.has_samples(), functools.partial(apply_window, model, state))
-    tf_window.restart(state.accumulator)
+    tf_window.flush(state.accumulator, functools.partial(apply_window, model, state))
 
 
 def apply_partial_window(model):
@@ -310,15 +309,10 @@ def _update_metric_states(model, batch):
 
 
 def _tracked(loss, num_samples):
-    """What a kept micro-batch gives the `loss` tracker: its loss, weighted
-    by its rows, as Keras' `train_step` does. A batch of no rows adds
-    nothing to Keras' mean (weight 0, and its logged mean of nothing is
-    0.0); here it adds 0 with the smallest normal float32 weight, which
-    leaves every other mean as it is but marks the period as having kept
-    something (`TrainingLoss`: a period with nothing kept logs NaN). Its
-    loss is already 0 (Keras' reductions divide by a zero normaliser as
-    `divide_no_nan`), so one `maximum` does it (an op on every step)."""
-    return loss, tf.maximum(num_samples, np.finfo(np.float32).tiny)
+    """What a kept micro-batch gives the `loss` tracker: its loss, and its
+    weight (`step.metrics.tracked_weight`: one `maximum`, an op on every
+    step)."""
+    return loss, tracked_weight(num_samples, tf.maximum)
 
 
 def _update_metrics(model, batch, loss, num_samples=None):

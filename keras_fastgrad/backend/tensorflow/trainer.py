@@ -5,16 +5,17 @@
 Each entry point is also defined by the JAX shell's `trainer.py`, with the
 same contract (`keras_fastgrad.backend.SHELL_ENTRY_POINTS`). Here: the step
 traced by `tf.function` (its telemetry packed into one output), its state
-in variables, the refusals of `tf.distribute`.
+in variables. The refusals (of `tf.distribute` strategies among them)
+are the core's (`keras_fastgrad.step.trainer`).
 """
 
 import keras
 
-from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.tensorflow import log_packing
 from keras_fastgrad.backend.tensorflow import train_step as _step
 from keras_fastgrad.backend.tensorflow.loss_scaling import LossScaling
 from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
+from keras_fastgrad.step import trainer as core
 from keras_fastgrad.step.batchnorm import batchnorm_layers, check_synchronized_slices
 from keras_fastgrad.step.divergence import DivergenceStop, DivergenceWatch, TrainingLoss
 
@@ -56,9 +57,9 @@ def make_train_function(model, make, force):
 
     Raises:
         ValueError: for what the model's `tf.distribute` strategy refuses
-            (`check_strategy`).
+            (`step.trainer.check_model`).
     """
-    check_strategy(model)
+    core.check_model(model, NAME)
     check_synchronized_slices(
         batchnorm_layers(model), model.micro_batches, model.distribute_strategy
     )
@@ -112,23 +113,10 @@ def apply_partial_window(model):
 def with_divergence_stop(model, args, kwargs):
     """`fit`'s arguments with a `DivergenceStop` (reading the model's
     streak) added to the callbacks, when `max_consecutive_nonfinite` is
-    set."""
-    if model.max_consecutive_nonfinite is None:
-        return args, kwargs
-    if len(args) > 5:  # `callbacks` given by position
-        return args[:5] + (_add_stop(model, args[5]),) + args[6:], kwargs
-    return args, {**kwargs, "callbacks": _add_stop(model, kwargs.get("callbacks"))}
+    set (`step.trainer.with_divergence_stop`)."""
+    from keras_fastgrad.backend import check_callback
 
-
-def _add_stop(model, callbacks):
-    if callbacks is None:
-        callbacks = []
-    elif isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = list(callbacks.callbacks)
-    else:
-        callbacks = list(callbacks)
-    state = model.fastgrad_step_state
-    return callbacks + [DivergenceStop(lambda: state.divergence)]
+    return core.with_divergence_stop(model, args, kwargs, DivergenceStop, check_callback)
 
 
 def arrays_kept_for_a_refusal(model):
@@ -154,118 +142,3 @@ def tape_variable_count(model):
 def trace_count(function):
     """How many times the `tf.function` `function` was traced."""
     return function.experimental_get_tracing_count()
-
-
-# ----------------------------------------------------------------- refusals
-def check_options(options, defaults):
-    """Every option is implemented on TensorFlow: a no-op."""
-    del options, defaults
-
-
-def check_telemetry_keys(keys):
-    """Every telemetry key is measured on TensorFlow: a no-op."""
-    del keys
-
-
-def check_callback(callback, model=None):
-    """Every keras_fastgrad callback is served on TensorFlow: a no-op."""
-    del callback, model
-
-
-def check_strategy(model):
-    """Refuses what the model's `tf.distribute` strategy cannot train.
-
-    Raises:
-        ValueError: `jit_compile=True` where XLA cannot compile the
-            distributed step, `steps_per_execution > 1` with several
-            replicas, any strategy but the default on Keras < 3.10.
-    """
-    strategy = model.distribute_strategy
-    check_jit_compile_under_strategy(model.jit_compile, strategy)
-    check_steps_per_execution_under_strategy(model.steps_per_execution, strategy)
-    check_keras_supports_replicas(strategy)
-
-
-def check_jit_compile_under_strategy(jit_compile, strategy):
-    """Refuses XLA where TensorFlow cannot compile the distributed step.
-
-    - MirroredStrategy with 2+ devices on this worker: XLA cannot compile one
-      function that reads variables placed on several devices (plain
-      `keras.Model` fails too, deep in TF: "Trying to access resource ...
-      located in device ...").
-    - Any multi-replica strategy on CPU devices: XLA has no collectives on
-      CPU ("Collectives are not yet implemented for CPU devices when
-      compiling with XLA", then a crash of the worker process).
-    GPU workers with one device each (MultiWorkerMirroredStrategy) pass.
-    """
-    if jit_compile is not True or strategy.num_replicas_in_sync == 1:
-        return
-    try:
-        devices = list(strategy.extended.worker_devices)
-    except (AttributeError, RuntimeError):
-        devices = []
-    if len(devices) > 1:
-        reason = (
-            f"with {len(devices)} devices on this worker: XLA cannot compile "
-            "a function that reads variables on several devices "
-            "(https://www.tensorflow.org/xla/known_issues"
-            "#tfvariable_on_a_different_device)"
-        )
-    elif any("CPU" in d.upper() for d in devices):
-        reason = (
-            "on CPU devices: XLA has no collectives on CPU (TensorFlow: "
-            '"Collectives are not yet implemented for CPU devices when '
-            'compiling with XLA")'
-        )
-    else:
-        return
-    raise ValueError(
-        "`jit_compile=True` is not supported by TensorFlow under "
-        f"`{type(strategy).__name__}` {reason}. Received: jit_compile=True. "
-        'Fix: compile with `jit_compile=False` (or `"auto"`, which Keras '
-        "resolves to False under a strategy)."
-    )
-
-
-def check_steps_per_execution_under_strategy(steps_per_execution, strategy):
-    """Refuses `steps_per_execution > 1` with several replicas.
-
-    Keras' multi-step loop (a `tf.while_loop` around `strategy.run`) does
-    not run under MirroredStrategy in Keras 3.15 / TF 2.21: plain
-    `keras.Model.fit` fails too, with "You must feed a value for
-    placeholder tensor 'while/cond/Placeholder'".
-    """
-    if steps_per_execution > 1 and strategy.num_replicas_in_sync > 1:
-        raise ValueError(
-            "`steps_per_execution` must be 1 under "
-            f"`{type(strategy).__name__}` with "
-            f"{strategy.num_replicas_in_sync} replicas: Keras' multi-step "
-            'loop fails there (plain `keras.Model.fit` too, with "You must '
-            'feed a value for placeholder tensor"). Received: '
-            f"steps_per_execution={steps_per_execution}. Fix: compile with "
-            "`steps_per_execution=1` (a larger global batch amortises the "
-            "per-call cost instead)."
-        )
-
-
-def check_keras_supports_replicas(strategy):
-    """Refuses a distribution strategy on Keras < 3.10.
-
-    Before 3.10 Keras creates metric variables mirrored on write: every
-    metric update is a `merge_call`, which the step cannot run inside its
-    conditional update (TensorFlow: "`merge_call` called while defining a
-    new graph or a tf.function"). From 3.10 they are sync-on-read. This
-    holds for a strategy of one replica too (a `MirroredStrategy` on a
-    machine with one GPU, or none): only the default strategy is free of it.
-    """
-    if compat.MULTI_REPLICA_SUPPORTED or compat.is_default_strategy(strategy):
-        return
-    replicas = strategy.num_replicas_in_sync
-    raise ValueError(
-        "Training a FastGradModel under a distribution strategy needs Keras "
-        ">= 3.10: older Keras updates metrics with a `merge_call`, which "
-        "the step cannot run inside its conditional update. Received: "
-        f"keras=={keras.__version__}, `{type(strategy).__name__}` with "
-        f'{replicas} replica(s). Fix: `pip install "keras>=3.10"`, or '
-        "train without a strategy."
-    )
