@@ -100,8 +100,8 @@ def forward_with_share(model, rows, accumulating, forward, check_extra_terms):
         rows: The micro-batch's rows.
         accumulating: Python bool.
         forward: Zero-argument callable, the forward pass and loss.
-        check_extra_terms: `(model, mean, by_rows, describe)`, raises for
-            extra loss terms the share cannot weigh.
+        check_extra_terms: `(model, share)`, raises for extra loss terms
+            the share cannot weigh (`compile_loss.check_present_terms`).
 
     Example:
 
@@ -119,5 +119,5 @@ def forward_with_share(model, rows, accumulating, forward, check_extra_terms):
     with LossShares(model, rows) as shares:
         result = forward()
     share = shares.share()
-    check_extra_terms(model, share.mean, share.by_rows, share.describe)
+    check_extra_terms(model, share)
     return result, share.actual, share.mean

@@ -127,8 +127,9 @@ def test_batchnorm_moves_per_slice_as_keras_accumulation():
     assert max_diff(plain, model) < TOL  # ("window": tests/step/test_batchnorm_jax.py)
 
 
-@pytest.mark.jax_only(reason="the JAX step's refusal (TensorFlow's step does not refuse it)")
-def test_regulariser_under_weighted_slices_is_refused_by_name():
+def test_regulariser_under_summed_slices_counts_once_per_batch():
+    # Under `reduction="sum"` each slice's share is 1: the weight penalty,
+    # in every slice's loss, is taken back to once per batch (both backends).
     def regularized(cls=keras.Model, **options):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((8,))
@@ -137,8 +138,11 @@ def test_regulariser_under_weighted_slices_is_refused_by_name():
 
     x, y = data()
     total = keras.losses.MeanSquaredError(reduction="sum")  # each slice's share 1
-    with pytest.raises(NotImplementedError, match="micro_batches=2"):
-        fastgrad_run(regularized, x, y, epochs=1, loss=total, micro_batches=2)
+    ref = reference(regularized, x[:N], y[:N], batch_size=22, epochs=1, loss=total)
+    model, _ = fastgrad_run(
+        regularized, x[:N], y[:N], batch_size=22, epochs=1, loss=total, micro_batches=2
+    )
+    assert max_diff(ref, model) < TOL
     # By rows, under a mean: exact (each slice's loss holds the penalty once).
     ref = reference(regularized, x[:N], y[:N], batch_size=22, epochs=1)
     model, _ = fastgrad_run(regularized, x[:N], y[:N], batch_size=22, epochs=1, micro_batches=3)

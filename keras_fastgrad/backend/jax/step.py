@@ -36,12 +36,13 @@ from keras_fastgrad.backend.jax import multitask as jax_multitask
 from keras_fastgrad.backend.jax import noise_scale as noise
 from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
-from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import Slots, check_trainable_unchanged
 from keras_fastgrad.step import divergence, verdict
 from keras_fastgrad.step.accumulation import MicroBatch
+from keras_fastgrad.step.compile_loss import check_present_terms
 from keras_fastgrad.step.splitting import first_input
+from keras_fastgrad.step.weighting import forward_with_share
 
 
 def train_step(model, state, data):
@@ -137,17 +138,17 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
             from keras_fastgrad.backend.jax import features as jax_features
 
             merged = jax_features.gradients
-        return merged(model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms)
+        return merged(model, slots, state, x, y, sample_weight, accumulating, check_present_terms)
     if options.micro_batches > 1:
         return jax_micro_batches.sliced_gradients(
-            model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms
+            model, slots, state, x, y, sample_weight, accumulating
         )
     tv, ntv, ov, mv = state
     rows = first_input(x).shape[0]
     found = {"mean": True}
 
     def loss_fn(trainable):
-        (loss, aux), d, found["mean"] = jax_weighting.forward_with_share(
+        (loss, aux), d, found["mean"] = forward_with_share(
             model,
             rows,
             accumulating,
@@ -163,7 +164,7 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
                 training=True,
                 optimizer_variables=ov,
             ),
-            _check_extra_terms,
+            check_present_terms,
         )
         if accumulating and slots.scaler is None:  # folded into the unscaling otherwise
             loss = loss * ops.cast(d, loss.dtype)
@@ -184,40 +185,6 @@ def _record_mean_reduction(step_state, mean, num_variables):
     step_state.accumulator.mean_reduction = mean
     known = step_state.window_facts()  # (every variable gets a gradient array on JAX)
     step_state.set_window_facts(known[0] if known else [False] * num_variables, mean)
-
-
-def _check_extra_terms(model, mean, by_rows, describe="the compiled loss"):
-    """Refuses (trace time) loss terms beyond the output losses that a
-    window cannot weight exactly: by TensorFlow's rule
-    (`compile_loss.check_extra_terms`: the same `ValueError` and fix), then
-    the one case TensorFlow weighs and the JAX step does not yet
-    (`NotImplementedError`): `micro_batches` under `reduction="sum"`, where
-    TensorFlow counts the weight regularisation once per batch and weights
-    the layers' per-row losses by each slice's share of the rows. Elsewhere
-    each micro-batch's loss, terms included, is weighted by its share `D_j`
-    on both backends (exact where TensorFlow's rule lets it through)."""
-    import types
-
-    from keras_fastgrad.backend.support import refusal
-    from keras_fastgrad.step.compile_loss import (
-        LossTerms,
-        check_extra_terms,
-        default_compute_loss,
-        regularized_variables,
-    )
-
-    set_options = model.fastgrad_step_state.options
-    options = set_options.combining()
-    # (the layers' losses went with Keras' stateless call: their ids remain)
-    rows = any(compat.has_own_losses(layer) for layer in compat.flatten_layers(model))
-    known, weights = default_compute_loss(model), regularized_variables(model)
-    present = lambda found: 0.0 if found else None  # noqa: E731 (a placeholder part)
-    share = types.SimpleNamespace(mean=mean, by_rows=by_rows, describe=describe)
-    merged = model.fastgrad_step_state.merger is not None
-    terms = LossTerms(None, None, present(weights), present(rows), known)
-    check_extra_terms(model, share, options, terms, merged=merged)
-    if set_options.micro_batches > 1 and not mean and (rows or weights):
-        raise refusal("micro_batches_sum_terms", ", ".join(options))
 
 
 def _finite_check(model, grads, loss, own_gradient):
