@@ -56,14 +56,13 @@ from keras import ops, tree
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.step.compile_loss import (
-    check_extra_terms,
     loss_terms,
     present_terms,
     regularized_variables,
 )
 from keras_fastgrad.step.splitting import first_input, slice_sizes  # noqa: F401  (re-exported)
 from keras_fastgrad.step.task_losses import regularization_loss, task_losses
-from keras_fastgrad.step.weighting import LossShares
+from keras_fastgrad.step.weighting import weighed_loss
 
 
 class SliceTotals(typing.NamedTuple):
@@ -161,10 +160,8 @@ def slice_terms(model, x, y, y_pred, sample_weight, merged=False, forward=None):
 
 def slice_loss(model, terms_of, rows, batch_rows, options, merged=False, add_n=None):
     """One slice's losses as differentiated, and its share `D_i`: the loss
-    computed under `weighting.LossShares` (`terms_of()`, e.g.
-    `slice_terms`), the terms beyond the output losses checked
-    (`compile_loss.check_extra_terms`, trace time) and the `"sum"` rules
-    applied (`slice_losses`).
+    weighed and its terms checked (`weighting.weighed_loss`, `terms_of()`
+    e.g. `slice_terms`), the `"sum"` rules applied (`slice_losses`).
 
     Args:
         model: The `FastGradModel`, its forward pass on the slice done or
@@ -179,10 +176,7 @@ def slice_loss(model, terms_of, rows, batch_rows, options, merged=False, add_n=N
         `(losses, share)`: the list of losses (unscaled; the gradient is
         taken of each times `share.loss_weight(...)`), a `weighting.Share`.
     """
-    with LossShares(model, rows) as shares:
-        losses, terms = terms_of()
-    share = shares.share()
-    check_extra_terms(model, share, options, terms, merged=merged)
+    losses, terms, share = weighed_loss(model, terms_of, rows, options, merged)
     return slice_losses(losses, terms, share.mean, merged, rows, batch_rows, add_n), share
 
 

@@ -31,10 +31,79 @@ from keras_fastgrad.step import slicing, splitting
 from keras_fastgrad.step.compile_loss import regularized_variables
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import task_names
+from keras_fastgrad.step.weighting import weighed_loss
+
+
+def gradient(model, slots, state, batch, weighed, batch_rows=None):
+    """One micro-batch's (or slice's) gradient: Keras' stateless forward on
+    `state`'s values, the loss (`slicing.slice_terms`) weighed by its share
+    `D` and its terms checked where `weighed` (`weighting.weighed_loss`),
+    a slice's `"sum"` rules applied under `batch_rows`
+    (`slicing.slice_loss`), and `jax.value_and_grad` of it times `D` (or
+    the loss scale, then unscaled).
+
+    Args:
+        model: The `FastGradModel`.
+        slots: The step's `jax_state.Slots`.
+        state: `(trainable, non_trainable, optimizer, metrics)` values.
+        batch: `(x, y, sample_weight)`.
+        weighed: Python bool, whether micro-batches are combined (the
+            gradient carries `D`).
+        batch_rows: For a slice, the batch's rows; `None` for a batch.
+
+    Returns:
+        `(grads, D, mean, aux)`: the float32 unscaled gradient (times `D`
+        where weighed), `D` (1 where not), whether the window divides by
+        its sum, and `(loss, y_pred, non_trainable, metrics)`.
+
+    Raises:
+        ValueError: (trace time) for loss terms a weighed micro-batch
+            cannot weight exactly (`compile_loss.check_extra_terms`).
+    """
+    tv, ntv, ov, mv = state
+    scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
+    rows = first_input(batch[0]).shape[0]
+    options = model.fastgrad_step_state.options.combining()
+    found = {}
+
+    def compute(trainable, layer_values, metric_values, x, y, sample_weight):
+        def loss_of(y_pred, forward):
+            def terms_of():
+                return slicing.slice_terms(model, x, y, y_pred, sample_weight, False, forward)
+
+            if batch_rows is not None:
+                return slicing.slice_loss(model, terms_of, rows, batch_rows, options)
+            if not weighed:
+                return terms_of()[0], None
+            losses, _, share = weighed_loss(model, terms_of, rows, options)
+            return losses, share
+
+        ((loss,), found["share"]), y_pred, new_ntv, new_mv = _stateless_loss(
+            model, trainable, layer_values, metric_values, x, loss_of
+        )
+        return loss, (loss, y_pred, new_ntv, new_mv)
+
+    def loss_fn(trainable):
+        loss, aux = jax_batchnorm.forward(  # (BatchNorm moments pooled)
+            model, compute, trainable, ntv, mv, *batch
+        )
+        share = found["share"]
+        d = ops.convert_to_tensor(1.0) if share is None else share.actual
+        if scale is not None:  # (scaled: `D` after, in float32)
+            loss = loss * ops.cast(scale, loss.dtype)
+        elif share is not None:
+            loss = loss * ops.cast(d, loss.dtype)
+        return loss, (aux, d)
+
+    (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+    share = found.pop("share")
+    mean = True if share is None else share.mean
+    return jax_multitask.unscaled(grads, d, scale), d, mean, aux
 
 
 def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating):
-    """The batch's gradient from its `micro_batches` slices.
+    """The batch's gradient from its `micro_batches` slices (each by
+    `gradient`).
 
     Args:
         model: The `FastGradModel`.
@@ -44,50 +113,20 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating):
         accumulating: Python bool, `accumulation_steps` > 1.
 
     Returns:
-        `(grads, D, mean, aux)` as the JAX step's `_gradients`: the float32
-        unscaled gradient (times the share `D` when `accumulating`, else
-        the batch's own), `D`, whether the window divides by its sum, and
-        `(unscaled_loss, y_pred, non_trainable, metrics)` of the batch.
-
-    Raises:
-        ValueError: (trace time) for loss terms the slices cannot weight
-            exactly (`slicing.slice_loss`).
+        `(grads, D, mean, aux)` as `gradient`, of the whole batch: the
+        gradient times the share `D` when `accumulating`, else the batch's
+        own.
     """
-    tv, ntv, ov, mv = state
-    scale = ov[slots.ov["scale"]] if slots.scaler is not None else None
-    options = model.fastgrad_step_state.options.combining()
+    tv, _, ov, _ = state
     batch_rows = first_input(x).shape[0]
     facts = {}
 
     def one_slice(layer_state, metric_state, px, py, psw):
-        rows = first_input(px).shape[0]
-
-        def compute(trainable, layer_values, metric_values, px, py, psw):
-            def loss_of(y_pred, forward):
-                return slicing.slice_loss(
-                    model,
-                    lambda: slicing.slice_terms(model, px, py, y_pred, psw, False, forward),
-                    rows,
-                    batch_rows,
-                    options,
-                )
-
-            ((loss,), facts["share"]), y_pred, new_ntv, new_mv = _stateless_loss(
-                model, trainable, layer_values, metric_values, px, loss_of
-            )
-            return loss, (loss, y_pred, new_ntv, new_mv)
-
-        def loss_fn(trainable):
-            loss, aux = jax_batchnorm.forward(  # (BatchNorm moments pooled)
-                model, compute, trainable, layer_state, metric_state, px, py, psw
-            )
-            d = facts["share"].actual
-            factor = d if scale is None else scale  # (scaled: `D_i` after, in float32)
-            return loss * ops.cast(factor, loss.dtype), (aux, d)
-
-        (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
-        facts["mean"] = facts.pop("share").mean
-        return [jax_multitask.unscaled(grads, d, scale)], d, aux
+        piece = (tv, layer_state, ov, metric_state)
+        grads, d, facts["mean"], aux = gradient(
+            model, slots, piece, (px, py, psw), True, batch_rows
+        )
+        return [grads], d, aux
 
     totals, aux = scan_slices(model, state, (x, y, sample_weight), one_slice, 1)
     batch = slicing.after_slices(

@@ -42,7 +42,6 @@ from keras_fastgrad.step import divergence, verdict
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.compile_loss import check_present_terms
 from keras_fastgrad.step.splitting import first_input
-from keras_fastgrad.step.weighting import forward_with_share
 
 
 def train_step(model, state, data):
@@ -143,39 +142,7 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
         return jax_micro_batches.sliced_gradients(
             model, slots, state, x, y, sample_weight, accumulating
         )
-    tv, ntv, ov, mv = state
-    rows = first_input(x).shape[0]
-    found = {"mean": True}
-
-    def loss_fn(trainable):
-        (loss, aux), d, found["mean"] = forward_with_share(
-            model,
-            rows,
-            accumulating,
-            lambda: jax_batchnorm.forward(  # (BatchNorm window moments pooled)
-                model,
-                model.compute_loss_and_updates,
-                trainable,
-                ntv,
-                mv,
-                x,
-                y,
-                sample_weight,
-                training=True,
-                optimizer_variables=ov,
-            ),
-            check_present_terms,
-        )
-        if accumulating and slots.scaler is None:  # folded into the unscaling otherwise
-            loss = loss * ops.cast(d, loss.dtype)
-        return loss, (aux, d)
-
-    (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
-    grads = [ops.cast(g, "float32") for g in grads]
-    if slots.scaler is not None:
-        factor = d / ops.cast(ov[slots.ov["scale"]], "float32")
-        grads = [g * factor for g in grads]
-    return grads, d, found["mean"], aux
+    return jax_micro_batches.gradient(model, slots, state, (x, y, sample_weight), accumulating)
 
 
 def _record_mean_reduction(step_state, mean, num_variables):
