@@ -150,6 +150,29 @@ def test_regulariser_under_summed_slices_counts_once_per_batch():
     assert isinstance(model, kf.FastGradModel)
 
 
+def test_multitask_regulariser_under_summed_slices_counts_once_per_batch():
+    # The merged step's regularisation row, under `reduction="sum"`: taken
+    # back to once per batch, as the un-split step (same backend) counts it.
+    def two_heads(**options):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(5, activation="tanh", kernel_regularizer="l2")(inputs)
+        heads = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
+        return kf.FastGradModel(inputs, heads, multitask="upgrad", **options)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(22, 4)).astype("float32")
+    y = {n: rng.normal(size=(22, 1)).astype("float32") for n in ("a", "b")}
+    models = []
+    for slices in (1, 3):
+        model = two_heads(micro_batches=slices)
+        total = {n: keras.losses.MeanSquaredError(reduction="sum") for n in ("a", "b")}
+        model.compile(keras.optimizers.SGD(0.01), total)
+        model.fit(x, y, batch_size=22, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    assert max_diff(*models) < TOL
+
+
 def test_mixed_float16_slices_and_a_dropped_batch():
     # Loss scaling: each slice's share is applied to its unscaled float32
     # gradient (the scaled loss times `D_i` would overflow float16).
