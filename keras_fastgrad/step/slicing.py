@@ -118,7 +118,7 @@ class SliceFacts(typing.NamedTuple):
         ]
 
 
-def add_slice(totals, sums, losses, share, measure=None):
+def add_slice(totals, sums, losses, share, measure=None, add_n=None):
     """The totals after one slice.
 
     Args:
@@ -131,11 +131,13 @@ def add_slice(totals, sums, losses, share, measure=None):
             (`slice_loss`), any float dtype: their float32 sum is added.
         share: The slice's `D_i` (float32).
         measure: The slice's measure to add, or `None`.
+        add_n: The shell's sum of a list of tensors, or `None` (`+`).
     """
     measured = totals.measured
     if measure is not None:
         measured = (measured[0] + measure,)
-    loss = functools.reduce(operator.add, [ops.cast(l, "float32") for l in losses])
+    losses = [ops.cast(l, "float32") for l in losses]
+    loss = add_n(losses) if add_n is not None else functools.reduce(operator.add, losses)
     return SliceTotals(sums, totals.loss + loss * share, totals.normaliser + share, measured)
 
 
@@ -152,10 +154,9 @@ def slice_terms(model, x, y, y_pred, sample_weight, merged=False, forward=None):
         terms = loss_terms(model, x, y, y_pred, sample_weight, forward)
         return [terms.total], terms
     regularization = regularization_loss(model)
-    zero = ops.convert_to_tensor(0.0)
-    return task_losses(model, y, y_pred, sample_weight) + [
-        zero if regularization is None else regularization
-    ], present_terms(model)
+    if regularization is None:
+        regularization = ops.convert_to_tensor(0.0)
+    return task_losses(model, y, y_pred, sample_weight) + [regularization], present_terms(model)
 
 
 def slice_loss(model, terms_of, rows, batch_rows, options, merged=False, add_n=None):

@@ -173,6 +173,33 @@ def test_multitask_regulariser_under_summed_slices_counts_once_per_batch():
     assert max_diff(*models) < TOL
 
 
+@pytest.mark.jax_only(reason="`compute_loss_and_updates` is Keras' JAX trainer's")
+def test_an_own_compute_loss_and_updates_is_called():
+    # A subclass's own JAX forward and loss (here a per-row mean term more):
+    # called, whole batch or slices, as `keras.Model`'s step calls it.
+    def with_term(base):
+        class Model(base):
+            def compute_loss_and_updates(self, tv, ntv, mv, x, y, sw, **kwargs):
+                loss, (unscaled, y_pred, ntv, mv) = super().compute_loss_and_updates(
+                    tv, ntv, mv, x, y, sw, **kwargs
+                )
+                extra = 0.1 * keras.ops.mean(keras.ops.square(y_pred))
+                return loss + extra, (unscaled + extra, y_pred, ntv, mv)
+
+        return Model
+
+    def build(cls=keras.Model, **options):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        return with_term(cls)(inputs, keras.layers.Dense(3)(inputs), **options)
+
+    x, y = data()
+    ref = reference(build, x[:N], y[:N], batch_size=22, epochs=1)
+    for options in ({}, {"micro_batches": 2}):
+        model, _ = fastgrad_run(build, x[:N], y[:N], batch_size=22, epochs=1, **options)
+        assert max_diff(ref, model) < TOL
+
+
 def test_mixed_float16_slices_and_a_dropped_batch():
     # Loss scaling: each slice's share is applied to its unscaled float32
     # gradient (the scaled loss times `D_i` would overflow float16).

@@ -28,7 +28,7 @@ from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import multitask as jax_multitask
 from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.step import slicing, splitting
-from keras_fastgrad.step.compile_loss import regularized_variables
+from keras_fastgrad.step.compile_loss import LossTerms, regularized_variables
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import task_names
 from keras_fastgrad.step.weighting import weighed_loss
@@ -66,20 +66,18 @@ def gradient(model, slots, state, batch, weighed, batch_rows=None):
     options = model.fastgrad_step_state.options.combining()
     found = {}
 
-    def compute(trainable, layer_values, metric_values, x, y, sample_weight):
-        def loss_of(y_pred, forward):
-            def terms_of():
-                return slicing.slice_terms(model, x, y, y_pred, sample_weight, False, forward)
+    def loss_of(terms_of):
+        if batch_rows is not None:
+            return slicing.slice_loss(model, terms_of, rows, batch_rows, options)
+        if not weighed:
+            return terms_of()[0], None
+        losses, _, share = weighed_loss(model, terms_of, rows, options)
+        return losses, share
 
-            if batch_rows is not None:
-                return slicing.slice_loss(model, terms_of, rows, batch_rows, options)
-            if not weighed:
-                return terms_of()[0], None
-            losses, _, share = weighed_loss(model, terms_of, rows, options)
-            return losses, share
-
+    def compute(trainable, layer_values, metric_values, *batch):
+        values = (trainable, layer_values, metric_values, ov)
         ((loss,), found["share"]), y_pred, new_ntv, new_mv = _stateless_loss(
-            model, trainable, layer_values, metric_values, x, loss_of
+            model, values, batch, loss_of
         )
         return loss, (loss, y_pred, new_ntv, new_mv)
 
@@ -262,11 +260,30 @@ def _per_batch(grads, totals, batch, mean, accumulating, aux):
     return grads, d, mean, (batch.loss, *aux[1:])
 
 
-def _stateless_loss(model, trainable, ntv, mv, x, loss_of):
-    """Keras' JAX forward and loss on the state's values, the loss computed
-    by `loss_of(y_pred, forward_losses)` (`forward_losses`: the call's
-    `model.losses`), as `compute_loss_and_updates` computes its own.
-    Returns `(loss_of's result, y_pred, non_trainable, metrics)`."""
+def _stateless_loss(model, values, batch, loss_of):
+    """Keras' JAX forward and loss on the state's `values` (`(trainable,
+    non_trainable, metrics, optimizer)`), the loss computed by
+    `loss_of(terms_of)`, `terms_of()` giving `slicing.slice_terms` of the
+    forward (its `model.losses` split into terms), as
+    `compute_loss_and_updates` computes its own. A subclass's own
+    `compute_loss_and_updates` is called instead (its unscaled loss, its
+    terms unknown: `compile_loss.check_extra_terms` refuses where they
+    cannot be weighted). Returns `(loss_of's result, y_pred,
+    non_trainable, metrics)`."""
+    trainable, ntv, mv, ov = values
+    x, y, sample_weight = batch
+    if type(model).compute_loss_and_updates is not keras.Model.compute_loss_and_updates:
+        found = {}
+
+        def own_terms():
+            _, found["aux"] = model.compute_loss_and_updates(
+                trainable, ntv, mv, *batch, training=True, optimizer_variables=ov
+            )
+            loss = found["aux"][0]
+            return [loss], LossTerms(loss, None, None, None, False)
+
+        result = loss_of(own_terms)
+        return (result, *found["aux"][1:])
     kwargs = {"training": True} if compat.call_has_training_arg(model) else {}
     y_pred, ntv, forward = model.stateless_call(trainable, ntv, x, return_losses=True, **kwargs)
     mapping = [
@@ -275,7 +292,9 @@ def _stateless_loss(model, trainable, ntv, mv, x, loss_of):
         *zip(model.metrics_variables, mv),
     ]
     with keras.StatelessScope(state_mapping=mapping) as scope:
-        result = loss_of(y_pred, forward)
+        result = loss_of(
+            lambda: slicing.slice_terms(model, x, y, y_pred, sample_weight, False, forward)
+        )
     current = [
         _current(scope, v) for v in (*model.non_trainable_variables, *model.metrics_variables)
     ]

@@ -251,7 +251,7 @@ def _slice_step(model, variables, scaling, merger, facts, measure, options, batc
         if measure is not None:
             measured = measure[0](grads[0], tf.cast(rows, tf.float32), share.actual, i)
         sums = _added(i, totals.sums, grads)
-        totals = slicing.add_slice(totals, sums, losses, share.actual, measured)
+        totals = slicing.add_slice(totals, sums, losses, share.actual, measured, tf.add_n)
         return totals, flat_pred, flat_mask
 
     return step
