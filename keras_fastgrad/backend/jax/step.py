@@ -4,8 +4,9 @@ The same chain and contract as the TensorFlow step
 (`keras_fastgrad.backend.tensorflow.train_step`), for the options the JAX backend supports
 (`keras_fastgrad.backend`):
 
-    gradient (`jax.value_and_grad` of Keras' `compute_loss_and_updates`,
-      the micro-batch's loss times its share `D_j` when accumulating)
+    gradient (`jax.value_and_grad` of Keras' stateless forward and loss,
+      `jax_micro_batches.gradient`, the micro-batch's loss times its
+      share `D_j` when accumulating)
       -> unscale -> finite check -> loss-scale rule -> [accumulate]
       -> [window complete] divide by the window's normaliser -> clip
       -> gated update: `jax.lax.cond` over the optimizer's `stateless_apply`
