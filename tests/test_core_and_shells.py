@@ -43,7 +43,7 @@ RULES = {
         ),
     ],
     "each micro-batch's weight": [
-        ("keras_fastgrad.step.weighting", ("LossShares", "forward_with_share")),
+        ("keras_fastgrad.step.weighting", ("LossShares", "forward_with_share", "weighed_loss")),
         ("keras_fastgrad.maths.weighting", ("normaliser", "share_of")),
     ],
     "the window: its division, when it is complete, what a partial one does": [
@@ -58,7 +58,14 @@ RULES = {
         (
             "keras_fastgrad.step.slicing",
             ("SliceTotals", "add_slice", "batch_normaliser", "batch_loss", "batch_gradient")
-            + ("slice_losses", "surplus_regularization"),
+            + ("slice_losses", "surplus_regularization", "slice_loss", "slice_terms")
+            + ("SlicedBatch", "after_slices", "weight_penalty"),
+        ),
+    ],
+    "the loss's terms beyond the output losses: told apart, weighted or refused": [
+        (
+            "keras_fastgrad.step.compile_loss",
+            ("loss_terms", "present_terms", "check_extra_terms", "check_present_terms"),
         ),
     ],
     "the clip factors, global and adaptive": [
@@ -106,7 +113,7 @@ RULES = {
         (
             "keras_fastgrad.step.trainer",
             ("refuses", "check_options", "check_callback", "check_model", "check_strategy")
-            + ("check_trainable_unchanged", "check_loss_terms", "with_divergence_stop"),
+            + ("check_trainable_unchanged", "with_divergence_stop"),
         ),
     ],
 }

@@ -62,6 +62,7 @@ from keras_fastgrad._compat.keras import (  # noqa: F401
     compute_output_spec,
     first_batch,
     flatten_layers,
+    forward_losses,
     functional_init_arguments,
     get_keras_mask,
     has_own_losses,

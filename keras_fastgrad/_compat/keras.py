@@ -125,6 +125,22 @@ def losses_overridden(model):
     return bool(getattr(model, "_losses_override", None))
 
 
+@contextlib.contextmanager
+def forward_losses(model, losses):
+    """Within the block, `model.losses` is `losses`: a stateless forward's
+    (`stateless_call(..., return_losses=True)`), as Keras' JAX trainer
+    hands them to `compute_loss`. No-op for no losses."""
+    if not losses:
+        yield
+        return
+    before = model._losses_override
+    model._losses_override = list(losses)
+    try:
+        yield
+    finally:
+        model._losses_override = before
+
+
 def first_batch(iterator):
     """The next batch of the `EpochIterator` that `fit` passes to
     `_maybe_symbolic_build`. Its entries are `(step, data_iterator)` before

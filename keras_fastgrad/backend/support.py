@@ -56,14 +56,6 @@ BACKEND_SUPPORT = (
         key="loss_scale_factor",
     ),
     Feature("`micro_batches`", note="exact: the whole batch's gradient, one update"),
-    Feature(
-        '`micro_batches` with a `reduction="sum"` output loss and terms beyond the output '
-        "losses (weight regularisers, activity regularisers, `add_loss`)",
-        jax=REFUSED,
-        note="TensorFlow counts the weight regularisation once per batch and weights the "
-        "per-row terms by each slice's rows; the JAX step does not yet",
-        key="micro_batches_sum_terms",
-    ),
     Feature('`batchnorm_statistics` (`"window"`, `"micro_batch"`)'),
     Feature(
         "`multitask` (every aggregator, parameter and features space) and its `task_*` keys",

@@ -99,20 +99,28 @@ def regularized_variables(model):
     return [v for v in model.trainable_weights if getattr(v, "regularizer", None) is not None]
 
 
-def loss_terms(model, x, y, y_pred, sample_weight):
+def loss_terms(model, x, y, y_pred, sample_weight, forward=None):
     """The training loss and its parts (a `LossTerms`).
 
     Without terms beyond the output losses, or with an overridden
     `compute_loss`, the loss is computed exactly as Keras' step does (no
     other op). Otherwise the parts are summed as `keras.Model.compute_loss`
     sums them: the compiled loss, the layers' losses, the weight
-    regularisation."""
+    regularisation.
+
+    Args:
+        model: The compiled model, called on `x` (its forward pass done).
+        x, y, y_pred, sample_weight: The batch and its predictions.
+        forward: `None` (the layers hold their losses: TensorFlow), or the
+            list of `model.losses` a stateless forward returned (Keras' JAX
+            `stateless_call(..., return_losses=True)`: the layers' losses,
+            then one weight penalty per regularised variable).
+    """
     if not default_compute_loss(model):
-        return LossTerms(
-            compat.compute_loss(model, x, y, y_pred, sample_weight), None, None, None, False
-        )
-    rows = layer_losses(model)
-    weights = [v.regularizer(v) for v in regularized_variables(model)]
+        with compat.forward_losses(model, forward):
+            total = compat.compute_loss(model, x, y, y_pred, sample_weight)
+        return LossTerms(total, None, None, None, False)
+    rows, weights = _extra_terms(model, forward)
     if not rows and not weights:
         total = compat.compute_loss(model, x, y, y_pred, sample_weight)
         return LossTerms(total, total, None, None, True)
@@ -127,14 +135,44 @@ def loss_terms(model, x, y, y_pred, sample_weight):
     return LossTerms(total, compiled, add(weights), add(rows), True)
 
 
+def _extra_terms(model, forward):
+    """`(rows, weights)`: the layers' losses and the weight penalties, read
+    from the layers or split from a stateless forward's `model.losses`
+    (`loss_terms`)."""
+    regularized = regularized_variables(model)
+    if forward is None:
+        return layer_losses(model), [v.regularizer(v) for v in regularized]
+    forward = list(forward)
+    split = len(forward) - len(regularized)
+    return forward[:split], forward[split:]
+
+
 def present_terms(model):
-    """Which terms beyond the output losses the model has (a `LossTerms`
-    whose parts are placeholders: the multi-task step's, which weights its
-    regularisation as one term). Call after the forward pass."""
-    present = lambda found: keras.ops.convert_to_tensor(0.0) if found else None  # noqa: E731
-    return LossTerms(
-        None, None, present(regularized_variables(model)), present(layer_losses(model)), True
-    )
+    """Which terms beyond the output losses the model's last forward pass
+    had: a `LossTerms` whose parts are placeholders (`0.0` where present),
+    for a step that does not sum them itself (the multi-task step, which
+    weights its regularisation as one term; Keras' JAX forward, whose
+    stateless call leaves only the ids of the layers' losses). Call after
+    the forward pass."""
+    present = lambda found: 0.0 if found else None  # noqa: E731
+    rows = any(compat.has_own_losses(layer) for layer in compat.flatten_layers(model))
+    weights = regularized_variables(model)
+    return LossTerms(None, None, present(weights), present(rows), default_compute_loss(model))
+
+
+def check_present_terms(model, share):
+    """`check_extra_terms` of `present_terms` under the model's combining
+    options (`weighting.forward_with_share`'s check: a forward that does
+    not sum the terms itself).
+
+    Args:
+        model: The `FastGradModel`, after its forward pass.
+        share: The micro-batch's `weighting.Share`.
+    """
+    step_state = model.fastgrad_step_state
+    options = step_state.options.combining()
+    merged = step_state.merger is not None
+    check_extra_terms(model, share, options, present_terms(model), merged=merged)
 
 
 def check_extra_terms(model, share, options, terms, merged=False):

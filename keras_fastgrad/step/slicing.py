@@ -36,13 +36,14 @@ Refused, where the options and the loss are checked: `micro_batches` not
 an integer >= 1, or with `multitask_space="features"` (`models.options`);
 terms beyond the output losses a slice cannot weight exactly
 (`compile_loss.check_extra_terms`); a synchronized BatchNorm
-(`batchnorm`). The JAX step does not yet apply the `"sum"` rules above to
-terms beyond the output losses: it refuses them by name
-(`backend.support`, key `micro_batches_sum_terms`).
+(`batchnorm`).
 
-Written once for both backends, importing neither: the loops (a
-`tf.while_loop` with one slice in memory / `jax.lax.scan`) and the
-gradients (tape / `value_and_grad`) are the shells'
+Written once for both backends, importing neither: one slice's losses
+and share (`slice_loss`), what it adds to the totals (`add_slice`), the
+batch after the loop (`after_slices`). The loops (a `tf.while_loop` with
+one slice in memory / `jax.lax.scan`), how the forward pass runs (the
+model's call / Keras' stateless call) and the gradients (tape /
+`value_and_grad`, the weight penalty's too) are the shells'
 (`keras_fastgrad.backend.tensorflow.slicing`,
 `keras_fastgrad.backend.jax.micro_batches`); they call these rules.
 """
@@ -54,7 +55,14 @@ import typing
 from keras import ops, tree
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.step.compile_loss import (
+    loss_terms,
+    present_terms,
+    regularized_variables,
+)
 from keras_fastgrad.step.splitting import first_input, slice_sizes  # noqa: F401  (re-exported)
+from keras_fastgrad.step.task_losses import regularization_loss, task_losses
+from keras_fastgrad.step.weighting import weighed_loss
 
 
 class SliceTotals(typing.NamedTuple):
@@ -110,7 +118,7 @@ class SliceFacts(typing.NamedTuple):
         ]
 
 
-def add_slice(totals, sums, loss, share, measure=None):
+def add_slice(totals, sums, losses, share, measure=None, add_n=None):
     """The totals after one slice.
 
     Args:
@@ -119,16 +127,58 @@ def add_slice(totals, sums, loss, share, measure=None):
             shell adds them: its own how, e.g. started from the first
             slice's gradients). A non-finite slice makes them non-finite:
             the step's finite verdict then drops the whole batch.
-        loss: The slice's (unscaled) loss, any float dtype.
+        losses: The slice's (unscaled) losses as differentiated
+            (`slice_loss`), any float dtype: their float32 sum is added.
         share: The slice's `D_i` (float32).
         measure: The slice's measure to add, or `None`.
+        add_n: The shell's sum of a list of tensors, or `None` (`+`).
     """
     measured = totals.measured
     if measure is not None:
         measured = (measured[0] + measure,)
-    return SliceTotals(
-        sums, totals.loss + ops.cast(loss, "float32") * share, totals.normaliser + share, measured
-    )
+    losses = [ops.cast(l, "float32") for l in losses]
+    loss = add_n(losses) if add_n is not None else functools.reduce(operator.add, losses)
+    return SliceTotals(sums, totals.loss + loss * share, totals.normaliser + share, measured)
+
+
+def slice_terms(model, x, y, y_pred, sample_weight, merged=False, forward=None):
+    """`(losses, terms)`: the losses a slice's gradient is taken of, before
+    the `"sum"` rules (`slice_loss`), and its `compile_loss.LossTerms`.
+
+    One loss, the model's (`compile_loss.loss_terms`); merged (multi-task),
+    one per task and the regularisation (`model.losses`; a zero if none:
+    no variable gets a gradient from it). `forward`: a stateless forward's
+    `model.losses` (JAX), or `None` (the layers hold them).
+    """
+    if not merged:
+        terms = loss_terms(model, x, y, y_pred, sample_weight, forward)
+        return [terms.total], terms
+    regularization = regularization_loss(model)
+    if regularization is None:
+        regularization = ops.convert_to_tensor(0.0)
+    return task_losses(model, y, y_pred, sample_weight) + [regularization], present_terms(model)
+
+
+def slice_loss(model, terms_of, rows, batch_rows, options, merged=False, add_n=None):
+    """One slice's losses as differentiated, and its share `D_i`: the loss
+    weighed and its terms checked (`weighting.weighed_loss`, `terms_of()`
+    e.g. `slice_terms`), the `"sum"` rules applied (`slice_losses`).
+
+    Args:
+        model: The `FastGradModel`, its forward pass on the slice done or
+            done inside `terms_of`.
+        terms_of: `() -> (losses, terms)`, the slice's losses and terms.
+        rows: The slice's rows; batch_rows: the batch's.
+        options: The combining options as set (e.g. `["micro_batches=3"]`).
+        merged: Python bool, the multi-task step.
+        add_n: The shell's sum of a list of tensors, or `None` (`+`).
+
+    Returns:
+        `(losses, share)`: the list of losses (unscaled; the gradient is
+        taken of each times `share.loss_weight(...)`), a `weighting.Share`.
+    """
+    losses, terms, share = weighed_loss(model, terms_of, rows, options, merged)
+    return slice_losses(losses, terms, share.mean, merged, rows, batch_rows, add_n), share
 
 
 def batch_normaliser(totals, mean, one):
@@ -211,6 +261,62 @@ def take_back(grads, penalty_grads, surplus):
     variable has both (`penalty_grads`: a gradient or `None` per
     variable, aligned with `grads`)."""
     return [g if p is None or g is None else g - surplus * p for g, p in zip(grads, penalty_grads)]
+
+
+def weight_penalty(model):
+    """The weight regularisation of `model`'s trainable variables, float32
+    (`None` without a regularised variable): what `surplus_regularization`
+    counts. Call it where the shell takes its gradient."""
+    penalties = [ops.cast(v.regularizer(v), "float32") for v in regularized_variables(model)]
+    return functools.reduce(operator.add, penalties) if penalties else None
+
+
+class SlicedBatch(typing.NamedTuple):
+    """The batch after its slices' loop (`after_slices`).
+
+    Fields:
+        loss: The batch's loss, as the un-split batch's (`batch_loss`).
+        sums: The gradient sums (one list per loss), the last less the
+            surplus weight penalties (`surplus_regularization`).
+        normaliser: The batch's normaliser (`batch_normaliser`).
+        loss_sum: float32, the slices' weighted losses summed, less the
+            surplus penalties (the multi-task merge's finite check).
+    """
+
+    loss: typing.Any
+    sums: list
+    normaliser: typing.Any
+    loss_sum: typing.Any
+
+
+def after_slices(totals, mean, one, penalty_gradient):
+    """The batch's loss, sums and normaliser from the slices' totals: under
+    `reduction="sum"` the weight penalty counted once per batch, not once
+    per slice (its loss and its gradient taken back `surplus` times from
+    the last row of sums: the model's loss, or the regularisation's).
+
+    Args:
+        totals: The loop's `SliceTotals` (the sums unscaled, `None` where
+            no slice gives a variable a gradient).
+        mean: Python bool, a mean reduction.
+        one: The shell's float32 1 (the normaliser under `"sum"`).
+        penalty_gradient: The shell's `() -> (penalty, grads)`: the value
+            of `weight_penalty` and its gradient (aligned with the sums, a
+            gradient or `None` per variable), or `None` without a
+            regularised variable; called only under `"sum"`.
+
+    Returns:
+        A `SlicedBatch`.
+    """
+    loss_sum, sums = totals.loss, list(totals.sums)
+    surplus = surplus_regularization(totals, mean)
+    found = None if surplus is None else penalty_gradient()
+    if found is not None:
+        penalty, penalty_grads = found
+        loss_sum = loss_sum - surplus * penalty
+        sums[-1] = take_back(sums[-1], penalty_grads, surplus)
+    loss = batch_loss(totals._replace(loss=loss_sum), mean)
+    return SlicedBatch(loss, sums, batch_normaliser(totals, mean, one), loss_sum)
 
 
 def hand_off(values, before):

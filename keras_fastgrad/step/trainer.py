@@ -140,50 +140,6 @@ def check_trainable_unchanged(model):
     )
 
 
-def check_loss_terms(model, mean, by_rows, describe="the compiled loss", *, backend):
-    """Refuses (trace time) loss terms beyond the output losses that a
-    window cannot weight exactly, for a step that reads them after Keras'
-    stateless call (the layers' own losses went with it: only whether
-    there are any is known): by the core's rule
-    (`compile_loss.check_extra_terms`: its `ValueError` and fix), then,
-    where the backend refuses it (`micro_batches_sum_terms`),
-    `micro_batches` under `reduction="sum"` with such terms. Elsewhere each
-    micro-batch's loss, terms included, is weighted by its share `D_j`.
-
-    Args:
-        model: The `FastGradModel`.
-        mean: Python bool, the loss is a mean (`False`: `reduction="sum"`).
-        by_rows: Python bool, the share is the micro-batch's rows.
-        describe: What the loss is, for the messages.
-        backend: The shell's `NAME`.
-
-    Raises:
-        ValueError: `compile_loss.check_extra_terms`'.
-        NotImplementedError: `micro_batches_sum_terms` (`support.refusal`).
-    """
-    import types
-
-    from keras_fastgrad.step.compile_loss import (
-        LossTerms,
-        check_extra_terms,
-        default_compute_loss,
-        regularized_variables,
-    )
-
-    set_options = model.fastgrad_step_state.options
-    options = set_options.combining()
-    rows = any(compat.has_own_losses(layer) for layer in compat.flatten_layers(model))
-    known, weights = default_compute_loss(model), regularized_variables(model)
-    present = lambda found: 0.0 if found else None  # noqa: E731 (a placeholder part)
-    share = types.SimpleNamespace(mean=mean, by_rows=by_rows, describe=describe)
-    merged = model.fastgrad_step_state.merger is not None
-    terms = LossTerms(None, None, present(weights), present(rows), known)
-    check_extra_terms(model, share, options, terms, merged=merged)
-    sliced_sum = set_options.micro_batches > 1 and not mean and (rows or weights)
-    if sliced_sum and refuses("micro_batches_sum_terms", backend):
-        raise refusal("micro_batches_sum_terms", ", ".join(options))
-
-
 # ---------------------------------------------------------- tf.distribute
 def check_strategy(model, strategy):
     """Refuses what the model's `tf.distribute` `strategy` cannot train.

@@ -40,7 +40,7 @@ from keras_fastgrad.maths.weighting import (  # noqa: F401  (re-exported)
     normaliser,
     share_of,
 )
-from keras_fastgrad.step.compile_loss import wrapped_output_losses
+from keras_fastgrad.step.compile_loss import check_extra_terms, wrapped_output_losses
 
 
 class LossShares:
@@ -100,8 +100,8 @@ def forward_with_share(model, rows, accumulating, forward, check_extra_terms):
         rows: The micro-batch's rows.
         accumulating: Python bool.
         forward: Zero-argument callable, the forward pass and loss.
-        check_extra_terms: `(model, mean, by_rows, describe)`, raises for
-            extra loss terms the share cannot weigh.
+        check_extra_terms: `(model, share)`, raises for extra loss terms
+            the share cannot weigh (`compile_loss.check_present_terms`).
 
     Example:
 
@@ -119,5 +119,28 @@ def forward_with_share(model, rows, accumulating, forward, check_extra_terms):
     with LossShares(model, rows) as shares:
         result = forward()
     share = shares.share()
-    check_extra_terms(model, share.mean, share.by_rows, share.describe)
+    check_extra_terms(model, share)
     return result, share.actual, share.mean
+
+
+def weighed_loss(model, terms_of, rows, options=None, merged=False):
+    """`terms_of()` under `LossShares`, the share read and, with `options`,
+    the loss's terms beyond the output losses checked: `(losses, terms,
+    share)` (the step's form where the forward sums the terms itself).
+
+    Args:
+        model: The model whose loss `terms_of` computes.
+        terms_of: `() -> (losses, terms)`: the list of losses the gradient
+            is taken of and their `compile_loss.LossTerms`.
+        rows: The micro-batch's (or slice's) rows.
+        options: The combining options as set (e.g.
+            `["accumulation_steps=4"]`), or `None`: not checked (trace time,
+            `compile_loss.check_extra_terms`).
+        merged: Python bool, the multi-task step.
+    """
+    with LossShares(model, rows) as shares:
+        losses, terms = terms_of()
+    share = shares.share()
+    if options is not None:
+        check_extra_terms(model, share, options, terms, merged=merged)
+    return losses, terms, share

@@ -194,28 +194,9 @@ def _id(case):
 FAST = [EXACT[i] for i in (1, 2, 6, 11, 14, 18)]
 SWEEP = [case for case in EXACT if case not in FAST]
 
-# On JAX the step refuses by name (`NotImplementedError`) what it does not
-# weigh yet: `micro_batches` under `reduction="sum"` with terms beyond the
-# output losses (TensorFlow counts the weight regularisation once per batch
-# and weights the per-row losses by each slice's share of the rows). Strict:
-# once JAX weighs them, these cases must be unmarked.
-JAX_NOT_YET = pytest.mark.xfail(
-    keras.backend.backend() == "jax",
-    raises=NotImplementedError,
-    strict=True,
-    reason='JAX refuses micro_batches with reduction="sum" and extra loss terms (not yet weighted)',
-)
-
 
 def _params(cases):
-    def not_yet(case):
-        _, reduction, _, (options, _) = case
-        return reduction == "sum" and "micro_batches" in options
-
-    return [
-        pytest.param(case, id=_id(case), marks=[JAX_NOT_YET] if not_yet(case) else [])
-        for case in cases
-    ]
+    return [pytest.param(case, id=_id(case)) for case in cases]
 
 
 def check_exact(case):

@@ -127,8 +127,9 @@ def test_batchnorm_moves_per_slice_as_keras_accumulation():
     assert max_diff(plain, model) < TOL  # ("window": tests/step/test_batchnorm_jax.py)
 
 
-@pytest.mark.jax_only(reason="the JAX step's refusal (TensorFlow's step does not refuse it)")
-def test_regulariser_under_weighted_slices_is_refused_by_name():
+def test_regulariser_under_summed_slices_counts_once_per_batch():
+    # Under `reduction="sum"` each slice's share is 1: the weight penalty,
+    # in every slice's loss, is taken back to once per batch (both backends).
     def regularized(cls=keras.Model, **options):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((8,))
@@ -137,13 +138,66 @@ def test_regulariser_under_weighted_slices_is_refused_by_name():
 
     x, y = data()
     total = keras.losses.MeanSquaredError(reduction="sum")  # each slice's share 1
-    with pytest.raises(NotImplementedError, match="micro_batches=2"):
-        fastgrad_run(regularized, x, y, epochs=1, loss=total, micro_batches=2)
+    ref = reference(regularized, x[:N], y[:N], batch_size=22, epochs=1, loss=total)
+    model, _ = fastgrad_run(
+        regularized, x[:N], y[:N], batch_size=22, epochs=1, loss=total, micro_batches=2
+    )
+    assert max_diff(ref, model) < TOL
     # By rows, under a mean: exact (each slice's loss holds the penalty once).
     ref = reference(regularized, x[:N], y[:N], batch_size=22, epochs=1)
     model, _ = fastgrad_run(regularized, x[:N], y[:N], batch_size=22, epochs=1, micro_batches=3)
     assert max_diff(ref, model) < TOL
     assert isinstance(model, kf.FastGradModel)
+
+
+def test_multitask_regulariser_under_summed_slices_counts_once_per_batch():
+    # The merged step's regularisation row, under `reduction="sum"`: taken
+    # back to once per batch, as the un-split step (same backend) counts it.
+    def two_heads(**options):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(5, activation="tanh", kernel_regularizer="l2")(inputs)
+        heads = {n: keras.layers.Dense(1, name=n)(h) for n in ("a", "b")}
+        return kf.FastGradModel(inputs, heads, multitask="upgrad", **options)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(22, 4)).astype("float32")
+    y = {n: rng.normal(size=(22, 1)).astype("float32") for n in ("a", "b")}
+    models = []
+    for slices in (1, 3):
+        model = two_heads(micro_batches=slices)
+        total = {n: keras.losses.MeanSquaredError(reduction="sum") for n in ("a", "b")}
+        model.compile(keras.optimizers.SGD(0.01), total)
+        model.fit(x, y, batch_size=22, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    assert max_diff(*models) < TOL
+
+
+@pytest.mark.jax_only(reason="`compute_loss_and_updates` is Keras' JAX trainer's")
+def test_an_own_compute_loss_and_updates_is_called():
+    # A subclass's own JAX forward and loss (here a per-row mean term more):
+    # called, whole batch or slices, as `keras.Model`'s step calls it.
+    def with_term(base):
+        class Model(base):
+            def compute_loss_and_updates(self, tv, ntv, mv, x, y, sw, **kwargs):
+                loss, (unscaled, y_pred, ntv, mv) = super().compute_loss_and_updates(
+                    tv, ntv, mv, x, y, sw, **kwargs
+                )
+                extra = 0.1 * keras.ops.mean(keras.ops.square(y_pred))
+                return loss + extra, (unscaled + extra, y_pred, ntv, mv)
+
+        return Model
+
+    def build(cls=keras.Model, **options):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        return with_term(cls)(inputs, keras.layers.Dense(3)(inputs), **options)
+
+    x, y = data()
+    ref = reference(build, x[:N], y[:N], batch_size=22, epochs=1)
+    for options in ({}, {"micro_batches": 2}):
+        model, _ = fastgrad_run(build, x[:N], y[:N], batch_size=22, epochs=1, **options)
+        assert max_diff(ref, model) < TOL
 
 
 def test_mixed_float16_slices_and_a_dropped_batch():

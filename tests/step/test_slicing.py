@@ -250,7 +250,7 @@ def test_the_totals_give_the_whole_batch_loss_and_gradient():
     for d, loss, g in ((3.0, 1.0, [1.0, 2.0]), (2.0, 4.0, [6.0, -1.0])):
         d = ops.convert_to_tensor(d)
         sums = [[totals.sums[0][0] + ops.convert_to_tensor(g) * d]]
-        totals = slicing.add_slice(totals, sums, ops.convert_to_tensor(loss), d)
+        totals = slicing.add_slice(totals, sums, [ops.convert_to_tensor(loss)], d)
     one = ops.convert_to_tensor(1.0)
     normaliser = slicing.batch_normaliser(totals, True, one)
     np.testing.assert_allclose(float(normaliser), 5.0)
@@ -277,7 +277,7 @@ def test_a_non_finite_slice_makes_the_batch_non_finite():
     for g, loss in ((1.0, 1.0), (np.nan, 2.0), (1.0, 1.0)):
         one = ops.convert_to_tensor(1.0)
         sums = [[totals.sums[0][0] + ops.convert_to_tensor(g)]]
-        totals = slicing.add_slice(totals, sums, ops.convert_to_tensor(loss), one)
+        totals = slicing.add_slice(totals, sums, [ops.convert_to_tensor(loss)], one)
     (grad,) = slicing.batch_gradient(totals.sums[0], totals.normaliser, True, False)
     assert np.isnan(float(grad))  # (the step's finite verdict drops the batch)
     assert np.isfinite(float(slicing.batch_loss(totals, True)))  # (the loss was finite)
@@ -348,3 +348,29 @@ def test_only_a_single_sum_reduced_loss_with_per_row_terms_is_reweighted():
     assert slicing.slice_losses(losses, without, False, False, 2, 8) is losses
     (loss,) = slicing.slice_losses(losses, with_rows, False, False, 2, 8)
     np.testing.assert_allclose(float(loss), 2.0 + 0.5 + 3.0 * 2 / 8)
+
+
+def test_after_slices_counts_the_penalty_once_per_batch():
+    from keras import ops
+
+    from keras_fastgrad.step import slicing
+
+    # `"sum"`, 3 slices of share 1, each loss holding the penalty 0.5 once:
+    # the batch holds it once (2 too many in the loss and the last row).
+    one = ops.convert_to_tensor(1.0)
+    sums = [[ops.convert_to_tensor([4.0, 1.0])], [ops.convert_to_tensor([3.0, 3.0])]]
+    totals = slicing.SliceTotals(sums, ops.convert_to_tensor(9.0), ops.convert_to_tensor(3.0))
+    penalty = lambda: (ops.convert_to_tensor(0.5), [ops.convert_to_tensor([1.0, 0.0])])  # noqa: E731
+    batch = slicing.after_slices(totals, False, one, penalty)
+    np.testing.assert_allclose(float(batch.loss), 8.0)
+    np.testing.assert_allclose(float(batch.loss_sum), 8.0)
+    np.testing.assert_allclose(ops.convert_to_numpy(batch.sums[0][0]), [4.0, 1.0])
+    np.testing.assert_allclose(ops.convert_to_numpy(batch.sums[1][0]), [1.0, 3.0])
+    assert float(batch.normaliser) == 1.0
+    # Under a mean each slice's `D_i` weighs its penalty: exact, never asked.
+    batch = slicing.after_slices(totals, True, one, lambda: pytest.fail("asked"))
+    np.testing.assert_allclose(float(batch.loss), 3.0)
+    assert float(batch.normaliser) == 3.0
+    # No regularised variable: nothing to take back.
+    batch = slicing.after_slices(totals, False, one, lambda: None)
+    np.testing.assert_allclose(float(batch.loss), 9.0)

@@ -7,10 +7,13 @@ How, on JAX: the batch's shape is static under `jit`, so the split is too
 A scan runs its body one slice after the other, so only one slice's
 activations are live at a time (a Python loop would put every slice's
 forward and backward in one graph, which XLA may schedule side by side).
-Each slice's gradient comes from `jax.value_and_grad` of its loss times
-its `D_i` (`jax_weighting.forward_with_share`; `jax.vjp` per task with
-`multitask`), the sums and the layers' and metrics' state are the scan's
-carry (`slicing.SliceTotals`, `slicing.hand_off`). BatchNorm: each slice
+Each slice's gradient comes from `jax.value_and_grad` of its loss
+(`slicing.slice_loss`, on Keras' stateless forward) times its `D_i`
+(`jax.vjp` per task with `multitask`), the sums and the layers' and
+metrics' state are the scan's carry (`slicing.SliceTotals`,
+`slicing.hand_off`); the batch's loss, sums and normaliser come from
+`slicing.after_slices` (the weight penalty's gradient by
+`jax.value_and_grad`). BatchNorm: each slice
 normalised by its own moments, the moving statistics one step per slice
 (`batchnorm_statistics="micro_batch"`) or pooled over the slices
 (`"window"`, `jax_batchnorm.forward`).
@@ -24,14 +27,81 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import multitask as jax_multitask
 from keras_fastgrad.backend.jax import reaching as jax_reaching
-from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.step import slicing, splitting
+from keras_fastgrad.step.compile_loss import LossTerms, regularized_variables
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import task_names
+from keras_fastgrad.step.weighting import weighed_loss
 
 
-def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, check_extra_terms):
-    """The batch's gradient from its `micro_batches` slices.
+def gradient(model, slots, state, batch, weighed, batch_rows=None):
+    """One micro-batch's (or slice's) gradient: Keras' stateless forward on
+    `state`'s values, the loss (`slicing.slice_terms`) weighed by its share
+    `D` and its terms checked where `weighed` (`weighting.weighed_loss`),
+    a slice's `"sum"` rules applied under `batch_rows`
+    (`slicing.slice_loss`), and `jax.value_and_grad` of it times `D` (or
+    the loss scale, then unscaled).
+
+    Args:
+        model: The `FastGradModel`.
+        slots: The step's `jax_state.Slots`.
+        state: `(trainable, non_trainable, optimizer, metrics)` values.
+        batch: `(x, y, sample_weight)`.
+        weighed: Python bool, whether micro-batches are combined (the
+            gradient carries `D`).
+        batch_rows: For a slice, the batch's rows; `None` for a batch.
+
+    Returns:
+        `(grads, D, mean, aux)`: the float32 unscaled gradient (times `D`
+        where weighed), `D` (1 where not), whether the window divides by
+        its sum, and `(loss, y_pred, non_trainable, metrics)`.
+
+    Raises:
+        ValueError: (trace time) for loss terms a weighed micro-batch
+            cannot weight exactly (`compile_loss.check_extra_terms`).
+    """
+    tv, ntv, ov, mv = state
+    scale = ov[slots.scale.scale] if slots.scaler is not None else None
+    rows = first_input(batch[0]).shape[0]
+    options = model.fastgrad_step_state.options.combining()
+    found = {}
+
+    def loss_of(terms_of):
+        if batch_rows is not None:
+            return slicing.slice_loss(model, terms_of, rows, batch_rows, options)
+        if not weighed:
+            return terms_of()[0], None
+        losses, _, share = weighed_loss(model, terms_of, rows, options)
+        return losses, share
+
+    def compute(trainable, layer_values, metric_values, *batch):
+        values = (trainable, layer_values, metric_values, ov)
+        ((loss,), found["share"]), y_pred, new_ntv, new_mv = _stateless_loss(
+            model, values, batch, loss_of
+        )
+        return loss, (loss, y_pred, new_ntv, new_mv)
+
+    def loss_fn(trainable):
+        loss, aux = jax_batchnorm.forward(  # (BatchNorm moments pooled)
+            model, compute, trainable, ntv, mv, *batch
+        )
+        share = found["share"]
+        d = ops.convert_to_tensor(1.0) if share is None else share.actual
+        if scale is not None:  # (scaled: `D` after, in float32)
+            loss = loss * ops.cast(scale, loss.dtype)
+        elif share is not None:
+            loss = loss * ops.cast(d, loss.dtype)
+        return loss, (aux, d)
+
+    (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+    share = found.pop("share")
+    mean = True if share is None else share.mean
+    return jax_multitask.unscaled(grads, d, scale), d, mean, aux
+
+
+def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating):
+    """The batch's gradient from its `micro_batches` slices (each by
+    `gradient`).
 
     Args:
         model: The `FastGradModel`.
@@ -39,56 +109,28 @@ def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating, che
         state: `(trainable, non_trainable, optimizer, metrics)` values.
         x, y, sample_weight: The batch.
         accumulating: Python bool, `accumulation_steps` > 1.
-        check_extra_terms: `check(model, mean, by_rows)`, refusing loss
-            terms the slices cannot weight exactly (trace time).
 
     Returns:
-        `(grads, D, mean, aux)` as the JAX step's `_gradients`: the float32
-        unscaled gradient (times the share `D` when `accumulating`, else
-        the batch's own), `D`, whether the window divides by its sum, and
-        `(unscaled_loss, y_pred, non_trainable, metrics)` of the batch.
+        `(grads, D, mean, aux)` as `gradient`, of the whole batch: the
+        gradient times the share `D` when `accumulating`, else the batch's
+        own.
     """
-    tv, ntv, ov, mv = state
+    tv, _, ov, _ = state
+    batch_rows = first_input(x).shape[0]
     facts = {}
 
     def one_slice(layer_state, metric_state, px, py, psw):
-        rows = keras.tree.flatten(px)[0].shape[0]
-
-        def loss_fn(trainable):
-            (loss, aux), d, facts["mean"] = jax_weighting.forward_with_share(
-                model,
-                rows,
-                True,  # (every slice is weighed)
-                lambda: jax_batchnorm.forward(  # (BatchNorm moments pooled)
-                    model,
-                    model.compute_loss_and_updates,
-                    trainable,
-                    layer_state,
-                    metric_state,
-                    px,
-                    py,
-                    psw,
-                    training=True,
-                    optimizer_variables=ov,
-                ),
-                check_extra_terms,
-            )
-            if slots.scaler is None:  # (scaled: `D_i` after, in float32)
-                loss = loss * ops.cast(d, loss.dtype)
-            return loss, (aux, d)
-
-        (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
-        grads = [ops.cast(g, "float32") for g in grads]
-        if slots.scaler is not None:  # the scaled loss times `D_i` could overflow
-            grads = [g * d for g in grads]
+        piece = (tv, layer_state, ov, metric_state)
+        grads, d, facts["mean"], aux = gradient(
+            model, slots, piece, (px, py, psw), True, batch_rows
+        )
         return [grads], d, aux
 
     totals, aux = scan_slices(model, state, (x, y, sample_weight), one_slice, 1)
-    (grads,) = totals.sums
-    if slots.scaler is not None:
-        inverse = 1.0 / ops.cast(ov[slots.scale.scale], "float32")
-        grads = [g * inverse for g in grads]
-    return _per_batch(grads, totals, facts["mean"], accumulating, aux)
+    batch = slicing.after_slices(
+        totals, facts["mean"], ops.convert_to_tensor(1.0), lambda: _penalty_gradient(model, tv)
+    )
+    return _per_batch(batch.sums[0], totals, batch, facts["mean"], accumulating, aux)
 
 
 def sliced_task_gradients(
@@ -99,8 +141,9 @@ def sliced_task_gradients(
     `sum_i D_i`), merged ONCE after the slices (`step.slicing`'s rule):
     the same update as the un-split step.
 
-    Args and returns as `sliced_gradients`; `aux` has a fifth entry, the
-    task telemetry logs (`jax_multitask.gradients`').
+    Args and returns as `sliced_gradients`, and `check_extra_terms` as
+    `jax_multitask.gradients`'; `aux` has a fifth entry, the task
+    telemetry logs.
     """
     tv, ntv, _, _ = state
     num_tasks = len(task_names(model))
@@ -131,20 +174,20 @@ def sliced_task_gradients(
 
     totals, aux = scan_slices(model, state, (x, y, sample_weight), one_slice, num_tasks + 1)
     mean = facts["mean"]
-    per_task, regularization = totals.sums[:num_tasks], totals.sums[num_tasks]
+    batch = slicing.after_slices(totals, mean, None, lambda: _penalty_gradient(model, tv))
     reaching = [  # (every slice's trace reaches the same; united, never fewer)
         tuple(sorted(set().union(*ts))) for ts in zip(*facts["reaching"])
     ]
     merged, updates, gram = jax_multitask.merge_tasks(  # the sums carry `sum_i D_i`
         model,
-        per_task,
+        batch.sums[:num_tasks],
         reaching,
         ntv,
-        slicing.batch_normaliser(totals, mean, None),
-        regularization if facts["regularized"] else None,
-        ops.isfinite(totals.loss),
+        batch.normaliser,
+        batch.sums[num_tasks] if facts["regularized"] else None,
+        ops.isfinite(batch.loss_sum),
     )
-    grads, d, mean, aux = _per_batch(merged, totals, mean, accumulating, aux)
+    grads, d, mean, aux = _per_batch(merged, totals, batch, mean, accumulating, aux)
     return grads, d, mean, jax_multitask.with_updates(model, aux, updates, gram)
 
 
@@ -179,7 +222,7 @@ def scan_slices(model, state, batch, one_slice, num_rows):
         structure[:] = [y_pred]
         sums = [[s + g for s, g in zip(total, row)] for total, row in zip(totals.sums, rows)]
         carry = (
-            slicing.add_slice(totals, sums, unscaled, d),
+            slicing.add_slice(totals, sums, [unscaled], d),
             slicing.hand_off(new_layer_state, layer_state),
             slicing.hand_off(new_metric_state, metric_state),
         )
@@ -209,13 +252,74 @@ def scan_slices(model, state, batch, one_slice, num_rows):
     return totals, (None, y_pred, new_ntv, new_mv)
 
 
-def _per_batch(grads, totals, mean, accumulating, aux):
-    """`(grads, D, mean, aux)` from the slices' totals: the batch's loss,
-    gradient and normaliser (`slicing.batch_loss`, `batch_gradient`,
-    `batch_normaliser`)."""
+def _per_batch(grads, totals, batch, mean, accumulating, aux):
+    """`(grads, D, mean, aux)` from the slices' totals and `batch`
+    (`slicing.after_slices`): the batch's loss, gradient and normaliser."""
     d = slicing.batch_normaliser(totals, mean, ops.convert_to_tensor(1.0))
     grads = slicing.batch_gradient(grads, d, mean, accumulating)
-    return grads, d, mean, (slicing.batch_loss(totals, mean), *aux[1:])
+    return grads, d, mean, (batch.loss, *aux[1:])
+
+
+def _stateless_loss(model, values, batch, loss_of):
+    """Keras' JAX forward and loss on the state's `values` (`(trainable,
+    non_trainable, metrics, optimizer)`), the loss computed by
+    `loss_of(terms_of)`, `terms_of()` giving `slicing.slice_terms` of the
+    forward (its `model.losses` split into terms), as
+    `compute_loss_and_updates` computes its own. A subclass's own
+    `compute_loss_and_updates` is called instead (its unscaled loss, its
+    terms unknown: `compile_loss.check_extra_terms` refuses where they
+    cannot be weighted). Returns `(loss_of's result, y_pred,
+    non_trainable, metrics)`."""
+    trainable, ntv, mv, ov = values
+    x, y, sample_weight = batch
+    if type(model).compute_loss_and_updates is not keras.Model.compute_loss_and_updates:
+        found = {}
+
+        def own_terms():
+            _, found["aux"] = model.compute_loss_and_updates(
+                trainable, ntv, mv, *batch, training=True, optimizer_variables=ov
+            )
+            loss = found["aux"][0]
+            return [loss], LossTerms(loss, None, None, None, False)
+
+        result = loss_of(own_terms)
+        return (result, *found["aux"][1:])
+    kwargs = {"training": True} if compat.call_has_training_arg(model) else {}
+    y_pred, ntv, forward = model.stateless_call(trainable, ntv, x, return_losses=True, **kwargs)
+    mapping = [
+        *zip(model.trainable_variables, trainable),
+        *zip(model.non_trainable_variables, ntv),
+        *zip(model.metrics_variables, mv),
+    ]
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        result = loss_of(
+            lambda: slicing.slice_terms(model, x, y, y_pred, sample_weight, False, forward)
+        )
+    current = [
+        _current(scope, v) for v in (*model.non_trainable_variables, *model.metrics_variables)
+    ]
+    return result, y_pred, current[: len(ntv)], current[len(ntv) :]
+
+
+def _penalty_gradient(model, tv):
+    """`(penalty, grads)`: the weight penalty (`slicing.weight_penalty`) at
+    the trainable values `tv` and its float32 gradient; `None` without a
+    regularised variable."""
+    if not regularized_variables(model):
+        return None
+
+    def penalty(trainable):
+        mapping = list(zip(model.trainable_variables, trainable))
+        with keras.StatelessScope(state_mapping=mapping):
+            return slicing.weight_penalty(model)
+
+    value, grads = jax.value_and_grad(penalty)(list(tv))
+    return value, [ops.cast(g, "float32") for g in grads]
+
+
+def _current(scope, variable):
+    value = scope.get_current_value(variable)
+    return variable.value if value is None else value
 
 
 def _rows_first(tensors):

@@ -27,12 +27,12 @@ from keras import ops
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import reaching as jax_reaching
-from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax.state import multitask_variables
 from keras_fastgrad.maths.finite import all_finite
 from keras_fastgrad.step import multitask as core
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import task_losses, task_names
+from keras_fastgrad.step.weighting import forward_with_share
 
 
 def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extra_terms):
@@ -44,8 +44,9 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         state: `(trainable, non_trainable, optimizer, metrics)` values.
         x, y, sample_weight: The micro-batch.
         accumulating: Python bool, whether micro-batches are combined.
-        check_extra_terms: `jax_step`'s check of the loss terms a window
-            cannot weight, called as `(model, mean, by_rows, describe)`.
+        check_extra_terms: The check of the loss terms a window cannot
+            weight, called as `(model, share)`
+            (`compile_loss.check_present_terms`).
 
     Returns:
         `(grads, D, mean, aux)` as `jax_step._gradients`, `aux` with a
@@ -87,7 +88,7 @@ def losses_program(model, slots, state, x, y, sample_weight, accumulating, check
     found = {"mean": True}
 
     def program(trainable):
-        ((tasks, regularization), aux), d, found["mean"] = jax_weighting.forward_with_share(
+        ((tasks, regularization), aux), d, found["mean"] = forward_with_share(
             model,
             rows,
             accumulating,

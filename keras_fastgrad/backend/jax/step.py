@@ -4,8 +4,9 @@ The same chain and contract as the TensorFlow step
 (`keras_fastgrad.backend.tensorflow.train_step`), for the options the JAX backend supports
 (`keras_fastgrad.backend`):
 
-    gradient (`jax.value_and_grad` of Keras' `compute_loss_and_updates`,
-      the micro-batch's loss times its share `D_j` when accumulating)
+    gradient (`jax.value_and_grad` of Keras' stateless forward and loss,
+      `jax_micro_batches.gradient`, the micro-batch's loss times its
+      share `D_j` when accumulating)
       -> unscale -> finite check -> loss-scale rule -> [accumulate]
       -> [window complete] divide by the window's normaliser -> clip
       -> gated update: `jax.lax.cond` over the optimizer's `stateless_apply`
@@ -23,7 +24,6 @@ streak) is theirs, variable for variable.
 """
 
 import contextlib
-import functools
 
 import jax
 import keras
@@ -37,15 +37,15 @@ from keras_fastgrad.backend.jax import multitask as jax_multitask
 from keras_fastgrad.backend.jax import noise_scale as noise
 from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
-from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import StepValues
 from keras_fastgrad.backend.jax.state import slots as slots_of
 from keras_fastgrad.step import divergence, verdict
 from keras_fastgrad.step.accumulation import MicroBatch
+from keras_fastgrad.step.compile_loss import check_present_terms
 from keras_fastgrad.step.metrics import tracked_weight
 from keras_fastgrad.step.splitting import first_input
-from keras_fastgrad.step.trainer import check_loss_terms, check_trainable_unchanged
+from keras_fastgrad.step.trainer import check_trainable_unchanged
 
 
 def train_step(model, state, data):
@@ -137,48 +137,12 @@ def _gradients(model, slots, state, x, y, sample_weight, accumulating):
             from keras_fastgrad.backend.jax import features as jax_features
 
             merged = jax_features.gradients
-        return merged(model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms)
+        return merged(model, slots, state, x, y, sample_weight, accumulating, check_present_terms)
     if options.micro_batches > 1:
         return jax_micro_batches.sliced_gradients(
-            model, slots, state, x, y, sample_weight, accumulating, _check_extra_terms
+            model, slots, state, x, y, sample_weight, accumulating
         )
-    tv, ntv, ov, mv = state
-    rows = first_input(x).shape[0]
-    found = {"mean": True}
-
-    def loss_fn(trainable):
-        (loss, aux), d, found["mean"] = jax_weighting.forward_with_share(
-            model,
-            rows,
-            accumulating,
-            lambda: jax_batchnorm.forward(  # (BatchNorm window moments pooled)
-                model,
-                model.compute_loss_and_updates,
-                trainable,
-                ntv,
-                mv,
-                x,
-                y,
-                sample_weight,
-                training=True,
-                optimizer_variables=ov,
-            ),
-            _check_extra_terms,
-        )
-        if accumulating and slots.scaler is None:  # folded into the unscaling otherwise
-            loss = loss * ops.cast(d, loss.dtype)
-        return loss, (aux, d)
-
-    (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
-    grads = [ops.cast(g, "float32") for g in grads]
-    if slots.scaler is not None:
-        factor = d / ops.cast(ov[slots.scale.scale], "float32")
-        grads = [g * factor for g in grads]
-    return grads, d, found["mean"], aux
-
-
-# Refuses (trace time) the loss terms a window cannot weight exactly.
-_check_extra_terms = functools.partial(check_loss_terms, backend="jax")
+    return jax_micro_batches.gradient(model, slots, state, (x, y, sample_weight), accumulating)
 
 
 def _finite_check(model, grads, loss, own_gradient):

@@ -27,8 +27,8 @@ from keras_fastgrad.backend.tensorflow.slicing import sliced_gradients
 from keras_fastgrad.step import noise_scale
 from keras_fastgrad.step.compile_loss import (
     check_extra_terms,
+    check_present_terms,
     loss_terms,
-    present_terms,
 )
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
@@ -186,9 +186,7 @@ def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares)
             loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
         share = None if shares is None else shares.share()
         if share is not None and state.accumulator is not None:
-            check_extra_terms(
-                model, share, state.options.combining(), present_terms(model), merged=True
-            )
+            check_present_terms(model, share)
         weight = None if share is None else share.loss_weight(num_replicas())
         scaled_tasks = [scaling.scale(t, weight) for t in tasks]
         if regularization is not None:

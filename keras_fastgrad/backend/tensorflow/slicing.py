@@ -21,9 +21,8 @@ from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow.forward import call_for_training, watching
 from keras_fastgrad.backend.tensorflow.replicas import num_replicas
 from keras_fastgrad.step import slicing, splitting
-from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
-from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
-from keras_fastgrad.step.weighting import LossShares, Share
+from keras_fastgrad.step.task_losses import task_names
+from keras_fastgrad.step.weighting import Share
 
 
 def sliced_gradients(
@@ -75,23 +74,22 @@ def sliced_gradients(
     for group, take in _loops(split, structures):
         totals, group_outputs = _run_group(group, take, step, totals, out_spec)
         outputs.append(group_outputs)
-    sums = facts[0].present(totals.sums)
     mean = facts[0].mean
-    real = slicing.batch_normaliser(totals, mean, tf.constant(1.0))
-    # Regularisation: in the plain loss, or the last of the task losses.
-    loss_sum, regularized = _take_back_extra_regularization(
-        variables, sums[-1], totals.loss, slicing.surplus_regularization(totals, mean)
+    batch = slicing.after_slices(
+        totals._replace(sums=facts[0].present(totals.sums)),
+        mean,
+        tf.constant(1.0),
+        lambda: _penalty_gradient(model, variables),
     )
     if merger is None:
-        grads = regularized
+        grads = batch.sums[-1]
     else:  # the whole batch's task gradients, merged once
         # (the Gram of the batch's gradients: divided by its normaliser,
         # 1 under `"sum"`, not by the slices' count of shares of 1)
-        grads = _merged_tasks(task_names(model), merger, sums, regularized, real, loss_sum)
+        grads = _merged_tasks(task_names(model), merger, batch, batch.normaliser)
     y_pred = _whole_batch_predictions(outputs, facts[0].shapes, splitting.first_input(x), out_spec)
-    share = Share(real, real, mean)
-    loss = slicing.batch_loss(totals._replace(loss=loss_sum), mean)
-    return (loss, y_pred, grads, share, *totals.measured)
+    share = Share(batch.normaliser, batch.normaliser, mean)
+    return (batch.loss, y_pred, grads, share, *totals.measured)
 
 
 def _loops(split, structures):
@@ -249,12 +247,11 @@ def _slice_step(model, variables, scaling, merger, facts, measure, options, batc
             tf.zeros([0], tf.bool) if mask_shape is None else get_keras_mask(p)
             for p, (_, mask_shape) in zip(flat_pred, facts[0].shapes)
         ]
-        loss = tf.add_n([tf.cast(l, tf.float32) for l in losses])
         measured = None
         if measure is not None:
             measured = measure[0](grads[0], tf.cast(rows, tf.float32), share.actual, i)
         sums = _added(i, totals.sums, grads)
-        totals = slicing.add_slice(totals, sums, loss, share.actual, measured)
+        totals = slicing.add_slice(totals, sums, losses, share.actual, measured, tf.add_n)
         return totals, flat_pred, flat_mask
 
     return step
@@ -265,14 +262,17 @@ def _slice_gradients(
 ):
     """The slice's losses, share, gradients (one row per loss, unscaled,
     times the share) and predictions."""
-    with watching(variables, persistent=merger is not None) as tape:
+    merged = merger is not None
+    with watching(variables, persistent=merged) as tape:
         y_pred = call_for_training(model, x)
-        with LossShares(model, rows) as shares:
-            losses, terms = _slice_losses(model, x, y, y_pred, sample_weight, merger)
-        share = shares.share()
-        check_extra_terms(model, share, options, terms, merged=merger is not None)
-        losses = slicing.slice_losses(
-            losses, terms, share.mean, merger is not None, rows, batch_rows, tf.add_n
+        losses, share = slicing.slice_loss(
+            model,
+            lambda: slicing.slice_terms(model, x, y, y_pred, sample_weight, merged),
+            rows,
+            batch_rows,
+            options,
+            merged,
+            tf.add_n,
         )
         weight = share.loss_weight(num_replicas())
         scaled = [scaling.scale(loss, weight) for loss in losses]
@@ -281,17 +281,18 @@ def _slice_gradients(
     return losses, share, grads, y_pred
 
 
-def _merged_tasks(names, merger, sums, regularized, normaliser, loss_sum):
-    """The whole batch's task gradients (the sums, the tasks `names`),
-    merged once."""
+def _merged_tasks(names, merger, batch, normaliser):
+    """The whole batch's task gradients (`batch.sums`, the tasks `names`,
+    then the regularisation's), merged once."""
     num_tasks = len(names)
     merger.build(names)
+    regularized = batch.sums[num_tasks]
     has_regularization = any(g is not None for g in regularized)
     grads, _ = merger.merge(
-        sums[:num_tasks],
+        batch.sums[:num_tasks],
         regularized if has_regularization else None,
         share=normaliser,
-        losses_finite=tf.math.is_finite(loss_sum),
+        losses_finite=tf.math.is_finite(batch.loss_sum),
     )
     return grads
 
@@ -316,29 +317,16 @@ def _whole_batch_predictions(outputs, shapes, first, out_spec):
     return y_pred
 
 
-def _slice_losses(model, x, y, y_pred, sample_weight, merger):
-    """The slice's losses: the model's loss, or (multi-task) one per task
-    and the regularisation (`model.losses`)."""
-    if merger is None:
-        terms = loss_terms(model, x, y, y_pred, sample_weight)
-        return [terms.total], terms
-    regularization = regularization_loss(model)  # (a constant if none:
-    # no variable gets a gradient from it)
-    return task_losses(model, y, y_pred, sample_weight) + [
-        tf.constant(0.0) if regularization is None else regularization
-    ], present_terms(model)
-
-
-def _take_back_extra_regularization(variables, grads, loss_sum, surplus):
-    """`(loss_sum, grads)` with `surplus` weight penalties (`None`: none,
-    `slicing.surplus_regularization`) taken back."""
+def _penalty_gradient(model, variables):
+    """`(penalty, grads)`: the weight penalty (`slicing.weight_penalty`)
+    and its gradient, aligned with `variables` (`None` where a variable
+    has no regulariser); `None` without a regularised variable."""
     regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
-    if surplus is None or not regularized:
-        return loss_sum, grads
+    if not regularized:
+        return None
     with watching(regularized) as tape:
-        penalty = tf.add_n([tf.cast(v.regularizer(v), tf.float32) for v in regularized])
-    reg_grads = dict(
+        penalty = slicing.weight_penalty(model)
+    by_id = dict(
         zip((id(v) for v in regularized), tape.gradient(penalty, [v.value for v in regularized]))
     )
-    penalty_grads = [reg_grads.get(id(v)) for v in variables]
-    return loss_sum - surplus * penalty, slicing.take_back(grads, penalty_grads, surplus)
+    return penalty, [by_id.get(id(v)) for v in variables]
