@@ -45,6 +45,7 @@ SHELL_ENTRY_POINTS = (
     "step_variables",  # (model) -> the step's variables Keras must thread
     "tape_variable_count",  # (model) -> variables differentiated, or None
     "trace_count",  # (the compiled step function) -> times traced/compiled
+    "compiled",  # (fn, static_argnames) -> fn run as one traced program (aggregators)
     "check_options",  # (options, defaults): refuses what the shell does not implement
     "check_telemetry_keys",  # (keys): refuses keys the shell does not measure
     "check_callback",  # (callback, model=None): refuses a callback it does not serve

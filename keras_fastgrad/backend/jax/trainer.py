@@ -12,6 +12,7 @@ state tuple, and what the JAX step does not implement is refused by name
 
 import functools
 
+import jax
 import keras
 
 from keras_fastgrad import _compat as compat
@@ -126,6 +127,13 @@ def trace_count(function):
     """How many times the `jax.jit` function was compiled, or `None` where
     JAX does not say."""
     return compat.jit_cache_size(function)
+
+
+def compiled(fn, static_argnames=()):
+    """`fn` traced once per input signature and run as one program, eager
+    too, inlined in a traced step: `jax.jit` with `static_argnames` (the
+    Python arguments)."""
+    return jax.jit(fn, static_argnames=static_argnames)
 
 
 # ----------------------------------------------------------------- refusals

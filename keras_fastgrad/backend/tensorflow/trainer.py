@@ -11,6 +11,7 @@ in variables, the refusals of `tf.distribute`.
 import keras
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import log_packing
 from keras_fastgrad.backend.tensorflow import train_step as _step
 from keras_fastgrad.backend.tensorflow.divergence import DivergenceWatch
@@ -148,6 +149,13 @@ def trace_count(function):
 
 
 # ----------------------------------------------------------------- refusals
+def compiled(fn, static_argnames=()):
+    """`fn` traced once per input signature and run as one graph, eager
+    too, inlined in a traced step: `tf.function(autograph=False)` (Python
+    arguments retrace; `static_argnames` is JAX's, unused here)."""
+    return tf.function(fn, autograph=False)
+
+
 def check_options(options, defaults):
     """Every option is implemented on TensorFlow: a no-op."""
     del options, defaults
