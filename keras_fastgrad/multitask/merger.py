@@ -54,12 +54,9 @@ References:
     https://arxiv.org/abs/2001.06782
 """
 
-from keras import ops
-
 from keras_fastgrad import aggregators
 from keras_fastgrad.backend.tensorflow import features as tf_features
 from keras_fastgrad.backend.tensorflow import multitask as shell
-from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.step import multitask as core
 
 
@@ -111,7 +108,7 @@ class TaskMerger:
         (`model.multitask_space`; a no-op in parameter space). Its
         `merge(tape, task_losses, ...)` is `__call__` in the space chosen.
         """
-        return feature_space.capture(model, tape, self)
+        return tf_features.capture(model, tape, self)
 
     def __call__(
         self,
@@ -172,7 +169,7 @@ class TaskMerger:
             return self.merge(per_task, reg_grads, share, finite_losses)
         return self._merged(
             tf_features.merge_in_z,
-            (capture, tape, names, task_losses, regularization, variables, unscale),
+            *(capture, tape, names, task_losses, regularization, variables, unscale),
             share=share,
             losses_finite=finite_losses,
         )
@@ -186,37 +183,26 @@ class TaskMerger:
         """
         self.build(self.task_names or core.names_or_default(None, len(per_task)))
         return self._merged(
-            shell.merge_tape_gradients, (per_task, reg_grads, share), losses_finite=losses_finite
+            shell.merge_tape_gradients, per_task, reg_grads, share, losses_finite=losses_finite
         )
 
-    def _merged(self, merge, args, **kwargs):
+    def _merged(self, merge, *args, **kwargs):
         """`merge(*args, weigh=, state=, **kwargs)` (a `core.TaskMerge`)
-        with the aggregator's call and state; the state after the step
-        assigned. Returns `(grads, info)` (see `__call__`)."""
-        info = {}
+        with the aggregator's call (the telemetry recorded) and state; the
+        state after the step assigned. Returns `(grads, info)` (see
+        `__call__`)."""
+        telemetry = []
 
         def weigh(gram):
-            weights, info["telemetry"], new_state = self.weigh(gram)
-            return weights, new_state
+            telemetry.append(core.task_telemetry(gram))
+            shell.record(self._telemetry, telemetry[0])
+            return self.aggregator.weights_and_state(gram)
 
         result = merge(*args, weigh=weigh, state=shell.state_of(self.aggregator), **kwargs)
         shell.assign(self.aggregator.state_variables, result.new_state)
-        return result.grads, {"gram": result.gram, "weights": result.weights, **info["telemetry"]}
-
-    def weigh(self, gram):
-        """The aggregator's float32 task weights for `gram` (`[T, T]`, of
-        the true gradients); records the telemetry. Returns `(weights,
-        info, new_state)`: `info` `{"norms", "cosine", "num_conflicts"}`,
-        `new_state` a stateful aggregator's next state (empty otherwise)."""
-        weights, new_state = self.aggregator.weights_and_state(gram)
-        telemetry = core.task_telemetry(gram)
-        shell.record(self._telemetry, telemetry)
-        info = {
-            "norms": telemetry.norms,
-            "cosine": telemetry.cosine,
-            "num_conflicts": telemetry.conflicts,
-        }
-        return ops.cast(weights, "float32"), info, new_state
+        norms, cosine, conflicts = telemetry[0]
+        info = {"norms": norms, "cosine": cosine, "num_conflicts": conflicts}
+        return result.grads, {"gram": result.gram, "weights": result.weights, **info}
 
     def logs(self):
         """The latest telemetry as float32 scalars under fixed log keys."""

@@ -5,6 +5,7 @@ calls; the merge (the Gram over `Z`, the cotangents, the kept state) is
 `keras_fastgrad.multitask.feature_space`).
 """
 
+import contextlib
 import functools
 
 from keras_fastgrad._tf_startup import tf
@@ -13,6 +14,22 @@ from keras_fastgrad.backend.tensorflow.gradients import to_float32_list, values
 from keras_fastgrad.backend.tensorflow.replicas import num_replicas, replica_sum
 from keras_fastgrad.multitask.representation import Capture
 from keras_fastgrad.step import multitask as core
+
+
+def capture(model, tape, task_merger):
+    """The context around the TensorFlow step's forward pass (in features
+    space, a `Step`: `Z` captured, watched by `tape`; else a no-op); its
+    `merge` has `TaskMerger.__call__`'s signature and merges in the space
+    chosen (`task_merger` itself in parameter space)."""
+    if getattr(model, "multitask_space", "parameters") != "features":
+        return _InParameters(task_merger)
+    return Step(model, tape, task_merger)
+
+
+class _InParameters(contextlib.nullcontext):
+    def __init__(self, task_merger):
+        super().__init__()
+        self.merge = task_merger
 
 
 class Step(Capture):
