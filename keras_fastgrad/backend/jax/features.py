@@ -74,7 +74,7 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         features,
         weigh,
         trunk,
-        factor=None if scale is None else _unscale(d, scale),
+        factor=None if scale is None else d / ops.cast(scale, "float32"),
         share=ops.cast(d, "float32") if accumulating else None,
         state=old_state,
         losses_finite=all_finite(list(losses)),
@@ -92,10 +92,6 @@ def _check_every_task_reads_z(closed, names, num_trainable, num_features, cut):
     for name, inputs in zip(names, reached):
         if any(num_trainable + k not in inputs for k in range(num_features)):
             cut.refuse_task(name)
-
-
-def _unscale(d, scale):
-    return d / ops.cast(scale, "float32")
 
 
 class _Cut(representation.Capture):
