@@ -13,7 +13,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "keras_fastgrad"
 
 # The backend-neutral core: every decision of the step.
-CORE = ("keras_fastgrad/step", "keras_fastgrad/maths")
+CORE = ("keras_fastgrad/step", "keras_fastgrad/maths", "keras_fastgrad/aggregators")
 # The shells: how the step runs on each backend.
 SHELLS = ("keras_fastgrad/backend/tensorflow", "keras_fastgrad/backend/jax")
 # What a core module may not import (a shell imports its backend).
@@ -103,8 +103,9 @@ RULES = {
     "the multi-task merge": [
         (
             "keras_fastgrad.step.multitask",
-            ("TaskMerge", "reaching_of", "keep_state", "task_telemetry", "task_logs")
-            + ("features_gram", "features_cotangents"),
+            ("TaskMerge", "merge", "reaching_of", "keep_state", "next_state")
+            + ("task_telemetry", "task_logs")
+            + ("merge_features", "features_gram", "features_cotangents"),
         ),
         ("keras_fastgrad.maths.multitask", ("gram", "split_by_reaching_tasks")),
     ],

@@ -9,8 +9,6 @@ merged gradient is finite, and saved in `.keras` / `.weights.h5` files as
 an entry of its own (`multitask`), which a plain `keras.Model` ignores.
 """
 
-import contextlib
-
 import keras
 import numpy as np
 from keras import ops
@@ -85,17 +83,6 @@ def gradvac_weights(gram, targets, beta):
     return weights, ops.where(finite, targets, old)
 
 
-def _outside_traced_functions():
-    """A scope where a variable created while a TensorFlow step is traced
-    lives outside that step's graph (`tf.init_scope`); nothing on JAX,
-    whose variables hold concrete arrays."""
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf  # TensorFlow's backend only
-
-        return tf.init_scope()
-    return contextlib.nullcontext()
-
-
 @aggregators._register
 class GradVac(aggregators.Aggregator, compat.KerasSaveable):
     """GradVac (Wang et al., ICLR 2021), "Gradient Vaccine".
@@ -141,6 +128,9 @@ class GradVac(aggregators.Aggregator, compat.KerasSaveable):
     def build(self, num_tasks):
         """Creates the `[num_tasks, num_tasks]` targets (zeros, or loaded ones).
 
+        Called outside any traced function (the step's shell builds it so
+        while tracing: `tf.init_scope` on TensorFlow).
+
         Args:
             num_tasks: int >= 1, the number of tasks.
         """
@@ -150,15 +140,14 @@ class GradVac(aggregators.Aggregator, compat.KerasSaveable):
         if self._pending is not None and self._pending.shape == value.shape:
             value = self._pending.astype("float32")
         self._pending = None
-        with _outside_traced_functions():  # may be called while tracing the step
-            self._targets = keras.Variable(
-                value,
-                dtype="float32",
-                trainable=False,
-                autocast=False,
-                aggregation="only_first_replica",
-                name="gradvac_targets",
-            )
+        self._targets = keras.Variable(
+            value,
+            dtype="float32",
+            trainable=False,
+            autocast=False,
+            aggregation="only_first_replica",
+            name="gradvac_targets",
+        )
 
     @property
     def state_variables(self):

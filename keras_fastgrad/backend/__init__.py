@@ -48,6 +48,7 @@ SHELL_ENTRY_POINTS = (
     "step_variables",  # (model) -> the step's variables Keras must thread
     "tape_variable_count",  # (model) -> variables differentiated, or None
     "trace_count",  # (the compiled step function) -> times traced/compiled
+    "compiled",  # (fn, static_argnames) -> fn run as one traced program (aggregators)
 )
 
 

@@ -26,8 +26,8 @@ full backward passes in parameter space.
 
 The rules (the Gram over `Z`, the cotangents) are
 `keras_fastgrad.step.multitask`'s; how `Z` is cut and the passes are taken
-is the backend's (`keras_fastgrad.backend.tensorflow.features`,
-`keras_fastgrad.backend.jax.features`).
+is the backend's (`keras_fastgrad.backend.tensorflow.features`, whose
+`capture` `TaskMerger.capture` returns; `keras_fastgrad.backend.jax.features`).
 
 Finding `Z`: `FastGradModel(multitask_features="layer_name")` names the
 layer whose output is `Z` (all its floating outputs; needed for subclassed
@@ -57,25 +57,6 @@ References:
     2023 (`rep_grad=True`).
 """
 
-import contextlib
-
-from keras_fastgrad.backend.tensorflow import features as shell
 from keras_fastgrad.multitask.representation import Capture, find_features  # noqa: F401
 
 SPACES = ("parameters", "features")
-
-
-def capture(model, tape, task_merger):
-    """The context around the TensorFlow step's forward pass (in features
-    space, a capture of `Z` watched by `tape`, else a no-op); its `merge`
-    has `TaskMerger.__call__`'s signature and merges in the space chosen
-    (`task_merger` itself in parameter space)."""
-    if getattr(model, "multitask_space", "parameters") != "features":
-        return _NoCapture(task_merger)
-    return shell.Step(model, tape, task_merger)
-
-
-class _NoCapture(contextlib.nullcontext):
-    def __init__(self, task_merger):
-        super().__init__()
-        self.merge = task_merger

@@ -54,11 +54,9 @@ References:
     https://arxiv.org/abs/2001.06782
 """
 
-from keras import ops
-
 from keras_fastgrad import aggregators
+from keras_fastgrad.backend.tensorflow import features as tf_features
 from keras_fastgrad.backend.tensorflow import multitask as shell
-from keras_fastgrad.multitask import feature_space
 from keras_fastgrad.step import multitask as core
 
 
@@ -110,7 +108,7 @@ class TaskMerger:
         (`model.multitask_space`; a no-op in parameter space). Its
         `merge(tape, task_losses, ...)` is `__call__` in the space chosen.
         """
-        return feature_space.capture(model, tape, self)
+        return tf_features.capture(model, tape, self)
 
     def __call__(
         self,
@@ -121,6 +119,7 @@ class TaskMerger:
         unscale=None,
         share=None,
         task_names=None,
+        capture=None,
     ):
         """Merged float32 gradients for `variables` and the Gram telemetry.
 
@@ -139,6 +138,9 @@ class TaskMerger:
                 by its square before the aggregator and the telemetry see
                 it; the merged gradient keeps the factor.
             task_names: Names for the log keys (`task_<i>` if `None`).
+            capture: `None` (parameter space), or the capture of `Z`
+                (`capture`'s, in features space) the forward pass ran in:
+                the tasks are merged in `Z` space.
 
         Returns:
             `(grads, info)`: a list aligned with `variables` (float32,
@@ -155,14 +157,22 @@ class TaskMerger:
         rest of the step sums the replicas' gradients again at the update.
         """
         core.check_num_tasks(len(task_losses))
-        self.build(core.names_or_default(task_names, len(task_losses)))
-        per_task, reg_grads = shell.task_gradients(
-            tape, task_losses, regularization, variables, unscale
-        )
+        names = core.names_or_default(task_names, len(task_losses))
+        self.build(names)
         finite_losses = None
         if self.aggregator.state_variables:
             finite_losses = shell.losses_finite(task_losses, regularization)
-        return self.merge(per_task, reg_grads, share, finite_losses)
+        if capture is None:
+            per_task, reg_grads = shell.task_gradients(
+                tape, task_losses, regularization, variables, unscale
+            )
+            return self.merge(per_task, reg_grads, share, finite_losses)
+        return self._merged(
+            tf_features.merge_in_z,
+            *(capture, tape, names, task_losses, regularization, variables, unscale),
+            share=share,
+            losses_finite=finite_losses,
+        )
 
     def merge(self, per_task, reg_grads=None, share=None, losses_finite=None):
         """Merges `T` gradient lists (`None` = not reached), see `__call__`.
@@ -172,37 +182,27 @@ class TaskMerger:
         the step drops leaves it unchanged.
         """
         self.build(self.task_names or core.names_or_default(None, len(per_task)))
-        info = {}
+        return self._merged(
+            shell.merge_tape_gradients, per_task, reg_grads, share, losses_finite=losses_finite
+        )
+
+    def _merged(self, merge, *args, **kwargs):
+        """`merge(*args, weigh=, state=, **kwargs)` (a `core.TaskMerge`)
+        with the aggregator's call (the telemetry recorded) and state; the
+        state after the step assigned. Returns `(grads, info)` (see
+        `__call__`)."""
+        telemetry = []
 
         def weigh(gram):
-            weights, info["telemetry"], new_state = self.weigh(gram)
-            return weights, new_state
+            telemetry.append(core.task_telemetry(gram))
+            shell.record(self._telemetry, telemetry[0])
+            return self.aggregator.weights_and_state(gram)
 
-        result = shell.merge_tape_gradients(per_task, weigh, reg_grads, share)
-        self.commit_state(result.new_state, result.grads, losses_finite)
-        return result.grads, {"gram": result.gram, "weights": result.weights, **info["telemetry"]}
-
-    def weigh(self, gram):
-        """The aggregator's float32 task weights for `gram` (`[T, T]`, of
-        the true gradients); records the telemetry. Returns `(weights,
-        info, new_state)`: `info` `{"norms", "cosine", "num_conflicts"}`,
-        `new_state` a stateful aggregator's next state (for `commit_state`;
-        empty otherwise)."""
-        weights, new_state = self.aggregator.weights_and_state(gram)
-        telemetry = core.task_telemetry(gram)
-        shell.record(self._telemetry, telemetry)
-        info = {
-            "norms": telemetry.norms,
-            "cosine": telemetry.cosine,
-            "num_conflicts": telemetry.conflicts,
-        }
-        return ops.cast(weights, "float32"), info, new_state
-
-    def commit_state(self, new_state, merged, losses_finite=None):
-        """Assigns a stateful aggregator's `new_state`, only when the
-        merged gradients (and `losses_finite`, if given) are finite: a
-        micro-batch the step drops leaves the state unchanged."""
-        shell.assign_kept_state(self.aggregator.state_variables, new_state, merged, losses_finite)
+        result = merge(*args, weigh=weigh, state=shell.state_of(self.aggregator), **kwargs)
+        shell.assign(self.aggregator.state_variables, result.new_state)
+        norms, cosine, conflicts = telemetry[0]
+        info = {"norms": norms, "cosine": cosine, "num_conflicts": conflicts}
+        return result.grads, {"gram": result.gram, "weights": result.weights, **info}
 
     def logs(self):
         """The latest telemetry as float32 scalars under fixed log keys."""

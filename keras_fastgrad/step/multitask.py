@@ -23,13 +23,15 @@ the traced program on JAX). The rules:
   weights and the merged shared gradient turn non-finite, and the step's
   finite check drops the micro-batch); a stateful aggregator's next state
   is kept only where the merged gradient and the losses are finite
-  (`keep_state`): a micro-batch the step drops leaves it unchanged;
+  (`next_state`): a micro-batch the step drops leaves it unchanged;
 - the task telemetry comes from `G`: `task_grad_norm/<task>`,
   `task_cosine/<a>/<b>` (`a` before `b`) and `task_conflicts`
   (`task_logs`).
 
-The merge in representation space (`multitask_space="features"`) has its
-rules here too: `features_gram` and `features_cotangents`.
+The merge in representation space (`multitask_space="features"`) is here
+too (`merge_features`: `features_gram`, the aggregator, the trunk's
+cotangents `features_cotangents`, the state kept as above); the shell
+passes its trunk pass in.
 
 The shells say how the gradients are taken and where the state lives:
 `keras_fastgrad.multitask.TaskMerger` with
@@ -56,8 +58,9 @@ class TaskMerge(NamedTuple):
             (`None` where neither a task nor the regularisation reaches).
         gram: float32 `[T, T]`, the true gradients' Gram matrix.
         weights: float32 `[T]`, the aggregator's task weights.
-        new_state: A stateful aggregator's next state (aligned with its
-            `state_variables`; empty otherwise), for `keep_state`.
+        new_state: A stateful aggregator's state after the step (aligned
+            with its `state_variables`; empty otherwise): its next state
+            where `keep_state` keeps it, else the `state` given.
     """
 
     grads: list
@@ -131,6 +134,9 @@ def merge(
     replicas=1,
     replica_sum=None,
     rows_gram=maths.rows_gram,
+    state=(),
+    losses_finite=None,
+    stored=None,
 ):
     """Merges `T` task gradients (the rules of the module docstring).
 
@@ -151,6 +157,12 @@ def merge(
         replica_sum: With several replicas, the shell's
             `replica_sum(list) -> list` (one all-reduce).
         rows_gram: The backend's `rows rows^T` (`maths.multitask.gram`).
+        state: A stateful aggregator's state before the step (the values
+            of its `state_variables`; empty otherwise).
+        losses_finite: `None`, or a boolean scalar: whether the losses
+            are finite (`next_state`).
+        stored: `None`, or the shell's `stored(gradient)`: the values a
+            sparse gradient stores, which the finite check reads.
 
     Returns:
         A `TaskMerge`.
@@ -180,7 +192,9 @@ def merge(
     grads = [by_index.get(k) for k in range(len(reaching))]
     if regularization is not None:
         grads = [_add(m, r) for m, r in zip(grads, regularization)]
-    return TaskMerge(grads, gram, weights, tuple(new_state))
+    return TaskMerge(
+        grads, gram, weights, next_state(new_state, state, grads, losses_finite, stored)
+    )
 
 
 def _global(per_task, groups, share, replica_sum):
@@ -217,6 +231,43 @@ def kept(keep, new_state, old_state):
     return [
         ops.where(keep, ops.cast(new, old.dtype), old) for new, old in zip(new_state, old_state)
     ]
+
+
+def next_state(new_state, state, merged, losses_finite=None, stored=None):
+    """A stateful aggregator's state after the step: `new_state` where
+    `keep_state(merged, losses_finite)` (a micro-batch the step drops
+    leaves `state` unchanged); `()` for a stateless one.
+
+    Args:
+        new_state: The aggregator's next state (`weights_and_state`'s).
+        state: Its state before the step (aligned with `new_state`).
+        merged: The merged gradients (`None` entries allowed).
+        losses_finite: `None`, or a boolean scalar (the losses finite).
+        stored: `None`, or the shell's `stored(gradient)` (a sparse
+            gradient's values).
+
+    Returns:
+        A tuple aligned with `state`, each in its dtype.
+
+    Example:
+
+    >>> merged = [ops.convert_to_tensor([float("nan")])]
+    >>> (kept_value,) = next_state([ops.ones(2)], [ops.zeros(2)], merged)
+    >>> ops.convert_to_numpy(kept_value).tolist()
+    [0.0, 0.0]
+    """
+    if not new_state:
+        return ()
+    if len(state) != len(new_state):
+        raise ValueError(
+            "`state` must hold the aggregator's state before the step, one value "
+            f"per state variable. Received: {len(state)} value(s) for "
+            f"{len(new_state)} state variable(s). Fix: pass the values of "
+            "`aggregator.state_variables` as `state`."
+        )
+    if stored is not None:
+        merged = [None if g is None else stored(g) for g in merged]
+    return tuple(kept(keep_state(merged, losses_finite), new_state, state))
 
 
 def task_telemetry(gram):
@@ -298,6 +349,64 @@ def features_gram(dz, factor=None, share=None, replica_sum=None, rows_gram=maths
     if share is not None:
         gram = gram / ops.square(ops.cast(share, "float32"))
     return gram
+
+
+def merge_features(
+    dz,
+    dz_extra,
+    features,
+    weigh,
+    trunk,
+    unscale=None,
+    factor=None,
+    share=None,
+    replica_sum=None,
+    rows_gram=maths.rows_gram,
+    state=(),
+    losses_finite=None,
+    stored=None,
+):
+    """Merges the tasks in representation space: the Gram over `Z`, the
+    aggregator's weights, ONE trunk pass with the merged cotangents, the
+    aggregator's state kept as in `merge`.
+
+    Args:
+        dz: `T` lists of each task's gradient with respect to `Z`, as
+            differentiated (the scaled domain).
+        dz_extra: The regularisation's `dZ` list (`None` entries allowed).
+        features: The `Z` tensors.
+        weigh: `weigh(gram) -> (weights, new_state)`, as in `merge`.
+        trunk: The shell's trunk pass: `trunk(cotangents)` -> the merged
+            float32 gradients of the variables (the trunk's through `Z`,
+            plus the plain gradients of the paths that skip `Z`), unscaled.
+        unscale: `None`, or a callable mapping a `dZ` list to the float32
+            gradients of the unscaled losses (before the Gram).
+        factor: `None`, or the float32 scalar that unscales `dZ` (as
+            `features_gram`'s).
+        share: `None`, or the share the gradients carry (`features_gram`).
+        replica_sum: `None`, or the shell's sum over several replicas.
+        rows_gram: The backend's `rows rows^T`.
+        state, losses_finite, stored: As `merge`'s (`next_state`).
+
+    Returns:
+        A `TaskMerge` (`gram`: the true gradients' over `Z`).
+
+    Example:
+
+    >>> dz = [[ops.convert_to_tensor([1.0, 0.0])], [ops.convert_to_tensor([0.0, 2.0])]]
+    >>> result = merge_features(dz, [None], dz[0], lambda gram: (ops.ones(2), ()),
+    ...                         lambda cotangents: cotangents)
+    >>> ops.convert_to_numpy(result.grads[0]).tolist()
+    [1.0, 2.0]
+    """
+    true_dz = dz if unscale is None else [unscale(d) for d in dz]
+    gram = features_gram(true_dz, factor, share, replica_sum, rows_gram)
+    weights, new_state = weigh(gram)
+    weights = ops.cast(weights, "float32")
+    grads = trunk(features_cotangents(weights, dz, dz_extra, features))
+    return TaskMerge(
+        grads, gram, weights, next_state(new_state, state, grads, losses_finite, stored)
+    )
 
 
 def features_cotangents(weights, dz, dz_extra, features):

@@ -1,9 +1,13 @@
 """Machine constants and number checks the aggregators share (`keras.ops`:
 the same code on Keras' TensorFlow and JAX backends)."""
 
+import functools
+
 import keras
 import numpy as np
 from keras import ops
+
+from keras_fastgrad import backend
 
 
 def _dtype(dtype):
@@ -42,20 +46,23 @@ def _finite_or_nan(gram, fn):
 
 
 def _compiled(static_argnames=()):
-    """Decorator: `fn` traced once per input signature and run as a graph,
-    in eager mode too (its loops then run as one program, not op by op);
-    inlined where it is called inside a traced step.
+    """Decorator: `fn` traced once per input signature and run as one
+    program, in eager mode too (its loops then run as one program, not op
+    by op); inlined where it is called inside a traced step.
 
-    TensorFlow: `tf.function(autograph=False)` (Python arguments retrace);
-    JAX: `jax.jit` with `static_argnames` (the Python arguments)."""
+    How a backend compiles is its shell's (`compiled`, picked by
+    `keras_fastgrad.backend.shell()` at the first call: `tf.function`,
+    `jax.jit` with `static_argnames`, the Python arguments)."""
 
     def decorate(fn):
-        if keras.backend.backend() == "jax":
-            import jax
+        compiled = []
 
-            return jax.jit(fn, static_argnames=static_argnames)
-        import tensorflow as tf
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if not compiled:
+                compiled.append(backend.shell().compiled(fn, static_argnames))
+            return compiled[0](*args, **kwargs)
 
-        return tf.function(fn, autograph=False)
+        return call
 
     return decorate

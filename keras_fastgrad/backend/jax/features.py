@@ -12,12 +12,12 @@ from the trace, as TensorFlow refuses it from the tape's `None`) then
 1. one pullback per task (heads only): `dL_t / delta = dL_t / dZ` and the
    gradient of the paths that skip `Z` (the heads', a tied variable's
    direct part), the regularisation's likewise;
-2. the Gram matrix `G[s, t] = <dZ_s, dZ_t>` (divided by `D_j^2` when
-   accumulating), the aggregator's weights `w` (`core.features_gram`,
-   `jax_multitask.weighing`);
-3. ONE trunk pullback with the cotangent `sum_t w_t dZ_t` (plus the
-   regularisation's `dZ`) on `Z`: the trunk gets
-   `sum_t w_t dL_t / dtheta`; the heads keep their plain gradients.
+2. `core.merge_features`: the Gram matrix `G[s, t] = <dZ_s, dZ_t>`
+   (divided by `D_j^2` when accumulating), the aggregator's weights `w`
+   (`jax_multitask.weighing`), then ONE trunk pullback with the
+   cotangent `sum_t w_t dZ_t` (plus the regularisation's `dZ`) on `Z`:
+   the trunk gets `sum_t w_t dL_t / dtheta`; the heads keep their plain
+   gradients.
 
 Imported by the JAX step only for a model in features space (the shared
 layer's capture is `keras_fastgrad.multitask.representation`'s).
@@ -61,21 +61,26 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         grads, dz_i = pullback((parameter_space.one_hot(losses, i), no_features))
         direct = grads if direct is None else [a + b for a, b in zip(direct, grads)]
         dz.append(dz_i)
-    gram = core.features_gram(  # the true gradients' (the merge keeps D_j)
-        dz[:num_tasks],
-        factor=None if scale is None else _unscale(d, scale),
-        share=ops.cast(d, "float32") if accumulating else None,
-    )
-    weigh, commit = parameter_space.weighing(model, ntv)
-    weights, new_state = weigh(gram)
-    extra = dz[num_tasks] if len(dz) > num_tasks else [None] * len(features)
-    cotangent = core.features_cotangents(weights, dz[:num_tasks], extra, features)
     no_losses = tuple(ops.zeros_like(v) for v in losses)
-    trunk, _ = pullback((no_losses, tuple(cotangent)))  # ONE trunk pass
-    grads = [a + b for a, b in zip(direct, trunk)]
-    grads = parameter_space.unscaled(grads, d, scale)
-    updates = commit(new_state, grads, all_finite(list(losses)))
-    return grads, d, found["mean"], parameter_space.with_updates(model, aux, updates, gram)
+
+    def trunk(cotangent):  # ONE trunk pass; the paths that skip Z keep theirs
+        grads, _ = pullback((no_losses, tuple(cotangent)))
+        return parameter_space.unscaled([a + b for a, b in zip(direct, grads)], d, scale)
+
+    weigh, old_state, updates = parameter_space.weighing(model, ntv)
+    result = core.merge_features(  # the true gradients' Gram (the merge keeps D_j)
+        dz[:num_tasks],
+        dz[num_tasks] if len(dz) > num_tasks else [None] * len(features),
+        features,
+        weigh,
+        trunk,
+        factor=None if scale is None else d / ops.cast(scale, "float32"),
+        share=ops.cast(d, "float32") if accumulating else None,
+        state=old_state,
+        losses_finite=all_finite(list(losses)),
+    )
+    aux = parameter_space.with_updates(model, aux, updates(result.new_state), result.gram)
+    return result.grads, d, found["mean"], aux
 
 
 def _check_every_task_reads_z(closed, names, num_trainable, num_features, cut):
@@ -87,10 +92,6 @@ def _check_every_task_reads_z(closed, names, num_trainable, num_features, cut):
     for name, inputs in zip(names, reached):
         if any(num_trainable + k not in inputs for k in range(num_features)):
             cut.refuse_task(name)
-
-
-def _unscale(d, scale):
-    return d / ops.cast(scale, "float32")
 
 
 class _Cut(representation.Capture):

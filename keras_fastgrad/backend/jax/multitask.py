@@ -15,7 +15,8 @@ rules are `keras_fastgrad.step.multitask`'s (as on TensorFlow).
 
 The aggregator's variables ride in Keras' state tuple (`jax_state`:
 `multitask_variables`): a seed generator (PCGrad's orders) moves every
-step, a stateful aggregator's state where `core.keep_state` keeps it. The
+step, a stateful aggregator's state as `core.merge` says
+(`core.next_state`). The
 task telemetry (`core.task_logs`) comes from the micro-batch's Gram matrix
 whenever any telemetry key is requested.
 """
@@ -185,40 +186,40 @@ def merge_tasks(model, per_task, reaching, ntv, divisor, regularization, losses_
         nothing reaches), the aggregator's `{ntv position: value}` after
         the step and the Gram matrix.
     """
-    weigh, commit = weighing(model, ntv)
-    result = core.merge(per_task, reaching, weigh, regularization, divisor)
+    weigh, state, updates = weighing(model, ntv)
+    result = core.merge(
+        per_task, reaching, weigh, regularization, divisor, state=state, losses_finite=losses_finite
+    )
     merged = [ops.zeros_like(g) if m is None else m for m, g in zip(result.grads, per_task[0])]
-    return merged, commit(result.new_state, merged, losses_finite), result.gram
+    return merged, updates(result.new_state), result.gram
 
 
 def weighing(model, ntv):
-    """`(weigh, commit)` for the aggregator on Keras' state tuple:
-    `weigh(gram) -> (weights, new_state)` (its variables' values read
-    from `ntv`) and `commit(new_state, merged, losses_finite)`:
-    `{ntv position: value}` of its variables after the step (a seed
-    generator's moved every step, a stateful aggregator's state as
-    `core.keep_state` decides)."""
+    """The aggregator on Keras' state tuple: `(weigh, state, updates)`.
+
+    `weigh(gram) -> (weights, new_state)` calls it on its variables' values
+    read from `ntv`; `state` is a stateful aggregator's state before the
+    step (its `state_variables`' values in `ntv`); `updates(state_after)`
+    is `{ntv position: value}` of its variables after the step (a seed
+    generator's as `weigh` moved it, the state as given:
+    `core.TaskMerge.new_state`)."""
     aggregator = model.fastgrad_step_state.merger.aggregator
     where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
     variables = multitask_variables(model)
-    updates = {}
+    positions = [where[id(v)] for v in aggregator.state_variables]
+    moved = {}
 
     def weigh(gram):
         mapping = [(v, ntv[where[id(v)]]) for v in variables]
         with keras.StatelessScope(state_mapping=mapping) as scope:
             weights, new_state = aggregator.weights_and_state(gram)
-        updates.update({where[id(v)]: _current(scope, v) for v in variables})
+        moved.update({where[id(v)]: _current(scope, v) for v in variables})
         return weights, new_state
 
-    def commit(new_state, merged, losses_finite):
-        if new_state:
-            positions = [where[id(v)] for v in aggregator.state_variables]
-            keep = core.keep_state(merged, losses_finite)
-            values = core.kept(keep, new_state, [ntv[i] for i in positions])
-            updates.update(zip(positions, values))
-        return updates
+    def updates(state_after):
+        return {**moved, **dict(zip(positions, state_after))}
 
-    return weigh, commit
+    return weigh, tuple(ntv[i] for i in positions), updates
 
 
 def _logs(model, gram):

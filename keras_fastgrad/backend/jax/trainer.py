@@ -13,6 +13,8 @@ record).
 
 import functools
 
+import jax
+
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import state as jax_state
 from keras_fastgrad.step import trainer as core
@@ -137,3 +139,10 @@ def trace_count(function):
     """How many times the `jax.jit` function was compiled, or `None` where
     JAX does not say."""
     return compat.jit_cache_size(function)
+
+
+def compiled(fn, static_argnames=()):
+    """`fn` traced once per input signature and run as one program, eager
+    too, inlined in a traced step: `jax.jit` with `static_argnames` (the
+    Python arguments)."""
+    return jax.jit(fn, static_argnames=static_argnames)

@@ -1,25 +1,46 @@
 """`multitask_space="features"` on TensorFlow: `Z` cut and watched by the
 step's persistent tape, the head and trunk passes as `tape.gradient`
-calls; the rules (the Gram over `Z`, the cotangents, the kept state) are
-`keras_fastgrad.step.multitask`'s (see
+calls; the merge (the Gram over `Z`, the cotangents, the kept state) is
+`keras_fastgrad.step.multitask.merge_features` (see
 `keras_fastgrad.multitask.feature_space`).
 """
 
+import contextlib
+import functools
+
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import multitask as parameter_space
-from keras_fastgrad.backend.tensorflow.gradients import to_float32_list
+from keras_fastgrad.backend.tensorflow.gradients import to_float32_list, values
+from keras_fastgrad.backend.tensorflow.replicas import num_replicas, replica_sum
 from keras_fastgrad.multitask.representation import Capture
 from keras_fastgrad.step import multitask as core
+
+
+def capture(model, tape, task_merger):
+    """The context around the TensorFlow step's forward pass (in features
+    space, a `Step`: `Z` captured, watched by `tape`; else a no-op); its
+    `merge` has `TaskMerger.__call__`'s signature and merges in the space
+    chosen (`task_merger` itself in parameter space)."""
+    if getattr(model, "multitask_space", "parameters") != "features":
+        return _InParameters(task_merger)
+    return Step(model, tape, task_merger)
+
+
+class _InParameters(contextlib.nullcontext):
+    def __init__(self, task_merger):
+        super().__init__()
+        self.merge = task_merger
 
 
 class Step(Capture):
     """The capture of `Z` around the forward pass: each `Z` handed on as
     `stop_gradient(Z)` (`cut`), watched by `tape`; `merge` is
-    `TaskMerger.__call__` in `Z` space."""
+    `TaskMerger.__call__` in `Z` space (`capture=self`)."""
 
     def __init__(self, model, tape, task_merger):
         super().__init__(model)
-        self.tape, self.task_merger, self.cut = tape, task_merger, []
+        self.tape, self.cut = tape, []
+        self.merge = functools.partial(task_merger, capture=self)
 
     def hand_on(self, z, k):
         cut = tf.stop_gradient(z)
@@ -27,46 +48,53 @@ class Step(Capture):
         self.cut.append(cut)
         return cut
 
-    def merge(self, *args, **kwargs):
-        """`TaskMerger.__call__` in `Z` space (see `merge_in_z`)."""
-        return merge_in_z(self, self.task_merger, *args, **kwargs)
-
 
 def merge_in_z(
-    capture,
-    merger,
-    tape,
-    task_losses,
-    regularization,
-    variables,
-    unscale=None,
-    share=None,
-    task_names=None,
+    capture, tape, names, task_losses, regularization, variables, unscale, weigh, **kwargs
 ):
-    """Merged float32 gradients, as `TaskMerger.__call__` but in `Z` space.
+    """`core.merge_features` of the tape's passes (`TaskMerger.__call__`
+    with a `capture`).
 
-    Args and returns as `keras_fastgrad.multitask.merger.TaskMerger.__call__`;
-    `capture` a `Step` (`Z` and its cut copy), `merger` the aggregator and
-    the telemetry variables (`TaskMerger.weigh`).
+    Args:
+        capture: A `Step` (`Z` and its cut copy).
+        tape: The persistent `tf.GradientTape` that recorded the losses.
+        names: The task names (a task not reading `Z` is refused by name).
+        task_losses, regularization, variables: As `TaskMerger.__call__`'s.
+        unscale: `None` or a callable mapping a gradient list to the
+            gradients of the unscaled losses.
+        weigh: `weigh(gram) -> (weights, new_state)`, the aggregator's.
+        **kwargs: `share`, `state`, `losses_finite`, as
+            `core.merge_features`'.
+
+    Returns:
+        A `core.TaskMerge`.
     """
     capture.check_ran()
-    names = core.names_or_default(task_names, len(task_losses))
-    merger.build(names)
     unscale = unscale or (lambda grads: grads)
     sources = [v.value for v in variables]
     dz, dz_extra, direct = _head_gradients(
         capture, tape, names, task_losses, regularization, sources
     )
-    gram = parameter_space.gram_over_z(dz, unscale, share)  # of the unscaled dZ_t
-    weights, info, new_state = merger.weigh(gram)
-    cotangents = core.features_cotangents(weights, dz, dz_extra, capture.features)
-    trunk = tape.gradient(capture.features, sources, output_gradients=cotangents)  # ONE pass
-    grads = parameter_space.add(to_float32_list(unscale(direct)), to_float32_list(unscale(trunk)))
-    finite_losses = None
-    if merger.aggregator.state_variables:
-        finite_losses = parameter_space.losses_finite(task_losses, regularization)
-    merger.commit_state(new_state, grads, finite_losses)
-    return grads, {"gram": gram, "weights": weights, **info}
+
+    def trunk(cotangents):  # ONE pass; the paths that skip Z keep theirs
+        grads = tape.gradient(capture.features, sources, output_gradients=cotangents)
+        return parameter_space.add(
+            to_float32_list(unscale(direct)), to_float32_list(unscale(grads))
+        )
+
+    several = num_replicas() > 1
+    return core.merge_features(
+        dz,
+        dz_extra,
+        capture.features,
+        weigh,
+        trunk,
+        unscale=lambda d: to_float32_list(unscale(d)),
+        replica_sum=replica_sum if several else None,
+        rows_gram=parameter_space.rows_gram,
+        stored=values,
+        **kwargs,
+    )
 
 
 def _head_gradients(capture, tape, names, task_losses, regularization, sources):

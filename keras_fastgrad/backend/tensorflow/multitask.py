@@ -48,9 +48,10 @@ def losses_finite(task_losses, regularization):
     return all_finite(task_losses + [r for r in [regularization] if r is not None])
 
 
-def merge_tape_gradients(per_task, weigh, regularization=None, share=None):
+def merge_tape_gradients(per_task, regularization, share, weigh, state, losses_finite=None):
     """`core.merge` of the tape's gradients (`None` = not reached), under
-    the current strategy's replicas."""
+    the current strategy's replicas, a sparse gradient's stored rows
+    checked for the aggregator's state."""
     return core.merge(
         per_task,
         core.reaching_of(per_task),
@@ -59,22 +60,16 @@ def merge_tape_gradients(per_task, weigh, regularization=None, share=None):
         share,
         replicas=num_replicas(),
         replica_sum=replica_sum,
-        rows_gram=_rows_gram,
+        rows_gram=rows_gram,
+        state=state,
+        losses_finite=losses_finite,
+        stored=values,
     )
 
 
-def _rows_gram(rows):
+def rows_gram(rows):
+    """`rows rows^T`: one `MatMul` reading the stack twice (no transposed copy)."""
     return tf.matmul(rows, rows, transpose_b=True)
-
-
-def gram_over_z(dz, unscale, share):
-    """`core.features_gram` of the tape's `dZ` (unscaled first), the
-    replicas' Grams summed."""
-    dz = [to_float32_list(unscale(d)) for d in dz]
-    several = num_replicas() > 1
-    return core.features_gram(
-        dz, share=share, replica_sum=replica_sum if several else None, rows_gram=_rows_gram
-    )
 
 
 def build(aggregator, num_tasks):
@@ -103,14 +98,15 @@ def read(variables):
     return core.TaskTelemetry(norms, cosine, tf.identity(conflicts.value))
 
 
-def assign_kept_state(state_variables, new_state, merged, finite_losses=None):
-    """Assigns a stateful aggregator's `new_state` where `core.keep_state`
-    keeps it (a sparse gradient's stored rows are checked)."""
-    if not new_state:
-        return
-    keep = core.keep_state([None if g is None else values(g) for g in merged], finite_losses)
-    old = [v.value for v in state_variables]
-    for variable, value in zip(state_variables, core.kept(keep, new_state, old)):
+def state_of(aggregator):
+    """A stateful aggregator's state before the step (its variables'
+    values; `()` for a stateless one)."""
+    return tuple(v.value for v in aggregator.state_variables)
+
+
+def assign(state_variables, state):
+    """Assigns the aggregator's state after the step (`TaskMerge.new_state`)."""
+    for variable, value in zip(state_variables, state):
         variable.assign(value)
 
 
