@@ -39,6 +39,7 @@ from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import weighting as jax_weighting
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import Slots, check_trainable_unchanged
+from keras_fastgrad.maths import norms
 from keras_fastgrad.step import divergence, verdict
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.splitting import first_input
@@ -243,11 +244,11 @@ def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
     adapted = grads  # `grad_norm`: after AGC, before `clip_norm` (as on TF)
     clip_norm = model.fastgrad_step_state.options.clip_norm
     check = verdict.update_check(drops, scaled is not None, clip_norm, agc_ok is not None, True)
-    factor, scaled, was_clipped = units.clip_factor(clip_norm, grads, drops, scaled)
-    ok = None
-    if clip_norm is not None and drops:  # (the verdict's norm: finite already)
-        ok = units.fits(clip_norm, scaled, finite_known=check is None)
-    norm = None if scaled is None else scaled[0] * scaled[1]
+    # Applied in the update (`apply_if`); gated, checked (`ok`; the
+    # verdict's norm: finite already).
+    known = (check is None) if drops else None
+    clipping = norms.clip(clip_norm, grads, drops, finite_known=known, scaled=scaled)
+    factor, norm, was_clipped, ok = clipping or (None, None, None, None)
     if norm is None and "grad_norm" in telemetry.requested(model):
         norm = units.global_norm(adapted)  # (no clipping here)
     ok = jax_agc.both(ok, agc_ok)

@@ -20,6 +20,7 @@ from keras_fastgrad.backend.tensorflow.replicas import (
     replica_sum,
 )
 from keras_fastgrad.step import verdict as rules
+from keras_fastgrad.step.divergence import counts_as_failure
 from keras_fastgrad.step.verdict import COUNT_KEYS, WHERE_KEYS, Verdict
 
 __all__ = ["Verdict", "COUNT_KEYS", "WHERE_KEYS"]  # (the core's, re-exported for the chain)
@@ -66,11 +67,12 @@ def _checks_norm(state, batch):
 
 
 def _failed(all_finite, scaling):
-    """`verdict.failed` at the scale the micro-batch was checked at
-    (before the update); `None` without loss scaling (every drop counts)."""
+    """`divergence.counts_as_failure` at the scale the micro-batch was
+    checked at (before the update); `None` without loss scaling (every drop
+    counts)."""
     if not scaling.active:
         return None
-    return rules.failed(all_finite, scaling.current_scale())
+    return counts_as_failure(all_finite, scaling.current_scale())
 
 
 def _norm_check(state, batch):
@@ -125,7 +127,7 @@ def record_drop(state, marks, counts=None):
             callable that computes it (only called when its keys are
             requested).
         counts: Boolean scalar, whether the drop counts towards the streak
-            (`divergence.failed`, under loss scaling); `None`: it does.
+            (`divergence.counts_as_failure`, under loss scaling); `None`: it does.
     """
     if state.log_keys & WHERE_KEYS:  # only read then (see `telemetry`)
         state.telemetry.record_drop(*finite.summarize(marks() if callable(marks) else marks))
