@@ -62,11 +62,12 @@ RULES = {
         ),
     ],
     "the clip factors, global and adaptive": [
-        ("keras_fastgrad.maths.norms", ("scaled_norm", "clip_factor", "fits_clip")),
+        ("keras_fastgrad.maths.norms", ("scaled_norm", "clip", "clip_factor", "fits_clip")),
         ("keras_fastgrad.maths.adaptive_clipping", ("clip_weight", "clip_unitwise")),
         (
             "keras_fastgrad.step.adaptive_clipping",
-            ("before_gate", "counted_at_verdict", "both_finite"),
+            ("clip", "clipped_fraction", "uncounted", "before_gate", "counted_at_verdict")
+            + ("both_finite",),
         ),
     ],
     "the loss-scale rule": [("keras_fastgrad.maths.loss_scale", ("next_scale",))],

@@ -46,13 +46,18 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.maths import adaptive_clipping as maths
 from keras_fastgrad.maths.adaptive_clipping import DEFAULT_EPSILON, unit_axes
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 from keras_fastgrad.step.verdict import COUNT_KEYS
 
 __all__ = [
     "DEFAULT_EPSILON",
     "unit_axes",
     "row_unit_variables",
+    "clip",
+    "clipped_fraction",
+    "uncounted",
     "before_gate",
     "counted_at_verdict",
     "both_finite",
@@ -69,6 +74,64 @@ def row_unit_variables(model):
         for w in layer.trainable_weights
         if w.name == "embeddings"
     }
+
+
+def clip(model, grads, values, options, log_keys, clip_unitwise=maths.clip_unitwise):
+    """The update's gradient clipped by the `clip_adaptive` option, each
+    weight's units read off `model` (`row_unit_variables`).
+
+    Args:
+        model: The `FastGradModel` (its `trainable_variables`' order).
+        grads: The update's float32 gradients, in that order.
+        values: The trainable variables' values before the update.
+        options: The step's `StepOptions` (`clip_adaptive`, its `eps`).
+        log_keys: The keys measured: the clipped units are counted only
+            for `agc_clipped_fraction`.
+        clip_unitwise: `maths.adaptive_clipping.clip_unitwise`, or a
+            shell's (TensorFlow's: its fused norm, sparse rows kept sparse).
+
+    Returns:
+        A `maths.adaptive_clipping.Clipped`.
+    """
+    tables = row_unit_variables(model)
+    return clip_unitwise(
+        grads,
+        values,
+        [id(v) in tables for v in model.trainable_variables],
+        options.clip_adaptive,
+        options.clip_adaptive_eps,
+        count=AGC_CLIPPED_FRACTION in log_keys,
+    )
+
+
+def clipped_fraction(clipped):
+    """float32 scalar, the `agc_clipped_fraction` key: the fraction of the
+    weights' units that a `Clipped` clipped (`clipped_units` counted).
+
+    Example:
+
+    >>> from keras_fastgrad.maths.adaptive_clipping import Clipped
+    >>> clipped_fraction(Clipped(None, True, 3.0, 4))
+    0.75
+    """
+    return clipped.clipped_units / max(clipped.num_units, 1)
+
+
+def uncounted(dropped, counted=None):
+    """Boolean scalar: an update AGC's check dropped (`dropped`) that is not
+    yet counted as non-finite: `counted` (boolean scalar, `None`: never)
+    marks one counted at its micro-batches' verdict (`counted_at_verdict`).
+    Every such drop counts towards the divergence streak all the same.
+
+    Example:
+
+    >>> t, f = ops.convert_to_tensor(True), ops.convert_to_tensor(False)
+    >>> bool(uncounted(t)), bool(uncounted(t, t)), bool(uncounted(t, f))
+    (True, False, True)
+    """
+    if counted is None:
+        return dropped
+    return ops.logical_and(dropped, ops.logical_not(counted))
 
 
 def before_gate(clip_adaptive, divided, window_work):
