@@ -253,8 +253,12 @@ def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
         norm = units.global_norm(adapted)  # (no clipping here)
     ok = jax_agc.both(ok, agc_ok)
     if drops:
-        keep, counts = verdict.keep(finite, ok, failed)
-        telemetry.record_drop(model, new, raw, ~keep, ~keep & counts)
+        # (without loss scaling every drop counts: `None`, as on TF)
+        keep, counts = verdict.keep(finite, ok, None if slots.scaler is None else failed)
+        dropped = ~keep
+        telemetry.record_drop(
+            model, new, raw, dropped, dropped if counts is None else dropped & counts
+        )
         do_apply = keep
     else:  # ungated: applied as keras.Model does (no check, no count, as on TF)
         keep = True
