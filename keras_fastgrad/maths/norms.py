@@ -148,12 +148,14 @@ def clip(clip_norm, parts=None, checked=False, finite_known=None, scaled=None):
     norm = _product(unit, root)
     was_clipped = norm > clip_norm
     factor = ops.where(was_clipped, (clip_norm / unit) / root, 1.0)
-    fits = None
+    fits = ok = None
     if not checked or finite_known is not None:
         fits = norm <= clip_norm / _TINY
-    if not checked:  # `fits_clip`, on the norm computed here
-        factor = ops.where(fits, factor, float("nan"))
-    ok = None if finite_known is None else _fitting(clip_norm, norm, fits, finite_known)
+    if finite_known is not None:
+        ok = _fitting(clip_norm, norm, fits, finite_known)
+    if not checked:  # `fits_clip`, on the norm computed here: NaN beyond
+        guard = ok if finite_known is False else _fitting(clip_norm, norm, fits, False)
+        factor = ops.where(guard, factor, float("nan"))
     return Clipping(factor, norm, was_clipped, ok)
 
 
