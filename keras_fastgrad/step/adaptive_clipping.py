@@ -33,10 +33,11 @@ such an update instead (`Clipped.all_finite` is false), as it drops a
 non-finite one. A NaN or Inf gradient stays non-finite.
 
 This module holds AGC's decisions in the step, backend-neutral: which
-weights have row units (`row_unit_variables`), when AGC runs before the
-update's `cond` (`before_gate`), whether a non-finite update was counted
-already (`counted_at_verdict`), the update's check with AGC's
-(`both_finite`). The dense maths is `keras_fastgrad.maths.adaptive_clipping`;
+weights have row units (`row_unit_variables`), the update's gradient
+clipped and what is counted of it (`clip`, `clipped_fraction`), when AGC
+runs before the update's `cond` (`before_gate`), whether a non-finite
+update was counted already (`counted_at_verdict`, `uncounted`), the
+update's check with AGC's (`both_finite`). The dense maths is `keras_fastgrad.maths.adaptive_clipping`;
 the shells apply it: TensorFlow's `keras_fastgrad.backend.tensorflow.adaptive_clipping`
 (its fused norm, and the sparse path for `tf.IndexedSlices`), JAX's
 `keras_fastgrad.backend.jax.agc`.
