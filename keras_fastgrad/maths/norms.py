@@ -31,30 +31,30 @@ _TINY = float(np.finfo(np.float32).tiny)
 _MAX = float(np.finfo(np.float32).max)
 
 
-def half_squares(parts):
-    """float32 scalar: half the sum of squares of every element of `parts`
+def sum_squares(parts):
+    """float32 scalar: the sum of squares of every element of `parts`
     (`keras.ops`; a shell may pass its own fused form to `scaled_norm`).
 
     Example:
 
-    >>> float(half_squares([keras.ops.array([3.0]), keras.ops.array([4.0])]))
-    12.5
+    >>> float(sum_squares([keras.ops.array([3.0]), keras.ops.array([4.0])]))
+    25.0
     """
     total = ops.sum(ops.square(parts[0]))
     for p in parts[1:]:
         total = total + ops.sum(ops.square(p))
-    return total * 0.5
+    return total
 
 
-def scaled_norm(parts, half_squares=half_squares):
+def scaled_norm(parts, half_squares=None):
     """The global L2 norm of `parts` as `(unit, root)`, `norm = unit * root`.
 
     Args:
         parts: List of dense tensors (no `None`), measured in float32.
-        half_squares: Callable, a list of float32 tensors -> half their sum
-            of squares (a float32 scalar): `half_squares` by default; the
-            TensorFlow shell passes its fused ops
-            (`keras_fastgrad.backend.tensorflow.clipping`).
+        half_squares: `None` (the squares summed by `sum_squares`), or a
+            callable, a list of float32 tensors -> half their sum of
+            squares (a float32 scalar): the TensorFlow shell passes its
+            fused ops (`keras_fastgrad.backend.tensorflow.clipping`).
 
     Returns:
         Tuple of float32 scalars `(unit, root)`: `unit` is 1, or 2**80 when
@@ -70,17 +70,18 @@ def scaled_norm(parts, half_squares=half_squares):
     """
     if not parts:
         return ops.convert_to_tensor(1.0), ops.convert_to_tensor(0.0)
+    squares = sum_squares if half_squares is None else half_squares
     # Measured in float32 (a float16 gradient's squares overflow early);
     # no op for the float32 gradients the steps hand in.
     parts = [ops.cast(p, "float32") for p in parts]
-    halves = half_squares(parts)
-    fits = ops.isfinite(halves)
+    total = squares(parts)
+    fits = ops.isfinite(total)
     # The rescale is a value, not a constant: XLA rewrites `square(p * c)`
     # for a constant `c` as `(p * p) * (c * c)`, whose `p * p` overflows
     # again and whose `c * c` (2**-160) is 0: a NaN norm (seen on JAX).
     shrink = ops.where(fits, 1.0, RESCALE)
-    halves = ops.cond(fits, lambda: halves, lambda: half_squares([p * shrink for p in parts]))
-    return 1.0 / shrink, ops.sqrt(2.0 * halves)
+    total = ops.cond(fits, lambda: total, lambda: squares([p * shrink for p in parts]))
+    return 1.0 / shrink, ops.sqrt(total if half_squares is None else 2.0 * total)
 
 
 def global_norm(parts):

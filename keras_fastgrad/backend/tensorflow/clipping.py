@@ -56,7 +56,7 @@ def scaled_norm(grads):
 
 
 def half_squares(parts):
-    """`maths.norms.half_squares` in TensorFlow's fused ops: one `L2Loss`
+    """Half of `maths.norms.sum_squares`, in TensorFlow's fused ops: one `L2Loss`
     per gradient and one `AddN` for the total (what the step's traced op
     count is held to)."""
     return tf.add_n([tf.nn.l2_loss(p) for p in parts])
