@@ -33,7 +33,7 @@ RULES = {
     "which micro-batch is kept or dropped, and whether an update is checked": [
         (
             "keras_fastgrad.step.verdict",
-            ("Verdict", "checks", "checks_norm", "keep", "update_check"),
+            ("Verdict", "checks", "checks_norm", "norm_finite", "keep", "update_check"),
         ),
     ],
     "what counts towards the streak, the divergence stop, the NaN loss": [

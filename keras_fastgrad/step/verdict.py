@@ -107,6 +107,21 @@ def checks_norm(clip_norm, clip_adaptive, own_gradient):
     return clip_norm is not None and clip_adaptive is None and bool(own_gradient)
 
 
+def norm_finite(scaled, loss_finite):
+    """Boolean scalar: the micro-batch is finite, checked on the gradient's
+    norm (`checks_norm`): its `root` (`maths.norms.scaled_norm`, computed
+    without overflow) is finite exactly when every element is; and the
+    loss (`loss_finite`, boolean scalar).
+
+    Example:
+
+    >>> nan, t = ops.convert_to_tensor(float("nan")), ops.convert_to_tensor(True)
+    >>> bool(norm_finite((1.0, ops.convert_to_tensor(5.0)), t)), bool(norm_finite((1.0, nan), t))
+    (True, False)
+    """
+    return ops.logical_and(ops.isfinite(scaled[1]), loss_finite)
+
+
 def keep(finite, update_ok=None, counts=None):
     """What a gated step keeps, and which drop counts towards the streak.
 

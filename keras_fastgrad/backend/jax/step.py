@@ -229,7 +229,7 @@ def _finite_check(model, grads, loss, own_gradient):
     loss_finite = ops.all(ops.isfinite(loss))
     if verdict.checks_norm(options.clip_norm, options.clip_adaptive, own_gradient):
         scaled = units.scaled_norm(grads)
-        return ops.isfinite(scaled[1]) & loss_finite, scaled
+        return verdict.norm_finite(scaled, loss_finite), scaled
     return units.all_finite(grads) & loss_finite, None
 
 

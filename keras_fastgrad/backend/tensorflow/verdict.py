@@ -79,7 +79,7 @@ def _norm_check(state, batch):
     """The finite check folded into the gradient's norm: one `L2Loss` per
     gradient instead of one `Sum`, and no second check in the update."""
     norm = scaled_norm(batch.grads)
-    all_finite = tf.math.is_finite(norm[1]) & tf.math.is_finite(batch.loss)
+    all_finite = rules.norm_finite(norm, tf.math.is_finite(batch.loss))
     # A refused clip factor (`fits_clip`) drops the update, and counts.
     keep, counts = rules.keep(
         all_finite, fits_clip(state.options.clip_norm, *norm), _failed(all_finite, state.scaling)
