@@ -244,8 +244,8 @@ def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
     adapted = grads  # `grad_norm`: after AGC, before `clip_norm` (as on TF)
     clip_norm = model.fastgrad_step_state.options.clip_norm
     check = verdict.update_check(drops, scaled is not None, clip_norm, agc_ok is not None, True)
-    # Applied in the update (`apply_if`); gated, checked (`ok`; the
-    # verdict's norm: finite already).
+    # The factor is applied inside the gated update (`units.apply_if`);
+    # `ok`: `fits_clip`, the norm known finite where it was the verdict's.
     known = (check is None) if drops else None
     clipping = norms.clip(clip_norm, grads, drops, finite_known=known, scaled=scaled)
     factor, norm, was_clipped, ok = clipping or (None, None, None, None)
