@@ -33,7 +33,7 @@ RULES = {
     "which micro-batch is kept or dropped, and whether an update is checked": [
         (
             "keras_fastgrad.step.verdict",
-            ("Verdict", "checks", "checks_norm", "keep", "update_check"),
+            ("Verdict", "checks", "checks_norm", "norm_finite", "keep", "update_check"),
         ),
     ],
     "what counts towards the streak, the divergence stop, the NaN loss": [
@@ -69,11 +69,11 @@ RULES = {
         ),
     ],
     "the clip factors, global and adaptive": [
-        ("keras_fastgrad.maths.norms", ("scaled_norm", "clip_factor", "fits_clip")),
+        ("keras_fastgrad.maths.norms", ("scaled_norm", "clip", "clip_factor", "fits_clip")),
         ("keras_fastgrad.maths.adaptive_clipping", ("clip_weight", "clip_unitwise")),
         (
             "keras_fastgrad.step.adaptive_clipping",
-            ("before_gate", "counted_at_verdict", "both_finite"),
+            ("clip", "clipped_fraction", "before_gate", "counted_at_verdict") + ("both_finite",),
         ),
     ],
     "the loss-scale rule": [("keras_fastgrad.maths.loss_scale", ("next_scale",))],

@@ -16,6 +16,8 @@ so that `clip_norm / norm` is computed without overflow even where the norm
 itself exceeds float32.
 """
 
+from typing import Any, NamedTuple
+
 import keras  # noqa: F401  (the doctests')
 import numpy as np
 from keras import ops
@@ -25,32 +27,34 @@ from keras import ops
 RESCALE = 2.0**-80
 # float32's smallest normal: a clip factor below it is flushed to 0 on CPUs.
 _TINY = float(np.finfo(np.float32).tiny)
+# float32's largest value: a bound above it is +inf in float32.
+_MAX = float(np.finfo(np.float32).max)
 
 
-def half_squares(parts):
-    """float32 scalar: half the sum of squares of every element of `parts`
+def sum_squares(parts):
+    """float32 scalar: the sum of squares of every element of `parts`
     (`keras.ops`; a shell may pass its own fused form to `scaled_norm`).
 
     Example:
 
-    >>> float(half_squares([keras.ops.array([3.0]), keras.ops.array([4.0])]))
-    12.5
+    >>> float(sum_squares([keras.ops.array([3.0]), keras.ops.array([4.0])]))
+    25.0
     """
     total = ops.sum(ops.square(parts[0]))
     for p in parts[1:]:
         total = total + ops.sum(ops.square(p))
-    return total * 0.5
+    return total
 
 
-def scaled_norm(parts, half_squares=half_squares):
+def scaled_norm(parts, half_squares=None):
     """The global L2 norm of `parts` as `(unit, root)`, `norm = unit * root`.
 
     Args:
         parts: List of dense tensors (no `None`), measured in float32.
-        half_squares: Callable, a list of float32 tensors -> half their sum
-            of squares (a float32 scalar): `half_squares` by default; the
-            TensorFlow shell passes its fused ops
-            (`keras_fastgrad.backend.tensorflow.clipping`).
+        half_squares: `None` (the squares summed by `sum_squares`), or a
+            callable, a list of float32 tensors -> half their sum of
+            squares (a float32 scalar): the TensorFlow shell passes its
+            fused ops (`keras_fastgrad.backend.tensorflow.clipping`).
 
     Returns:
         Tuple of float32 scalars `(unit, root)`: `unit` is 1, or 2**80 when
@@ -66,17 +70,18 @@ def scaled_norm(parts, half_squares=half_squares):
     """
     if not parts:
         return ops.convert_to_tensor(1.0), ops.convert_to_tensor(0.0)
+    squares = sum_squares if half_squares is None else half_squares
     # Measured in float32 (a float16 gradient's squares overflow early);
     # no op for the float32 gradients the steps hand in.
     parts = [ops.cast(p, "float32") for p in parts]
-    halves = half_squares(parts)
-    fits = ops.isfinite(halves)
+    total = squares(parts)
+    fits = ops.isfinite(total)
     # The rescale is a value, not a constant: XLA rewrites `square(p * c)`
     # for a constant `c` as `(p * p) * (c * c)`, whose `p * p` overflows
     # again and whose `c * c` (2**-160) is 0: a NaN norm (seen on JAX).
     shrink = ops.where(fits, 1.0, RESCALE)
-    halves = ops.cond(fits, lambda: halves, lambda: half_squares([p * shrink for p in parts]))
-    return 1.0 / shrink, ops.sqrt(2.0 * halves)
+    total = ops.cond(fits, lambda: total, lambda: squares([p * shrink for p in parts]))
+    return 1.0 / shrink, ops.sqrt(total if half_squares is None else 2.0 * total)
 
 
 def global_norm(parts):
@@ -92,12 +97,76 @@ def global_norm(parts):
     return unit * root
 
 
+class Clipping(NamedTuple):
+    """What `clip` gives for one update.
+
+    Fields:
+        factor: float32 scalar `min(1, clip_norm / norm)`, for the caller to
+            multiply the gradients by (the JAX step inside its gated
+            update, TensorFlow each gradient); NaN where not `checked` and
+            the norm is beyond `fits_clip`.
+        norm: float32 scalar, the norm `unit * root` (+inf where it
+            exceeds float32's range; the `grad_norm` key).
+        was_clipped: Boolean scalar, `norm > clip_norm`.
+        ok: Boolean scalar, `fits_clip`: the update may be applied; `None`
+            where it was not asked for.
+    """
+
+    factor: Any
+    norm: Any
+    was_clipped: Any
+    ok: Any
+
+
+def clip(clip_norm, parts=None, checked=False, finite_known=None, scaled=None):
+    """The clip of an update to the global norm `clip_norm`: its factor,
+    norm, whether it clips, whether it may be applied.
+
+    Args:
+        clip_norm: Python float > 0, or `None` (no clipping: `None` back).
+        parts: List of dense tensors (no `None`), measured by
+            `scaled_norm`; not read when `scaled` is given.
+        checked: Python bool: the caller applies the factor only where the
+            norm is finite and `fits_clip` (`ok`, or the verdict's check):
+            no NaN guard in the factor.
+        finite_known: `None` (`ok` is `None`: not asked), or a Python bool
+            for `fits_clip`'s (`ok`).
+        scaled: `(unit, root)` from `scaled_norm` (a shell's, with its
+            fused sum), or `None` (measured here on `parts`).
+
+    Returns:
+        A `Clipping`, or `None` without `clip_norm`.
+
+    Example:
+
+    >>> c = clip(1.0, [keras.ops.array([3.0, 4.0])], finite_known=False)
+    >>> float(c.factor), float(c.norm), bool(c.was_clipped), bool(c.ok)
+    (0.2, 5.0, True, True)
+    """
+    if clip_norm is None:
+        return None
+    unit, root = scaled_norm(parts) if scaled is None else scaled
+    norm = _product(unit, root)
+    was_clipped = norm > clip_norm
+    factor = ops.where(was_clipped, (clip_norm / unit) / root, 1.0)
+    fits = ok = None
+    if not checked or finite_known is not None:
+        fits = norm <= clip_norm / _TINY
+    if finite_known is not None:
+        ok = _fitting(clip_norm, norm, fits, finite_known)
+    if not checked:  # `fits_clip`, on the norm computed here: NaN beyond
+        guard = ok if finite_known is False else _fitting(clip_norm, norm, fits, False)
+        factor = ops.where(guard, factor, float("nan"))
+    return Clipping(factor, norm, was_clipped, ok)
+
+
 def clip_factor(clip_norm, unit, root, checked=False):
-    """`min(1, clip_norm / norm)` for a norm given as `unit * root`.
+    """`min(1, clip_norm / norm)` for a norm given as `unit * root`
+    (`clip`'s factor).
 
     Args:
         clip_norm: Python float > 0.
-        unit: float32 scalar from `scaled_norm`.
+        unit: float32 scalar from `scaled_norm` (or the Python float 1).
         root: float32 scalar from `scaled_norm`.
         checked: Python bool: the caller uses the factor only where the norm
             is finite and `fits_clip` (then no op goes to the other case).
@@ -114,20 +183,18 @@ def clip_factor(clip_norm, unit, root, checked=False):
     >>> float(factor) > 0, bool(was_clipped)  # norm ~1.2e20, factor ~8e-21
     (True, True)
     """
-    norm = unit * root
-    was_clipped = norm > clip_norm
-    factor = ops.where(was_clipped, (clip_norm / unit) / root, 1.0)
-    if not checked:  # `fits_clip`, on the norm computed here
-        factor = ops.where(norm <= clip_norm / _TINY, factor, float("nan"))
-    return factor, was_clipped
+    clipping = clip(clip_norm, checked=checked, scaled=(unit, root))
+    return clipping.factor, clipping.was_clipped
 
 
-def fits_clip(clip_norm, unit, root):
-    """Boolean scalar: the norm `unit * root` is at most `clip_norm / tiny`
-    (float32's smallest normal), so that the clip factor `clip_norm / norm`
-    is a normal float. Beyond (a norm above ~1e38 for `clip_norm=1`, or a
-    NaN norm) the factor would be subnormal, which CPUs flush to 0: a
-    silently zero update, which the steps drop instead (counted).
+def fits_clip(clip_norm, unit, root, finite_known=True):
+    """Boolean scalar: the update clipped by the norm `unit * root` may be
+    applied: the norm finite (unless `finite_known`: the caller checked
+    it) and at most `clip_norm / tiny` (float32's smallest normal), so that
+    the clip factor `clip_norm / norm` is a normal float. Beyond (a norm
+    above ~1e38 for `clip_norm=1`) the factor would be subnormal, which
+    CPUs flush to 0: a silently zero update, which the steps drop instead
+    (counted). `unit`: a float32 scalar, or the Python float 1.
 
     Example:
 
@@ -135,5 +202,22 @@ def fits_clip(clip_norm, unit, root):
     True
     >>> bool(fits_clip(1.0, 2.0**80, keras.ops.array(1e20)))  # ~1.2e44
     False
+    >>> bool(fits_clip(1.0, 1.0, keras.ops.array(float("nan")), finite_known=False))
+    False
     """
-    return unit * root <= clip_norm / _TINY
+    norm = _product(unit, root)
+    return _fitting(clip_norm, norm, norm <= clip_norm / _TINY, finite_known)
+
+
+def _product(unit, root):
+    """`unit * root`, no op for the Python float 1."""
+    return root if isinstance(unit, float) and unit == 1.0 else unit * root
+
+
+def _fitting(clip_norm, norm, fits, finite_known):
+    """`fits` (`norm <= clip_norm / tiny`), and the norm finite unless
+    `finite_known`. A NaN or infinite norm fails `<=` already wherever that
+    bound is a finite float32 (`clip_norm` up to ~3.9): no op for it then."""
+    if finite_known or clip_norm / _TINY < _MAX:
+        return fits
+    return ops.logical_and(ops.isfinite(norm), fits)

@@ -33,10 +33,11 @@ such an update instead (`Clipped.all_finite` is false), as it drops a
 non-finite one. A NaN or Inf gradient stays non-finite.
 
 This module holds AGC's decisions in the step, backend-neutral: which
-weights have row units (`row_unit_variables`), when AGC runs before the
-update's `cond` (`before_gate`), whether a non-finite update was counted
-already (`counted_at_verdict`), the update's check with AGC's
-(`both_finite`). The dense maths is `keras_fastgrad.maths.adaptive_clipping`;
+weights have row units (`row_unit_variables`), the update's gradient
+clipped and what is counted of it (`clip`, `clipped_fraction`), when AGC
+runs before the update's `cond` (`before_gate`), whether a non-finite
+update was counted already (`counted_at_verdict`; `telemetry.counted_once`), the
+update's check with AGC's (`both_finite`). The dense maths is `keras_fastgrad.maths.adaptive_clipping`;
 the shells apply it: TensorFlow's `keras_fastgrad.backend.tensorflow.adaptive_clipping`
 (its fused norm, and the sparse path for `tf.IndexedSlices`), JAX's
 `keras_fastgrad.backend.jax.agc`.
@@ -46,13 +47,17 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad.maths import adaptive_clipping as maths
 from keras_fastgrad.maths.adaptive_clipping import DEFAULT_EPSILON, unit_axes
+from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 from keras_fastgrad.step.verdict import COUNT_KEYS
 
 __all__ = [
     "DEFAULT_EPSILON",
     "unit_axes",
     "row_unit_variables",
+    "clip",
+    "clipped_fraction",
     "before_gate",
     "counted_at_verdict",
     "both_finite",
@@ -69,6 +74,47 @@ def row_unit_variables(model):
         for w in layer.trainable_weights
         if w.name == "embeddings"
     }
+
+
+def clip(model, grads, values, options, log_keys, clip_unitwise=maths.clip_unitwise):
+    """The update's gradient clipped by the `clip_adaptive` option, each
+    weight's units read off `model` (`row_unit_variables`).
+
+    Args:
+        model: The `FastGradModel` (its `trainable_variables`' order).
+        grads: The update's float32 gradients, in that order.
+        values: The trainable variables' values before the update.
+        options: The step's `StepOptions` (`clip_adaptive`, its `eps`).
+        log_keys: The keys measured: the clipped units are counted only
+            for `agc_clipped_fraction`.
+        clip_unitwise: `maths.adaptive_clipping.clip_unitwise`, or a
+            shell's (TensorFlow's: its fused norm, sparse rows kept sparse).
+
+    Returns:
+        A `maths.adaptive_clipping.Clipped`.
+    """
+    tables = row_unit_variables(model)
+    return clip_unitwise(
+        grads,
+        values,
+        [id(v) in tables for v in model.trainable_variables],
+        options.clip_adaptive,
+        options.clip_adaptive_eps,
+        count=AGC_CLIPPED_FRACTION in log_keys,
+    )
+
+
+def clipped_fraction(clipped):
+    """float32 scalar, the `agc_clipped_fraction` key: the fraction of the
+    weights' units that a `Clipped` clipped (`clipped_units` counted).
+
+    Example:
+
+    >>> from keras_fastgrad.maths.adaptive_clipping import Clipped
+    >>> clipped_fraction(Clipped(None, True, 3.0, 4))
+    0.75
+    """
+    return clipped.clipped_units / max(clipped.num_units, 1)
 
 
 def before_gate(clip_adaptive, divided, window_work):

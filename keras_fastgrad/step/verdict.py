@@ -16,7 +16,8 @@ The rules:
   exactly when every element is);
 - what is kept: a finite micro-batch whose update may be applied (a
   clip factor that is a normal float, AGC's unit norms finite: `keep`);
-- what counts towards the divergence streak (`failed`, `keep`);
+- what counts towards the divergence streak (`keep`, with
+  `divergence.counts_as_failure`);
 - whether the update needs a check of its own before it is applied
   (`update_check`: a window's or the replicas' sum of finite gradients can
   overflow; a clip factor must be a normal float).
@@ -25,8 +26,6 @@ The rules:
 from typing import Any, NamedTuple
 
 from keras import ops
-
-from keras_fastgrad.step import divergence
 
 # The telemetry keys that say where a dropped micro-batch went bad.
 WHERE_KEYS = frozenset({"nonfinite_first_index", "nonfinite_num_variables"})
@@ -49,7 +48,8 @@ class Verdict(NamedTuple):
         drops_nonfinite: Python bool: a non-finite micro-batch is dropped
             (`skip_nonfinite`, or loss scaling).
         counts_towards_streak: Boolean scalar, whether a drop counts
-            towards the divergence streak (`failed`, `keep`); `None`: every
+            towards the divergence streak (`divergence.counts_as_failure`,
+            `keep`); `None`: every
             drop counts.
         global_normaliser: float32, the normaliser summed over replicas.
         norm: `None`, or the gradient's global norm as `(unit, root)`
@@ -107,8 +107,19 @@ def checks_norm(clip_norm, clip_adaptive, own_gradient):
     return clip_norm is not None and clip_adaptive is None and bool(own_gradient)
 
 
-# Which drop counts towards the streak is the divergence rule's.
-failed = divergence.counts_as_failure
+def norm_finite(scaled, loss_finite):
+    """Boolean scalar: the micro-batch is finite, checked on the gradient's
+    norm (`checks_norm`): its `root` (`maths.norms.scaled_norm`, computed
+    without overflow) is finite exactly when every element is; and the
+    loss (`loss_finite`, boolean scalar).
+
+    Example:
+
+    >>> nan, t = ops.convert_to_tensor(float("nan")), ops.convert_to_tensor(True)
+    >>> bool(norm_finite((1.0, ops.convert_to_tensor(5.0)), t)), bool(norm_finite((1.0, nan), t))
+    (True, False)
+    """
+    return ops.logical_and(ops.isfinite(scaled[1]), loss_finite)
 
 
 def keep(finite, update_ok=None, counts=None):
@@ -118,7 +129,8 @@ def keep(finite, update_ok=None, counts=None):
         finite: Boolean scalar, the micro-batch is finite.
         update_ok: Boolean scalar, or `None`: its update may be applied (a
             clip factor that is a normal float, AGC's unit norms finite).
-        counts: Boolean scalar (`failed`), or `None`: every drop counts.
+        counts: Boolean scalar (`divergence.counts_as_failure`), or
+            `None`: every drop counts.
 
     Returns:
         Tuple `(keep, counts)`: `finite and update_ok`; the drops that

@@ -223,3 +223,45 @@ class TestClipByGlobalNorm:
         clipped, was_clipped = clip(tf.constant([3e20, 4e20]))
         assert bool(was_clipped)
         np.testing.assert_allclose(clipped[0].numpy(), [0.6, 0.8], rtol=1e-6)
+
+
+# ------------------------------------------------- maths.norms.clip (the rule)
+
+
+class TestClipRule:
+    """`maths.norms.clip`, the clip both shells call: factor, norm, whether it
+    clips, and its check (`fits_clip`), worked out by hand."""
+
+    def test_factor_norm_and_check_by_hand(self):
+        from keras_fastgrad.maths import norms
+
+        # ||[3, 4]|| = 5 > 1: factor 1 / 5 = 0.2, a normal float: applied.
+        c = norms.clip(1.0, [const([3.0, 4.0])], finite_known=False)
+        assert (float(c.factor), float(c.norm), bool(c.was_clipped), bool(c.ok)) == (
+            pytest.approx(0.2),
+            5.0,
+            True,
+            True,
+        )
+        # ||[0.3, 0.4]|| = 0.5 <= 1: factor 1, nothing asked of the check.
+        c = norms.clip(1.0, [const([0.3, 0.4])])
+        assert float(c.factor) == 1.0 and not bool(c.was_clipped) and c.ok is None
+        assert norms.clip(None, [const([3.0])]) is None
+
+    @pytest.mark.parametrize("clip_norm", [1.0, 10.0])  # 10 / tiny is +inf in float32
+    @pytest.mark.parametrize("bad", [NAN, INF])
+    def test_a_non_finite_norm_is_refused_and_its_factor_nan(self, clip_norm, bad):
+        from keras_fastgrad.maths import norms
+
+        c = norms.clip(clip_norm, [const([1.0, bad])], finite_known=False)
+        assert not bool(c.ok)
+        assert np.isnan(float(c.factor))  # unchecked: NaN, as Keras' clipping
+        assert not bool(norms.fits_clip(clip_norm, 1.0, const(bad), finite_known=False))
+
+    def test_a_norm_beyond_clip_norm_over_tiny_is_refused(self):
+        from keras_fastgrad.maths import norms
+
+        # 2**80 * 1e20 ~ 1.2e44 > 1 / 1.18e-38: a subnormal factor.
+        assert not bool(norms.fits_clip(1.0, 2.0**80, const(1e20)))
+        c = norms.clip(1.0, checked=True, finite_known=True, scaled=(const(2.0**80), const(1e20)))
+        assert not bool(c.ok) and bool(c.was_clipped)

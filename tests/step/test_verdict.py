@@ -13,7 +13,7 @@ import itertools
 import keras
 import pytest
 
-from keras_fastgrad.step import verdict
+from keras_fastgrad.step import divergence, verdict
 
 
 def b(value):
@@ -59,9 +59,9 @@ def test_keep_and_what_counts(case):
     (False, 0.5, True),
     (True, 0.5, False),
 ])  # fmt: skip
-def test_failed(finite, scale, expected):
+def test_counts_as_failure(finite, scale, expected):
     s = None if scale is None else b(scale)
-    assert value(verdict.failed(b(finite), s)) is expected
+    assert value(divergence.counts_as_failure(b(finite), s)) is expected
 
 
 def test_checks_and_checks_norm():

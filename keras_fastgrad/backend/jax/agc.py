@@ -11,7 +11,6 @@ norm that overflows float32 drops the update too.
 """
 
 from keras_fastgrad.backend.jax import telemetry as telemetry
-from keras_fastgrad.maths.adaptive_clipping import clip_unitwise
 from keras_fastgrad.step import adaptive_clipping as rules
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 
@@ -32,18 +31,10 @@ def clip(model, tv, grads, counted=None):
     options = model.fastgrad_step_state.options
     if options.clip_adaptive is None:
         return grads, None
-    count = counted is not None and AGC_CLIPPED_FRACTION in telemetry.measured_keys(model)
-    tables = rules.row_unit_variables(model)
-    out = clip_unitwise(
-        grads,
-        tv,
-        [id(v) in tables for v in model.trainable_variables],
-        options.clip_adaptive,
-        options.clip_adaptive_eps,
-        count=count,
-    )
-    if count:
-        counted[AGC_CLIPPED_FRACTION] = out.clipped_units / max(out.num_units, 1)
+    keys = telemetry.measured_keys(model) if counted is not None else ()
+    out = rules.clip(model, grads, tv, options, keys)
+    if out.clipped_units is not None:
+        counted[AGC_CLIPPED_FRACTION] = rules.clipped_fraction(out)
     return out.grads, out.all_finite
 
 

@@ -40,6 +40,7 @@ from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import StepValues
 from keras_fastgrad.backend.jax.state import slots as slots_of
+from keras_fastgrad.maths import norms
 from keras_fastgrad.step import divergence, verdict
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.compile_loss import check_present_terms
@@ -153,7 +154,7 @@ def _finite_check(model, grads, loss, own_gradient):
     loss_finite = ops.all(ops.isfinite(loss))
     if verdict.checks_norm(options.clip_norm, options.clip_adaptive, own_gradient):
         scaled = units.scaled_norm(grads)
-        return ops.isfinite(scaled[1]) & loss_finite, scaled
+        return verdict.norm_finite(scaled, loss_finite), scaled
     return units.all_finite(grads) & loss_finite, None
 
 
@@ -168,17 +169,21 @@ def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
     adapted = grads  # `grad_norm`: after AGC, before `clip_norm` (as on TF)
     clip_norm = model.fastgrad_step_state.options.clip_norm
     check = verdict.update_check(drops, scaled is not None, clip_norm, agc_ok is not None, True)
-    factor, scaled, was_clipped = units.clip_factor(clip_norm, grads, drops, scaled)
-    ok = None
-    if clip_norm is not None and drops:  # (the verdict's norm: finite already)
-        ok = units.fits(clip_norm, scaled, finite_known=check is None)
-    norm = None if scaled is None else scaled[0] * scaled[1]
+    # The factor is applied inside the gated update (`units.apply_if`);
+    # `ok`: `fits_clip`, the norm known finite where it was the verdict's.
+    known = (check is None) if drops else None
+    clipping = norms.clip(clip_norm, grads, drops, finite_known=known, scaled=scaled)
+    factor, norm, was_clipped, ok = clipping or (None, None, None, None)
     if norm is None and "grad_norm" in telemetry.requested(model):
         norm = units.global_norm(adapted)  # (no clipping here)
     ok = jax_agc.both(ok, agc_ok)
     if drops:
-        keep, counts = verdict.keep(finite, ok, failed)
-        telemetry.record_drop(model, new, raw, ~keep, ~keep & counts)
+        # (without loss scaling every drop counts: `None`, as on TF)
+        keep, counts = verdict.keep(finite, ok, None if slots.scaler is None else failed)
+        dropped = ~keep
+        telemetry.record_drop(
+            model, new, raw, dropped, dropped if counts is None else dropped & counts
+        )
         do_apply = keep
     else:  # ungated: applied as keras.Model does (no check, no count, as on TF)
         keep = True

@@ -6,7 +6,6 @@ own, written once (`keras_fastgrad.maths`: `finite`, `norms`,
 `applying`, `telemetry`, `divergence`)."""
 
 import jax
-from keras import ops
 
 from keras_fastgrad.maths import norms
 from keras_fastgrad.maths.finite import all_finite  # noqa: F401  (the step's)
@@ -23,41 +22,16 @@ def update_scale(slots, ov, finite, counts_growth):
     ov[i], ov[j] = next_scale(ov[i], ov[j], finite, growth_steps, counts_growth)
 
 
-def clip_factor(clip_norm, grads, gated, scaled=None):
-    """`(factor, scaled, was_clipped)`: the factor that clips `grads` to
-    `clip_norm` (`maths.norms.clip_factor`; `None` without `clip_norm`),
-    applied by the update itself (`apply_if`), as Keras' optimizer applies
-    `global_clipnorm` inside its update; the norm as `(unit, root)`,
-    measured without overflow (`maths.norms.scaled_norm`, or `scaled` when
-    the verdict measured it); whether the norm exceeds `clip_norm`. A
-    `gated` update is applied only where the factor is a normal float
-    (`fits`): no guard; an ungated one gets a NaN factor beyond it, as
-    Keras' clipping."""
-    if clip_norm is None:
-        return None, None, None
-    unit, root = norms.scaled_norm(grads) if scaled is None else scaled
-    factor, was_clipped = norms.clip_factor(clip_norm, unit, root, checked=gated)
-    return factor, (unit, root), was_clipped
-
-
-def fits(clip_norm, scaled, finite_known=False):
-    """Boolean scalar: the update clipped by `scaled`'s factor may be
-    applied: its norm finite (unless `finite_known`: the verdict's check
-    was this norm) and the factor a normal float (`norms.fits_clip`)."""
-    unit, root = scaled
-    ok = norms.fits_clip(clip_norm, unit, root)
-    return ok if finite_known else ops.isfinite(unit * root) & ok
-
-
 def clip(clip_norm, grads, gated):
-    """`(grads, norm, was_clipped, ok)`: clipped to `clip_norm`
-    (`clip_factor` applied here), `ok`: `fits` (`None` ungated);
-    `norm`/`was_clipped` `None` without."""
-    factor, scaled, was_clipped = clip_factor(clip_norm, grads, gated)
-    if factor is None:
+    """`(grads, norm, was_clipped, ok)`: `grads` clipped to `clip_norm` by
+    `maths.norms.clip`'s factor, `ok` its check (`None` ungated: a NaN
+    factor beyond it, as Keras' clipping); `norm`, `was_clipped` and `ok`
+    `None` without `clip_norm`."""
+    clipping = norms.clip(clip_norm, grads, checked=gated, finite_known=False if gated else None)
+    if clipping is None:
         return grads, None, None, None
-    ok = fits(clip_norm, scaled) if gated else None
-    return [g * factor for g in grads], scaled[0] * scaled[1], was_clipped, ok
+    factor, norm, was_clipped, ok = clipping
+    return [g * factor for g in grads], norm, was_clipped, ok
 
 
 def apply_if(slots, tv, ov, grads, do_apply, factor=None):

@@ -18,7 +18,6 @@ from keras_fastgrad.maths.adaptive_clipping import (
     unit_axes,
 )
 from keras_fastgrad.step import adaptive_clipping as rules
-from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 
 
 def clip_unitwise(grads, weights, rows, clipping, eps=DEFAULT_EPSILON, count=True):
@@ -105,7 +104,7 @@ def adaptive_clip(model, state, grads, clipped=None):
         return grads, None
     out = _clipped(model, state, grads) if clipped is None else clipped
     if out.clipped_units is not None:
-        state.telemetry.record_adaptive_clipping(out.clipped_units / max(out.num_units, 1))
+        state.telemetry.record_adaptive_clipping(rules.clipped_fraction(out))
     return out.grads, out.all_finite
 
 
@@ -125,16 +124,8 @@ def before_gate(model, state, grads, divisor):
 
 
 def _clipped(model, state, grads):
-    variables = model.trainable_variables
-    tables = rules.row_unit_variables(model)
-    return clip_unitwise(
-        grads,
-        [v.value for v in variables],
-        [id(v) in tables for v in variables],
-        state.options.clip_adaptive,
-        state.options.clip_adaptive_eps,
-        count=AGC_CLIPPED_FRACTION in state.log_keys,
-    )
+    values = [v.value for v in model.trainable_variables]
+    return rules.clip(model, grads, values, state.options, state.log_keys, clip_unitwise)
 
 
 def counted_at_verdict(state):

@@ -22,7 +22,7 @@ from keras_fastgrad.backend.tensorflow.gradients import scale, summed_rows, summ
 from keras_fastgrad.maths import norms
 
 # Written once for both backends (`keras_fastgrad.maths.norms`).
-clip_factor = norms.clip_factor
+clip = norms.clip
 fits_clip = norms.fits_clip
 
 
@@ -56,7 +56,7 @@ def scaled_norm(grads):
 
 
 def half_squares(parts):
-    """`maths.norms.half_squares` in TensorFlow's fused ops: one `L2Loss`
+    """Half of `maths.norms.sum_squares`, in TensorFlow's fused ops: one `L2Loss`
     per gradient and one `AddN` for the total (what the step's traced op
     count is held to)."""
     return tf.add_n([tf.nn.l2_loss(p) for p in parts])
@@ -89,11 +89,16 @@ def clip_by_global_norm(grads, clip_norm, norm, checked=False):
     >>> clipped[0].numpy().tolist(), bool(was_clipped)
     ([0.6000000238418579, 0.800000011920929], True)
     """
-    unit, root = norm if isinstance(norm, tuple) else (tf.constant(1.0), norm)
-    factor, was_clipped = clip_factor(clip_norm, unit, root, checked)
-    return [scale(_rows_once(g), factor) for g in grads], was_clipped
+    clipping = clip(
+        clip_norm, checked=checked, scaled=norm if isinstance(norm, tuple) else (1.0, norm)
+    )
+    return scaled_by(grads, clipping.factor), clipping.was_clipped
 
 
-def _rows_once(g):
-    """`g`, a sparse one with each row once (`gradients.summed_slices`)."""
-    return summed_slices(g) if isinstance(g, tf.IndexedSlices) else g
+def scaled_by(grads, factor):
+    """Each gradient times `factor` (a float32 scalar), a sparse one with
+    each row once (`gradients.summed_slices`: the dense gradient's rows,
+    which the optimizer then applies as Keras applies the dense one)."""
+    return [
+        scale(summed_slices(g) if isinstance(g, tf.IndexedSlices) else g, factor) for g in grads
+    ]

@@ -24,6 +24,7 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import accumulation as tf_window
 from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
+from keras_fastgrad.backend.tensorflow import clipping as tf_clipping
 from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow import telemetry as tf_telemetry
@@ -34,7 +35,6 @@ from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
 )
 from keras_fastgrad.backend.tensorflow.applying import apply_if
 from keras_fastgrad.backend.tensorflow.backward import Batch, gradients
-from keras_fastgrad.backend.tensorflow.clipping import clip_by_global_norm, fits_clip, scaled_norm
 from keras_fastgrad.backend.tensorflow.compile_loss import keep_output_loss_metrics
 from keras_fastgrad.backend.tensorflow.gradients import scale
 from keras_fastgrad.backend.tensorflow.replicas import (
@@ -227,17 +227,16 @@ def _clipped(state, grads, scaled=None, gated=True):
     (`None` when neither clipping nor `grad_norm` needs it); `scaled`: the
     norm as `(unit, root)`, when already computed; `gated`: the update is
     applied only with a finite norm."""
-    norm = was_clipped = None
     clip_norm = state.options.clip_norm
-    if "grad_norm" in state.log_keys or clip_norm is not None:
-        unit, root = scaled or scaled_norm(grads)
-        norm = unit * root
     state.telemetry.record_layer_norms(grads)
-    if clip_norm is not None:
-        # Gated: applied only with a finite norm (the verdict's `keep` when
-        # the norm was the check, `_finite_update` otherwise): no guard.
-        grads, was_clipped = clip_by_global_norm(grads, clip_norm, (unit, root), checked=gated)
-    return grads, norm, was_clipped
+    if clip_norm is None:
+        norm = tf_clipping.global_norm(grads) if "grad_norm" in state.log_keys else None
+        return grads, norm, None
+    # Gated: applied only with a finite norm (the verdict's `keep` when
+    # the norm was the check, `_finite_update` otherwise): no guard.
+    scaled = scaled or tf_clipping.scaled_norm(grads)
+    clipping = tf_clipping.clip(clip_norm, checked=gated, scaled=scaled)
+    return tf_clipping.scaled_by(grads, clipping.factor), clipping.norm, clipping.was_clipped
 
 
 def _finite_update(state, grads, norm, check):
@@ -247,7 +246,7 @@ def _finite_update(state, grads, norm, check):
     `clip_norm / tiny` would flush the factor to 0 on CPU, a silently zero
     update; dropped, counted instead); `"sums"`: every gradient finite."""
     if check == "norm":
-        return tf.math.is_finite(norm) & fits_clip(state.options.clip_norm, 1.0, norm)
+        return tf_clipping.fits_clip(state.options.clip_norm, 1.0, norm, finite_known=False)
     if check == "sums":
         return finite.all_finite(grads)
     return None

@@ -22,6 +22,7 @@ from keras_fastgrad.backend.tensorflow.replicas import (
 )
 from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import verdict as rules
+from keras_fastgrad.step.divergence import counts_as_failure
 from keras_fastgrad.step.verdict import COUNT_KEYS, WHERE_KEYS, Verdict
 
 __all__ = ["Verdict", "COUNT_KEYS", "WHERE_KEYS"]  # (the core's, re-exported for the chain)
@@ -68,18 +69,19 @@ def _checks_norm(state, batch):
 
 
 def _failed(all_finite, scaling):
-    """`verdict.failed` at the scale the micro-batch was checked at
-    (before the update); `None` without loss scaling (every drop counts)."""
+    """`divergence.counts_as_failure` at the scale the micro-batch was
+    checked at (before the update); `None` without loss scaling (every drop
+    counts)."""
     if not scaling.active:
         return None
-    return rules.failed(all_finite, scaling.current_scale())
+    return counts_as_failure(all_finite, scaling.current_scale())
 
 
 def _norm_check(state, batch):
     """The finite check folded into the gradient's norm: one `L2Loss` per
     gradient instead of one `Sum`, and no second check in the update."""
     norm = scaled_norm(batch.grads)
-    all_finite = tf.math.is_finite(norm[1]) & tf.math.is_finite(batch.loss)
+    all_finite = rules.norm_finite(norm, tf.math.is_finite(batch.loss))
     # A refused clip factor (`fits_clip`) drops the update, and counts.
     keep, counts = rules.keep(
         all_finite, fits_clip(state.options.clip_norm, *norm), _failed(all_finite, state.scaling)
@@ -127,7 +129,7 @@ def record_drop(state, marks, counts=None):
             callable that computes it (only called when its keys are
             requested).
         counts: Boolean scalar, whether the drop counts towards the streak
-            (`divergence.failed`, under loss scaling); `None`: it does.
+            (`divergence.counts_as_failure`, under loss scaling); `None`: it does.
     """
     where = telemetry_rules.location(state.log_keys, marks)
     change = telemetry_rules.micro_batch_dropped(*where, counts, state.drops_nonfinite())
