@@ -111,6 +111,8 @@ MODEL_ATTRIBUTES = {
     "_fg_attachment": "the callbacks' attachment on a plain model (never saved)",
     "_fg_cloned_options": "a clone's options, from `__new__` to `__init__` (popped there)",
     "_loss_tracker": "Keras' own `loss` metric, replaced by one that reports NaN periods",
+    "_losses_override": "Keras' own (`Layer.losses` reads it): the losses of a JAX stateless "
+    "forward, set around a `compute_loss` override and restored (`_compat.forward_losses`)",
     "train_step": "JAX: a new function for Keras to jit while it makes the train function "
     "(removed right after; `jax.jit` would reuse the bound method's old trace)",
 }

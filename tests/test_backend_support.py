@@ -1,6 +1,6 @@
 """One statement of what each backend supports, from the code's own record.
 
-`keras_fastgrad/backend/support.py` holds the rows (`BACKEND_SUPPORT`); the
+`keras_fastgrad/step/support.py` holds the rows (`BACKEND_SUPPORT`); the
 JAX refusals raise the errors their rows make. Here: docs/jax.md shows the
 rows as the code renders them, the README's summary is the code's, every
 page that states backend support shows or links that statement, no page
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from keras_fastgrad.backend import support
+from keras_fastgrad.step import support
 
 pytestmark = pytest.mark.tensorflow_only(
     reason="the pages' statement of support, checked once (in the TensorFlow run)"
@@ -58,7 +58,7 @@ def pages():
 def test_the_jax_page_shows_the_codes_statement():
     shown = section(read("docs/jax.md"), "backend-support")
     assert shown == support.markdown_table(), (
-        "docs/jax.md's table differs from keras_fastgrad/backend/support.py's rows: put "
+        "docs/jax.md's table differs from keras_fastgrad/step/support.py's rows: put "
         "`support.markdown_table()` between its backend-support markers"
     )
 
@@ -99,7 +99,7 @@ def contradictions(text):
 @pytest.mark.parametrize("page", pages())
 def test_no_page_says_multitask_is_refused_on_jax(page):
     found = contradictions(read(page))
-    assert not found, f"{page} contradicts keras_fastgrad/backend/support.py: {found}"
+    assert not found, f"{page} contradicts keras_fastgrad/step/support.py: {found}"
 
 
 def test_the_contradictions_are_found():

@@ -118,7 +118,7 @@ def test_only_backend_reads_the_mark_the_name_the_shell_and_the_imports():
     # Imports inside a function, and the lazy `tf` of tests/helpers.py: both.
     both = "from tests.helpers import tf\n\ndef f():\n    import tensorflow\n"
     assert tiers.only_backend("tests/test_a.py", both) is None
-    assert tiers.only_backend("keras_fastgrad/backend/support.py", "import keras\n") is None
+    assert tiers.only_backend("keras_fastgrad/step/support.py", "import keras\n") is None
 
 
 def test_a_file_both_backends_collect_imports_no_module_of_one_backend():

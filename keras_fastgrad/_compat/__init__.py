@@ -141,3 +141,17 @@ def __getattr__(name):
     if name in _MOVED:
         return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def compiled(fn, static_argnames=()):
+    """`fn` traced once per input signature and run as one program, eager
+    too, inlined in a traced step: `jax.jit` with `static_argnames` (the
+    Python arguments) on Keras' JAX backend, `tf.function(autograph=False)`
+    on TensorFlow (Python arguments retrace)."""
+    if _keras_api.backend.backend() == "jax":
+        import jax
+
+        return jax.jit(fn, static_argnames=static_argnames)
+    from keras_fastgrad._tf_startup import tf
+
+    return tf.function(fn, autograph=False)

@@ -9,7 +9,7 @@ module `keras_fastgrad.backend.tensorflow.trainer` or
 `SHELL_ENTRY_POINTS` with the same contract.
 
 What each backend supports is one record,
-`keras_fastgrad.backend.support.BACKEND_SUPPORT` (docs/jax.md shows it); on
+`keras_fastgrad.step.support.BACKEND_SUPPORT` (docs/jax.md shows it); on
 JAX what it marks refused is refused by name, with the error its row makes
 (`support.refusal`), when the model is built, compiled or trained, or when a
 callback is attached: it never trains differently from TensorFlow in
@@ -48,7 +48,6 @@ SHELL_ENTRY_POINTS = (
     "step_variables",  # (model) -> the step's variables Keras must thread
     "tape_variable_count",  # (model) -> variables differentiated, or None
     "trace_count",  # (the compiled step function) -> times traced/compiled
-    "compiled",  # (fn, static_argnames) -> fn run as one traced program (aggregators)
 )
 
 

@@ -2,7 +2,7 @@
 `FastGradModel` the same way, written once: the refusals of options,
 models, callbacks and strategies, and the divergence stop added to `fit`.
 
-Which backend refuses what is `keras_fastgrad.backend.support`'s record
+Which backend refuses what is `keras_fastgrad.step.support`'s record
 (`refuses`): a shell passes its name (`trainer.NAME`), never decides a
 refusal of its own. The TensorFlow `tf.distribute` refusals read only the
 strategy's attributes (no TensorFlow imported): they apply wherever the
@@ -12,7 +12,7 @@ model has a `distribute_strategy` (Keras' JAX trainer has none).
 import keras
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend.support import JAX_REFUSALS, REFUSED, refusal
+from keras_fastgrad.step.support import JAX_REFUSALS, REFUSED, refusal
 
 
 def refuses(key, backend):

@@ -64,7 +64,7 @@ def test_a_distribution_other_than_data_parallel_refused():
         model.compile("adam", "mse")
         with pytest.raises(
             NotImplementedError,
-            match=f"other than `DataParallel`.*{NOT_YET}",  # (the row of backend/support.py)
+            match=f"other than `DataParallel`.*{NOT_YET}",  # (the row of step/support.py)
         ) as refused:
             model.fit(x, y, verbose=0)
     assert "Received: distribution=ModelParallel(...)" in str(refused.value)

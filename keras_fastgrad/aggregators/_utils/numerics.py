@@ -7,7 +7,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_fastgrad import backend
+from keras_fastgrad import _compat as compat
 
 
 def _dtype(dtype):
@@ -50,9 +50,9 @@ def _compiled(static_argnames=()):
     program, in eager mode too (its loops then run as one program, not op
     by op); inlined where it is called inside a traced step.
 
-    How a backend compiles is its shell's (`compiled`, picked by
-    `keras_fastgrad.backend.shell()` at the first call: `tf.function`,
-    `jax.jit` with `static_argnames`, the Python arguments)."""
+    How a backend compiles is the library bridge's (`_compat.compiled`, at
+    the first call: `tf.function`, `jax.jit` with `static_argnames`, the
+    Python arguments)."""
 
     def decorate(fn):
         compiled = []
@@ -60,7 +60,7 @@ def _compiled(static_argnames=()):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if not compiled:
-                compiled.append(backend.shell().compiled(fn, static_argnames))
+                compiled.append(compat.compiled(fn, static_argnames))
             return compiled[0](*args, **kwargs)
 
         return call

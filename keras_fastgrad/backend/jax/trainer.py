@@ -7,13 +7,11 @@ with the same contract (`keras_fastgrad.backend.SHELL_ENTRY_POINTS`). Here:
 Keras jits a stateless `train_step(state, data)`
 (`keras_fastgrad.backend.jax.step`), the step's variables ride in Keras'
 state tuple. What the JAX step does not implement is refused by name, by
-the core (`keras_fastgrad.step.trainer`, from `keras_fastgrad.backend.support`'s
+the core (`keras_fastgrad.step.trainer`, from `keras_fastgrad.step.support`'s
 record).
 """
 
 import functools
-
-import jax
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import state as jax_state
@@ -139,10 +137,3 @@ def trace_count(function):
     """How many times the `jax.jit` function was compiled, or `None` where
     JAX does not say."""
     return compat.jit_cache_size(function)
-
-
-def compiled(fn, static_argnames=()):
-    """`fn` traced once per input signature and run as one program, eager
-    too, inlined in a traced step: `jax.jit` with `static_argnames` (the
-    Python arguments)."""
-    return jax.jit(fn, static_argnames=static_argnames)

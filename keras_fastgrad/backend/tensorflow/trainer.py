@@ -11,7 +11,6 @@ are the core's (`keras_fastgrad.step.trainer`).
 
 import keras
 
-from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow import log_packing
 from keras_fastgrad.backend.tensorflow import train_step as _step
 from keras_fastgrad.backend.tensorflow.loss_scaling import LossScaling
@@ -143,11 +142,3 @@ def tape_variable_count(model):
 def trace_count(function):
     """How many times the `tf.function` `function` was traced."""
     return function.experimental_get_tracing_count()
-
-
-def compiled(fn, static_argnames=()):
-    """`fn` traced once per input signature and run as one graph, eager
-    too, inlined in a traced step: `tf.function(autograph=False)` (Python
-    arguments retrace; `static_argnames` is JAX's, unused here)."""
-    del static_argnames
-    return tf.function(fn, autograph=False)

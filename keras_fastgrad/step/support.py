@@ -149,7 +149,7 @@ def refusal(key, received):
         f"backend ({row.note}). Received: {received} with keras.backend.backend()='jax'. "
         f"Fix: {row.fix}train with `KERAS_BACKEND=tensorflow`, or leave the option at its "
         "default. What each backend supports: docs/jax.md "
-        "(`keras_fastgrad.backend.support.BACKEND_SUPPORT`)."
+        "(`keras_fastgrad.step.support.BACKEND_SUPPORT`)."
     )
 
 
