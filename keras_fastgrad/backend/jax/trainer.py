@@ -32,7 +32,7 @@ BUILDS_BEFORE_FIT = True
 
 NAME = "jax"
 # Keras' JAX trainer methods that read the model's state between batches
-# (a plain model's `fit` routes them to the step's: `models.adapt`).
+# (a plain model's `fit` routes them to the step's: `models.attachment`).
 STATE_METHODS = compat.JAX_STATE_METHODS
 # No tape: `jax.value_and_grad` differentiates every trainable variable.
 TAPE = False

@@ -32,7 +32,7 @@ BUILDS_BEFORE_FIT = False
 
 NAME = "tensorflow"
 # Keras' trainer methods that read the model's state between batches, which
-# a plain model's `fit` must route to the step's (`models.adapt`): none.
+# a plain model's `fit` must route to the step's (`models.attachment`): none.
 STATE_METHODS = ()
 # The gradient is taken with a tape, which watches only the variables the
 # step reads (`FastGradModel.tape_variable_count`).
