@@ -9,7 +9,7 @@ import numpy as np
 TINY = float(np.finfo(np.float32).tiny)
 
 
-def tracked_weight(rows, maximum=max):
+def tracked_weight(rows, maximum=None):
     """The weight a kept micro-batch's loss gets in the `loss` tracker: its
     rows, as Keras' `train_step` weights it. A batch of no rows adds
     nothing to Keras' mean (weight 0, and its logged mean of nothing is
@@ -21,10 +21,10 @@ def tracked_weight(rows, maximum=max):
 
     Args:
         rows: The micro-batch's rows (a Python number or a float32 scalar).
-        maximum: The backend's `maximum(x, y)` (Python's `max` for a
-            number known when the step is traced).
+        maximum: The backend's `maximum(x, y)`, or `None` (Python's
+            `max`, for a number known when the step is traced).
 
     >>> tracked_weight(32.0), tracked_weight(0.0) == TINY
     (32.0, True)
     """
-    return maximum(rows, TINY)
+    return (maximum or max)(rows, TINY)
