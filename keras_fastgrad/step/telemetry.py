@@ -81,7 +81,7 @@ from keras import ops
 
 from keras_fastgrad.maths import finite
 from keras_fastgrad.maths import telemetry as maths
-from keras_fastgrad.step import divergence, noise_scale
+from keras_fastgrad.step import divergence, noise_scale, verdict
 
 LOG_KEYS = (
     "grad_norm",
@@ -98,8 +98,9 @@ LAYER_NORM_PREFIX = "grad_norm/"
 UPDATE_RATIO = "update_ratio"
 AGC_CLIPPED_FRACTION = "agc_clipped_fraction"
 # The keys of where the latest dropped micro-batch went bad, and with the
-# count the keys that make an ungated step count non-finite micro-batches.
-LOCATION_KEYS = ("nonfinite_first_index", "nonfinite_num_variables")
+# count the keys that make an ungated step count non-finite micro-batches
+# (the verdict's own sets, `verdict.WHERE_KEYS` and `verdict.COUNT_KEYS`).
+LOCATION_KEYS = tuple(sorted(verdict.WHERE_KEYS))
 COUNT_KEYS = ("nonfinite_count",) + LOCATION_KEYS
 
 
@@ -129,15 +130,13 @@ def is_optional_key(key):
 
 
 def counts_nonfinite(drops, keys):
-    """Whether the step checks and counts non-finite micro-batches: when it
-    drops them (`drops`, a Python bool), or while a key of `COUNT_KEYS` is
-    requested (`keys`); an ungated step otherwise checks nothing, as
-    `keras.Model`.
+    """Whether the step checks and counts non-finite micro-batches: the
+    verdict's rule (`verdict.checks`), read by the telemetry.
 
     >>> counts_nonfinite(False, {"updates"}), counts_nonfinite(False, {"nonfinite_count"})
     (False, True)
     """
-    return bool(drops or set(keys) & set(COUNT_KEYS))
+    return verdict.checks(drops, keys)
 
 
 def locates_nonfinite(keys):
