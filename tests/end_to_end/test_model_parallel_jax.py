@@ -1,0 +1,311 @@
+"""`keras.distribution.ModelParallel` on a 2 x 4 mesh of 8 host devices
+(`"batch"` x `"model"`, the kernels sharded over `"model"` by a
+`LayoutMap`) trains a `FastGradModel` as on one device, option by option:
+the weights are within float rounding of a plain `keras.Model` on one
+device trained on the equivalent big batches (`Adam(global_clipnorm=)`
+for `clip_norm`, the data without its NaN micro-batch, Keras' own
+`LossScaleOptimizer`), or, for what Keras has no equivalent of
+(`clip_adaptive`, the telemetry keys), of the same `FastGradModel` on one
+device. The window's sums are sharded exactly as their variables (each
+device holds `1/shards` of each), and the finite verdict is global: a NaN
+in the rows of one `"batch"` shard drops the whole micro-batch.
+
+JAX's host device count is fixed when it starts
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`, before `jax` is
+imported), so every case runs in one fresh process: this file, run as a
+script (`python -m tests.end_to_end.test_model_parallel_jax OUT.json`),
+writes each case's result, and the tests check them one by one."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+TOL = 2e-5  # float32 rounding over a few Adam steps (the sharded sums add in another order)
+CLIP = 0.05
+ROWS, BATCH, SEQ, VOCAB = 40, 8, 6, 16
+NAN_ROW = 10  # the second batch's row 2: in the first of its two "batch" shards
+MESH = (2, 4)
+
+# Each case: (model, FastGradModel options, epochs, reference), a reference
+# `("keras", batches, Adam options)`: a plain keras.Model's
+# `train_on_batch` calls per epoch as row ranges (`"skip_nan"`: the data
+# without the NaN row's micro-batch), or `("alone", ...)`: the same
+# FastGradModel on one device.
+CASES = {
+    # windows [8, 8] [8, 8] and the epoch's partial [8]; clipped; telemetry
+    "accumulation_2_partial_window_clip_norm_telemetry": (
+        "transformer",
+        {"accumulation_steps": 2, "clip_norm": CLIP, "telemetry": True},
+        2,
+        ("keras", [(0, 16), (16, 32), (32, 40)], {"global_clipnorm": CLIP}),
+    ),
+    "micro_batches_2": ("transformer", {"micro_batches": 2}, 1, ("keras", "batches", {})),
+    "clip_adaptive_accumulation_2": (
+        "transformer",
+        {"clip_adaptive": 0.01, "accumulation_steps": 2},
+        1,
+        ("alone",),
+    ),
+    # windows [8, NaN]: the first micro-batch alone; then [8, 8], [8]
+    "nan_row_accumulation_2": (
+        "transformer",
+        {"accumulation_steps": 2},
+        1,
+        ("keras", [(0, 8), (16, 32), (32, 40)], {}),
+    ),
+    "nan_row_default_step": ("transformer", {}, 1, ("keras", "skip_nan", {})),
+    # Keras' own rule on both sides: the NaN batch skipped, the scale halved
+    # (the plain model trains on the NaN batch too; float32: XLA's CPU dot
+    # has no float16 x float16 -> float32)
+    "loss_scale_optimizer_nan_row": ("transformer", {}, 1, ("keras", "with_nan", {})),
+    # BatchNorm's window statistics: its moving statistics moved once a
+    # window, from the moments pooled over it (the forward pass normalises
+    # each micro-batch by its own: no keras.Model equivalent)
+    "batchnorm_window_accumulation_2": ("batchnorm", {"accumulation_steps": 2}, 1, ("alone",)),
+}
+
+# By hand: updates, non-finite micro-batches.
+EXPECTED_COUNTS = {
+    "accumulation_2_partial_window_clip_norm_telemetry": (6.0, 0.0),
+    "micro_batches_2": (5.0, 0.0),
+    "clip_adaptive_accumulation_2": (3.0, 0.0),
+    "nan_row_accumulation_2": (3.0, 1.0),
+    "nan_row_default_step": (4.0, 1.0),
+    "loss_scale_optimizer_nan_row": (4.0, 1.0),
+    "batchnorm_window_accumulation_2": (3.0, 0.0),
+}
+
+
+def transformer(cls, **options):
+    """Embedding -> self-attention (2 heads) -> residual, LayerNorm ->
+    feed-forward -> mean over positions -> 4 outputs; the same initial
+    weights each call."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 16, name="embed")(tokens)
+    a = keras.layers.MultiHeadAttention(2, 8, name="attention")(h, h)
+    h = keras.layers.LayerNormalization(name="norm")(h + a)
+    f = keras.layers.Dense(32, activation="relu", name="up")(h)
+    h = h + keras.layers.Dense(16, name="down")(f)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return cls(tokens, keras.layers.Dense(4, name="head")(h), **options)
+
+
+def batchnorm_model(cls, **options):
+    """8 inputs -> Dense 16 (no bias) -> BatchNorm -> relu -> 4 outputs."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, use_bias=False, name="up")(inputs)  # (BatchNorm's beta is its bias)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Activation("relu")(h)
+    return cls(inputs, keras.layers.Dense(4, name="head")(h), **options)
+
+
+def layout_map(devices):
+    """Every kernel (and the feed-forward's bias, BatchNorm's per-feature
+    weights) sharded over `"model"`, the batch over `"batch"`."""
+    import keras
+
+    mesh = keras.distribution.DeviceMesh(MESH, ["batch", "model"], devices=devices)
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts["embed/embeddings"] = (None, "model")
+    layouts["attention/.*/kernel"] = (None, None, "model")  # query, key, value, output
+    layouts["up/kernel"] = (None, "model")
+    layouts["up/bias"] = ("model",)
+    layouts["down/kernel"] = ("model", None)
+    layouts["head/kernel"] = (None, "model")
+    layouts["bn/(gamma|beta|moving_mean|moving_variance)"] = ("model",)
+    return layouts
+
+
+def data(model_name):
+    rng = np.random.default_rng(0)
+    if model_name == "transformer":
+        x = rng.integers(0, VOCAB, size=(ROWS, SEQ)).astype("int32")
+    else:
+        x = rng.normal(size=(ROWS, 8)).astype("float32")
+    y = rng.normal(size=(ROWS, 4)).astype("float32")
+    return x, y
+
+
+def optimizer(case, **options):
+    """Adam; for the loss scaling case inside Keras' `LossScaleOptimizer`."""
+    import keras
+
+    adam = keras.optimizers.Adam(1e-2, **options)
+    if case.startswith("loss_scale"):
+        return keras.optimizers.LossScaleOptimizer(adam, initial_scale=2.0**10)
+    return adam
+
+
+def _layouts(model):
+    """For each window sum and its variable: spec, shape, per-device shard shape."""
+    sums = model.fastgrad_step_state.accumulator.sums
+    out = []
+    for s, v in zip(sums, model.trainable_variables, strict=True):
+        out.append(
+            {
+                "path": v.path,
+                "shape": list(v.shape),
+                "variable_spec": [str(a) for a in v.value.sharding.spec],
+                "sum_spec": [str(a) for a in s.value.sharding.spec],
+                "variable_shard": list(v.value.sharding.shard_shape(v.shape)),
+                "sum_shard": list(s.value.sharding.shard_shape(s.shape)),
+                "sum_devices": len(s.value.sharding.device_set),
+            }
+        )
+    return out
+
+
+def _run_cases(out_path, names):
+    """(In the 8-device process.) Each case under ModelParallel and its
+    reference on one device; writes `{name: result}` as JSON."""
+    import jax
+    import keras
+
+    import keras_fastgrad as kf
+    from tests.helpers import max_weight_diff as max_diff
+
+    assert len(jax.devices()) == 8, jax.devices()
+    builders = {"transformer": transformer, "batchnorm": batchnorm_model}
+    results = {}
+    for name in names:
+        model_name, options, epochs, reference = CASES[name]
+        build = builders[model_name]
+        x, y = data(model_name)
+        xs, ys = x.copy(), y.copy()
+        if "nan_row" in name:
+            ys[NAN_ROW, 0] = np.nan
+        fit = dict(batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+        if reference[0] == "keras":  # one device, no distribution
+            _, batches, adam = reference
+            every = [(i, i + BATCH) for i in range(0, ROWS, BATCH)]
+            if batches == "skip_nan":
+                batches = [b for b in every if not b[0] <= NAN_ROW < b[1]]
+            targets = ys if batches == "with_nan" else y
+            if batches in ("batches", "with_nan"):
+                batches = every
+            expected = build(keras.Model)
+            expected.compile(optimizer(name, **adam), "mse")
+            for _ in range(epochs):
+                for start, stop in batches:
+                    expected.train_on_batch(x[start:stop], targets[start:stop])
+        else:  # the same FastGradModel on one device
+            expected = build(kf.FastGradModel, **options)
+            expected.compile(optimizer(name), "mse")
+            alone = expected.fit(xs, ys, **fit).history
+        distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map(jax.devices()), batch_dim_name="batch"
+        )
+        with distribution.scope():
+            model = build(kf.FastGradModel, **options)
+            model.compile(optimizer(name), "mse")
+            history = model.fit(xs, ys, **fit).history
+        counters = model.telemetry_counters()
+        scales = [getattr(m.optimizer, "dynamic_scale", None) for m in (model, expected)]
+        result = {
+            "max_diff": max_diff(expected, model),
+            "updates": counters["updates"],
+            "nonfinite_count": counters["nonfinite_count"],
+            "specs": {v.path: [str(a) for a in v.value.sharding.spec] for v in model.variables},
+            "devices": sorted({len(v.value.sharding.device_set) for v in model.variables}),
+            "loss_scales": [None if v is None else float(v.numpy()) for v in scales],
+            "layouts": _layouts(model) if model.fastgrad_step_state.accumulator else [],
+        }
+        if options.get("telemetry"):  # the keys, as the same FastGradModel's on one device
+            alone_model = build(kf.FastGradModel, **options)
+            alone_model.compile(optimizer(name), "mse")
+            alone = alone_model.fit(xs, ys, **fit).history
+        if reference[0] == "alone" or options.get("telemetry"):
+            result["logs"] = {k: (history[k], alone[k]) for k in history}
+        results[name] = result
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("model_parallel") / "results.json"
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        # (after the tests' own flags: conftest.py's code generation level)
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.end_to_end.test_model_parallel_jax", str(out), *CASES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_model_parallel_equals_one_device(results, case):
+    result = results[case]
+    assert result["max_diff"] < TOL, result["max_diff"]
+    assert (result["updates"], result["nonfinite_count"]) == EXPECTED_COUNTS[case]
+    # The kernels really were sharded over "model" (the LayoutMap applied),
+    # every variable laid out over the 8 devices.
+    assert result["devices"] == [8], result["devices"]
+    kernels = {p: s for p, s in result["specs"].items() if p.endswith(("kernel", "embeddings"))}
+    assert len(kernels) == (8 if CASES[case][0] == "transformer" else 2), result["specs"]
+    assert all("model" in spec for spec in kernels.values()), kernels
+    for key, (sharded, alone) in result.get("logs", {}).items():
+        np.testing.assert_allclose(sharded, alone, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "case", sorted(c for c, v in CASES.items() if "accumulation_steps" in v[1])
+)
+def test_window_sums_are_sharded_as_their_variables(results, case):
+    layouts = results[case]["layouts"]
+    assert layouts
+    sharded = 0
+    for row in layouts:
+        # (a spec may leave out its trailing `None`s: the same sharding)
+        spec, variable_spec = (
+            s + ["None"] * (len(row["shape"]) - len(s))
+            for s in (row["sum_spec"], row["variable_spec"])
+        )
+        assert spec == variable_spec, row
+        # Each device holds 1/shards of the sum: the mesh axes its spec
+        # names divide those dimensions (worked out from MESH, not read).
+        sizes = dict(zip(["batch", "model"], MESH))
+        expected = [n if a == "None" else n // sizes[a] for n, a in zip(row["shape"], spec)]
+        assert row["sum_shard"] == expected == row["variable_shard"], row
+        assert row["sum_devices"] == 8
+        if math.prod(expected) < math.prod(row["shape"]):
+            sharded += 1
+    # the 8 kernels and a bias; the 2 kernels and BatchNorm's gamma, beta
+    assert sharded == (9 if CASES[case][0] == "transformer" else 4), layouts
+
+
+def test_the_loss_scale_was_halved_on_both_sides(results):
+    # one non-finite step from 2**10, no growth (2000 finite steps needed)
+    assert results["loss_scale_optimizer_nan_row"]["loss_scales"] == [512.0, 512.0]
+
+
+def test_the_telemetry_keys_are_those_of_one_device(results):
+    logs = results["accumulation_2_partial_window_clip_norm_telemetry"]["logs"]
+    assert {"grad_norm", "gns_simple"} <= set(logs), sorted(logs)
+
+
+if __name__ == "__main__":
+    _run_cases(sys.argv[1], sys.argv[2:])
