@@ -5,6 +5,12 @@
 # mixed_float16 (loss scaling on both sides), on the 14 ms MLP, Conv2D+BN, the
 # Transformer and the 1M-row Embedding. Writes a markdown table (the GPU's
 # name, each phase's table or why it has none), the JSON and the logs.
+# On a machine where JAX sees several GPUs (an even number, at least 4), then
+# issue 49's rows, in at most 150 s more: bench_model_parallel_jax.py's
+# FastGradModel / keras.Model step time and peak memory per device under
+# `keras.distribution.ModelParallel` (a 2 x GPUs/2 mesh); with fewer, the
+# table says why they were not run (needs JAX with CUDA: pip install
+# "jax[cuda12]"; not installed by --install).
 #
 #   bash benchmarks/gpu_check.sh [--cpu] [--install] [OUT_DIR]
 #
@@ -19,7 +25,8 @@
 #
 # --cpu: a test of this script on the CPU (CUDA hidden), in quick sizes: the
 # 1.5 ms MLP, 1 round, every row in graph mode, the gated row under XLA, the
-# GPU-only phase (mixed_float16) left out.
+# GPU-only phase (mixed_float16) left out, and the ModelParallel rows too
+# (their CPU run is bench_model_parallel_jax.py itself, on 8 host devices).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +38,7 @@ for arg in "$@"; do
     case "$arg" in
         --cpu) CPU=1 ;;
         --install) INSTALL=1 ;;
-        -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "gpu_check.sh: unknown option $arg (known: --cpu, --install, OUT_DIR)" >&2; exit 2 ;;
         *) DEST="$arg" ;;
     esac
@@ -49,6 +56,7 @@ if ! "$PYTHON" -c "import keras_fastgrad" 2>/dev/null; then
 fi
 
 BUDGET_S=480  # the whole check, phases included
+MODEL_PARALLEL_S=150  # issue 49's rows, after it, where JAX sees several GPUs
 RESERVE_S=15  # kept for the summary
 if [ "$CPU" = 1 ]; then
     export CUDA_VISIBLE_DEVICES=""
@@ -107,8 +115,31 @@ for phase in "${PHASES[@]}"; do
     fi
     echo "$label: $status in $(($(date +%s) - phase_start)) s" | tee -a "$DEST/phases.txt"
 done
-find "$ROOT/benchmarks/out" -maxdepth 1 -name 'targets*.json' -newer "$DEST/.started" \
-    -exec cp {} "$DEST"/ \;
+
+# Issue 49's multi-device rows: only where JAX sees an even number >= 4 of GPUs.
+if [ "$CPU" = 0 ]; then
+    gpus=$("$PYTHON" -c "import jax; print(len(jax.devices('gpu')))" 2>/dev/null || echo 0)
+    label="ModelParallel (JAX, $gpus GPUs)"
+    if [ "$gpus" -ge 4 ] && [ $((gpus % 2)) = 0 ]; then
+        phase_start=$(date +%s)
+        if (cd "$ROOT/benchmarks" && timeout "$MODEL_PARALLEL_S" "$PYTHON" \
+            bench_model_parallel_jax.py) >"$DEST/model_parallel.log" 2>&1; then
+            status="ok"
+        else
+            rc=$?
+            status="failed (exit $rc$( [ "$rc" = 124 ] && echo ", out of time"))"
+        fi
+        printf '### %s\n\n```\n%s\n```\n\n' "$label" \
+            "$(sed -n '/^Issue 49/,$p' "$DEST/model_parallel.log" | grep -v '^WARNING\|^I0000')" >>"$TABLE"
+        echo "$label: $status in $(($(date +%s) - phase_start)) s" | tee -a "$DEST/phases.txt"
+    else
+        printf '### ModelParallel (JAX)\n\nnot run: JAX sees %s GPUs (needs an even number, at least 4)\n\n' \
+            "$gpus" >>"$TABLE"
+        echo "ModelParallel (JAX): not run, $gpus GPUs" | tee -a "$DEST/phases.txt"
+    fi
+fi
+find "$ROOT/benchmarks/out" -maxdepth 1 \( -name 'targets*.json' -o -name 'model_parallel_jax.json' \) \
+    -newer "$DEST/.started" -exec cp {} "$DEST"/ \;
 {
     echo "Phases:"
     echo

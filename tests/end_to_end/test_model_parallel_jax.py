@@ -8,7 +8,9 @@ for `clip_norm`, the data without its NaN micro-batch, Keras' own
 (`clip_adaptive`, the telemetry keys), of the same `FastGradModel` on one
 device. The window's sums are sharded exactly as their variables (each
 device holds `1/shards` of each), and the finite verdict is global: a NaN
-in the rows of one `"batch"` shard drops the whole micro-batch.
+in the rows of one `"batch"` shard drops the whole micro-batch. Per
+device, the compiled accumulating step needs no more memory than Keras' own
+`gradient_accumulation_steps` on the same mesh (XLA's `memory_analysis()`).
 
 JAX's host device count is fixed when it starts
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, before `jax` is
@@ -166,6 +168,60 @@ def _layouts(model):
     return out
 
 
+def _memory(kf):
+    """(In the 8-device process.) Per device, XLA's `memory_analysis()` of
+    the compiled step (jitted as Keras' JAX trainer jits it under a
+    distribution) of `FastGradModel(accumulation_steps=4,
+    skip_nonfinite=False)` and of keras.Model with Keras' own
+    `gradient_accumulation_steps=4`, on the same mesh; and the window's
+    sums' bytes, per device and in all."""
+    import jax
+    import keras
+
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map(jax.devices()), batch_dim_name="batch"
+    )
+    x, y = data("transformer")
+    out = {}
+    with distribution.scope():
+        batch = tuple(
+            jax.device_put(a, distribution.get_data_layout(a.shape).backend_layout)
+            for a in (x[:BATCH], y[:BATCH])
+        )
+        for side in ("fastgrad", "keras"):
+            if side == "fastgrad":
+                model = transformer(kf.FastGradModel, accumulation_steps=4, skip_nonfinite=False)
+                model.compile(keras.optimizers.Adam(1e-2), "mse")
+            else:
+                model = transformer(keras.Model)
+                model.compile(keras.optimizers.Adam(1e-2, gradient_accumulation_steps=4), "mse")
+            model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)  # (built)
+            state = model._get_jax_state(
+                trainable_variables=True,
+                non_trainable_variables=True,
+                optimizer_variables=True,
+                metrics_variables=True,
+                purge_model_variables=False,
+            )
+            shardings = (None, model._get_state_sharding_spec())
+            step = jax.jit(model.train_step, donate_argnums=0, out_shardings=shardings)
+            analysis = step.lower(state, batch).compile().memory_analysis()
+            out[side] = {
+                "argument": analysis.argument_size_in_bytes,
+                "peak": analysis.temp_size_in_bytes
+                + analysis.argument_size_in_bytes
+                + analysis.output_size_in_bytes
+                - analysis.alias_size_in_bytes,
+            }
+            if side == "fastgrad":
+                sums = model.fastgrad_step_state.accumulator.sums
+                out["sums_per_device"] = sum(
+                    math.prod(s.value.sharding.shard_shape(s.shape)) * 4 for s in sums
+                )
+                out["sums_in_all"] = sum(math.prod(s.shape) * 4 for s in sums)
+    return out
+
+
 def _run_cases(out_path, names):
     """(In the 8-device process.) Each case under ModelParallel and its
     reference on one device; writes `{name: result}` as JSON."""
@@ -179,6 +235,9 @@ def _run_cases(out_path, names):
     builders = {"transformer": transformer, "batchnorm": batchnorm_model}
     results = {}
     for name in names:
+        if name == "memory":
+            results[name] = _memory(kf)
+            continue
         model_name, options, epochs, reference = CASES[name]
         build = builders[model_name]
         x, y = data(model_name)
@@ -246,7 +305,8 @@ def results(tmp_path_factory):
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     run = subprocess.run(
-        [sys.executable, "-m", "tests.end_to_end.test_model_parallel_jax", str(out), *CASES],
+        [sys.executable, "-m", "tests.end_to_end.test_model_parallel_jax", str(out), *CASES]
+        + ["memory"],
         env=env,
         capture_output=True,
         text=True,
@@ -295,6 +355,19 @@ def test_window_sums_are_sharded_as_their_variables(results, case):
             sharded += 1
     # the 8 kernels and a bias; the 2 kernels and BatchNorm's gamma, beta
     assert sharded == (9 if CASES[case][0] == "transformer" else 4), layouts
+
+
+def test_the_accumulating_step_needs_no_more_memory_per_device_than_keras_own(results):
+    memory = results["memory"]
+    fastgrad, keras_own = memory["fastgrad"], memory["keras"]
+    # issue 49's target, per device (XLA's memory_analysis of each compiled step)
+    assert fastgrad["peak"] <= 1.05 * keras_own["peak"], memory
+    # The sums are sharded: the step's arguments (the state and the batch)
+    # hold no more than Keras' (its accumulators sharded as its optimizer's
+    # slots) beyond a few scalars, far less than whole copies would add.
+    whole_copies = memory["sums_in_all"] - memory["sums_per_device"]
+    assert memory["sums_per_device"] * 3 < memory["sums_in_all"], memory
+    assert fastgrad["argument"] - keras_own["argument"] < whole_copies / 4, memory
 
 
 def test_the_loss_scale_was_halved_on_both_sides(results):
