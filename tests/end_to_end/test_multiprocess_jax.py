@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -41,6 +42,9 @@ def _free_port():
 
 
 def _run_workers(out, timeout=400):
+    """Both workers, on a free port; fails with the end of both logs if one
+    fails (the other is then ended: it would wait for its peer) or they run
+    past `timeout` seconds."""
     env = {
         **os.environ,
         "KERAS_BACKEND": "jax",
@@ -50,33 +54,27 @@ def _run_workers(out, timeout=400):
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     port = _free_port()
-    command = [sys.executable, "-m", "tests.multiprocess_jax_worker"]
-    workers = [
-        subprocess.Popen(
-            [*command, str(i), str(port), str(out)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = []
-    try:
-        for process in workers:  # (one timeout for both)
-            logs.append(process.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for process in workers:
-            process.kill()
-        logs = [process.communicate()[0] for process in workers]
-        pytest.fail(f"the workers ran past {timeout} s:\n" + _tails(logs))
-    codes = [process.returncode for process in workers]
-    assert codes == [0, 0], f"exit codes {codes}:\n" + _tails(logs)
-
-
-def _tails(logs):
-    return "\n".join(f"--- process {i}:\n{log[-3000:]}" for i, log in enumerate(logs))
+    logs = [out / f"p{i}.log" for i in range(2)]
+    workers = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as f:
+            command = [sys.executable, "-m", "tests.multiprocess_jax_worker", str(i), str(port)]
+            workers.append(
+                subprocess.Popen([*command, str(out)], env=env, cwd=ROOT, stdout=f, stderr=f)
+            )
+    deadline = time.monotonic() + timeout
+    while any(w.poll() is None for w in workers):
+        failed = any(w.returncode not in (None, 0) for w in workers)
+        if failed or time.monotonic() > deadline:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                    w.wait()
+            break
+        time.sleep(0.2)
+    codes = [w.returncode for w in workers]
+    tails = "\n".join(f"--- process {i}:\n{log.read_text()[-3000:]}" for i, log in enumerate(logs))
+    assert codes == [0, 0], f"exit codes {codes} (timeout {timeout} s):\n{tails}"
 
 
 @pytest.fixture(scope="module")
