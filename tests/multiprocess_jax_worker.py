@@ -157,10 +157,13 @@ def main(process_id, port, out):
             )
         _save(out, name, process_id, model)
         layer = model.get_layer("hidden" if kind == "mlp" else "out")
+        at = [i for i, v in enumerate(model.trainable_variables) if v is layer.kernel][0]
+        window_sum = model.fastgrad_step_state.accumulator.sums[at].value
         report[name] = {
             "counters": model.telemetry_counters(),
             "kernel_spec": str(tuple(layer.kernel.value.sharding.spec)),
             "kernel_devices": len(layer.kernel.value.sharding.device_set),
+            "window_sum_spec": str(tuple(window_sum.sharding.spec)),
         }
 
     # Mid-window: 2 of the window's 4 batches, saved by process 0 alone.

@@ -138,6 +138,7 @@ def test_two_processes_equal_one_device(out, case):
     assert reports[0]["kernel_devices"] == 4
     expected_spec = "(None, 'model')" if parallel == "model" else "(None, None)"
     assert reports[0]["kernel_spec"] == expected_spec
+    assert reports[0]["window_sum_spec"] == expected_spec  # the window's sum, laid out alike
     _assert_close(first, _reference(case))
 
 
