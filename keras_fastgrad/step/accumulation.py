@@ -37,7 +37,7 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.step.variables import global_variable
+from keras_fastgrad.step.variables import global_variable, sharded_as
 
 
 class WindowState(NamedTuple):
@@ -111,6 +111,7 @@ class WindowAccumulator:
                 synchronization="on_read",  # per replica, summed when read
                 aggregation="sum",
                 name=f"accumulated_{i}",
+                **sharded_as(v),  # (each device sums its own shard)
             )
             for i, v in enumerate(variables)
         ]

@@ -76,10 +76,9 @@ def check_callback(callback, model, refused, backend):
 def check_model(model, backend):
     """Refuses what training `model` would need of the backend's step
     beyond what it supports: a `tf.distribute` strategy TensorFlow cannot
-    run (`check_strategy`, where the model has one); a `keras.distribution`
-    other than `DataParallel`, an optimizer's fixed `loss_scale_factor`
-    (where the support record refuses them). Read when the train function
-    is made.
+    run (`check_strategy`, where the model has one); an optimizer's fixed
+    `loss_scale_factor` (where the support record refuses it). Read when
+    the train function is made.
 
     Raises:
         ValueError: for a strategy (`check_strategy`).
@@ -88,11 +87,9 @@ def check_model(model, backend):
     strategy = getattr(model, "distribute_strategy", None)
     if strategy is not None:
         check_strategy(model, strategy)
-    distribution = keras.distribution.distribution() if refuses("distribution", backend) else None
-    # DataParallel: the step's arrays are global (sharded over the batch),
-    # so its sums, counts and norms are the whole batch's as they stand.
-    if distribution is not None and type(distribution) is not keras.distribution.DataParallel:
-        raise refusal("distribution", f"distribution={type(distribution).__name__}(...)")
+    # (A `keras.distribution` needs no check: the step's arrays are global,
+    # sharded over the batch or the model, so its sums, counts and norms
+    # are the whole batch's and the whole model's as they stand.)
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     factor = getattr(inner, "loss_scale_factor", None)

@@ -37,3 +37,25 @@ def global_variable(value, name, dtype="float32"):
         aggregation="only_first_replica",
         name=name,
     )
+
+
+def sharded_as(variable):
+    """The keyword arguments that give a new variable `variable`'s layout
+    under a `keras.distribution` (as Keras' optimizers do for their slots):
+    a buffer the shape of `variable` is then sharded exactly as it is, each
+    device holding its own shard. `{}` where `variable` has no layout (no
+    distribution, TensorFlow): the new variable's default applies.
+
+    Args:
+        variable: A `keras.Variable`.
+
+    Returns:
+        A dict, `{"layout": ...}` or `{}`, for `keras.Variable(**...)`.
+
+    Example:
+
+    >>> sharded_as(keras.Variable([0.0, 0.0]))
+    {}
+    """
+    layout = getattr(variable, "_layout", None)
+    return {} if layout is None else {"layout": layout}

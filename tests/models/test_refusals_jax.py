@@ -53,22 +53,24 @@ def test_callbacks_on_a_plain_models_fit_under_a_distribution_refused():
     model.fit(x, y, verbose=0)  # and it still trains
 
 
-def test_a_distribution_other_than_data_parallel_refused():
+def test_model_parallel_trains_its_window_sums_laid_out_as_their_variables():
+    # (Equal to one device on a 2 x 4 mesh: tests/end_to_end/test_model_parallel_jax.py.)
     import jax
 
-    mesh = keras.distribution.DeviceMesh((1,), ["model"], devices=jax.devices()[:1])
-    distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh))
+    mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], devices=jax.devices()[:1])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     x, y = data()
     with distribution.scope():
-        model = mlp(kf.FastGradModel)
+        model = mlp(kf.FastGradModel, accumulation_steps=2)
         model.compile("adam", "mse")
-        with pytest.raises(
-            NotImplementedError,
-            match=f"other than `DataParallel`.*{NOT_YET}",  # (the row of step/support.py)
-        ) as refused:
-            model.fit(x, y, verbose=0)
-    assert "Received: distribution=ModelParallel(...)" in str(refused.value)
-    assert model.telemetry_counters()["updates"] == 0.0
+        model.fit(x, y, batch_size=16, verbose=0)
+    assert model.telemetry_counters()["updates"] == 2.0
+    sums = model.fastgrad_step_state.accumulator.sums
+    axes = [tuple(s._layout.axes) for s in sums]  # (one device: the arrays' shardings say less)
+    assert axes == [tuple(v._layout.axes) for v in model.trainable_variables]
+    assert axes[0] == (None, "model")  # (a kernel's)
 
 
 def test_a_refusal_while_the_first_step_is_traced_leaves_the_model_its_weights():
