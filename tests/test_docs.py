@@ -443,10 +443,11 @@ def run_script(block, tmp_path, timeout=300):
     """Runs a `script` block as written, saved as `train.py` in `tmp_path`:
     `processes` copies at once (default 1), each with `KERAS_BACKEND` set to
     `backend` and XLA's host device count to `devices` (default 1); with
-    several processes on JAX, Keras' `KERAS_DISTRIBUTION_*` variables
-    (`keras.distribution.initialize()` reads them: a coordinator on
-    127.0.0.1, the process ids). Fails with a process's output if any
-    fails; returns their outputs."""
+    several processes, their addresses on 127.0.0.1 and ids: on JAX
+    Keras' `KERAS_DISTRIBUTION_*` variables (`keras.distribution.initialize()`
+    reads them), on TensorFlow `TF_CONFIG`. Fails with a process's output
+    if any fails; returns their outputs."""
+    import json
     import socket
     import subprocess
     import sys
@@ -461,16 +462,30 @@ def run_script(block, tmp_path, timeout=300):
         f"--xla_force_host_platform_device_count={devices}",
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
     }
-    if processes > 1:
+    addresses = []
+    for _ in range(processes if processes > 1 else 0):
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        env["KERAS_DISTRIBUTION_JOB_ADDRESSES"] = f"127.0.0.1:{port}"
+            addresses.append(f"127.0.0.1:{free.getsockname()[1]}")
+    if addresses:
+        env["KERAS_DISTRIBUTION_JOB_ADDRESSES"] = addresses[0]
         env["KERAS_DISTRIBUTION_NUM_PROCESSES"] = str(processes)
+
+    def own(i):  # process `i`'s id: Keras' variable on JAX, `TF_CONFIG` on TensorFlow
+        if not addresses:
+            return env
+        if settings["backend"] == "tensorflow":
+            task = {"type": "worker", "index": i}
+            return {
+                **env,
+                "TF_CONFIG": json.dumps({"cluster": {"worker": addresses}, "task": task}),
+            }
+        return {**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)}
+
     started = [
         subprocess.Popen(
             [sys.executable, "train.py"],
-            env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)} if processes > 1 else env,
+            env=own(i),
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -491,6 +506,17 @@ def run_script(block, tmp_path, timeout=300):
             f"{block.name}, process {i} of {processes}, failed as shown:\n{output[-3000:]}"
         )
     return outputs
+
+
+@pytest.mark.slow  # (two TensorFlow processes)
+@pytest.mark.parametrize(
+    "block",
+    [b for b in SCRIPTS if dict(b.script)["backend"] == "tensorflow"],
+    ids=lambda b: b.name,
+)
+def test_script_block_runs(block, tmp_path):
+    outputs = run_script(block, tmp_path)
+    assert "loss" in outputs[0]  # (the chief's progress log)
 
 
 def test_script_markers_are_read(tmp_path):
