@@ -255,6 +255,15 @@ NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(?P<why>.+?)\s*-->\s*$")
 # elsewhere (the JAX venv has no TensorFlow); the page says so in words,
 # shortly before the block (`test_a_block_that_needs_a_package_says_so`).
 NEEDS = re.compile(r"^\s*<!--\s*needs:\s*(?P<modules>[\w, ]+?)\s*-->\s*$")
+# A block that is a whole program run in processes of its own (several
+# devices, set before the backend starts, or several processes):
+# `<!-- script: backend=jax devices=8 -->` or `<!-- script: backend=jax
+# devices=2 processes=2 -->` on the line before it. The page's in-process
+# run leaves it out; `run_script` runs it as written, saved as `train.py`,
+# with the environment the page's launch commands set (XLA's host device
+# count; the process ids): tests/test_docs_jax.py on JAX,
+# `test_script_block_runs` on TensorFlow.
+SCRIPT = re.compile(r"^\s*<!--\s*script:\s*(?P<settings>(?:\w+=\w+\s*)+)-->\s*$")
 # How a page names each package a block may need.
 PACKAGE_NAMES = {"tensorflow": "TensorFlow", "matplotlib": "matplotlib", "keras_hub": "KerasHub"}
 # Languages that are not Python, and what a block in them is.
@@ -276,6 +285,7 @@ class CodeBlock:
     source: str
     not_run: str  # why it is not run ("" for a Python block that runs)
     needs: tuple = ()  # modules it needs beyond the page's install line (NEEDS)
+    script: tuple = ()  # `(name, value)` settings of a whole program (SCRIPT)
 
     @property
     def missing(self):
@@ -320,13 +330,21 @@ def code_blocks(page):
         marker = NOT_RUN.match(previous)
         needs = NEEDS.match(previous)
         needs = tuple(m.strip() for m in needs.group("modules").split(",")) if needs else ()
+        script = SCRIPT.match(previous)
+        script = (
+            tuple(tuple(w.split("=")) for w in script.group("settings").split()) if script else ()
+        )
         if marker:
             not_run = marker.group("why")
+        elif script:
+            not_run = f"a program run in processes of its own ({dict(script)}): run_script"
         elif language == "python":
             not_run = ""
         else:
             not_run = OTHER_LANGUAGES.get(language, f"not Python ({language or 'no language'})")
-        blocks.append(CodeBlock(page, i + 1, language, "\n".join(body) + "\n", not_run, needs))
+        blocks.append(
+            CodeBlock(page, i + 1, language, "\n".join(body) + "\n", not_run, needs, script)
+        )
         i = j + 1
     return blocks
 
@@ -416,6 +434,100 @@ def test_page_code_runs(page, tmp_path, monkeypatch):
                 f"The code block at {page}:{block.line} fails as shown "
                 f"({type(error).__name__}: {error}). Its source:\n{block.source}"
             ) from error
+
+
+SCRIPTS = [b for b in BLOCKS if b.script]
+
+
+def run_script(block, tmp_path, timeout=300):
+    """Runs a `script` block as written, saved as `train.py` in `tmp_path`:
+    `processes` copies at once (default 1), each with `KERAS_BACKEND` set to
+    `backend` and XLA's host device count to `devices` (default 1); with
+    several processes, their addresses on 127.0.0.1 and ids: on JAX
+    Keras' `KERAS_DISTRIBUTION_*` variables (`keras.distribution.initialize()`
+    reads them), on TensorFlow `TF_CONFIG`. Fails with a process's output
+    if any fails; returns their outputs."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    settings = dict(block.script)
+    processes, devices = int(settings.get("processes", 1)), int(settings.get("devices", 1))
+    (tmp_path / "train.py").write_text(block.source, encoding="utf-8")
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": settings["backend"],
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+        f"--xla_force_host_platform_device_count={devices}",
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    }
+    addresses = []
+    for _ in range(processes if processes > 1 else 0):
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            addresses.append(f"127.0.0.1:{free.getsockname()[1]}")
+    if addresses:
+        env["KERAS_DISTRIBUTION_JOB_ADDRESSES"] = addresses[0]
+        env["KERAS_DISTRIBUTION_NUM_PROCESSES"] = str(processes)
+
+    def own(i):  # process `i`'s id: Keras' variable on JAX, `TF_CONFIG` on TensorFlow
+        if not addresses:
+            return env
+        if settings["backend"] == "tensorflow":
+            task = {"type": "worker", "index": i}
+            return {
+                **env,
+                "TF_CONFIG": json.dumps({"cluster": {"worker": addresses}, "task": task}),
+            }
+        return {**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)}
+
+    started = [
+        subprocess.Popen(
+            [sys.executable, "train.py"],
+            env=own(i),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    outputs = []
+    try:
+        for process in started:
+            outputs.append(process.communicate(timeout=timeout)[0])
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+    for i, (process, output) in enumerate(zip(started, outputs)):
+        assert process.returncode == 0, (
+            f"{block.name}, process {i} of {processes}, failed as shown:\n{output[-3000:]}"
+        )
+    return outputs
+
+
+@pytest.mark.slow  # (two TensorFlow processes)
+@pytest.mark.parametrize(
+    "block",
+    [b for b in SCRIPTS if dict(b.script)["backend"] == "tensorflow"],
+    ids=lambda b: b.name,
+)
+def test_script_block_runs(block, tmp_path):
+    outputs = run_script(block, tmp_path)
+    assert "loss" in outputs[0]  # (the chief's progress log)
+
+
+def test_script_markers_are_read(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- script: backend=jax devices=2 processes=2 -->\n```python\nimport jax\n```\n",
+        encoding="utf-8",
+    )
+    (block,) = code_blocks(str(page))
+    assert block.script == (("backend", "jax"), ("devices", "2"), ("processes", "2"))
+    assert block.not_run.startswith("a program run in processes of its own")
 
 
 NEEDING = [b for b in BLOCKS if b.needs]

@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The JAX path as CI runs it (docs/jax.md, "Install and run").
 JAX_LINES = [
     'python3 -m venv .venv-jax && .venv-jax/bin/pip install -q -c constraints.txt -e ".[jax,test]"'
-    " && KERAS_BACKEND=jax .venv-jax/bin/python -m keras_fastgrad.demo",
+    " regex tokenizers sentencepiece kagglehub && .venv-jax/bin/pip install -q --no-deps"
+    " -c constraints.txt keras-hub && KERAS_BACKEND=jax .venv-jax/bin/python -m keras_fastgrad.demo",
     "KERAS_BACKEND=jax .venv-jax/bin/python -m pytest -q -n 2",
 ]
 

@@ -272,10 +272,13 @@ for _path, _names in _MOVED_FOR_TIME.items():
 FULL_TESTS = {(path, name): why for path, tests in _BY_FILE.items() for name, why in tests.items()}
 
 
-# Files both backends run whose TensorFlow run repeats what TensorFlow's own
-# files check in the fast tier: on TensorFlow, in the full tier (under JAX,
-# where they are the JAX step's checks, in the fast tier). With why.
+# Files both backends run that belong to the full tier on TensorFlow alone
+# (under JAX, the only run CI makes is the fast tier): their TensorFlow run
+# repeats what TensorFlow's own files check in the fast tier, or needs
+# KerasHub (installed for TensorFlow's full tier, README "Tests"; by
+# docs/jax.md's install line for the JAX run). With why.
 FULL_ON_TENSORFLOW = {
+    "tests/end_to_end/test_lora.py": "KerasHub (LoRA on a BERT backbone)",
     "tests/step/test_micro_batches.py": "micro-batches vs the big batch: tests/step/test_slicing.py",
     "tests/callbacks/test_plain_callbacks.py": "a plain fit's callbacks: tests/callbacks/test_callbacks.py",
     "tests/step/test_adaptive_clipping_paper.py": (

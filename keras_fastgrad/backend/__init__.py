@@ -96,8 +96,7 @@ def check_telemetry_keys(keys):
 
 def check_callback(callback, model=None):
     """Refuses a keras_fastgrad callback the backend's step does not serve:
-    on JAX, those of `_JAX_REFUSED_CALLBACKS` (none at present), and every
-    one on a plain model's `fit` under a `keras.distribution`
+    on JAX, those of `_JAX_REFUSED_CALLBACKS` (none at present)
     (`step.trainer.check_callback`).
 
     Raises:

@@ -81,11 +81,8 @@ BACKEND_SUPPORT = (
     Feature(
         "the callbacks on a plain Keras model's `fit` under a `keras.distribution`",
         tensorflow=NOT_TESTED,
-        jax=REFUSED,
-        note="the plain model's sharded step state is untested",
-        key="plain_fit_under_distribution",
-        fix="build the model as a `keras_fastgrad.FastGradModel` (or "
-        "`keras_fastgrad.fastgrad(model)`), which trains under `DataParallel`, or ",
+        note="on JAX equal to the same `fit` on one device (`DataParallel` on 2 host "
+        "devices, `ModelParallel` on a 2 x 4 mesh); on TensorFlow use `tf.distribute`",
     ),
     Feature("`steps_per_execution`, `jit_compile`, `evaluate`, `train_on_batch`"),
     Feature(

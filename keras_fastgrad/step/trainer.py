@@ -45,9 +45,7 @@ def check_options(options, defaults, refused):
 
 def check_callback(callback, model, refused, backend):
     """Refuses a keras_fastgrad callback the backend's step does not serve:
-    those named in `refused` (class names), and any on a plain model's
-    `fit` under a `keras.distribution` where the backend refuses it
-    (`plain_fit_under_distribution`: JAX, its sharded state untested).
+    those named in `refused` (class names).
 
     Args:
         callback: The callback.
@@ -58,18 +56,10 @@ def check_callback(callback, model, refused, backend):
     Raises:
         NotImplementedError: naming the callback.
     """
+    del model, backend  # (every callback serves every model, on both backends)
     name = type(callback).__name__
     if name in refused:
         raise refusal(name, f"{name}(...)")
-    if model is None or not refuses("plain_fit_under_distribution", backend):
-        return
-    plain = not any(c.__name__ == "FastGradModel" for c in type(model).__mro__)
-    distribution = keras.distribution.distribution()
-    if plain and distribution is not None:
-        raise refusal(
-            "plain_fit_under_distribution",
-            f"{name}(...) with distribution={type(distribution).__name__}(...)",
-        )
 
 
 # -------------------------------------------------------------------- model

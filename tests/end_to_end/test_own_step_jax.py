@@ -12,6 +12,8 @@ from tests.helpers import max_weight_diff as max_diff
 from tests.helpers import mlp_16 as mlp
 from tests.helpers import uneven_data as data
 
+pytestmark = pytest.mark.jax_only(reason="Keras' JAX `train_step(state, data)` signature")
+
 TOL = 1e-5
 
 

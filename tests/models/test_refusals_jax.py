@@ -35,24 +35,6 @@ def test_fixed_loss_scale_factor_refused():
         model.fit(np.ones((4, 8)), np.ones((4, 3)), verbose=0)
 
 
-def test_callbacks_on_a_plain_models_fit_under_a_distribution_refused():
-    import jax
-
-    model = mlp()  # a plain keras.Model
-    model.compile("adam", "mse")
-    x, y = data()
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:1]))
-    try:
-        with pytest.raises(
-            NotImplementedError, match=f"plain Keras model's `fit` under.*{NOT_YET}"
-        ):
-            model.fit(x, y, verbose=0, callbacks=[kf.callbacks.NonFiniteGuard()])
-    finally:
-        keras.distribution.set_distribution(None)
-    assert type(model) is keras.Model or type(model).__name__ == "Functional"  # left as it was
-    model.fit(x, y, verbose=0)  # and it still trains
-
-
 def test_model_parallel_trains_its_window_sums_laid_out_as_their_variables():
     # (Equal to one device on a 2 x 4 mesh: tests/end_to_end/test_model_parallel_jax.py.)
     import jax

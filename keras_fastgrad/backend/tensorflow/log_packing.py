@@ -3,9 +3,8 @@
 Keras' TensorFlow train function hands the step's outputs back through a
 `tf.experimental.Optional` that it unpacks on the host at every call
 (`keras/src/backend/tensorflow/trainer.py`: `opt_outputs.get_value()`),
-and that unpacking costs ~15-20 us per output on these 2-core CPUs
-(`benchmarks/bench_targets.py`, row `logs_cost`: five more scalar log keys
-cost `keras.Model` itself 4-15% of a 1.5 ms step, 1.09 in the latest run). The telemetry keys are
+and that unpacking costs a fixed time per output (`docs/benchmarks.md`,
+`benchmarks/bench_targets.py` row `logs_cost`). The telemetry keys are
 many (nine with `telemetry=True`, five for the three usual callbacks), so
 the train function the model makes carries them stacked in one float32
 vector under `PACKED_KEY`, and hands the logs back with the keys as they
