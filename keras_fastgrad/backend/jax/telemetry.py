@@ -38,7 +38,7 @@ from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
 COUNT_KEYS = core.COUNT_KEYS  # (`jax_agc.counted` reads it here)
 
 
-def _record(new, change, where=True):
+def record(new, change, where=True):
     """`core.apply_change` of `change` (a `core.Change`) to `new`'s counters
     and streak (`new`: the step's `jax_state.StepValues`)."""
     new.counters, new.streak = core.apply_change(new.counters, new.streak, change, where)
@@ -62,7 +62,7 @@ def record_drop(model, new, grads, dropped, failed, gated=True):
     """A micro-batch dropped where `dropped` (boolean scalar): counted, with
     where it went bad while a key asks, and a failure where `failed`
     (boolean scalar) holds (`core.micro_batch_dropped`)."""
-    _record(new, core.micro_batch_dropped(*_location(model, grads), failed, gated), dropped)
+    record(new, core.micro_batch_dropped(*_location(model, grads), failed, gated), dropped)
 
 
 def record_ungated(model, new, grads, finite):
@@ -76,7 +76,7 @@ def record_ungated(model, new, grads, finite):
 def record_update(new, applied, norm, was_clipped):
     """An update applied where `applied` (boolean scalar): counted, its
     norm (`None`: not measured) and clipping recorded, the streak reset."""
-    _record(new, core.update_applied(norm, was_clipped), applied)
+    record(new, core.update_applied(norm, was_clipped), applied)
 
 
 def record_dropped_update(new, dropped, counted=None):
@@ -88,8 +88,8 @@ def record_dropped_update(new, dropped, counted=None):
     change = core.update_dropped()
     if counted is not None:
         counters_only, change = core.counted_once(change)
-        _record(new, counters_only, dropped & ~counted)
-    _record(new, change, dropped)
+        record(new, counters_only, dropped & ~counted)
+    record(new, change, dropped)
 
 
 def record_trace_facts(model, state, x, y, sample_weight):
@@ -139,7 +139,7 @@ def record_input_shape(model, new, x):
     first = first_input(x)
     rows, size = float(first.shape[0]), float(math.prod(first.shape))
     counters = new.counters
-    _record(
+    record(
         new,
         core.Change(
             core.input_shape(counters.last_input_batch, counters.last_input_size, rows, size)
