@@ -35,8 +35,6 @@ from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
 
-COUNT_KEYS = core.COUNT_KEYS  # (`jax_agc.counted` reads it here)
-
 
 def record(new, change, where=True):
     """`core.apply_change` of `change` (a `core.Change`) to `new`'s counters
@@ -71,25 +69,6 @@ def record_ungated(model, new, grads, finite):
     `nonfinite_*` key is requested, as on TensorFlow."""
     if core.counts_nonfinite(False, requested(model)):
         record_drop(model, new, grads, ~finite, None, gated=False)
-
-
-def record_update(new, applied, norm, was_clipped):
-    """An update applied where `applied` (boolean scalar): counted, its
-    norm (`None`: not measured) and clipping recorded, the streak reset."""
-    record(new, core.update_applied(norm, was_clipped), applied)
-
-
-def record_dropped_update(new, dropped, counted=None):
-    """A finite micro-batch (or window) whose update overflowed, or that
-    AGC's check refused, dropped where `dropped` (boolean scalar): counted,
-    and a failure. `counted` (boolean scalar, or `None`) marks an update
-    already counted as a non-finite micro-batch at its verdict
-    (`core.counted_once`): not counted again, still a failure."""
-    change = core.update_dropped()
-    if counted is not None:
-        counters_only, change = core.counted_once(change)
-        record(new, counters_only, dropped & ~counted)
-    record(new, change, dropped)
 
 
 def record_trace_facts(model, state, x, y, sample_weight):
