@@ -76,6 +76,9 @@ RULES = {
             ("clip", "clipped_fraction", "before_gate", "counted_at_verdict") + ("both_finite",),
         ),
     ],
+    "the update's order: divide, noise record, AGC, clip, check, apply or drop, records": [
+        ("keras_fastgrad.step.update", ("Prepared", "prepare", "apply_or_drop", "recorded")),
+    ],
     "the loss-scale rule": [("keras_fastgrad.maths.loss_scale", ("next_scale",))],
     "BatchNorm pooling": [
         (

@@ -36,30 +36,3 @@ def clip(model, tv, grads, counted=None):
     if out.clipped_units is not None:
         counted[AGC_CLIPPED_FRACTION] = rules.clipped_fraction(out)
     return out.grads, out.all_finite
-
-
-def record_drop(new, dropped, counted=None):
-    """An update AGC's check dropped (`dropped`: boolean scalar), counted
-    as non-finite and towards the divergence streak, once: `counted`
-    (boolean scalar, or `None`) marks one already counted as a non-finite
-    micro-batch (`skip_nonfinite=False` with a `nonfinite_*` key):
-    `telemetry.record_dropped_update`."""
-    telemetry.record_dropped_update(new, dropped, counted)
-
-
-# `clip_norm`'s check of the update and AGC's, together (the core's rule).
-both = rules.both_finite
-
-
-def counted(model, finite):
-    """Whether an ungated non-finite update (`finite`: boolean scalar) was
-    counted already at its micro-batches' verdict
-    (`adaptive_clipping.counted_at_verdict`); `None` when never."""
-    step_state = model.fastgrad_step_state
-    if rules.counted_at_verdict(
-        step_state.options.clip_adaptive,
-        step_state.drops_nonfinite(),
-        telemetry.requested(model),
-    ):
-        return ~finite
-    return None

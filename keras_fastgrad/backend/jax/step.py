@@ -30,7 +30,6 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend.jax import agc as jax_agc
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import micro_batches as jax_micro_batches
 from keras_fastgrad.backend.jax import multitask as jax_multitask
@@ -40,8 +39,8 @@ from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import StepValues
 from keras_fastgrad.backend.jax.state import slots as slots_of
-from keras_fastgrad.maths import norms
 from keras_fastgrad.step import divergence, verdict
+from keras_fastgrad.step import update as update_rules
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.compile_loss import check_present_terms
 from keras_fastgrad.step.metrics import tracked_weight
@@ -159,44 +158,30 @@ def _finite_check(model, grads, loss, own_gradient):
 
 
 def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
-    """No accumulation: the micro-batch's update, or its drop. `checked`:
-    the verdict's `(finite, failed, scaled)` (`_finite_check`)."""
+    """No accumulation: the micro-batch's update, or its drop
+    (`step.update`'s chain, its check joined to the verdict: one gate).
+    `checked`: the verdict's `(finite, failed, scaled)` (`_finite_check`)."""
     finite, failed, scaled = checked
     units.update_scale(slots, ov, finite, counts_growth=True)
-    raw = grads
-    counted = {}  # AGC's clipped fraction, when asked
-    grads, agc_ok = jax_agc.clip(model, tv, grads, counted)  # (grads, None) when off
-    adapted = grads  # `grad_norm`: after AGC, before `clip_norm` (as on TF)
-    clip_norm = model.fastgrad_step_state.options.clip_norm
-    check = verdict.update_check(drops, scaled is not None, clip_norm, agc_ok is not None, True)
-    # The factor is applied inside the gated update (`units.apply_if`);
-    # `ok`: `fits_clip`, the norm known finite where it was the verdict's.
-    known = (check is None) if drops else None
-    clipping = norms.clip(clip_norm, grads, drops, finite_known=known, scaled=scaled)
-    factor, norm, was_clipped, ok = clipping or (None, None, None, None)
-    if norm is None and "grad_norm" in telemetry.requested(model):
-        norm = units.global_norm(adapted)  # (no clipping here)
-    ok = jax_agc.both(ok, agc_ok)
+    apply = lambda t, o, g, where, f: units.apply_if(slots, t, o, g, where, f)  # noqa: E731
+    shell = units.Update(model, new, (tv, ov), apply)
+    prepared = update_rules.prepare(shell, grads, scaled=scaled, own=True, fold=True)
     if drops:
         # (without loss scaling every drop counts: `None`, as on TF)
-        keep, counts = verdict.keep(finite, ok, None if slots.scaler is None else failed)
-        dropped = ~keep
-        telemetry.record_drop(
-            model, new, raw, dropped, dropped if counts is None else dropped & counts
-        )
-        do_apply = keep
-    else:  # ungated: applied as keras.Model does (no check, no count, as on TF)
+        keep, counts = verdict.keep(finite, prepared.ok, None if slots.scaler is None else failed)
+
+        def dropped():  # the micro-batch's drop, where it went bad
+            where = shell.where
+            telemetry.record_drop(
+                model, new, grads, where, where if counts is None else where & counts
+            )
+
+        update_rules.apply_or_drop(shell, prepared._replace(ok=keep), dropped=dropped)
+    else:  # ungated: applied as keras.Model does (AGC never applies a non-finite update)
         keep = True
-        do_apply = ops.convert_to_tensor(True)
-        if agc_ok is not None:  # but AGC never applies a non-finite update
-            do_apply = agc_ok
-            jax_agc.record_drop(new, ~agc_ok, jax_agc.counted(model, finite))
-    before = tv
-    tv, ov = units.apply_if(slots, tv, ov, grads, do_apply, factor)
-    telemetry.record_update(new, do_apply, norm, was_clipped)
-    measures = telemetry.measure(model, adapted, before, tv, counted)  # (optional keys)
-    telemetry.record_measures(new, measures, finite if drops else True, do_apply)
-    return keep, tv, ov
+        update_rules.apply_or_drop(shell, prepared, finite=lambda: finite)
+    telemetry.record_measures(new, shell.measures, finite if drops else True, shell.applied)
+    return keep, shell.tv, shell.ov
 
 
 def _metrics(model, mv, new_mv, unscaled_loss, streak, keep, batch):

@@ -35,10 +35,8 @@ from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
 
-COUNT_KEYS = core.COUNT_KEYS  # (`jax_agc.counted` reads it here)
 
-
-def _record(new, change, where=True):
+def record(new, change, where=True):
     """`core.apply_change` of `change` (a `core.Change`) to `new`'s counters
     and streak (`new`: the step's `jax_state.StepValues`)."""
     new.counters, new.streak = core.apply_change(new.counters, new.streak, change, where)
@@ -62,7 +60,7 @@ def record_drop(model, new, grads, dropped, failed, gated=True):
     """A micro-batch dropped where `dropped` (boolean scalar): counted, with
     where it went bad while a key asks, and a failure where `failed`
     (boolean scalar) holds (`core.micro_batch_dropped`)."""
-    _record(new, core.micro_batch_dropped(*_location(model, grads), failed, gated), dropped)
+    record(new, core.micro_batch_dropped(*_location(model, grads), failed, gated), dropped)
 
 
 def record_ungated(model, new, grads, finite):
@@ -71,25 +69,6 @@ def record_ungated(model, new, grads, finite):
     `nonfinite_*` key is requested, as on TensorFlow."""
     if core.counts_nonfinite(False, requested(model)):
         record_drop(model, new, grads, ~finite, None, gated=False)
-
-
-def record_update(new, applied, norm, was_clipped):
-    """An update applied where `applied` (boolean scalar): counted, its
-    norm (`None`: not measured) and clipping recorded, the streak reset."""
-    _record(new, core.update_applied(norm, was_clipped), applied)
-
-
-def record_dropped_update(new, dropped, counted=None):
-    """A finite micro-batch (or window) whose update overflowed, or that
-    AGC's check refused, dropped where `dropped` (boolean scalar): counted,
-    and a failure. `counted` (boolean scalar, or `None`) marks an update
-    already counted as a non-finite micro-batch at its verdict
-    (`core.counted_once`): not counted again, still a failure."""
-    change = core.update_dropped()
-    if counted is not None:
-        counters_only, change = core.counted_once(change)
-        _record(new, counters_only, dropped & ~counted)
-    _record(new, change, dropped)
 
 
 def record_trace_facts(model, state, x, y, sample_weight):
@@ -139,7 +118,7 @@ def record_input_shape(model, new, x):
     first = first_input(x)
     rows, size = float(first.shape[0]), float(math.prod(first.shape))
     counters = new.counters
-    _record(
+    record(
         new,
         core.Change(
             core.input_shape(counters.last_input_batch, counters.last_input_size, rows, size)

@@ -11,6 +11,7 @@ from keras_fastgrad.maths import norms
 from keras_fastgrad.maths.finite import all_finite  # noqa: F401  (the step's)
 from keras_fastgrad.maths.loss_scale import next_scale
 from keras_fastgrad.maths.norms import global_norm, scaled_norm  # noqa: F401  (the step's)
+from keras_fastgrad.step import update as update_rules
 
 
 def update_scale(slots, ov, finite, counts_growth):
@@ -61,3 +62,59 @@ def stateless_apply_if(optimizer, tv, ov, grads, do_apply, factor=None):
     if do_apply is True:
         return update(tv, ov, grads, factor)
     return jax.lax.cond(do_apply, update, lambda t, o, g, f: (t, o), tv, ov, grads, factor)
+
+
+class Update(update_rules.Masked):
+    """The update's primitives on JAX values (`step.update`'s shell): the
+    current trainable and optimizer values (`tv`, `ov`) and the step's
+    `StepValues` (`new`), replaced as the chain runs (Python traces it in
+    order); branches by mask (`step.update.Masked`): the records selected
+    by it (`telemetry.record`), the optimizer in a `lax.cond` on it.
+
+    Args:
+        model: The `FastGradModel`.
+        new: The step's `StepValues`.
+        params: `(tv, ov)`.
+        apply: `(tv, ov, grads, where, factor) -> (tv, ov)`, the optimizer's
+            update where `where` (`apply_if`, `stateless_apply_if`).
+        noise: Python bool: the window's big-batch norm is measured here
+            (`big_sq`).
+        where: Boolean scalar or `True`: where this update's branch runs.
+    """
+
+    def __init__(self, model, new, params, apply, noise=False, where=True):
+        from keras_fastgrad.backend.jax import telemetry
+
+        self.model, self.new, self._apply, self._noise = model, new, apply, noise
+        self.tv, self.ov = params
+        self.where = self.applied = where
+        self.options = model.fastgrad_step_state.options
+        self.gated = model.fastgrad_step_state.drops_nonfinite()
+        self.log_keys = telemetry.requested(model)
+        self.adapted, self.counted, self.measures, self.big_sq = None, {}, {}, None
+
+    def record_noise(self, grads):
+        if self._noise:
+            from keras_fastgrad.backend.jax import noise_scale
+
+            self.big_sq = noise_scale.big_squared_norm(self.model, grads)
+
+    def adaptive_clip(self, grads, computed):
+        from keras_fastgrad.backend.jax import agc
+
+        return agc.clip(self.model, self.tv, grads, self.counted)  # (never before the gate)
+
+    def record_gradient(self, grads):
+        self.adapted = grads  # measured after the update (`apply`)
+
+    def apply(self, grads, factor):
+        from keras_fastgrad.backend.jax import telemetry
+
+        before = self.tv
+        self.tv, self.ov = self._apply(self.tv, self.ov, grads, self.where, factor)
+        self.measures = telemetry.measure(self.model, self.adapted, before, self.tv, self.counted)
+
+    def write(self, change, mask):
+        from keras_fastgrad.backend.jax import telemetry
+
+        telemetry.record(self.new, change, mask)

@@ -10,15 +10,14 @@ jitted with the model)."""
 import jax
 from keras import ops
 
-from keras_fastgrad.backend.jax import agc as jax_agc
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import noise_scale as noise
 from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax.state import StepValues
 from keras_fastgrad.backend.jax.state import slots as slots_of
-from keras_fastgrad.step import accumulation, verdict
-from keras_fastgrad.step.adaptive_clipping import both_finite
+from keras_fastgrad.step import accumulation
+from keras_fastgrad.step import update as update_rules
 
 
 def accumulate_or_apply(model, slots, values, new, micro_batch):
@@ -63,38 +62,28 @@ def window_update(model, slots, params, new, window, mean, do_window, gated):
     """The window's update where `do_window`, in one `lax.cond` (nothing of
     it runs on the other micro-steps): its gradient
     (`accumulation.window_gradient` of the `window`, a `WindowState` of
-    values; `mean`: the loss's reduction), clipped, applied when finite
-    (always when not `gated`: `skip_nonfinite=False` without loss
-    scaling); then the counters (in `new`) and the loss scale's growth.
-    `params`: `(tv, ov)`. Returns `(tv, ov)`."""
+    values; `mean`: the loss's reduction), then `step.update`'s chain
+    (applied when its check holds; always when not `gated`:
+    `skip_nonfinite=False` without loss scaling); after the `cond`, the
+    chain's records (in `new`) and the loss scale's growth. `params`:
+    `(tv, ov)`. Returns `(tv, ov)`."""
     tv, ov = params
     options = model.fastgrad_step_state.options
     clipping = options.clip_norm is not None
     measures = clipping or "grad_norm" in telemetry.requested(model)
+    checked = []  # whether the update has a check (known when traced)
 
     def update(t, o, s, normaliser):
-        grads = accumulation.window_gradient(s, normaliser, mean)
-        unclipped = grads
-        big_sq = noise.big_squared_norm(model, unclipped)
-        counted = {}  # AGC's clipped fraction, when asked
-        grads, agc_ok = jax_agc.clip(model, t, grads, counted)  # (grads, None) when off
-        adapted = grads  # `grad_norm`: after AGC (as on TF)
-        grads, norm, was_clipped, ok = units.clip(options.clip_norm, grads, gated)
-        if measures and not clipping:  # the `grad_norm` key
-            norm = units.global_norm(adapted)
-        # (the window's sums: checked again, `verdict.update_check`)
-        check = verdict.update_check(gated, False, options.clip_norm, agc_ok is not None, False)
-        finite_update = units.all_finite(grads) if check == "sums" else ok
-        update_ok = both_finite(finite_update, agc_ok)
-        update_ok = True if update_ok is None else update_ok
-        before = t
-        t, o = units.stateless_apply_if(slots.inner, t, o, grads, update_ok)
-        optional = telemetry.measure(model, adapted, before, t, counted)
-        if not measures:
-            norm = ops.zeros((), "float32")
-        if not clipping:
-            was_clipped = ops.convert_to_tensor(False)
-        return t, o, ops.convert_to_tensor(update_ok), norm, was_clipped, big_sq, optional
+        apply = lambda t, o, g, where, f: units.stateless_apply_if(slots.inner, t, o, g, where, f)  # noqa: E731
+        shell = units.Update(model, new, (t, o), apply, noise=True)
+        prepared = update_rules.prepare(shell, accumulation.window_gradient(s, normaliser, mean))
+        checked.append(prepared.ok is not None)
+        shell.where = True if prepared.ok is None else prepared.ok
+        shell.apply(prepared.grads, None)
+        norm = prepared.norm if measures else ops.zeros((), "float32")
+        was_clipped = prepared.was_clipped if clipping else ops.convert_to_tensor(False)
+        ok = ops.convert_to_tensor(shell.where)
+        return shell.tv, shell.ov, ok, norm, was_clipped, shell.big_sq, shell.measures
 
     def pending(t, o, s, normaliser):
         no, zero = ops.convert_to_tensor(False), ops.zeros((), "float32")
@@ -108,16 +97,16 @@ def window_update(model, slots, params, new, window, mean, do_window, gated):
     ov = list(ov)
     for i, value in zip(slots.inner_ov, inner_ov):
         ov[i] = value
-    applied = do_window & update_ok
-    telemetry.record_measures(new, optional, do_window, applied)
-    if gated:
-        telemetry.record_dropped_update(new, do_window & ~update_ok)
-    elif options.clip_adaptive is not None:  # AGC's drop of a window
-        counted = jax_agc.counted(model, units.all_finite(window.sums))
-        jax_agc.record_drop(new, do_window & ~update_ok, counted)
-    telemetry.record_update(
-        new, applied, norm if measures else None, was_clipped if clipping else None
+    shell = units.Update(model, new, (tv, ov), None, where=do_window)
+    update_rules.recorded(
+        shell,
+        update_ok if checked[0] else None,
+        norm if measures else None,
+        was_clipped if clipping else None,
+        lambda: units.all_finite(window.sums),  # (counted at the verdict: not again)
     )
+    applied = shell.applied
+    telemetry.record_measures(new, optional, do_window, applied)
     if slots.scaler is not None:  # growth counts applied updates
         grown = list(ov)
         units.update_scale(slots, grown, ops.convert_to_tensor(True), counts_growth=True)

@@ -28,11 +28,7 @@ from keras_fastgrad.backend.tensorflow import clipping as tf_clipping
 from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow import telemetry as tf_telemetry
-from keras_fastgrad.backend.tensorflow.adaptive_clipping import (
-    adaptive_clip,
-    before_gate,
-    counted_at_verdict,
-)
+from keras_fastgrad.backend.tensorflow.adaptive_clipping import adaptive_clip, before_gate
 from keras_fastgrad.backend.tensorflow.applying import apply_if
 from keras_fastgrad.backend.tensorflow.backward import Batch, gradients
 from keras_fastgrad.backend.tensorflow.compile_loss import keep_output_loss_metrics
@@ -53,10 +49,8 @@ from keras_fastgrad.backend.tensorflow.verdict import (
     single_cond,
     update_loss_scale,
 )
-from keras_fastgrad.step import telemetry as telemetry_rules
-from keras_fastgrad.step import verdict as rules
+from keras_fastgrad.step import update as update_rules
 from keras_fastgrad.step.accumulation import MicroBatch
-from keras_fastgrad.step.adaptive_clipping import both_finite
 from keras_fastgrad.step.metrics import tracked_weight
 
 __all__ = [  # the chain, in order (`FastGradModel.train_step`)
@@ -192,8 +186,9 @@ def apply_partial_window(model):
 
 
 def update(model, state, grads, normaliser=None, norm=None, agc=None):
-    """[BatchNorm statistics] -> normalise -> adaptive clip -> clip -> check
-    -> apply -> record.
+    """[BatchNorm statistics] -> the update's chain (`step.update`: divide
+    -> noise record -> adaptive clip -> clip -> check -> apply or drop ->
+    records), on TensorFlow's primitives (`Update`).
 
     Runs in the update branch, in cross-replica context, on the global
     gradient (weighted sums divided by `normaliser` when it is given; by
@@ -205,76 +200,60 @@ def update(model, state, grads, normaliser=None, norm=None, agc=None):
     """
     if state.batchnorm is not None:  # the window's one step of the statistics
         tf_batchnorm.apply(state.batchnorm)
-    # Without the gate (`skip_nonfinite=False`, no loss scaling) a
-    # non-finite update is applied, as keras.Model does: no check, and
-    # clipping keeps its guard (every gradient NaN, as Keras' clipping).
-    gated = state.drops_nonfinite()
-    checked = norm is not None  # (the verdict's check was this norm)
-    if normaliser is not None:
-        grads = [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
-    if state.noise_scale is not None:  # the big batch: unscaled, unclipped
-        tf_noise_scale.record_window(state.noise_scale, grads)
-    grads, agc_finite = adaptive_clip(model, state, grads, agc)  # (grads, None) when off
-    grads, norm, was_clipped = _clipped(state, grads, norm, gated)
+    shell = Update(model, state)
     own = state.accumulator is None and num_replicas() == 1
-    check = rules.update_check(gated, checked, state.options.clip_norm, agc_finite is not None, own)
-    finite_update = both_finite(_finite_update(state, grads, norm, check), agc_finite)
-    _apply_if_finite(model, state, grads, finite_update, norm, was_clipped)
+    prepared = update_rules.prepare(shell, grads, normaliser, norm, agc, own)
+    update_rules.apply_or_drop(shell, prepared, lambda: finite.all_finite(prepared.grads))
 
 
-def _clipped(state, grads, scaled=None, gated=True):
-    """The gradient clipped to `clip_norm` (if set) and its norm before
-    (`None` when neither clipping nor `grad_norm` needs it); `scaled`: the
-    norm as `(unit, root)`, when already computed; `gated`: the update is
-    applied only with a finite norm."""
-    clip_norm = state.options.clip_norm
-    state.telemetry.record_layer_norms(grads)
-    if clip_norm is None:
-        norm = tf_clipping.global_norm(grads) if "grad_norm" in state.log_keys else None
-        return grads, norm, None
-    # Gated: applied only with a finite norm (the verdict's `keep` when
-    # the norm was the check, `_finite_update` otherwise): no guard.
-    scaled = scaled or tf_clipping.scaled_norm(grads)
-    clipping = tf_clipping.clip(clip_norm, checked=gated, scaled=scaled)
-    return tf_clipping.scaled_by(grads, clipping.factor), clipping.norm, clipping.was_clipped
+class Update:
+    """The update's primitives on TensorFlow (`step.update`'s shell): ops
+    on (possibly sparse) gradients, `tf.cond`, writes into variables."""
 
+    def __init__(self, model, state):
+        self.model, self.state = model, state
+        self.options, self.log_keys = state.options, state.log_keys
+        # Without the gate (`skip_nonfinite=False`, no loss scaling) a
+        # non-finite update is applied, as keras.Model does.
+        self.gated = state.drops_nonfinite()
 
-def _finite_update(state, grads, norm, check):
-    """Whether the update is finite, as `verdict.update_check` asks
-    (`None`: known to be). `"norm"`: finite, and the clip factor
-    `clip_norm / norm` a normal float (`clipping.fits_clip`: a norm beyond
-    `clip_norm / tiny` would flush the factor to 0 on CPU, a silently zero
-    update; dropped, counted instead); `"sums"`: every gradient finite."""
-    if check == "norm":
-        return tf_clipping.fits_clip(state.options.clip_norm, 1.0, norm, finite_known=False)
-    if check == "sums":
-        return finite.all_finite(grads)
-    return None
+    scaled_norm = staticmethod(tf_clipping.scaled_norm)
+    global_norm = staticmethod(tf_clipping.global_norm)
+    scaled_by = staticmethod(tf_clipping.scaled_by)
+    all_finite = staticmethod(finite.all_finite)
 
+    def divided(self, grads, normaliser):
+        return [scale(g, tf.math.divide_no_nan(1.0, normaliser)) for g in grads]
 
-def _apply_if_finite(model, state, grads, finite_update, norm, was_clipped):
-    """The optimizer step and its records, or the drop's."""
-    telemetry, variables = state.telemetry, model.trainable_variables
+    def record_noise(self, grads):
+        if self.state.noise_scale is not None:
+            tf_noise_scale.record_window(self.state.noise_scale, grads)
 
-    def apply():
-        before = telemetry.snapshot(variables)
+    def adaptive_clip(self, grads, computed):
+        return adaptive_clip(self.model, self.state, grads, computed)
+
+    def record_gradient(self, grads):
+        self.state.telemetry.record_layer_norms(grads)
+
+    def branch(self, pred, applied, dropped):
+        if pred is None:
+            applied()
+        else:
+            tf.cond(pred, applied, dropped)
+
+    def apply(self, grads, factor):
+        state, variables = self.state, self.model.trainable_variables
+        before = state.telemetry.snapshot(variables)
         state.scaling.apply(grads, variables)
         if state.accumulator is not None:  # growth counts updates
             state.scaling.record_update()
-        telemetry.record_update_ratio(before, variables)
-        tf_telemetry.record(state, telemetry_rules.update_applied(norm, was_clipped))
+        state.telemetry.record_update_ratio(before, variables)
 
-    def drop():
-        change = telemetry_rules.update_dropped()
-        if counted_at_verdict(state):  # a non-finite one: counted once
-            counters_only, change = telemetry_rules.counted_once(change)
-            apply_if(finite.all_finite(grads), lambda: tf_telemetry.record(state, counters_only))
-        tf_telemetry.record(state, change)
-
-    if finite_update is None:
-        apply()
-    else:
-        tf.cond(finite_update, apply, drop)
+    def record(self, change, where=None):
+        if where is None:
+            tf_telemetry.record(self.state, change)
+        else:
+            apply_if(where, lambda: tf_telemetry.record(self.state, change))
 
 
 # ------------------------------------------------------ metrics and logs
