@@ -43,9 +43,7 @@ def accumulate_or_apply(model, slots, values, new, micro_batch):
     every_kept = micro_batch.keep is True
     steps = model.fastgrad_step_state.accumulator.steps
     complete, do_window = accumulation.closes(window, steps, every_kept)
-    tv, ov = window_update(
-        model, slots, (tv, ov), new, window, micro_batch.mean, do_window, not every_kept
-    )
+    tv, ov = window_update(model, slots, (tv, ov), new, window, micro_batch.mean, do_window)
     new.window = accumulation.emptied(window, lambda v: _emptied_where(complete, v))
     return tv, ov
 
@@ -58,12 +56,12 @@ def _emptied_where(complete, value):
     return ops.where(complete, ops.zeros_like(value), value)
 
 
-def window_update(model, slots, params, new, window, mean, do_window, gated):
+def window_update(model, slots, params, new, window, mean, do_window):
     """The window's update where `do_window`, in one `lax.cond` (nothing of
     it runs on the other micro-steps): its gradient
     (`accumulation.window_gradient` of the `window`, a `WindowState` of
     values; `mean`: the loss's reduction), then `step.update`'s chain
-    (applied when its check holds; always when not `gated`:
+    (applied when its check holds; always without a gate:
     `skip_nonfinite=False` without loss scaling); after the `cond`, the
     chain's records (in `new`) and the loss scale's growth. `params`:
     `(tv, ov)`. Returns `(tv, ov)`."""
@@ -145,11 +143,10 @@ def _flush(model, tv, ntv, ov):
     new = StepValues.read(slots, ntv)
     window = new.window
     mean = model.fastgrad_step_state.accumulator.mean_reduction
-    gated = model.fastgrad_step_state.drops_nonfinite()
     params = [(list(tv), list(ov))]
 
     def apply_where(held):
-        params[0] = window_update(model, slots, params[0], new, window, mean, held, gated)
+        params[0] = window_update(model, slots, params[0], new, window, mean, held)
 
     new.window = accumulation.flushed(window, apply_where, ops.zeros_like)
     tv, ov = params[0]

@@ -126,10 +126,3 @@ def before_gate(model, state, grads, divisor):
 def _clipped(model, state, grads):
     values = [v.value for v in model.trainable_variables]
     return rules.clip(model, grads, values, state.options, state.log_keys, clip_unitwise)
-
-
-def counted_at_verdict(state):
-    """`adaptive_clipping.counted_at_verdict` for the step's state."""
-    return rules.counted_at_verdict(
-        state.options.clip_adaptive, state.drops_nonfinite(), state.log_keys
-    )
