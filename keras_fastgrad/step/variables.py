@@ -43,8 +43,8 @@ def sharded_as(variable):
     """The keyword arguments that give a new variable `variable`'s layout
     under a `keras.distribution` (as Keras' optimizers do for their slots):
     a buffer the shape of `variable` is then sharded exactly as it is, each
-    device holding its own shard. `{}` where `variable` has no layout (no
-    distribution, TensorFlow): the new variable's default applies.
+    device holding its own shard. `{}` outside a `keras.distribution`:
+    the new variable's default applies.
 
     Args:
         variable: A `keras.Variable`.
@@ -57,5 +57,9 @@ def sharded_as(variable):
     >>> sharded_as(keras.Variable([0.0, 0.0]))
     {}
     """
-    layout = getattr(variable, "_layout", None)
-    return {} if layout is None else {"layout": layout}
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return {}
+    # (The variable's own layout where it has one, else the distribution's
+    # rule for its path: Keras' public reading of it.)
+    return {"layout": distribution.get_variable_layout(variable)}
