@@ -457,23 +457,33 @@ def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None
     return out
 
 
-def partial_window_keys(measured_keys, noise_measured):
+def partial_window_keys(state):
     """The keys a partial window's flush returns
-    (`FastGradModel.apply_partial_window`), the same on every backend:
-    every fixed key (`LOG_KEYS`, requested or not), the optional keys the
-    step measures for the model (`measured_keys`: its requested
-    `grad_norm/<layer>`, `update_ratio`, `agc_clipped_fraction`) and the
-    noise scale's keys where it is measured (`noise_measured`, a Python
-    bool). Not the multi-task keys: they describe a micro-batch, and a
+    (`FastGradModel.apply_partial_window`), the same on every backend, in
+    the logs' order (`logs`): every fixed key (`LOG_KEYS`, requested or
+    not), the optional keys the step measures for the model (its requested
+    `grad_norm/<layer>`, `update_ratio`, `agc_clipped_fraction`:
+    `StepTelemetry.measured_keys`) and the noise scale's keys where it is
+    measured. Not the multi-task keys: they describe a micro-batch, and a
     flush has none. `fit` takes from them the keys its epoch logs hold.
-    Returns them in the logs' order (`logs`).
+
+    Args:
+        state: The model's `StepState` (its `telemetry` built, `options`,
+            `noise_scale`).
 
     Example:
 
-    >>> partial_window_keys(["update_ratio"], noise_measured=False)[len(LOG_KEYS):]
+    >>> from types import SimpleNamespace
+    >>> telemetry = StepTelemetry()
+    >>> telemetry.build(["d/kernel"], ["update_ratio"])
+    >>> state = SimpleNamespace(
+    ...     telemetry=telemetry, options=SimpleNamespace(clip_adaptive=None), noise_scale=None
+    ... )
+    >>> partial_window_keys(state)[len(LOG_KEYS):]
     ('update_ratio',)
     """
-    return LOG_KEYS + tuple(measured_keys) + (noise_scale.KEYS if noise_measured else ())
+    measured = state.telemetry.measured_keys(state.options.clip_adaptive)
+    return LOG_KEYS + tuple(measured) + (() if state.noise_scale is None else noise_scale.KEYS)
 
 
 class StepTelemetry:

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import keras_fastgrad
-from keras_fastgrad.step.telemetry import partial_window_keys
 from tests.multitask_helpers import build, compiled, conflicting, make_data
 
 LR = 0.1
@@ -101,16 +100,6 @@ def test_the_flush_returns_the_noise_scales_keys_where_it_is_measured():
     assert list(logs) == FIXED + ["gns_simple", "gns_grad_sq", "gns_trace"]
     assert logs["updates"] == 2.0
     assert logs["input_shape_changes"] == 0.0  # every micro-batch 4 x 3
-
-
-def test_the_flush_keys_rule():
-    assert partial_window_keys([], False) == tuple(FIXED)
-    assert partial_window_keys(["update_ratio"], True) == tuple(FIXED) + (
-        "update_ratio",
-        "gns_simple",
-        "gns_grad_sq",
-        "gns_trace",
-    )
 
 
 @pytest.mark.parametrize("keys", [None, ["updates"]])

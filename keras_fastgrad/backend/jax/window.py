@@ -125,9 +125,7 @@ def apply_partial_window(model):
     state = model.fastgrad_step_state
     if model.train_function is None:  # loaded, or recompiled
         model._fg_prepare_state()
-    keys = telemetry_rules.partial_window_keys(
-        telemetry.measured_keys(model), noise.measured(model)
-    )
+    keys = telemetry_rules.partial_window_keys(state)
     if state.flush_function is None:
         flush = lambda *values: _flush(model, keys, *values)  # noqa: E731
         state.flush_function = jax.jit(flush) if model.jit_compile else flush

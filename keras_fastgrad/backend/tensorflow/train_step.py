@@ -183,12 +183,9 @@ def apply_partial_window(model):
             jit_compile=bool(model.jit_compile),
         )
     state.flush_function()
-    telemetry, noise = state.telemetry, state.noise_scale
-    keys = telemetry_rules.partial_window_keys(
-        telemetry.measured_keys(state.options.clip_adaptive), noise is not None
-    )
+    keys = telemetry_rules.partial_window_keys(state)
     scale = state.scaling.current_scale()  # (and the partial window's noise scale)
-    logs = telemetry.logs(scale, state.tape_variables or 0, keys, noise=noise)
+    logs = state.telemetry.logs(scale, state.tape_variables or 0, keys, noise=state.noise_scale)
     return {k: float(v) for k, v in logs.items()}
 
 
