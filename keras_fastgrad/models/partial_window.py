@@ -32,7 +32,8 @@ def refuse_without_optimizer(model, pending):
 def apply_partial_window(model):
     """Applies the pending window of `model` (see
     `FastGradModel.apply_partial_window`). Returns the telemetry logs as
-    Python floats, or `None` when nothing was pending.
+    Python floats (the keys `step.telemetry.partial_window_keys` names,
+    on either backend), or `None` when nothing was pending.
 
     Raises:
         ValueError: when a window is pending and `model` has no optimizer.

@@ -26,7 +26,8 @@ the traced program on JAX). The rules:
   (`next_state`): a micro-batch the step drops leaves it unchanged;
 - the task telemetry comes from `G`: `task_grad_norm/<task>`,
   `task_cosine/<a>/<b>` (`a` before `b`) and `task_conflicts`
-  (`task_logs`).
+  (`task_logs`), logged while any telemetry key is requested
+  (`logged_task_keys`).
 
 The merge in representation space (`multitask_space="features"`) is here
 too (`merge_features`: `features_gram`, the aggregator, the trunk's
@@ -311,6 +312,22 @@ def task_logs(task_names, telemetry):
             logs[f"{COSINE_PREFIX}{task_names[i]}/{task_names[j]}"] = cosine[i, j]
     logs[CONFLICTS] = conflicts
     return logs
+
+
+def logged_task_keys(log_keys, task_logs_of):
+    """The task keys a step logs: `task_logs_of()` (a callable returning
+    `task_logs`' dict, called only then: nothing read or worked out
+    otherwise) while any telemetry key is requested (`log_keys`, a set),
+    `{}` otherwise.
+
+    Example:
+
+    >>> logged_task_keys(set(), lambda: 1 / 0)
+    {}
+    >>> list(logged_task_keys({"updates"}, lambda: task_logs(["a"], task_telemetry(ops.eye(1)))))
+    ['task_grad_norm/a', 'task_conflicts']
+    """
+    return task_logs_of() if log_keys else {}
 
 
 # ------------------------------------------------------ representation space

@@ -70,7 +70,7 @@ Keras' state tuple (`apply_change`); the TensorFlow shell
 (`keras_fastgrad.backend.tensorflow.telemetry`) writes them into the
 variables (a count as one `AssignAddVariableOp`) inside the branch that
 decided them. `logs` makes the log dict (the noise scale's keys
-included) on both; `location` says where a dropped micro-batch went bad,
+included) on both, `partial_window_keys` says which keys a flush returns; `location` says where a dropped micro-batch went bad,
 `StepTelemetry.measure` what an update's optional keys hold.
 """
 
@@ -455,6 +455,35 @@ def logs(counters, loss_scale, tape_variables, keys=None, optional=(), read=None
         emas = (noise.ema_grad_sq, noise.ema_trace, noise.ema_weight)
         out.update(noise_scale.logs(*(read(v) for v in emas), keys=keys))
     return out
+
+
+def partial_window_keys(state):
+    """The keys a partial window's flush returns
+    (`FastGradModel.apply_partial_window`), the same on every backend, in
+    the logs' order (`logs`): every fixed key (`LOG_KEYS`, requested or
+    not), the optional keys the step measures for the model (its requested
+    `grad_norm/<layer>`, `update_ratio`, `agc_clipped_fraction`:
+    `StepTelemetry.measured_keys`) and the noise scale's keys where it is
+    measured. Not the multi-task keys: they describe a micro-batch, and a
+    flush has none. `fit` takes from them the keys its epoch logs hold.
+
+    Args:
+        state: The model's `StepState` (its `telemetry` built, `options`,
+            `noise_scale`).
+
+    Example:
+
+    >>> from types import SimpleNamespace
+    >>> telemetry = StepTelemetry()
+    >>> telemetry.build(["d/kernel"], ["update_ratio"])
+    >>> state = SimpleNamespace(
+    ...     telemetry=telemetry, options=SimpleNamespace(clip_adaptive=None), noise_scale=None
+    ... )
+    >>> partial_window_keys(state)[len(LOG_KEYS):]
+    ('update_ratio',)
+    """
+    measured = state.telemetry.measured_keys(state.options.clip_adaptive)
+    return LOG_KEYS + tuple(measured) + (() if state.noise_scale is None else noise_scale.KEYS)
 
 
 class StepTelemetry:

@@ -223,11 +223,12 @@ def weighing(model, ntv):
 
 
 def _logs(model, gram):
-    """The task telemetry keys (`core.task_logs`), while any telemetry key
-    is requested."""
-    if not model.fastgrad_step_state.log_keys:
-        return {}
-    return core.task_logs(task_names(model), core.task_telemetry(gram))
+    """The task telemetry keys the step logs (`core.logged_task_keys`),
+    from the micro-batch's Gram matrix."""
+    return core.logged_task_keys(
+        model.fastgrad_step_state.log_keys,
+        lambda: core.task_logs(task_names(model), core.task_telemetry(gram)),
+    )
 
 
 def _current(scope, variable):

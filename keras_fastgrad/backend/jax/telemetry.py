@@ -156,10 +156,10 @@ def record_measures(new, measures, entered, applied):
     new.measured.update(core.measures_after(new.measured, measures, entered, applied))
 
 
-def logs(model, slots, new, ov, num_trainable):
-    """The requested keys' values (float32 scalars,
-    `keras_fastgrad.step.telemetry.logs`), the noise scale's included."""
-    keys = model.fastgrad_step_state.log_keys
+def logs(model, slots, new, ov, num_trainable, keys=None):
+    """The values (float32 scalars, `keras_fastgrad.step.telemetry.logs`)
+    of `keys` (default: the requested keys), the noise scale's included."""
+    keys = model.fastgrad_step_state.log_keys if keys is None else keys
     scale = ov[slots.scale.scale] if slots.scaler is not None else 1.0
     measured = [(k, new.measured[k]) for k in measured_keys(model)]
     noise = jax_noise_scale.estimates(model, new)

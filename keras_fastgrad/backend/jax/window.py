@@ -17,6 +17,7 @@ from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax.state import StepValues
 from keras_fastgrad.backend.jax.state import slots as slots_of
 from keras_fastgrad.step import accumulation
+from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import update as update_rules
 
 
@@ -116,29 +117,30 @@ def window_update(model, slots, params, new, window, mean, do_window):
 def apply_partial_window(model):
     """`FastGradModel.apply_partial_window` on JAX: the pending window's
     update on the model's variables (outside `fit`'s loop, where Keras has
-    synced them), then the window restarted. Returns the step's counters
-    as Python floats. Called by `models.partial_window` once a window is
-    pending and the model has an optimizer (its test and its refusal)."""
+    synced them), then the window restarted. Returns the telemetry logs as
+    Python floats, of the keys the core names
+    (`step.telemetry.partial_window_keys`). Called by
+    `models.partial_window` once a window is pending and the model has an
+    optimizer (its test and its refusal)."""
     state = model.fastgrad_step_state
     if model.train_function is None:  # loaded, or recompiled
         model._fg_prepare_state()
+    keys = telemetry_rules.partial_window_keys(state)
     if state.flush_function is None:
-        flush = lambda *values: _flush(model, *values)  # noqa: E731
+        flush = lambda *values: _flush(model, keys, *values)  # noqa: E731
         state.flush_function = jax.jit(flush) if model.jit_compile else flush
     groups = (model.trainable_variables, model.non_trainable_variables, model.optimizer.variables)
     *values, logs = state.flush_function(*([v.value for v in group] for group in groups))
     for group, new_values in zip(groups, values):
         for variable, value in zip(group, new_values):
             variable.assign(value)
-    # The telemetry keys after the flush (its `grad_norm`, as on TF), the counters.
-    logs = {k: float(v) for k, v in logs.items()}
-    return {**logs, **model.telemetry_counters(), **noise.host_logs(model)}
+    return {k: float(logs[k]) for k in keys if k in logs}  # (`jit` sorts a dict's keys)
 
 
-def _flush(model, tv, ntv, ov):
+def _flush(model, keys, tv, ntv, ov):
     """The pending window applied, on values (see `apply_partial_window`):
     where it holds samples, then restarted (`accumulation.flushed`); and
-    the telemetry keys after it."""
+    the telemetry `keys` after it."""
     slots = slots_of(model)
     new = StepValues.read(slots, ntv)
     window = new.window
@@ -150,7 +152,7 @@ def _flush(model, tv, ntv, ov):
 
     new.window = accumulation.flushed(window, apply_where, ops.zeros_like)
     tv, ov = params[0]
-    logs = telemetry.logs(model, slots, new, ov, len(tv))
+    logs = telemetry.logs(model, slots, new, ov, len(tv), keys)
     ntv = new.write(slots, list(ntv), ntv)
     ntv = jax_batchnorm.apply_window(model, ntv)  # BatchNorm's one step from the window
     return tv, ntv, ov, logs

@@ -49,6 +49,8 @@ from keras_fastgrad.backend.tensorflow.verdict import (
     single_cond,
     update_loss_scale,
 )
+from keras_fastgrad.step import multitask as multitask_rules
+from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import update as update_rules
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.metrics import tracked_weight
@@ -169,8 +171,9 @@ def apply_partial_window(model):
     """`FastGradModel.apply_partial_window` on TensorFlow: one traced flush
     of the window (`flush`: applied if it holds samples, then
     restarted) under the model's strategy. Returns the telemetry logs as
-    Python floats. Called by `models.partial_window` once a window is
-    pending."""
+    Python floats, of the keys the core names
+    (`step.telemetry.partial_window_keys`). Called by
+    `models.partial_window` once a window is pending."""
     state = model.fastgrad_step_state
     if state.flush_function is None:
         # A `partial`, not a lambda: TF keys its retracing warning on a
@@ -180,8 +183,9 @@ def apply_partial_window(model):
             jit_compile=bool(model.jit_compile),
         )
     state.flush_function()
+    keys = telemetry_rules.partial_window_keys(state)
     scale = state.scaling.current_scale()  # (and the partial window's noise scale)
-    logs = state.telemetry.logs(scale, state.tape_variables or 0, noise=state.noise_scale)
+    logs = state.telemetry.logs(scale, state.tape_variables or 0, keys, noise=state.noise_scale)
     return {k: float(v) for k, v in logs.items()}
 
 
@@ -303,16 +307,17 @@ def _update_metrics(model, batch, loss, num_samples=None):
 
 
 def with_telemetry(state, logs):
-    """The step's logs plus the requested telemetry keys (their names
-    recorded in `state.telemetry_names`: the train function carries them
+    """The step's logs plus the requested telemetry keys and a multi-task
+    model's task keys (`step.multitask.logged_task_keys`); their names
+    recorded in `state.telemetry_names` (the train function carries them
     packed, `keras_fastgrad.step.log_packing`)."""
-    state.telemetry_names = ()
+    measured = {}
     if state.log_keys:
         measured = state.telemetry.logs(
             state.scaling.current_scale(), state.tape_variables, state.log_keys, state.noise_scale
         )
-        if state.merger is not None:  # task keys, from the Gram matrix
-            measured.update(state.merger.logs())
-        state.telemetry_names = tuple(measured)
-        logs.update(measured)
+    if state.merger is not None:  # task keys, from the Gram matrix
+        measured.update(multitask_rules.logged_task_keys(state.log_keys, state.merger.logs))
+    state.telemetry_names = tuple(measured)
+    logs.update(measured)
     return for_keras_reduction(logs)
