@@ -100,14 +100,14 @@ RULES = {
             ("LOG_KEYS", "Counters", "dropped", "dropped_update", "updated", "input_shape")
             + ("measures_after", "counts_nonfinite", "locates_nonfinite", "location")
             + ("Change", "micro_batch_dropped", "update_applied", "update_dropped")
-            + ("counted_once", "apply_change"),
+            + ("counted_once", "apply_change", "partial_window_keys"),
         ),
     ],
     "the multi-task merge": [
         (
             "keras_fastgrad.step.multitask",
             ("TaskMerge", "merge", "reaching_of", "keep_state", "next_state")
-            + ("task_telemetry", "task_logs")
+            + ("task_telemetry", "task_logs", "logged_task_keys")
             + ("merge_features", "features_gram", "features_cotangents"),
         ),
         ("keras_fastgrad.maths.multitask", ("gram", "split_by_reaching_tasks")),

@@ -233,8 +233,11 @@ class FastGradModel(StepReadouts, TrainingHooks, SavingHooks, keras.Model):
         before saving, with the model's optimizer now.
 
         Returns:
-            The telemetry logs (Python floats) after the flush, or `None`
-            when nothing was pending.
+            The telemetry logs (Python floats) after the flush, the same
+            keys on both backends: every counter, the optional keys the
+            model measures and its `gns_*` keys, never the task keys
+            (`step.telemetry.partial_window_keys`); `None` when nothing
+            was pending.
 
         Raises:
             ValueError: when a window is pending and the model has no
