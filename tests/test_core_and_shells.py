@@ -79,6 +79,12 @@ RULES = {
     "the update's order: divide, noise record, AGC, clip, check, apply or drop, records": [
         ("keras_fastgrad.step.update", ("Prepared", "prepare", "apply_or_drop", "recorded")),
     ],
+    "a micro-batch before its update: what is kept, where its drop is recorded, what it records": [
+        (
+            "keras_fastgrad.step.micro_batch",
+            ("kept", "grows_per_micro_batch", "drop_place", "dropped", "before_update"),
+        ),
+    ],
     "the loss-scale rule": [("keras_fastgrad.maths.loss_scale", ("next_scale",))],
     "BatchNorm pooling": [
         (

@@ -39,7 +39,7 @@ from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import StepValues
 from keras_fastgrad.backend.jax.state import slots as slots_of
-from keras_fastgrad.step import divergence, verdict
+from keras_fastgrad.step import divergence, micro_batch, verdict
 from keras_fastgrad.step import update as update_rules
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.compile_loss import check_present_terms
@@ -79,18 +79,17 @@ def train_step(model, state, data):
     scale = ov[slots.scale.scale] if slots.scaler is not None else None
     failed = divergence.counts_as_failure(finite, scale)
     telemetry.record_input_shape(model, new, x)
-    if not drops:  # applied as keras.Model does; counted only while asked
-        telemetry.record_ungated(model, new, grads, finite)
+    micro_batch.before_update(telemetry.Drops(model, new, grads, failed), finite, accumulating)
+    growth = micro_batch.grows_per_micro_batch(accumulating)
     if accumulating:
-        keep = finite if drops else True
-        if drops:  # (ungated: counted above only while asked, as on TF)
-            telemetry.record_drop(model, new, grads, ~finite, failed)
-        units.update_scale(slots, ov, finite, counts_growth=False)
+        keep = micro_batch.kept(finite, drops)
+        units.update_scale(slots, ov, finite, counts_growth=growth)
         noise.record_small(model, new, grads, x, d, finite, (sample_weight, mean))
         tv, ov = jax_window.accumulate_or_apply(
             model, slots, (tv, ntv, ov), new, MicroBatch(grads, d, keep, mean)
         )
     else:
+        units.update_scale(slots, ov, finite, counts_growth=growth)
         keep, tv, ov = _update_or_drop(
             model, slots, tv, ov, new, grads, (finite, failed, scaled), drops
         )
@@ -162,7 +161,6 @@ def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):
     (`step.update`'s chain, its check joined to the verdict: one gate).
     `checked`: the verdict's `(finite, failed, scaled)` (`_finite_check`)."""
     finite, failed, scaled = checked
-    units.update_scale(slots, ov, finite, counts_growth=True)
     apply = lambda t, o, g, where, f: units.apply_if(slots, t, o, g, where, f)  # noqa: E731
     shell = units.Update(model, new, (tv, ov), apply)
     prepared = update_rules.prepare(shell, grads, scaled=scaled, own=True, fold=True)

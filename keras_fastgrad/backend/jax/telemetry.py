@@ -30,6 +30,7 @@ from keras import ops
 
 from keras_fastgrad.backend.jax import noise_scale as jax_noise_scale
 from keras_fastgrad.maths import finite
+from keras_fastgrad.step import micro_batch
 from keras_fastgrad.step import telemetry as core
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.state import TraceFacts
@@ -49,26 +50,27 @@ def requested(model):
     return model.fastgrad_step_state.log_keys & set(LOG_KEYS)
 
 
-def _location(model, grads):
-    """`core.location` of a micro-batch's gradients (their marks: a
-    gradient whose sum overflows counts, as on TensorFlow)."""
-    marks = lambda: finite.marks(grads) if grads else None  # noqa: E731
-    return core.location(requested(model), marks, with_loss=False)
-
-
 def record_drop(model, new, grads, dropped, failed, gated=True):
-    """A micro-batch dropped where `dropped` (boolean scalar): counted, with
-    where it went bad while a key asks, and a failure where `failed`
-    (boolean scalar) holds (`core.micro_batch_dropped`)."""
-    record(new, core.micro_batch_dropped(*_location(model, grads), failed, gated), dropped)
+    """`micro_batch.dropped`'s change of a micro-batch dropped where
+    `dropped` (boolean scalar), a failure where `failed` holds; its
+    location read from the gradients' marks (a gradient whose sum
+    overflows counts, as on TensorFlow)."""
+    marks = lambda: finite.marks(grads) if grads else None  # noqa: E731
+    change = micro_batch.dropped(requested(model), marks, failed, gated, with_loss=False)
+    record(new, change, dropped)
 
 
-def record_ungated(model, new, grads, finite):
-    """`skip_nonfinite=False` without loss scaling: a non-finite
-    micro-batch is applied, and counted (with its location) only while a
-    `nonfinite_*` key is requested, as on TensorFlow."""
-    if core.counts_nonfinite(False, requested(model)):
-        record_drop(model, new, grads, ~finite, None, gated=False)
+class Drops:
+    """`micro_batch.before_update`'s shell: the micro-batch's drop (or,
+    ungated, its non-finite count) recorded by mask (`record_drop`)."""
+
+    def __init__(self, model, new, grads, failed):
+        self.model, self.new, self.grads, self.failed = model, new, grads, failed
+        self.gated = model.fastgrad_step_state.drops_nonfinite()
+        self.log_keys = requested(model)
+
+    def record_drop(self, where):
+        record_drop(self.model, self.new, self.grads, where, self.failed, self.gated)
 
 
 def record_trace_facts(model, state, x, y, sample_weight):

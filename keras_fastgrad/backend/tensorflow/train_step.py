@@ -49,6 +49,7 @@ from keras_fastgrad.backend.tensorflow.verdict import (
     single_cond,
     update_loss_scale,
 )
+from keras_fastgrad.step import micro_batch
 from keras_fastgrad.step import multitask as multitask_rules
 from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import update as update_rules
@@ -105,29 +106,20 @@ def accumulate_or_apply(model, state, batch, verdict):
     the drop. With it: add to the window, and apply the window once
     complete (every micro-batch kept, no strategy, dense gradients: both
     in one `cond`, as Keras' accumulation does,
-    `WindowAccumulator.add_or_apply`). Drop bookkeeping rides in the other
-    branch of a `cond` the step has anyway, where it can."""
+    `WindowAccumulator.add_or_apply`). Where the drop is recorded is the
+    core's (`micro_batch.drop_place`): in the other branch of a `cond` the
+    step has anyway where it can, else at its own (`_Drops`)."""
     acc = state.accumulator
-    drop = functools.partial(record_drop, state)
-    drop_args = (verdict.marks, verdict.counts_towards_streak)
-    not_finite = None if verdict.all_finite is True else tf.logical_not(verdict.all_finite)
-    if acc is None:
-        apply = functools.partial(update, model, state)
+    drops = _Drops(state, verdict)
+    place = micro_batch.before_update(drops, verdict.all_finite, acc is not None, not distributed())
+    if acc is None:  # (ungated: non-finite gradients applied, as keras.Model does)
         update_args = (replica_sum(batch.grads), _divisor(batch, verdict))
-        if verdict.drops_nonfinite:
-            apply_if(
-                verdict.keep, apply, args=update_args, otherwise=drop, otherwise_args=drop_args
-            )
-        else:  # non-finite gradients are applied, as keras.Model does
-            if verdict.all_finite is not True:  # (counted only when asked)
-                apply_if(not_finite, drop, args=drop_args)
-            apply_if(verdict.keep, apply, args=update_args)
+        drop = (drops.drop, drops.args) if place == micro_batch.UPDATE else (None, ())
+        apply_if(verdict.keep, functools.partial(update, model, state), update_args, *drop)
         return
     otherwise = None
-    if verdict.drops_nonfinite and not distributed():  # (state written in a `cond`)
-        otherwise = functools.partial(drop, *drop_args)
-    elif verdict.all_finite is not True:  # (`True`: not checked, nothing to count)
-        apply_if(not_finite, drop, args=drop_args)
+    if place == micro_batch.WINDOW:  # (state written in the window's `cond`)
+        otherwise = functools.partial(drops.drop, *drops.args)
     if verdict.keep is True and not distributed() and not _any_sparse(batch.grads):
         # Never left out (no gate): Keras' form, the update in the `cond`.
         tf_window.add_or_apply(
@@ -142,6 +134,21 @@ def accumulate_or_apply(model, state, batch, verdict):
         otherwise=otherwise,
     )
     apply_if(ready, functools.partial(apply_window, model, state))
+
+
+class _Drops:
+    """`micro_batch.before_update`'s shell: the micro-batch's drop
+    (`record_drop`) written by `apply_if`, its marks and streak flag
+    passed as arguments (global values, replica 0's read in cross-replica
+    context)."""
+
+    def __init__(self, state, verdict):
+        self.gated, self.log_keys = verdict.drops_nonfinite, state.log_keys
+        self.drop = functools.partial(record_drop, state)
+        self.args = (verdict.marks, verdict.counts_towards_streak)
+
+    def record_drop(self, where):
+        apply_if(where, self.drop, args=self.args)
 
 
 def _any_sparse(grads):

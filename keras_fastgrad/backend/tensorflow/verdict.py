@@ -20,7 +20,7 @@ from keras_fastgrad.backend.tensorflow.replicas import (
     num_replicas,
     replica_sum,
 )
-from keras_fastgrad.step import telemetry as telemetry_rules
+from keras_fastgrad.step import micro_batch
 from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.divergence import counts_as_failure
 from keras_fastgrad.step.verdict import COUNT_KEYS, WHERE_KEYS, Verdict
@@ -47,11 +47,11 @@ def finite_check(state, batch):
         flags, total = replica_sum([finite.to_flags(marks), total])
         marks = finite.from_flags(flags)
     all_finite = finite.is_finite(marks)
-    drops = state.drops_nonfinite()  # keep == finite
+    drops = state.drops_nonfinite()
     return Verdict(
         marks=marks,
         all_finite=all_finite,
-        keep=all_finite if drops else True,
+        keep=micro_batch.kept(all_finite, drops),
         drops_nonfinite=drops,
         # At the scale the micro-batch was checked at (before the update).
         counts_towards_streak=_failed(all_finite, scaling),
@@ -115,14 +115,16 @@ def update_loss_scale(state, verdict):
     """Loss scaling's own rule: halve after a non-finite micro-batch,
     double after `dynamic_growth_steps` finite updates (a no-op without).
     Under accumulation a micro-batch is not an update: growth is counted
-    when the window is applied (`LossScaling.record_update`)."""
-    state.scaling.update(verdict.all_finite, counts_growth=state.accumulator is None)
+    when the window is applied (`micro_batch.grows_per_micro_batch`,
+    `LossScaling.record_update`)."""
+    growth = micro_batch.grows_per_micro_batch(state.accumulator is not None)
+    state.scaling.update(verdict.all_finite, counts_growth=growth)
 
 
 def record_drop(state, marks, counts=None):
-    """Bookkeeping of a non-finite micro-batch (in the branch that runs
-    only then): the count, where it went bad (when requested), and the
-    divergence streak.
+    """`micro_batch.dropped`'s change of a non-finite micro-batch, written
+    in the branch that runs only then (the count, where it went bad while
+    asked, the divergence streak).
 
     Args:
         marks: The micro-batch's (global) `finite.marks` vector, or a
@@ -131,8 +133,7 @@ def record_drop(state, marks, counts=None):
         counts: Boolean scalar, whether the drop counts towards the streak
             (`divergence.counts_as_failure`, under loss scaling); `None`: it does.
     """
-    where = telemetry_rules.location(state.log_keys, marks)
-    change = telemetry_rules.micro_batch_dropped(*where, counts, state.drops_nonfinite())
+    change = micro_batch.dropped(state.log_keys, marks, counts, state.drops_nonfinite())
     tf_telemetry.record(state, change)
 
 
