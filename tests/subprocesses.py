@@ -2,6 +2,7 @@
 blocked): one helper for the tests that need a process of their own. No
 TensorFlow or JAX import here (the JAX tests and the blocked-import tests use it)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -23,3 +24,31 @@ def run_python(script, env, cwd=ROOT, timeout=300):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
+
+
+def run_on_host_devices(module, devices, out_path, args=(), timeout=300):
+    """Runs `python -m module OUT_PATH *args` under `KERAS_BACKEND=jax` with
+    `devices` JAX host devices (`--xla_force_host_platform_device_count`,
+    after the tests' own `XLA_FLAGS`: conftest.py's code generation level),
+    the checkout first on the path; fails the test with the end of its
+    stderr if it fails. Returns the JSON the module wrote to `out_path`."""
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "XLA_FLAGS": (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+        ),
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", module, str(out_path), *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out_path, encoding="utf-8") as f:
+        return json.load(f)

@@ -15,12 +15,12 @@ script (`python -m tests.callbacks.test_plain_callbacks_distributed_jax
 OUT.json`), writes each case's result, and the tests check them."""
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from tests.subprocesses import run_on_host_devices
 
 TOL = 2e-5  # float32 rounding over a few Adam steps
 ROWS, BATCH, SEQ, VOCAB = 40, 8, 6, 16
@@ -144,25 +144,7 @@ def _max_finite_diff(a, b):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("plain_distributed") / "results.json"
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        # (after the tests' own flags: conftest.py's code generation level)
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-    }
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.callbacks.test_plain_callbacks_distributed_jax", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_on_host_devices("tests.callbacks.test_plain_callbacks_distributed_jax", 8, out)
 
 
 def test_plain_fit_with_the_callbacks_under_a_distribution_equals_one_device(results):

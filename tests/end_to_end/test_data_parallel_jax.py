@@ -11,12 +11,12 @@ script (`python test_data_parallel_jax.py OUT.json`), writes each case's
 result, and the tests check them one by one."""
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from tests.subprocesses import run_on_host_devices
 
 TOL = 1e-5
 CLIP = 0.05
@@ -116,25 +116,7 @@ def _run_cases(out_path):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("data_parallel") / "results.json"
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        # (after the tests' own flags: conftest.py's code generation level)
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-    }
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.end_to_end.test_data_parallel_jax", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_on_host_devices("tests.end_to_end.test_data_parallel_jax", 2, out)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED_COUNTS))

@@ -20,12 +20,12 @@ writes each case's result, and the tests check them one by one."""
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from tests.subprocesses import run_on_host_devices
 
 TOL = 2e-5  # float32 rounding over a few Adam steps (the sharded sums add in another order)
 CLIP = 0.05
@@ -294,26 +294,9 @@ def _run_cases(out_path, names):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("model_parallel") / "results.json"
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        # (after the tests' own flags: conftest.py's code generation level)
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-    }
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.end_to_end.test_model_parallel_jax", str(out), *CASES]
-        + ["memory"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return run_on_host_devices(
+        "tests.end_to_end.test_model_parallel_jax", 8, out, [*CASES, "memory"], timeout=600
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
