@@ -71,14 +71,12 @@ _host_devices(sys.argv[1:])
 
 OWN_PROCESS = True  # the backend and the device count are set when JAX loads
 
-import time  # noqa: E402
-
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from anchors_jax import JaxGatedModel  # noqa: E402
 from harness import command_line, interleaved_step_ratios, report  # noqa: E402
-from sides import jax_state  # noqa: E402
+from sides import jax_state, jax_timed_steps  # noqa: E402
 
 import keras_fastgrad  # noqa: E402
 
@@ -183,28 +181,7 @@ def step_fn(model, batches, steps):
     `fit`); `run(count)`, `run.steps` as `sides.step_fn`'s."""
     x, y = (np.asarray(a) for a in batches[0])
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    function = model.train_function
-    state = [jax_state(model)]
-
-    def step(i):
-        logs, state[0] = function(state[0], iter([batches[i % len(batches)]]))
-        jax.block_until_ready((logs, state[0]))
-
-    for i in range(steps):  # warm-up
-        step(i)
-    done = [steps]
-
-    def run(count=None):
-        seconds = []
-        for _ in range(steps if count is None else count):
-            start = time.perf_counter()
-            step(done[0])
-            seconds.append(time.perf_counter() - start)
-            done[0] += 1
-        return seconds
-
-    run.steps = steps
-    return run
+    return jax_timed_steps(model, batches, steps)
 
 
 def replicated_sums_memory(batches):

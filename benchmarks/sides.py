@@ -55,12 +55,22 @@ def jax_step_fn(model, x, y, batch, steps):
     import jax
 
     model.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, epochs=1, verbose=0)
-    function = model.train_function
-    state = [jax_state(model)]
     batches = [
         (jax.numpy.asarray(x[i : i + batch]), jax.numpy.asarray(y[i : i + batch]))
         for i in range(0, len(x) - batch + 1, batch)
     ]
+    return jax_timed_steps(model, batches, steps)
+
+
+def jax_timed_steps(model, batches, steps):
+    """After a `fit` built and traced `model`'s JAX `train_function`: a
+    function timing its calls on `batches` in turn (the state threaded as
+    `fit` threads it), each until its outputs and state are ready, after
+    `steps` warm-up calls; `run(count)`, `run.steps` as `step_fn`'s."""
+    import jax
+
+    function = model.train_function
+    state = [jax_state(model)]
 
     def step(i):
         logs, state[0] = function(state[0], iter([batches[i % len(batches)]]))
