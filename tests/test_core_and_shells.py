@@ -119,6 +119,15 @@ RULES = {
         ("keras_fastgrad.maths.multitask", ("gram", "split_by_reaching_tasks")),
     ],
     "the options as the step reads them": [("keras_fastgrad.step.options", ("StepOptions",))],
+    "the options and their refusals": [
+        (
+            "keras_fastgrad.step.option_checks",
+            ("checked_options", "check_options", "check_keyword_names")
+            + ("check_accumulation_steps", "check_clip_norm", "check_clip_adaptive")
+            + ("check_multitask", "check_multitask_space", "check_batchnorm_statistics"),
+        ),
+        ("keras_fastgrad.step.compile_checks", ("check_compiled", "check_optimizer_ownership")),
+    ],
     "the refusals, and the divergence stop added to `fit`": [
         (
             "keras_fastgrad.step.trainer",

@@ -29,8 +29,8 @@ from keras_fastgrad.models.model import (
     FastGradModel,
     _checked_options,
 )
-from keras_fastgrad.models.options import check_compiled
 from keras_fastgrad.models.sequential import FastGradSequential
+from keras_fastgrad.step.compile_checks import check_compiled
 
 
 def fastgrad(model, **options):

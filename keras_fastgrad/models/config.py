@@ -6,7 +6,7 @@
 the model from the rest (a subclass's `__init__`, a `Sequential`'s layers,
 ...). The keyword lists tell the options apart from `keras.Model`'s own
 keywords, for the constructor's refusal of unknown names
-(`options.check_keyword_names`).
+(`keras_fastgrad.step.option_checks.check_keyword_names`).
 """
 
 import functools

@@ -1,6 +1,6 @@
 """`FastGradModel`: a `keras.Model` whose train step owns the gradient path.
 
-This module holds the class: its options (checked by `models/options.py`,
+This module holds the class: its options (checked by `step/option_checks.py`,
 kept in the config by `models/config.py`), `compile`, the train function
 and `train_step`, which hand the step to the backend's shell
 (`keras_fastgrad.backend.shell()`: the chain of `keras_fastgrad.step`'s
@@ -17,11 +17,11 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad import backend as _backend
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
-from keras_fastgrad.models import options as _options
 from keras_fastgrad.models import own_step, partial_window
 from keras_fastgrad.models.readouts import StepReadouts
 from keras_fastgrad.models.saving_hooks import SavingHooks
 from keras_fastgrad.models.training_hooks import TrainingHooks
+from keras_fastgrad.step import compile_checks, option_checks
 from keras_fastgrad.step.options import StepOptions
 from keras_fastgrad.step.state import StepState
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
@@ -141,7 +141,7 @@ class FastGradModel(StepReadouts, TrainingHooks, SavingHooks, keras.Model):
         # `keras.models.clone_model`: the trained model's options win.
         restored = kwargs.pop("fastgrad_options", None)
         restored = vars(self).pop("_fg_cloned_options", None) or restored
-        _options.check_keyword_names(
+        option_checks.check_keyword_names(
             kwargs,
             OPTION_NAMES,
             model_config.keras_keywords(type(self), FastGradModel),
@@ -188,7 +188,7 @@ class FastGradModel(StepReadouts, TrainingHooks, SavingHooks, keras.Model):
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         # Refused before Keras compiles: a refusal leaves the model as it was.
         optimizer = keras.optimizers.get(optimizer)
-        _options.check_optimizer_ownership(optimizer, self.accumulation_steps, self.clip_norm)
+        compile_checks.check_optimizer_ownership(optimizer, self.accumulation_steps, self.clip_norm)
         super().compile(optimizer, *args, **kwargs)
         try:
             self._fg_after_compile()
@@ -201,7 +201,7 @@ class FastGradModel(StepReadouts, TrainingHooks, SavingHooks, keras.Model):
     def _fg_after_compile(self):
         """What the step needs of a compiled model (also for a model
         compiled before `fastgrad` gave it the step)."""
-        _options.check_compiled(self, self._fg_options())
+        compile_checks.check_compiled(self, self._fg_options())
         # Keras' `loss` tracker, made honest about dropped micro-batches
         # (set as Keras' `compile` sets it: not tracked as a user metric).
         tracker = _shell.loss_tracker(self.fastgrad_step_state.streak)
@@ -267,7 +267,7 @@ OPTION_NAMES = tuple(_DEFAULT_OPTIONS)
 def _checked_options(**options):
     """The constructor's options (defaults for those not given),
     validated (Keras-style errors; the backend's refusals)."""
-    return _options.checked_options(FastGradModel, **options)
+    return option_checks.checked_options(options, _DEFAULT_OPTIONS, _backend.check_options)
 
 
 # Legacy `.h5` files name a model by its bare class name (Keras'

@@ -6,9 +6,10 @@ methods that make, save, load, clone and pickle a model by its class
 """
 
 from keras_fastgrad import _compat as compat
+from keras_fastgrad import backend as _backend
 from keras_fastgrad.models import _keras_hooks as integration
 from keras_fastgrad.models import config as model_config
-from keras_fastgrad.models import options as _options
+from keras_fastgrad.step import option_checks
 
 
 class SavingHooks:
@@ -59,7 +60,9 @@ class SavingHooks:
         model = super().from_config(config, custom_objects=custom_objects)
         if options and isinstance(model, base):
             options = {**model._fg_options(), **options}
-            model._fg_set_options(_options.checked_options(base, **options))
+            defaults = model_config.default_options(base)
+            checked = option_checks.checked_options(options, defaults, _backend.check_options)
+            model._fg_set_options(checked)
         return model
 
     def _fg_options(self):

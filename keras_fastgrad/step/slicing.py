@@ -33,7 +33,7 @@ their gradients are summed in float32 (`SliceTotals`, `add_slice`):
   the un-split step (the merge is not linear).
 
 Refused, where the options and the loss are checked: `micro_batches` not
-an integer >= 1, or with `multitask_space="features"` (`models.options`);
+an integer >= 1, or with `multitask_space="features"` (`option_checks`);
 terms beyond the output losses a slice cannot weight exactly
 (`compile_loss.check_extra_terms`); a synchronized BatchNorm
 (`batchnorm`).

@@ -1,7 +1,9 @@
-"""`FastGradModel`'s options and the checks of how they meet the rest of
-the training set-up (the optimizer), run once in Python before anything is
-traced. (What a `tf.distribute` strategy refuses is the TensorFlow shell's:
-`keras_fastgrad.step.trainer.check_strategy`.)
+"""`FastGradModel`'s constructor options, checked once in Python before
+anything is traced: each value, the combinations refused, an unknown
+keyword, and (`checked_options`) what the backend's step does not
+implement. How the options meet the compiled model (its optimizer, its
+losses) is `keras_fastgrad.step.compile_checks`'; what a `tf.distribute`
+strategy refuses is `keras_fastgrad.step.trainer.check_strategy`.
 
 Every message follows the Keras recipe: the argument in backticks, the rule,
 the value received and, where there is one, the fix. The generic checks
@@ -14,11 +16,9 @@ import numbers
 import numpy as np
 
 from keras_fastgrad import aggregators
-from keras_fastgrad import backend as _backend
 from keras_fastgrad._validation import check_bool, check_choice, check_int, check_optional_int
-from keras_fastgrad.models import config as model_config
 from keras_fastgrad.step.adaptive_clipping import DEFAULT_EPSILON as DEFAULT_AGC_EPSILON
-from keras_fastgrad.step.task_losses import check_task_count
+from keras_fastgrad.step.batchnorm import CHOICES as BATCHNORM_CHOICES
 
 
 def check_accumulation_steps(value):
@@ -122,54 +122,6 @@ def check_multitask(value):
     )
 
 
-def check_compiled(model, options):
-    """Refuses `options` (`FastGradModel`'s, checked) that do not fit the
-    compiled `model`: a concern its optimizer owns too, a multi-task
-    method without two task losses. Reads the model only, so `fastgrad`
-    refuses before it changes anything."""
-    check_optimizer_ownership(model.optimizer, options["accumulation_steps"], options["clip_norm"])
-    if options["multitask"] is not None:
-        check_task_count(model, aggregators.get(options["multitask"]))
-
-
-def check_optimizer_ownership(optimizer, accumulation_steps, clip_norm):
-    """Refuses a concern owned twice: by the model and by the optimizer.
-
-    Args:
-        optimizer: The compiled optimizer (possibly a `LossScaleOptimizer`).
-        accumulation_steps: The model's `accumulation_steps`.
-        clip_norm: The model's `clip_norm`.
-
-    Raises:
-        ValueError: if the optimizer accumulates while the model does, or
-            clips while the model does.
-    """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    optimizer_steps = getattr(inner, "gradient_accumulation_steps", None)
-    if accumulation_steps > 1 and optimizer_steps:
-        raise ValueError(
-            "Gradient accumulation is set twice: "
-            f"`FastGradModel(accumulation_steps={accumulation_steps})` and "
-            f"the optimizer's `gradient_accumulation_steps={optimizer_steps}`. "
-            "Only one may own it. Fix: remove `gradient_accumulation_steps` "
-            "from the optimizer (the model's accumulation is exact for "
-            "uneven batches and sample weights), or use "
-            "`accumulation_steps=1`."
-        )
-    if clip_norm is not None:
-        for attr in ("clipnorm", "global_clipnorm", "clipvalue"):
-            optimizer_value = getattr(inner, attr, None)
-            if optimizer_value is not None:
-                raise ValueError(
-                    "Gradient clipping is set twice: "
-                    f"`FastGradModel(clip_norm={clip_norm})` and the "
-                    f"optimizer's `{attr}={optimizer_value}`. Only one may "
-                    f"own it. Fix: remove `{attr}` from the optimizer (the "
-                    "model clips the final gradient of each update once, "
-                    "after accumulation), or use `clip_norm=None`."
-                )
-
-
 # Where a multi-task method compares the tasks (`keras_fastgrad.multitask`).
 MULTITASK_SPACES = ("parameters", "features")
 
@@ -237,18 +189,28 @@ def check_keyword_names(kwargs, option_names, keras_names, owner="FastGradModel"
     )
 
 
-def checked_options(base, **options):
-    """The options of `base`'s constructor (`FastGradModel`'s; its defaults
-    for those not given), validated by `check_options`, then by the
-    backend's shell (what its step does not implement).
+def checked_options(options, defaults, backend_check):
+    """The constructor's options: `defaults` for those not in `options`,
+    validated by `check_options`, then by the backend's shell (what its
+    step does not implement).
+
+    Args:
+        options: Dict of the options given, by name.
+        defaults: Dict of every option's default value (read off
+            `FastGradModel.__init__`'s signature).
+        backend_check: Callable `(options, defaults)` raising for an
+            option the backend's step does not implement
+            (`keras_fastgrad.backend.check_options`).
+
+    Returns:
+        A dict of every option, checked.
 
     Raises:
         ValueError, TypeError, NotImplementedError: naming the option.
     """
-    defaults = model_config.default_options(base)
-    options = check_options({**defaults, **options})
-    _backend.check_options(options, defaults)
-    return options
+    checked = check_options({**defaults, **options})
+    backend_check(checked, defaults)
+    return checked
 
 
 def check_options(options):
@@ -293,6 +255,4 @@ def check_options(options):
 
 def check_batchnorm_statistics(value):
     """Returns `value` if it is one of `keras_fastgrad.step.batchnorm.CHOICES`."""
-    from keras_fastgrad.step.batchnorm import CHOICES
-
-    return check_choice("batchnorm_statistics", value, CHOICES)
+    return check_choice("batchnorm_statistics", value, BATCHNORM_CHOICES)
