@@ -122,7 +122,7 @@ RULES = {
     "the options and their refusals": [
         (
             "keras_fastgrad.step.option_checks",
-            ("checked_options", "check_options", "check_keyword_names")
+            ("checked_options", "check_option_values", "check_keyword_names")
             + ("check_accumulation_steps", "check_clip_norm", "check_clip_adaptive")
             + ("check_multitask", "check_multitask_space", "check_batchnorm_statistics"),
         ),

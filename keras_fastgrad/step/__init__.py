@@ -12,5 +12,8 @@ no JAX). The shells (`keras_fastgrad.backend.tensorflow`,
     (`telemetry.py`); several tasks merged: `multitask.py`.
 
 `state.py` holds what the units keep between steps (`options.py`: the
-options as they read them), `state_files.py` writes it into files.
+options as they read them), `state_files.py` writes it into files. The
+options' checks and refusals, before anything is traced:
+`option_checks.py` (each value, and how they combine) and
+`compile_checks.py` (against the compiled optimizer and losses).
 """

@@ -191,7 +191,7 @@ def check_keyword_names(kwargs, option_names, keras_names, owner="FastGradModel"
 
 def checked_options(options, defaults, backend_check):
     """The constructor's options: `defaults` for those not in `options`,
-    validated by `check_options`, then by the backend's shell (what its
+    validated by `check_option_values`, then by the backend's shell (what its
     step does not implement).
 
     Args:
@@ -208,12 +208,12 @@ def checked_options(options, defaults, backend_check):
     Raises:
         ValueError, TypeError, NotImplementedError: naming the option.
     """
-    checked = check_options({**defaults, **options})
+    checked = check_option_values({**defaults, **options})
     backend_check(checked, defaults)
     return checked
 
 
-def check_options(options):
+def check_option_values(options):
     """`FastGradModel`'s options (a dict with every name), validated:
     the checked values, or the first Keras-style error."""
     micro_batches = check_int(
