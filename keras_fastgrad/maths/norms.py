@@ -13,7 +13,8 @@ an exact power of two: the squares of finite float32 values then fit, and
 values small enough to underflow weigh nothing against a norm above 2**64.
 The norm is kept as `unit * root` (`unit` is 1, or 2**80 after a rescale),
 so that `clip_norm / norm` is computed without overflow even where the norm
-itself exceeds float32.
+itself exceeds float32 (a norm that fits the clip only for `clip_norm`
+above ~3.9; below, the factor divides by the product once: `fitted`).
 """
 
 from typing import Any, NamedTuple
@@ -148,7 +149,14 @@ def clip(clip_norm, parts=None, checked=False, finite_known=None, scaled=None):
     unit, root = scaled_norm(parts) if scaled is None else scaled
     norm = _product(unit, root)
     was_clipped = norm > clip_norm
-    factor = ops.where(was_clipped, (clip_norm / unit) / root, 1.0)
+    # Used only where the norm fits (`fits_clip`): where every such norm is
+    # a finite float32, one division by it (the same value as by `unit`,
+    # a power of two, then by `root`).
+    if _finite_fit(clip_norm):
+        quotient = clip_norm / norm
+    else:
+        quotient = (clip_norm / unit) / root
+    factor = ops.where(was_clipped, quotient, 1.0)
     fits = ok = None
     if not checked or finite_known is not None:
         fits = norm <= clip_norm / _TINY
@@ -209,6 +217,41 @@ def fits_clip(clip_norm, unit, root, finite_known=True):
     return _fitting(clip_norm, norm, norm <= clip_norm / _TINY, finite_known)
 
 
+def fitted(clip_norm, unit, root):
+    """`fits_clip` of a norm known finite, with that norm as the update it
+    gates takes it (`clip`'s `scaled`): the norm computed once where the
+    check and the clip both need it.
+
+    Args:
+        clip_norm: Python float > 0.
+        unit: float32 scalar from `scaled_norm` (or the Python float 1).
+        root: float32 scalar from `scaled_norm`, finite (the caller
+            checked it).
+
+    Returns:
+        Tuple `(fits, scaled)`: `fits_clip(clip_norm, unit, root)`, and
+        `(1.0, unit * root)` where every norm that fits is a finite
+        float32 (`clip_norm / tiny` is: `clip_norm` up to ~3.9), else
+        `(unit, root)`; to be clipped (`clip(scaled=...)`) only where
+        `fits` holds.
+
+    Example:
+
+    >>> fits, (unit, norm) = fitted(1.0, 2.0**80, keras.ops.array(1e-4))
+    >>> bool(fits), unit, float(norm)  # ~1.2e20
+    (True, 1.0, 1.2089258...e+20)
+    """
+    norm = _product(unit, root)
+    fits = _fitting(clip_norm, norm, norm <= clip_norm / _TINY, True)
+    return fits, ((1.0, norm) if _finite_fit(clip_norm) else (unit, root))
+
+
+def _finite_fit(clip_norm):
+    """Python bool: every norm that fits `clip_norm` (`fits_clip`) is a
+    finite float32 (the bound `clip_norm / tiny` is)."""
+    return clip_norm / _TINY < _MAX
+
+
 def _product(unit, root):
     """`unit * root`, no op for the Python float 1."""
     return root if isinstance(unit, float) and unit == 1.0 else unit * root
@@ -218,6 +261,6 @@ def _fitting(clip_norm, norm, fits, finite_known):
     """`fits` (`norm <= clip_norm / tiny`), and the norm finite unless
     `finite_known`. A NaN or infinite norm fails `<=` already wherever that
     bound is a finite float32 (`clip_norm` up to ~3.9): no op for it then."""
-    if finite_known or clip_norm / _TINY < _MAX:
+    if finite_known or _finite_fit(clip_norm):
         return fits
     return ops.logical_and(ops.isfinite(norm), fits)
