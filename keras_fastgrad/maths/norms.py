@@ -237,12 +237,12 @@ def fitted(clip_norm, unit, root):
 
     Example:
 
-    >>> fits, (unit, norm) = fitted(1.0, 2.0**80, keras.ops.array(1e-4))
-    >>> bool(fits), unit, float(norm)  # ~1.2e20
-    (True, 1.0, 1.2089258...e+20)
+    >>> fits, (unit, norm) = fitted(1.0, 2.0**80, keras.ops.array(0.5))
+    >>> bool(fits), unit, float(norm) == 2.0**79  # ~6e23 <= 1 / tiny
+    (True, 1.0, True)
     """
     norm = _product(unit, root)
-    fits = _fitting(clip_norm, norm, norm <= clip_norm / _TINY, True)
+    fits = norm <= clip_norm / _TINY  # (`fits_clip`, the root known finite)
     return fits, ((1.0, norm) if _finite_fit(clip_norm) else (unit, root))
 
 
