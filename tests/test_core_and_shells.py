@@ -69,7 +69,10 @@ RULES = {
         ),
     ],
     "the clip factors, global and adaptive": [
-        ("keras_fastgrad.maths.norms", ("scaled_norm", "clip", "clip_factor", "fits_clip")),
+        (
+            "keras_fastgrad.maths.norms",
+            ("scaled_norm", "clip", "clip_factor", "fits_clip", "fitted"),
+        ),
         ("keras_fastgrad.maths.adaptive_clipping", ("clip_weight", "clip_unitwise")),
         (
             "keras_fastgrad.step.adaptive_clipping",

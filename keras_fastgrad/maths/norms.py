@@ -13,7 +13,8 @@ an exact power of two: the squares of finite float32 values then fit, and
 values small enough to underflow weigh nothing against a norm above 2**64.
 The norm is kept as `unit * root` (`unit` is 1, or 2**80 after a rescale),
 so that `clip_norm / norm` is computed without overflow even where the norm
-itself exceeds float32.
+itself exceeds float32 (a norm that fits the clip only for `clip_norm`
+above ~3.9; below, the factor divides by the product once: `fitted`).
 """
 
 from typing import Any, NamedTuple
@@ -148,14 +149,21 @@ def clip(clip_norm, parts=None, checked=False, finite_known=None, scaled=None):
     unit, root = scaled_norm(parts) if scaled is None else scaled
     norm = _product(unit, root)
     was_clipped = norm > clip_norm
-    factor = ops.where(was_clipped, (clip_norm / unit) / root, 1.0)
+    # Used only where the norm fits (`fits_clip`): where every such norm is
+    # a finite float32, one division by it (the same value as by `unit`,
+    # a power of two, then by `root`).
+    if _finite_fit(clip_norm):
+        quotient = clip_norm / norm
+    else:
+        quotient = (clip_norm / unit) / root
+    factor = ops.where(was_clipped, quotient, 1.0)
     fits = ok = None
     if not checked or finite_known is not None:
-        fits = norm <= clip_norm / _TINY
+        fits = _fits(clip_norm, unit, root, norm)
     if finite_known is not None:
-        ok = _fitting(clip_norm, norm, fits, finite_known)
+        ok = fits
     if not checked:  # `fits_clip`, on the norm computed here: NaN beyond
-        guard = ok if finite_known is False else _fitting(clip_norm, norm, fits, False)
+        guard = fits
         factor = ops.where(guard, factor, float("nan"))
     return Clipping(factor, norm, was_clipped, ok)
 
@@ -206,7 +214,43 @@ def fits_clip(clip_norm, unit, root, finite_known=True):
     False
     """
     norm = _product(unit, root)
-    return _fitting(clip_norm, norm, norm <= clip_norm / _TINY, finite_known)
+    del finite_known  # (a NaN or infinite norm fails `_fits` already)
+    return _fits(clip_norm, unit, root, norm)
+
+
+def fitted(clip_norm, unit, root):
+    """`fits_clip` of a norm known finite, with that norm as the update it
+    gates takes it (`clip`'s `scaled`): the norm computed once where the
+    check and the clip both need it.
+
+    Args:
+        clip_norm: Python float > 0.
+        unit: float32 scalar from `scaled_norm` (or the Python float 1).
+        root: float32 scalar from `scaled_norm`, finite (the caller
+            checked it).
+
+    Returns:
+        Tuple `(fits, scaled)`: `fits_clip(clip_norm, unit, root)`, and
+        `(1.0, unit * root)` where every norm that fits is a finite
+        float32 (`clip_norm / tiny` is: `clip_norm` up to ~3.9), else
+        `(unit, root)`; to be clipped (`clip(scaled=...)`) only where
+        `fits` holds.
+
+    Example:
+
+    >>> fits, (unit, norm) = fitted(1.0, 2.0**80, keras.ops.array(0.5))
+    >>> bool(fits), unit, float(norm) == 2.0**79  # ~6e23 <= 1 / tiny
+    (True, 1.0, True)
+    """
+    norm = _product(unit, root)
+    fits = _fits(clip_norm, unit, root, norm)  # (`fits_clip`, the root known finite)
+    return fits, ((1.0, norm) if _finite_fit(clip_norm) else (unit, root))
+
+
+def _finite_fit(clip_norm):
+    """Python bool: every norm that fits `clip_norm` (`fits_clip`) is a
+    finite float32 (the bound `clip_norm / tiny` is)."""
+    return clip_norm / _TINY < _MAX
 
 
 def _product(unit, root):
@@ -214,10 +258,15 @@ def _product(unit, root):
     return root if isinstance(unit, float) and unit == 1.0 else unit * root
 
 
-def _fitting(clip_norm, norm, fits, finite_known):
-    """`fits` (`norm <= clip_norm / tiny`), and the norm finite unless
-    `finite_known`. A NaN or infinite norm fails `<=` already wherever that
-    bound is a finite float32 (`clip_norm` up to ~3.9): no op for it then."""
-    if finite_known or clip_norm / _TINY < _MAX:
-        return fits
-    return ops.logical_and(ops.isfinite(norm), fits)
+def _fits(clip_norm, unit, root, norm):
+    """Boolean scalar `unit * root <= clip_norm / tiny`. Where that bound
+    is a finite float32 (`clip_norm` up to ~3.9), on the norm `norm`; else
+    as `root * tiny <= clip_norm / unit`, both sides finite float32s: the
+    bound itself, and a norm above float32's range, would be +inf (a
+    finite gradient of norm 1e39 would pass `inf <= inf` and be applied
+    with a factor flushed to 0). False for a NaN or infinite norm (`<=`
+    fails): no separate finite check."""
+    if _finite_fit(clip_norm):
+        return norm <= clip_norm / _TINY
+    return root * _TINY <= clip_norm / unit
+

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 
+import keras_fastgrad
 from tests.helpers import as_numpy, sparse
 
 if keras.backend.backend() == "tensorflow":
@@ -265,3 +266,113 @@ class TestClipRule:
         assert not bool(norms.fits_clip(1.0, 2.0**80, const(1e20)))
         c = norms.clip(1.0, checked=True, finite_known=True, scaled=(const(2.0**80), const(1e20)))
         assert not bool(c.ok) and bool(c.was_clipped)
+
+    @pytest.mark.parametrize(
+        "clip_norm, unit, root",
+        [
+            (1.0, 1.0, 5.0),  # 1 / 5
+            (1.0, 1.0, 3.0),  # 1 / 3, rounded once
+            (0.7, 1.0, 1e19),
+            (1.0, 2.0**80, 1e-4),  # a rescaled norm, ~1.2e20
+            (3.0, 2.0**80, 12345.678),  # ~1.5e28
+            (10.0, 2.0**80, 4.2e14),  # ~5.1e38: beyond float32, within 10 / tiny ~ 8.5e38
+        ],
+    )
+    def test_the_factor_is_clip_norm_over_the_norm_rounded_once(self, clip_norm, unit, root):
+        from keras_fastgrad.maths import norms
+
+        # By hand: clip_norm / (unit * root) in float64 (`unit` a power of
+        # two: the product is exact), rounded to float32 once.
+        root = np.float32(root)
+        exact = np.float32(np.float64(clip_norm) / (np.float64(unit) * np.float64(root)))
+        # (unchecked, a norm beyond float32 gives NaN: `test_a_non_finite_...`)
+        within = np.float64(unit) * np.float64(root) < np.finfo(np.float32).max
+        for checked in (True, False) if within else (True,):
+            c = norms.clip(clip_norm, checked=checked, scaled=(const(unit), const(root)))
+            assert float(c.factor) == float(exact) and bool(c.was_clipped)
+
+    @pytest.mark.parametrize(
+        "clip_norm, unit, root, fits",
+        [
+            (1.0, 1.0, 3.0, True),
+            (1.0, 2.0**80, 1e-4, True),  # ~1.2e20 <= 1 / tiny ~ 8.5e37
+            (1.0, 2.0**80, 1e20, False),  # ~1.2e44: a subnormal factor
+            (10.0, 2.0**80, 4.2e14, True),  # ~5.1e38 (no float32) <= 10 / tiny ~ 8.5e38
+        ],
+    )
+    def test_the_fitted_norm_checks_and_clips_as_the_norm_it_came_from(
+        self, clip_norm, unit, root, fits
+    ):
+        from keras_fastgrad.maths import norms
+
+        root = np.float32(root)
+        got, scaled = norms.fitted(clip_norm, const(unit), const(root))
+        assert bool(got) == fits
+        if fits:  # clipped only where it fits: the factor by hand, as above
+            exact = np.float32(np.float64(clip_norm) / (np.float64(unit) * np.float64(root)))
+            c = norms.clip(clip_norm, checked=True, scaled=scaled)
+            assert float(c.factor) == float(exact) and bool(c.was_clipped)
+
+
+# ------------------------------------------ the step, a norm at float32's edges
+
+
+@pytest.mark.parametrize(
+    "clip_norm, x, clipped",
+    [
+        (1.0, [3.0, 4.0], [0.6, 0.8]),  # norm 5: factor 1 / 5
+        (1.0, [3e30, 4e30], [0.6, 0.8]),  # norm 5e30: its squares overflow
+        # norm 3e38 * sqrt(2) ~ 4.24e38, beyond float32 (~3.4e38) but within
+        # 10 / tiny (~8.5e38): a normal factor, each element 10 / sqrt(2)
+        (10.0, [3e38, 3e38], [10.0 / np.sqrt(2.0)] * 2),
+    ],
+)
+def test_the_step_clips_a_norm_its_squares_or_float32_cannot_hold(clip_norm, x, clipped):
+    """One update of `FastGradModel(clip_norm=...)` with SGD(1): the loss
+    `x @ w` (w = 0) has the gradient `x`, clipped by hand to `clipped`; the
+    weights move by minus that, the update counted as clipped."""
+    inputs = keras.Input((2,))
+    model = keras_fastgrad.FastGradModel(
+        inputs,
+        keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs),
+        clip_norm=clip_norm,
+    )
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=lambda y, p: keras.ops.sum(p))
+    model.fit(np.array([x], np.float32), np.zeros((1, 1), np.float32), batch_size=1, verbose=0)
+    np.testing.assert_allclose(model.get_weights()[0][:, 0], -np.array(clipped), rtol=1e-6)
+    counters = model.telemetry_counters()
+    assert (counters["updates"], counters["clipped_updates"], counters["nonfinite_count"]) == (
+        1.0,
+        1.0,
+        0.0,
+    )
+
+
+@pytest.mark.parametrize("features", [2, 10])
+def test_a_norm_beyond_clip_norm_over_tiny_is_dropped_not_applied_as_zero(features):
+    """`clip_norm=10`: `10 / tiny` (~8.5e38) is beyond float32, so the fit
+    cannot be checked on the norm (+inf for both). A finite gradient of
+    `features` elements 3e38: norm ~4.2e38 (2 elements) fits, a normal
+    factor, applied; ~9.5e38 (10 elements) does not: its factor would be
+    below tiny (flushed to 0 on CPUs), so the update is dropped and
+    counted, the weights left as they were (not a zero update counted as
+    applied)."""
+    inputs = keras.Input((features,))
+    model = keras_fastgrad.FastGradModel(
+        inputs,
+        keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs),
+        clip_norm=10.0,
+    )
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=lambda y, p: keras.ops.sum(p))
+    x = np.full((1, features), 3e38, np.float32)
+    model.fit(x, np.zeros((1, 1), np.float32), batch_size=1, verbose=0)
+    norm = 3e38 * np.sqrt(features)  # by hand, in float64
+    counters = model.telemetry_counters()
+    if norm <= 10.0 / float(np.finfo(np.float32).tiny):  # (in float64)
+        np.testing.assert_allclose(
+            model.get_weights()[0][:, 0], -10.0 / np.sqrt(features) * np.ones(features), rtol=1e-6
+        )
+        assert (counters["updates"], counters["nonfinite_count"]) == (1.0, 0.0)
+    else:
+        np.testing.assert_array_equal(model.get_weights()[0], np.zeros((features, 1)))
+        assert (counters["updates"], counters["nonfinite_count"]) == (0.0, 1.0)

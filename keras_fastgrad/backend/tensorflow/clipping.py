@@ -23,7 +23,7 @@ from keras_fastgrad.maths import norms
 
 # Written once for both backends (`keras_fastgrad.maths.norms`).
 clip = norms.clip
-fits_clip = norms.fits_clip
+fitted = norms.fitted
 
 
 def global_norm(grads):

@@ -14,7 +14,7 @@ from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
 from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow import telemetry as tf_telemetry
-from keras_fastgrad.backend.tensorflow.clipping import fits_clip, scaled_norm
+from keras_fastgrad.backend.tensorflow.clipping import fitted, scaled_norm
 from keras_fastgrad.backend.tensorflow.replicas import (
     distributed,
     num_replicas,
@@ -80,12 +80,12 @@ def _failed(all_finite, scaling):
 def _norm_check(state, batch):
     """The finite check folded into the gradient's norm: one `L2Loss` per
     gradient instead of one `Sum`, and no second check in the update."""
-    norm = scaled_norm(batch.grads)
-    all_finite = rules.norm_finite(norm, tf.math.is_finite(batch.loss))
-    # A refused clip factor (`fits_clip`) drops the update, and counts.
-    keep, counts = rules.keep(
-        all_finite, fits_clip(state.options.clip_norm, *norm), _failed(all_finite, state.scaling)
-    )
+    scaled = scaled_norm(batch.grads)
+    all_finite = rules.norm_finite(scaled, tf.math.is_finite(batch.loss))
+    # A refused clip factor (`fits_clip`) drops the update, and counts; the
+    # update clips by the norm this check computed (`maths.norms.fitted`).
+    fits, norm = fitted(state.options.clip_norm, *scaled)
+    keep, counts = rules.keep(all_finite, fits, _failed(all_finite, state.scaling))
     return Verdict(
         marks=None,
         all_finite=all_finite,
