@@ -13,7 +13,12 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "keras_fastgrad"
 
 # The backend-neutral core: every decision of the step.
-CORE = ("keras_fastgrad/step", "keras_fastgrad/maths", "keras_fastgrad/aggregators")
+CORE = (
+    "keras_fastgrad/step",
+    "keras_fastgrad/maths",
+    "keras_fastgrad/aggregators",
+    "keras_fastgrad/multitask",
+)
 # The shells: how the step runs on each backend.
 SHELLS = ("keras_fastgrad/backend/tensorflow", "keras_fastgrad/backend/jax")
 # What a core module may not import (a shell imports its backend).

@@ -39,6 +39,7 @@ SHELL_ENTRY_POINTS = (
     "STATE_METHODS",  # Keras' trainer methods reading the state between batches
     "TAPE",  # whether gradients come from a tape watching a subset of variables
     "RECOMPILES_UNTRACED",  # whether a new input shape recompiles without a retrace
+    "MULTITASK",  # `TaskMerger`'s primitives (the protocol in `multitask.merger`)
     "loss_tracker",  # (streak) -> the `loss` metric, NaN while micro-batches drop
     "make_train_function",  # (model, make, force) -> Keras' train function, the step in it
     "train_step",  # (model, *Keras' train_step arguments) -> the step's result

@@ -21,12 +21,15 @@ another's. With `FastGradModel(..., multitask=...)` the step instead
 
 The rest of the chain (finite check, accumulation, clipping, apply) sees one
 ordinary gradient list. The rules are written once for both backends
-(`keras_fastgrad.step.multitask`); `TaskMerger` holds the aggregator and,
-on TensorFlow, takes the task gradients from the tape and keeps the
-telemetry in variables (`keras_fastgrad.backend.tensorflow.multitask`); the
-JAX step (`keras_fastgrad.backend.jax.multitask`) uses its aggregator. Telemetry comes from `G` for free: per-task gradient
-norms, pairwise cosine similarities and the number of conflicting pairs,
-over the shared variables, logged as `task_grad_norm/<task>`,
+(`keras_fastgrad.step.multitask`); `TaskMerger` holds the aggregator and
+the order of a merge, imports neither backend and calls its shell's
+primitives (`MULTITASK`, see `TaskMerger`): on TensorFlow the tape's task
+passes and the telemetry in variables
+(`keras_fastgrad.backend.tensorflow.multitask`); the JAX step
+(`keras_fastgrad.backend.jax.multitask`) merges with `jax.vjp`, not a tape,
+and uses only the merger's aggregator. Telemetry comes from `G` for free:
+per-task gradient norms, pairwise cosine similarities and the number of
+conflicting pairs, over the shared variables, logged as `task_grad_norm/<task>`,
 `task_cosine/<task_a>/<task_b>` and `task_conflicts` (`<task>` is the
 output's name, as in Keras' `<output>_loss` metrics).
 
@@ -54,10 +57,25 @@ References:
     https://arxiv.org/abs/2001.06782
 """
 
-from keras_fastgrad import aggregators
-from keras_fastgrad.backend.tensorflow import features as tf_features
-from keras_fastgrad.backend.tensorflow import multitask as shell
+from keras_fastgrad import aggregators, backend
 from keras_fastgrad.step import multitask as core
+
+
+def _shell():
+    """The backend's `TaskMerger` primitives: its shell's `MULTITASK`.
+
+    Raises:
+        NotImplementedError: the shell has none (JAX's: its step merges
+            the tasks without a tape).
+    """
+    shell = backend.shell()
+    if shell.MULTITASK is None:
+        raise NotImplementedError(
+            "`TaskMerger` takes its task gradients from a TensorFlow tape; the "
+            f"{shell.NAME!r} backend's step merges the tasks itself: train a "
+            "`FastGradModel(..., multitask=...)`."
+        )
+    return shell.MULTITASK
 
 
 class TaskMerger:
@@ -69,6 +87,32 @@ class TaskMerger:
     The telemetry of the latest call lives in float32 variables, created on
     the first call for the task names it gets (they are measurements: not
     saved with the model; `logs` reads them).
+
+    What is backend-specific comes from the shell Keras' backend picks
+    (`keras_fastgrad.backend.shell().MULTITASK`), looked up on each call,
+    an object with:
+
+    - `task_gradients(tape, task_losses, regularization, variables,
+      unscale)`: `(per_task, reg_grads)`, float32 lists aligned with
+      `variables` (`None` where a loss does not reach);
+    - `losses_finite(task_losses, regularization)`: boolean scalar;
+    - `merge_tape_gradients(per_task, reg_grads, share, weigh, state,
+      losses_finite)` and `merge_in_z(capture, tape, names, task_losses,
+      regularization, variables, unscale, weigh, share, state,
+      losses_finite)`: a `step.multitask.TaskMerge` (`core.merge`,
+      `core.merge_features` on the backend's primitives; `weigh(gram)` is
+      the aggregator's call, the telemetry recorded);
+    - `capture(model, tape, merger)`: the context of the forward pass
+      (see `capture`);
+    - `build(aggregator, num_tasks)`: the aggregator built and a
+      `step.multitask.TaskTelemetry` of variables, made outside any trace;
+      `record(telemetry_variables, telemetry)`, `read(telemetry_variables)`;
+    - `state_of(aggregator)`: its state's values; `assign(state_variables,
+      state)`.
+
+    TensorFlow's is `keras_fastgrad.backend.tensorflow.multitask`; JAX's
+    is `None` (its step merges without a tape, reading only `aggregator`):
+    there each of the above raises `NotImplementedError`.
 
     Example:
 
@@ -99,7 +143,7 @@ class TaskMerger:
         task_names = list(task_names)
         if self.task_names == task_names:
             return
-        self._telemetry = shell.build(self.aggregator, len(task_names))
+        self._telemetry = _shell().build(self.aggregator, len(task_names))
         self.task_names = task_names
 
     def capture(self, model, tape):
@@ -108,7 +152,7 @@ class TaskMerger:
         (`model.multitask_space`; a no-op in parameter space). Its
         `merge(tape, task_losses, ...)` is `__call__` in the space chosen.
         """
-        return tf_features.capture(model, tape, self)
+        return _shell().capture(model, tape, self)
 
     def __call__(
         self,
@@ -149,6 +193,8 @@ class TaskMerger:
 
         Raises:
             ValueError: fewer than two task losses.
+            NotImplementedError: on Keras' JAX backend (no tape; its step
+                merges the tasks itself).
 
         Under a `tf.distribute` strategy with several replicas the shared
         task gradients are summed over the replicas before merging (one
@@ -159,6 +205,7 @@ class TaskMerger:
         core.check_num_tasks(len(task_losses))
         names = core.names_or_default(task_names, len(task_losses))
         self.build(names)
+        shell = _shell()
         finite_losses = None
         if self.aggregator.state_variables:
             finite_losses = shell.losses_finite(task_losses, regularization)
@@ -168,7 +215,7 @@ class TaskMerger:
             )
             return self.merge(per_task, reg_grads, share, finite_losses)
         return self._merged(
-            tf_features.merge_in_z,
+            shell.merge_in_z,
             *(capture, tape, names, task_losses, regularization, variables, unscale),
             share=share,
             losses_finite=finite_losses,
@@ -183,7 +230,7 @@ class TaskMerger:
         """
         self.build(self.task_names or core.names_or_default(None, len(per_task)))
         return self._merged(
-            shell.merge_tape_gradients, per_task, reg_grads, share, losses_finite=losses_finite
+            _shell().merge_tape_gradients, per_task, reg_grads, share, losses_finite=losses_finite
         )
 
     def _merged(self, merge, *args, **kwargs):
@@ -191,7 +238,7 @@ class TaskMerger:
         with the aggregator's call (the telemetry recorded) and state; the
         state after the step assigned. Returns `(grads, info)` (see
         `__call__`)."""
-        telemetry = []
+        shell, telemetry = _shell(), []
 
         def weigh(gram):
             telemetry.append(core.task_telemetry(gram))
@@ -208,4 +255,4 @@ class TaskMerger:
         """The latest telemetry as float32 scalars under fixed log keys."""
         if self.task_names is None:
             return {}
-        return core.task_logs(self.task_names, shell.read(self._telemetry))
+        return core.task_logs(self.task_names, _shell().read(self._telemetry))

@@ -40,6 +40,11 @@ TAPE = False
 # each compilation).
 RECOMPILES_UNTRACED = False
 
+# `TaskMerger`'s primitives: none. The JAX step merges the tasks itself
+# (`jax.vjp`, `backend.jax.multitask`), reading only the merger's
+# `aggregator`; a `TaskMerger` called on JAX raises `NotImplementedError`.
+MULTITASK = None
+
 
 # ------------------------------------------------------------------ compile
 def loss_tracker(streak):

@@ -9,8 +9,7 @@ import contextlib
 import functools
 
 from keras_fastgrad._tf_startup import tf
-from keras_fastgrad.backend.tensorflow import multitask as parameter_space
-from keras_fastgrad.backend.tensorflow.gradients import to_float32_list, values
+from keras_fastgrad.backend.tensorflow.gradients import add, rows_gram, to_float32_list, values
 from keras_fastgrad.backend.tensorflow.replicas import num_replicas, replica_sum
 from keras_fastgrad.multitask.representation import Capture
 from keras_fastgrad.step import multitask as core
@@ -78,9 +77,7 @@ def merge_in_z(
 
     def trunk(cotangents):  # ONE pass; the paths that skip Z keep theirs
         grads = tape.gradient(capture.features, sources, output_gradients=cotangents)
-        return parameter_space.add(
-            to_float32_list(unscale(direct)), to_float32_list(unscale(grads))
-        )
+        return add(to_float32_list(unscale(direct)), to_float32_list(unscale(grads)))
 
     several = num_replicas() > 1
     return core.merge_features(
@@ -91,7 +88,7 @@ def merge_in_z(
         trunk,
         unscale=lambda d: to_float32_list(unscale(d)),
         replica_sum=replica_sum if several else None,
-        rows_gram=parameter_space.rows_gram,
+        rows_gram=rows_gram,
         stored=values,
         **kwargs,
     )
@@ -109,9 +106,9 @@ def _head_gradients(capture, tape, names, task_losses, regularization, sources):
         if any(g is None for g in grads[:count]):
             capture.refuse_task(name)
         dz.append(grads[:count])
-        direct = parameter_space.add(direct, grads[count:])
+        direct = add(direct, grads[count:])
     dz_extra = [None] * count
     if regularization is not None:
         grads = tape.gradient(regularization, cut + sources)
-        dz_extra, direct = grads[:count], parameter_space.add(direct, grads[count:])
+        dz_extra, direct = grads[:count], add(direct, grads[count:])
     return dz, dz_extra, direct

@@ -60,3 +60,22 @@ def summed_slices(g):
     unique, position = tf.unique(g.indices)
     values = tf.math.unsorted_segment_sum(g.values, position, tf.size(unique))
     return tf.IndexedSlices(values, unique, g.dense_shape)
+
+
+def add(a, b):
+    """Adds two gradient lists (`None` entries allowed), two
+    `tf.IndexedSlices` kept sparse."""
+    return [x if y is None else (y if x is None else _sum(x, y)) for x, y in zip(a, b)]
+
+
+def _sum(x, y):
+    if isinstance(x, tf.IndexedSlices) and isinstance(y, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([x.values, y.values], 0), tf.concat([x.indices, y.indices], 0), x.dense_shape
+        )
+    return tf.convert_to_tensor(x) + tf.convert_to_tensor(y)
+
+
+def rows_gram(rows):
+    """`rows rows^T`: one `MatMul` reading the stack twice (no transposed copy)."""
+    return tf.matmul(rows, rows, transpose_b=True)

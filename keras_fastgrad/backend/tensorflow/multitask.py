@@ -1,5 +1,9 @@
 """`multitask` on TensorFlow: how the task gradients are taken and where
 the merge's state lives; the rules are `keras_fastgrad.step.multitask`'s.
+This module is the shell's `MULTITASK` entry point: the primitives
+`keras_fastgrad.multitask.TaskMerger` calls (its docstring states them),
+those of features space (`capture`, `merge_in_z`) from
+`keras_fastgrad.backend.tensorflow.features`.
 
 - the task gradients: one `tape.gradient` per task from one persistent
   tape (`T` backward passes), each unscaled; a variable a task's loss does
@@ -13,7 +17,7 @@ the merge's state lives; the rules are `keras_fastgrad.step.multitask`'s.
 
 from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow.finite import all_finite
-from keras_fastgrad.backend.tensorflow.gradients import to_float32_list, values
+from keras_fastgrad.backend.tensorflow.gradients import rows_gram, to_float32_list, values
 from keras_fastgrad.backend.tensorflow.replicas import num_replicas, replica_sum
 from keras_fastgrad.step import multitask as core
 from keras_fastgrad.step.variables import global_variable
@@ -67,9 +71,19 @@ def merge_tape_gradients(per_task, regularization, share, weigh, state, losses_f
     )
 
 
-def rows_gram(rows):
-    """`rows rows^T`: one `MatMul` reading the stack twice (no transposed copy)."""
-    return tf.matmul(rows, rows, transpose_b=True)
+def capture(model, tape, task_merger):
+    """`features.capture`: the context of the step's forward pass (imported
+    with the call: features space imports `keras_fastgrad.multitask`)."""
+    from keras_fastgrad.backend.tensorflow import features
+
+    return features.capture(model, tape, task_merger)
+
+
+def merge_in_z(*args, **kwargs):
+    """`features.merge_in_z`: the tasks merged in `Z` space."""
+    from keras_fastgrad.backend.tensorflow import features
+
+    return features.merge_in_z(*args, **kwargs)
 
 
 def build(aggregator, num_tasks):
@@ -108,17 +122,3 @@ def assign(state_variables, state):
     """Assigns the aggregator's state after the step (`TaskMerge.new_state`)."""
     for variable, value in zip(state_variables, state):
         variable.assign(value)
-
-
-def add(a, b):
-    """Adds two gradient lists (`None` entries allowed), two
-    `tf.IndexedSlices` kept sparse."""
-    return [x if y is None else (y if x is None else _sum(x, y)) for x, y in zip(a, b)]
-
-
-def _sum(x, y):
-    if isinstance(x, tf.IndexedSlices) and isinstance(y, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.concat([x.values, y.values], 0), tf.concat([x.indices, y.indices], 0), x.dense_shape
-        )
-    return tf.convert_to_tensor(x) + tf.convert_to_tensor(y)

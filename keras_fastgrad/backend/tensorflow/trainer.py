@@ -12,6 +12,7 @@ are the core's (`keras_fastgrad.step.trainer`).
 import keras
 
 from keras_fastgrad.backend.tensorflow import log_packing
+from keras_fastgrad.backend.tensorflow import multitask as _multitask
 from keras_fastgrad.backend.tensorflow import train_step as _step
 from keras_fastgrad.backend.tensorflow.loss_scaling import LossScaling
 from keras_fastgrad.backend.tensorflow.telemetry import StepTelemetry
@@ -40,6 +41,9 @@ TAPE = True
 # Under `jit_compile=True`, a new input shape compiles the step again
 # without tracing it again (the trace count does not show it).
 RECOMPILES_UNTRACED = True
+# `TaskMerger`'s primitives (`keras_fastgrad.multitask.merger`): the
+# tape's task passes, the telemetry and the aggregator's state in variables.
+MULTITASK = _multitask
 
 
 # ------------------------------------------------------------------ compile
