@@ -26,6 +26,7 @@ layer's capture is `keras_fastgrad.multitask.representation`'s).
 import jax
 from keras import ops
 
+from keras_fastgrad.backend.jax import forward as jax_forward
 from keras_fastgrad.backend.jax import multitask as parameter_space
 from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.maths.finite import all_finite
@@ -65,7 +66,7 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
 
     def trunk(cotangent):  # ONE trunk pass; the paths that skip Z keep theirs
         grads, _ = pullback((no_losses, tuple(cotangent)))
-        return parameter_space.unscaled([a + b for a, b in zip(direct, grads)], d, scale)
+        return jax_forward.unscaled([a + b for a, b in zip(direct, grads)], d, scale)
 
     weigh, old_state, updates = parameter_space.weighing(model, ntv)
     result = core.merge_features(  # the true gradients' Gram (the merge keeps D_j)

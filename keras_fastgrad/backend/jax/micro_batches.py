@@ -25,8 +25,8 @@ from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
+from keras_fastgrad.backend.jax import forward as jax_forward
 from keras_fastgrad.backend.jax import multitask as jax_multitask
-from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.step import slicing, splitting
 from keras_fastgrad.step.compile_loss import LossTerms, regularized_variables
 from keras_fastgrad.step.splitting import first_input
@@ -87,16 +87,15 @@ def gradient(model, slots, state, batch, weighed, batch_rows=None):
         )
         share = found["share"]
         d = ops.convert_to_tensor(1.0) if share is None else share.actual
-        if scale is not None:  # (scaled: `D` after, in float32)
-            loss = loss * ops.cast(scale, loss.dtype)
-        elif share is not None:
-            loss = loss * ops.cast(d, loss.dtype)
+        (loss,) = jax_forward.scaled(
+            [loss], d, scale, share is not None
+        )  # (scaled: `D` after, in float32)
         return loss, (aux, d)
 
     (_, (aux, d)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
     share = found.pop("share")
     mean = True if share is None else share.mean
-    return jax_multitask.unscaled(grads, d, scale), d, mean, aux
+    return jax_forward.unscaled(grads, d, scale), d, mean, aux
 
 
 def sliced_gradients(model, slots, state, x, y, sample_weight, accumulating):
@@ -150,24 +149,12 @@ def sliced_task_gradients(
     facts = {"reaching": []}
 
     def one_slice(layer_state, metric_state, px, py, psw):
-        program, found, scale = jax_multitask.losses_program(
-            model,
-            slots,
-            (tv, layer_state, state[2], metric_state),
-            px,
-            py,
-            psw,
-            True,
-            check_extra_terms,
-        )
-        closed, traced = jax_reaching.traced_program(program, list(tv))
-        facts["reaching"].append(jax_multitask.reaching_tasks(closed, num_tasks, len(tv)))
-        losses, pullback, (aux, d) = jax.vjp(traced, *tv, has_aux=True)
-        facts["mean"], facts["regularized"] = found["mean"], len(losses) > num_tasks
-        rows = [  # one backward pass per task (and the regularisation): times `D_i`
-            jax_multitask.unscaled(pullback(jax_multitask.one_hot(losses, i)), d, scale)
-            for i in range(len(losses))
-        ]
+        piece = (tv, layer_state, state[2], metric_state)
+        rows, reaching, losses, (aux, d), facts["mean"] = jax_multitask.task_gradients(
+            model, slots, piece, (px, py, psw), True, check_extra_terms
+        )  # (each row times `D_i`)
+        facts["reaching"].append(reaching)
+        facts["regularized"] = len(losses) > num_tasks
         if len(rows) == num_tasks:  # (no regularisation: its row stays zero)
             rows.append([ops.zeros(t.shape, "float32") for t in tv])
         return rows, d, aux
@@ -262,12 +249,12 @@ def _per_batch(grads, totals, batch, mean, accumulating, aux):
 
 def _stateless_loss(model, values, batch, loss_of):
     """Keras' JAX forward and loss on the state's `values` (`(trainable,
-    non_trainable, metrics, optimizer)`), the loss computed by
-    `loss_of(terms_of)`, `terms_of()` giving `slicing.slice_terms` of the
-    forward (its `model.losses` split into terms), as
-    `compute_loss_and_updates` computes its own. A subclass's own
-    `compute_loss_and_updates` is called instead (its unscaled loss, its
-    terms unknown: `compile_loss.check_extra_terms` refuses where they
+    non_trainable, metrics, optimizer)`, `jax_forward.stateless_loss`), the
+    loss computed by `loss_of(terms_of)`, `terms_of()` giving
+    `slicing.slice_terms` of the forward (its `model.losses` split into
+    terms), as `compute_loss_and_updates` computes its own. A subclass's
+    own `compute_loss_and_updates` is called instead (its unscaled loss,
+    its terms unknown: `compile_loss.check_extra_terms` refuses where they
     cannot be weighted). Returns `(loss_of's result, y_pred,
     non_trainable, metrics)`."""
     trainable, ntv, mv, ov = values
@@ -284,21 +271,14 @@ def _stateless_loss(model, values, batch, loss_of):
 
         result = loss_of(own_terms)
         return (result, *found["aux"][1:])
-    kwargs = {"training": True} if compat.call_has_training_arg(model) else {}
-    y_pred, ntv, forward = model.stateless_call(trainable, ntv, x, return_losses=True, **kwargs)
-    mapping = [
-        *zip(model.trainable_variables, trainable),
-        *zip(model.non_trainable_variables, ntv),
-        *zip(model.metrics_variables, mv),
-    ]
-    with keras.StatelessScope(state_mapping=mapping) as scope:
-        result = loss_of(
+    return jax_forward.stateless_loss(
+        model,
+        (trainable, ntv, mv),
+        x,
+        lambda y_pred, forward: loss_of(
             lambda: slicing.slice_terms(model, x, y, y_pred, sample_weight, False, forward)
-        )
-    current = [
-        _current(scope, v) for v in (*model.non_trainable_variables, *model.metrics_variables)
-    ]
-    return result, y_pred, current[: len(ntv)], current[len(ntv) :]
+        ),
+    )
 
 
 def _penalty_gradient(model, tv):
@@ -315,11 +295,6 @@ def _penalty_gradient(model, tv):
 
     value, grads = jax.value_and_grad(penalty)(list(tv))
     return value, [ops.cast(g, "float32") for g in grads]
-
-
-def _current(scope, variable):
-    value = scope.get_current_value(variable)
-    return variable.value if value is None else value
 
 
 def _rows_first(tensors):

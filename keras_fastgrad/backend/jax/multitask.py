@@ -27,6 +27,7 @@ from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
+from keras_fastgrad.backend.jax import forward as jax_forward
 from keras_fastgrad.backend.jax import reaching as jax_reaching
 from keras_fastgrad.backend.jax.state import multitask_variables
 from keras_fastgrad.maths.finite import all_finite
@@ -53,28 +54,51 @@ def gradients(model, slots, state, x, y, sample_weight, accumulating, check_extr
         `(grads, D, mean, aux)` as `jax_step._gradients`, `aux` with a
         fifth entry: the task telemetry logs (`{}` without telemetry).
     """
-    tv, ntv, ov, mv = state
-    program, found, scale = losses_program(
-        model, slots, state, x, y, sample_weight, accumulating, check_extra_terms
+    per_loss, reaching, losses, (aux, d), mean = task_gradients(
+        model, slots, state, (x, y, sample_weight), accumulating, check_extra_terms
     )
-    closed, traced = jax_reaching.traced_program(program, list(tv))
     num_tasks = len(task_names(model))
-    reaching = reaching_tasks(closed, num_tasks, len(tv))
-    losses, pullback, (aux, d) = jax.vjp(traced, *tv, has_aux=True)
-    per_loss = [  # one backward pass per task (and the regularisation)
-        unscaled(pullback(one_hot(losses, i)), d, scale) for i in range(len(losses))
-    ]
     divisor = ops.cast(d, "float32") if accumulating else None  # the merge keeps D_j
     merged, updates, gram = merge_tasks(
         model,
         per_loss[:num_tasks],
         reaching,
-        ntv,
+        state[1],
         divisor,
         per_loss[num_tasks] if len(per_loss) > num_tasks else None,
         all_finite(list(losses)),
     )
-    return merged, d, found["mean"], with_updates(model, aux, updates, gram)
+    return merged, d, mean, with_updates(model, aux, updates, gram)
+
+
+def task_gradients(model, slots, state, batch, accumulating, check_extra_terms):
+    """One forward (`losses_program`, traced once) and one backward pass
+    per loss (`jax.vjp`); shared with `jax_micro_batches`' slices.
+
+    Args:
+        model, slots, state, accumulating, check_extra_terms: As
+            `gradients`'.
+        batch: `(x, y, sample_weight)`.
+
+    Returns:
+        `(per_loss, reaching, losses, (aux, D), mean)`: per loss (the
+        tasks, then the regularisation if any) its float32 unscaled
+        gradients (times `D`, accumulating), per trainable variable the
+        tasks reaching it (`reaching_tasks`), the losses as differentiated,
+        Keras' `aux` with the share, and whether the window divides by
+        its sum.
+    """
+    tv = state[0]
+    program, found, scale = losses_program(
+        model, slots, state, *batch, accumulating, check_extra_terms
+    )
+    closed, traced = jax_reaching.traced_program(program, list(tv))
+    reaching = reaching_tasks(closed, len(task_names(model)), len(tv))
+    losses, pullback, (aux, d) = jax.vjp(traced, *tv, has_aux=True)
+    per_loss = [  # one backward pass per task (and the regularisation)
+        jax_forward.unscaled(pullback(one_hot(losses, i)), d, scale) for i in range(len(losses))
+    ]
+    return per_loss, reaching, losses, (aux, d), found["mean"]
 
 
 def losses_program(model, slots, state, x, y, sample_weight, accumulating, check_extra_terms):
@@ -98,11 +122,8 @@ def losses_program(model, slots, state, x, y, sample_weight, accumulating, check
             ),
             check_extra_terms,
         )
-        factor = d if scale is None else scale
         losses = tasks + ([] if regularization is None else [regularization])
-        if accumulating or scale is not None:
-            losses = [loss * ops.cast(factor, loss.dtype) for loss in losses]
-        return tuple(losses), (aux, d)
+        return tuple(jax_forward.scaled(losses, d, scale, accumulating)), (aux, d)
 
     return program, found, scale
 
@@ -110,15 +131,6 @@ def losses_program(model, slots, state, x, y, sample_weight, accumulating, check
 def one_hot(values, i):
     """The cotangent that picks `values[i]` (a tuple like `values`)."""
     return tuple(ops.ones_like(v) if j == i else ops.zeros_like(v) for j, v in enumerate(values))
-
-
-def unscaled(grads, d, scale):
-    """float32 gradients of the unscaled losses (times `D`, accumulating)."""
-    grads = [ops.cast(g, "float32") for g in grads]
-    if scale is None:
-        return grads
-    factor = d / ops.cast(scale, "float32")
-    return [g * factor for g in grads]
 
 
 def with_updates(model, aux, updates, gram):
@@ -133,23 +145,18 @@ def with_updates(model, aux, updates, gram):
 
 def _compute(model):
     """Keras' `compute_loss_and_updates` (JAX trainer) with the task losses
-    and the regularisation apart: `(tasks, regularization), (unscaled_loss,
+    and the regularisation apart (`jax_forward.stateless_loss`; Keras'
+    own, never a subclass's): `(tasks, regularization), (unscaled_loss,
     y_pred, non_trainable, metrics)` on the state's values."""
 
     def compute(trainable, ntv, mv, x, y, sample_weight):
-        kwargs = {"training": True} if compat.call_has_training_arg(model) else {}
-        y_pred, new_ntv, losses = model.stateless_call(
-            trainable, ntv, x, return_losses=True, **kwargs
-        )
-        mapping = [
-            *zip(model.trainable_variables, trainable),
-            *zip(model.non_trainable_variables, new_ntv),
-            *zip(model.metrics_variables, mv),
-        ]
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        def losses_of(y_pred, losses):
             tasks = task_losses(model, y, y_pred, sample_weight)  # the `<name>_loss` metrics
-            extra = [compat.additional_loss(model, loss) for loss in losses]
-        new_mv = [_current(scope, v) for v in model.metrics_variables]
+            return tasks, [compat.additional_loss(model, loss) for loss in losses]
+
+        (tasks, extra), y_pred, new_ntv, new_mv = jax_forward.stateless_loss(
+            model, (trainable, ntv, mv), x, losses_of
+        )
         regularization = None
         if extra:
             regularization = extra[0] if len(extra) == 1 else ops.sum(ops.stack(extra))
@@ -213,7 +220,7 @@ def weighing(model, ntv):
         mapping = [(v, ntv[where[id(v)]]) for v in variables]
         with keras.StatelessScope(state_mapping=mapping) as scope:
             weights, new_state = aggregator.weights_and_state(gram)
-        moved.update({where[id(v)]: _current(scope, v) for v in variables})
+        moved.update({where[id(v)]: jax_forward.current(scope, v) for v in variables})
         return weights, new_state
 
     def updates(state_after):
@@ -229,8 +236,3 @@ def _logs(model, gram):
         model.fastgrad_step_state.log_keys,
         lambda: core.task_logs(task_names(model), core.task_telemetry(gram)),
     )
-
-
-def _current(scope, variable):
-    value = scope.get_current_value(variable)
-    return variable.value if value is None else value

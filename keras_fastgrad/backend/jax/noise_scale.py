@@ -77,11 +77,3 @@ def estimates(model, new):
     """The noise scale's values in `new` (`noise_scale.Estimates`, for
     `keras_fastgrad.step.telemetry.logs`), `None` when not measured."""
     return new.noise if measured(model) else None
-
-
-def host_logs(model):
-    """The `gns_*` keys now, as Python floats (after a flush: the partial
-    window's estimate), `{}` when not measured."""
-    if not measured(model):
-        return {}
-    return {k: float(v) for k, v in model.fastgrad_step_state.noise_scale.logs().items()}

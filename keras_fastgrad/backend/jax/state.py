@@ -19,9 +19,8 @@ import keras
 from keras import ops
 
 from keras_fastgrad import _compat as compat
-from keras_fastgrad.backend.jax.telemetry import optional_variables
 from keras_fastgrad.step.accumulation import WindowState
-from keras_fastgrad.step.divergence import DivergenceStop, TrainingLoss, loss_result
+from keras_fastgrad.step.divergence import DivergenceStop
 from keras_fastgrad.step.noise_scale import Estimates
 from keras_fastgrad.step.telemetry import Counters
 from keras_fastgrad.step.trainer import check_trainable_unchanged
@@ -99,7 +98,7 @@ def slots(model):
         counters=Counters(*_at(where, tel.counters())),
         streak=where[id(state.divergence.streak)],
         window=window,
-        measured=tuple((key, where[id(v)]) for key, v in optional_variables(tel)),
+        measured=tuple((key, where[id(v)]) for key, v in tel.optional_variables()),
         noise=None if noise is None else Estimates(*_at(where, noise.state())),
         layer_ntv=[i for i, v in enumerate(ntv) if id(v) not in own],
         inner=inner,
@@ -173,7 +172,7 @@ def step_variables(model):
     state = vars(model).get("fastgrad_step_state")
     if state is None or state._built_for is None:
         return []
-    optional = [v for _, v in optional_variables(state.telemetry)]
+    optional = [v for _, v in state.telemetry.optional_variables()]
     return state.variables + optional + multitask_variables(model)
 
 
@@ -196,24 +195,14 @@ def multitask_variables(model):
     return list(aggregator.state_variables) + seeds
 
 
-class JaxTrainingLoss(TrainingLoss):
-    """`TrainingLoss` in `keras.ops` (its `result` is NaN for a period with
-    nothing kept, or while micro-batches are being dropped)."""
-
-    def result(self):
-        mean = self.total / self.count
-        streak = None if self._streak is None else self._streak()
-        if streak is not None:
-            streak = _value_or_none(streak)
-        if streak is None:
-            return mean
-        return loss_result(mean, streak)
-
-
-def _value_or_none(variable):
-    """The variable's value: mapped in the step's scope, or synced after
-    it; `None` inside a step that does not map it (a subclass's own step:
-    Keras' JAX trainer has detached the value, and reading fails)."""
+def streak_value(variable):
+    """The divergence streak's value as the `loss` tracker reads it
+    (`TrainingLoss`'s `streak`): mapped in the step's scope, or synced
+    after it; `None` for `None` (evaluating), and inside a step that does
+    not map it (a subclass's own step: Keras' JAX trainer has detached the
+    value, and reading fails)."""
+    if variable is None:
+        return None
     try:
         return variable.value
     except TypeError:

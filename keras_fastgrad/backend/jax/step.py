@@ -31,6 +31,7 @@ from keras import ops
 
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
+from keras_fastgrad.backend.jax import forward as jax_forward
 from keras_fastgrad.backend.jax import micro_batches as jax_micro_batches
 from keras_fastgrad.backend.jax import multitask as jax_multitask
 from keras_fastgrad.backend.jax import noise_scale as noise
@@ -195,7 +196,7 @@ def _metrics(model, mv, new_mv, unscaled_loss, streak, keep, batch):
     with keras.StatelessScope(state_mapping=[*zip(metrics, new_mv), *with_streak]) as scope:
         compat.loss_tracker(model).update_state(unscaled_loss, sample_weight=rows)
         logs = model.compute_metrics(x, y, y_pred, sample_weight)
-    updated = [_current(scope, v) for v in metrics]
+    updated = [jax_forward.current(scope, v) for v in metrics]
     if keep is True:
         return updated, logs
     selected = [ops.where(keep, u, old) for u, old in zip(updated, mv)]
@@ -203,8 +204,3 @@ def _metrics(model, mv, new_mv, unscaled_loss, streak, keep, batch):
         with keras.StatelessScope(state_mapping=[*zip(metrics, selected), *with_streak]):
             logs = model.get_metrics_result()
     return selected, logs
-
-
-def _current(scope, variable):
-    value = scope.get_current_value(variable)
-    return variable.value if value is None else value

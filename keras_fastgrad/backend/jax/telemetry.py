@@ -128,11 +128,6 @@ def record_input_shape(model, new, x):
     )
 
 
-def optional_variables(telemetry):
-    """`telemetry.optional_variables()` (a built `StepTelemetry`)."""
-    return telemetry.optional_variables()
-
-
 def measured_keys(model):
     """`StepTelemetry.measured_keys` of the model's step."""
     state = model.fastgrad_step_state

@@ -16,7 +16,7 @@ import functools
 from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import state as jax_state
 from keras_fastgrad.step import trainer as core
-from keras_fastgrad.step.divergence import DivergenceWatch
+from keras_fastgrad.step.divergence import DivergenceWatch, TrainingLoss
 from keras_fastgrad.step.loss_scaling import LossScaling
 from keras_fastgrad.step.telemetry import StepTelemetry
 
@@ -49,8 +49,9 @@ MULTITASK = None
 # ------------------------------------------------------------------ compile
 def loss_tracker(streak):
     """The `loss` metric: a `Mean` that reports NaN while `streak()` (the
-    count of micro-batches dropped in a row) is above 0, in `keras.ops`."""
-    return jax_state.JaxTrainingLoss(name="loss", streak=streak)
+    count of micro-batches dropped in a row) is above 0 (`TrainingLoss`,
+    the streak's value read by `jax_state.streak_value`)."""
+    return TrainingLoss(name="loss", streak=lambda: jax_state.streak_value(streak()))
 
 
 # ----------------------------------------------------------- train function

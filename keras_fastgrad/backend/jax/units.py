@@ -43,10 +43,16 @@ def apply_if(slots, tv, ov, grads, do_apply, factor=None):
     new_tv, new_inner = stateless_apply_if(
         slots.inner, tv, [ov[i] for i in slots.inner_ov], grads, do_apply, factor
     )
+    return list(new_tv), with_inner(slots, ov, new_inner)
+
+
+def with_inner(slots, ov, inner):
+    """A copy of the optimizer values `ov` with the inner optimizer's
+    values `inner` at their positions (`slots.inner_ov`)."""
     ov = list(ov)
-    for i, value in zip(slots.inner_ov, new_inner):
+    for i, value in zip(slots.inner_ov, inner):
         ov[i] = value
-    return list(new_tv), ov
+    return ov
 
 
 def stateless_apply_if(optimizer, tv, ov, grads, do_apply, factor=None):

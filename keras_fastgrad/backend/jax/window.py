@@ -93,9 +93,7 @@ def window_update(model, slots, params, new, window, mean, do_window):
         do_window, update, pending, tv, inner_ov, window.sums, window.normaliser
     )
     noise.record_window(model, new, big_sq, do_window)
-    ov = list(ov)
-    for i, value in zip(slots.inner_ov, inner_ov):
-        ov[i] = value
+    ov = units.with_inner(slots, ov, inner_ov)
     shell = units.Update(model, new, (tv, ov), None, where=do_window)
     update_rules.recorded(
         shell,
