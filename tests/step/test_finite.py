@@ -158,5 +158,5 @@ class TestAllFinite:
     @TF_ONLY
     def test_gradient_sums_by_hand(self):
         slices, _ = sparse([[1.0, 2.0], [3.0, 4.0]], [1, 1], rows=3)
-        sums = finite.gradient_sums([const([[1.0, -4.0]]), None, slices])
-        np.testing.assert_array_equal(np_of(sums), [-3.0, 0.0, 10.0])
+        sums = finite.marks([const([[1.0, -4.0]]), None, slices], const(0.5))
+        np.testing.assert_array_equal(np_of(sums), [-3.0, 0.0, 10.0, 0.5])

@@ -112,12 +112,7 @@ def add_or_apply(acc, micro_batch, apply):
     last = rules.is_last(acc.micro_step, acc.steps)
 
     def apply_window():
-        sums = [
-            None if g is None else tf.convert_to_tensor(total.value) + to_float32(g)
-            for total, g in zip(acc.sums, weighted_grads)
-        ]
-        total = tf.convert_to_tensor(acc.normaliser) + normaliser if mean_reduction else None
-        apply(rules.window_gradient(sums, total, mean_reduction, tf.math.divide_no_nan))
+        apply(window_gradient(acc, weighted_grads, micro_batch))
         reset(acc)
 
     def add_sums():
@@ -127,15 +122,21 @@ def add_or_apply(acc, micro_batch, apply):
     _count(acc, weighted_grads, normaliser, True)
 
 
-def window_gradient(acc, grads_template=None):
+def window_gradient(acc, grads_template=None, adding=None):
     """The window's gradient (`rules.window_gradient` of its sums).
 
     Args:
         acc: The `WindowAccumulator`.
         grads_template: As for `window_sums`.
+        adding: Optional `rules.MicroBatch` (dense gradients) added to the
+            sums and the normaliser as they are read, not written into
+            them (`add_or_apply`).
     """
     sums = window_sums(acc, grads_template)
     normaliser = tf.convert_to_tensor(acc.normaliser) if acc.mean_reduction else None
+    if adding is not None:
+        sums = [s if g is None else s + to_float32(g) for s, g in zip(sums, adding.grads)]
+        normaliser = None if normaliser is None else normaliser + adding.normaliser
     return rules.window_gradient(sums, normaliser, acc.mean_reduction, tf.math.divide_no_nan)
 
 

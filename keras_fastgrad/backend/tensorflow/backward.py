@@ -25,11 +25,7 @@ from keras_fastgrad.backend.tensorflow.replicas import (
 )
 from keras_fastgrad.backend.tensorflow.slicing import sliced_gradients
 from keras_fastgrad.step import noise_scale
-from keras_fastgrad.step.compile_loss import (
-    check_extra_terms,
-    check_present_terms,
-    loss_terms,
-)
+from keras_fastgrad.step.compile_loss import check_extra_terms, loss_terms, present_terms
 from keras_fastgrad.step.splitting import first_input
 from keras_fastgrad.step.task_losses import regularization_loss, task_losses, task_names
 from keras_fastgrad.step.weighting import LossShares
@@ -145,62 +141,54 @@ def _recording_batchnorm(state):
 
 
 def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
-    """Forward and backward on the whole batch (one tape); with
-    `multitask`, the task gradients merged. Returns `(loss, y_pred, grads,
-    share)`: the gradients unscaled and, when `num_rows` is given
+    """Forward and backward on the whole batch (one tape; with `multitask`
+    a persistent one, one loss per task, regularisation not a task, each
+    task's gradient unscaled once, then merged). Returns `(loss, y_pred,
+    grads, share)`: the gradients unscaled and, when `num_rows` is given
     (micro-batches are combined), multiplied by the micro-batch's share
     (`weighting.LossShares`; `share` is `None` otherwise)."""
     shares = None if num_rows is None else LossShares(model, num_rows)
-    backward = _loss_gradients if state.merger is None else _merged_task_gradients
-    return backward(model, state, x, y, sample_weight, variables, shares)
-
-
-def _loss_gradients(model, state, x, y, sample_weight, variables, shares):
-    """The model's loss and its gradient (see `_batch_gradients`)."""
-    scaling = state.scaling
-    with watching(variables) as tape:
-        y_pred = call_for_training(model, x)
-        with shares or contextlib.nullcontext():
-            terms = loss_terms(model, x, y, y_pred, sample_weight)
-        loss = terms.total
-        share = None if shares is None else shares.share()
-        if share is not None and state.accumulator is not None:
-            check_extra_terms(model, share, state.options.combining(), terms)
-        weight = None if share is None else share.loss_weight(num_replicas())
-        scaled_loss = scaling.scale(loss, weight)
-    grads = tape.gradient(scaled_loss, [v.value for v in variables])
-    return loss, y_pred, scaling.unscale(grads, weight), share
-
-
-def _merged_task_gradients(model, state, x, y, sample_weight, variables, shares):
-    """One loss per task (regularisation is not a task), each task's
-    gradient unscaled once, then merged (see `_batch_gradients`)."""
     scaling, merger = state.scaling, state.merger
-    with watching(variables, persistent=True) as tape:
-        features = merger.capture(model, tape)  # a no-op unless in features space
+    with watching(variables, persistent=merger is not None) as tape:
+        # (in features space the merger captures `Z`; a no-op otherwise)
+        features = contextlib.nullcontext() if merger is None else merger.capture(model, tape)
         with features:
             y_pred = call_for_training(model, x)
         with shares or contextlib.nullcontext():
-            tasks = task_losses(model, y, y_pred, sample_weight)
-            regularization = regularization_loss(model)
-            loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
+            loss, losses, terms = _losses(model, x, y, y_pred, sample_weight, merger is not None)
         share = None if shares is None else shares.share()
         if share is not None and state.accumulator is not None:
-            check_present_terms(model, share)
+            options = state.options.combining()
+            check_extra_terms(model, share, options, terms, merged=merger is not None)
         weight = None if share is None else share.loss_weight(num_replicas())
-        scaled_tasks = [scaling.scale(t, weight) for t in tasks]
-        if regularization is not None:
-            regularization = scaling.scale(regularization, weight)
-    grads, _ = features.merge(
-        tape,
-        scaled_tasks,
-        regularization,
-        variables,
-        unscale=lambda g: scaling.unscale(g, weight),
-        share=None if share is None else share.actual,
-        task_names=task_names(model),
-    )
+        scaled = [None if l is None else scaling.scale(l, weight) for l in losses]
+    if merger is None:
+        grads = scaling.unscale(tape.gradient(scaled[0], [v.value for v in variables]), weight)
+    else:
+        grads, _ = features.merge(
+            tape,
+            scaled[:-1],
+            scaled[-1],
+            variables,
+            unscale=lambda g: scaling.unscale(g, weight),
+            share=None if share is None else share.actual,
+            task_names=task_names(model),
+        )
     return loss, y_pred, grads, share
+
+
+def _losses(model, x, y, y_pred, sample_weight, merged):
+    """`(loss, losses, terms)`: the batch's loss as Keras computes it, the
+    losses the gradient is taken of (the loss; merged, each task's and the
+    regularisation's, `None` without one) and the loss's
+    `compile_loss.LossTerms` (merged: `present_terms`)."""
+    if not merged:
+        terms = loss_terms(model, x, y, y_pred, sample_weight)
+        return terms.total, [terms.total], terms
+    tasks = task_losses(model, y, y_pred, sample_weight)
+    regularization = regularization_loss(model)
+    loss = tf.add_n(tasks + [r for r in [regularization] if r is not None])
+    return loss, tasks + [regularization], present_terms(model)
 
 
 def _first_input(model, x):

@@ -21,10 +21,6 @@ from keras_fastgrad._tf_startup import tf
 from keras_fastgrad.backend.tensorflow.gradients import scale, summed_rows, summed_slices
 from keras_fastgrad.maths import norms
 
-# Written once for both backends (`keras_fastgrad.maths.norms`).
-clip = norms.clip
-fitted = norms.fitted
-
 
 def global_norm(grads):
     """Global L2 norm of a list of gradients (`None` entries skipped).
@@ -89,7 +85,7 @@ def clip_by_global_norm(grads, clip_norm, norm, checked=False):
     >>> clipped[0].numpy().tolist(), bool(was_clipped)
     ([0.6000000238418579, 0.800000011920929], True)
     """
-    clipping = clip(
+    clipping = norms.clip(
         clip_norm, checked=checked, scaled=norm if isinstance(norm, tuple) else (1.0, norm)
     )
     return scaled_by(grads, clipping.factor), clipping.was_clipped

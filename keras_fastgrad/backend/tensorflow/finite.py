@@ -51,11 +51,6 @@ def element_sums(grads):
     return [total(g) for g in grads]
 
 
-def gradient_sums(grads):
-    """float32 vector: the sum of each gradient's elements (`None`: 0)."""
-    return tf.stack(element_sums(_values(grads)))
-
-
 def all_finite(grads):
     """Boolean scalar: every element of every gradient is finite.
 

@@ -39,10 +39,7 @@ def to_float32_list(grads):
 def summed_rows(g):
     """The values of `g` with duplicate rows added up (sparse: the rows of
     the dense gradient it stands for; what a norm must read)."""
-    if not isinstance(g, tf.IndexedSlices):
-        return g
-    unique, position = tf.unique(g.indices)
-    return tf.math.unsorted_segment_sum(g.values, position, tf.size(unique))
+    return summed_slices(g).values if isinstance(g, tf.IndexedSlices) else g
 
 
 def summed_slices(g):

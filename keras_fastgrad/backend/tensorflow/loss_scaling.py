@@ -18,10 +18,7 @@ class LossScaling(core.LossScaling):
         """Float32 gradients of the unscaled loss, times `weight` if given."""
         if not self._scales:
             return grads
-        if self.active:
-            inverse = 1.0 / self.scaler.dynamic_scale
-        else:
-            inverse = 1.0 / self.factor
+        inverse = 1.0 / (self.scaler.dynamic_scale if self.active else self.factor)
         if weight is not None:
             inverse = inverse * weight
         return [scale(g, inverse) for g in grads]

@@ -9,6 +9,7 @@ window's sums added with one `AssignAdd`.
 """
 
 from keras_fastgrad._tf_startup import tf
+from keras_fastgrad.backend.tensorflow.clipping import half_squares
 from keras_fastgrad.backend.tensorflow.gradients import summed_rows
 from keras_fastgrad.backend.tensorflow.replicas import replica_sum
 from keras_fastgrad.backend.tensorflow.variables import increment
@@ -17,8 +18,7 @@ from keras_fastgrad.step import noise_scale as core
 
 def _sum_of_squares(grads):
     # one fused `l2_loss` per gradient (sparse: its rows, duplicates summed)
-    parts = [tf.cast(summed_rows(g), tf.float32) for g in grads]
-    return 2.0 * tf.add_n([tf.nn.l2_loss(p) for p in parts])
+    return 2.0 * half_squares([tf.cast(summed_rows(g), tf.float32) for g in grads])
 
 
 def squared_norm(grads):

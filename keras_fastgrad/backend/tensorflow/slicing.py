@@ -170,18 +170,14 @@ def _added(i, sums, grads):
     (`i == 0`), then the sums plus them. Where a variable gets no gradient
     the sum stays unset: it is dropped after the loop (`has_grad`)."""
 
-    def first():
-        return [
-            [total if g is None else _dense_float32(g, total.shape) for total, g in zip(r, row)]
+    def adding(add):  # `add(total, g)` where the variable gets a gradient
+        return lambda: [
+            [total if g is None else add(total, g) for total, g in zip(r, row)]
             for r, row in zip(sums, grads)
         ]
 
-    def later():
-        return [
-            [total if g is None else total + tf.cast(g, tf.float32) for total, g in zip(r, row)]
-            for r, row in zip(sums, grads)
-        ]
-
+    first = adding(lambda total, g: _dense_float32(g, total.shape))
+    later = adding(lambda total, g: total + tf.cast(g, tf.float32))
     return tf.cond(tf.equal(i, 0), first, later)
 
 
@@ -320,13 +316,10 @@ def _whole_batch_predictions(outputs, shapes, first, out_spec):
 def _penalty_gradient(model, variables):
     """`(penalty, grads)`: the weight penalty (`slicing.weight_penalty`)
     and its gradient, aligned with `variables` (`None` where a variable
-    has no regulariser); `None` without a regularised variable."""
-    regularized = [v for v in variables if getattr(v, "regularizer", None) is not None]
-    if not regularized:
+    has no regulariser: the penalty does not reach it); `None` without a
+    regularised variable."""
+    if not any(getattr(v, "regularizer", None) is not None for v in variables):
         return None
-    with watching(regularized) as tape:
+    with watching(variables) as tape:
         penalty = slicing.weight_penalty(model)
-    by_id = dict(
-        zip((id(v) for v in regularized), tape.gradient(penalty, [v.value for v in regularized]))
-    )
-    return penalty, [by_id.get(id(v)) for v in variables]
+    return penalty, tape.gradient(penalty, [v.value for v in variables])

@@ -30,7 +30,7 @@ from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow import telemetry as tf_telemetry
 from keras_fastgrad.backend.tensorflow.adaptive_clipping import adaptive_clip, before_gate
 from keras_fastgrad.backend.tensorflow.applying import apply_if
-from keras_fastgrad.backend.tensorflow.backward import Batch, gradients
+from keras_fastgrad.backend.tensorflow.backward import gradients
 from keras_fastgrad.backend.tensorflow.compile_loss import keep_output_loss_metrics
 from keras_fastgrad.backend.tensorflow.gradients import scale
 from keras_fastgrad.backend.tensorflow.replicas import (
@@ -41,7 +41,6 @@ from keras_fastgrad.backend.tensorflow.replicas import (
     replica_sum,
 )
 from keras_fastgrad.backend.tensorflow.verdict import (
-    Verdict,
     finite_check,
     pool_batchnorm_moments,
     record_drop,
@@ -56,9 +55,7 @@ from keras_fastgrad.step import update as update_rules
 from keras_fastgrad.step.accumulation import MicroBatch
 from keras_fastgrad.step.metrics import tracked_weight
 
-__all__ = [  # the chain, in order (`FastGradModel.train_step`)
-    "Batch",
-    "Verdict",
+__all__ = [  # the chain, in order (`trainer.train_step`, `trainer.apply_partial_window`)
     "gradients",
     "finite_check",
     "pool_batchnorm_moments",
@@ -67,12 +64,9 @@ __all__ = [  # the chain, in order (`FastGradModel.train_step`)
     "single_cond",
     "update_or_drop",
     "accumulate_or_apply",
-    "update",
-    "apply_window",
-    "flush",
     "metrics_logs",
     "with_telemetry",
-    "record_drop",
+    "apply_partial_window",
 ]
 
 
@@ -272,14 +266,13 @@ def metrics_logs(model, keep, batch):
     """Keras' `loss` tracker and metrics, left unchanged by a dropped
     micro-batch (its NaN would make them NaN for the rest of the epoch),
     as global results: one `cond`, in replica context."""
-    loss = compat.unscale_loss_for_distribution(batch.loss)
     keep_output_loss_metrics(batch.output_metrics_before, keep)
     if type(model).compute_metrics is not keras.Model.compute_metrics:
         # A user override may return other keys: call it as Keras does.
-        loss, weight = _tracked(loss, batch.num_samples)
-        if keep is not True:  # a dropped micro-batch adds nothing
-            loss, weight = tf.where(keep, loss, 0.0), tf.where(keep, weight, 0.0)
-        logs = _update_metrics(model, batch, loss, weight)
+        _track_loss(model, batch, keep)  # (a dropped micro-batch adds nothing)
+        logs = model.compute_metrics(
+            batch.x, batch.y, batch.y_pred, sample_weight=batch.sample_weight
+        )
     else:
         if keep is True:  # nothing is ever dropped: no `cond`
             _update_metric_states(model, batch)
@@ -290,27 +283,22 @@ def metrics_logs(model, keep, batch):
 
 
 def _update_metric_states(model, batch):
-    """What `_update_metrics` does for Keras' own `compute_metrics`,
+    """Keras' `loss` tracker and compiled metrics of a kept micro-batch,
     without reading the results (read once, after the `cond`)."""
-    loss, weight = _tracked(compat.unscale_loss_for_distribution(batch.loss), batch.num_samples)
-    compat.loss_tracker(model).update_state(loss, sample_weight=weight)
+    _track_loss(model, batch)
     compat.update_compiled_metrics(model, batch.y, batch.y_pred, batch.sample_weight)
 
 
-def _tracked(loss, num_samples):
-    """What a kept micro-batch gives the `loss` tracker: its loss, and its
-    weight (`step.metrics.tracked_weight`: one `maximum`, an op on every
-    step)."""
-    return loss, tracked_weight(num_samples, tf.maximum)
-
-
-def _update_metrics(model, batch, loss, num_samples=None):
-    """Keras' `loss` tracker (weighted by the batch size, as Keras'
-    `train_step` does) and compiled metrics; returns the logs."""
-    compat.loss_tracker(model).update_state(
-        loss, sample_weight=batch.num_samples if num_samples is None else num_samples
-    )
-    return model.compute_metrics(batch.x, batch.y, batch.y_pred, sample_weight=batch.sample_weight)
+def _track_loss(model, batch, keep=True):
+    """Keras' `loss` tracker: the micro-batch's loss, weighted by its rows
+    as Keras' `train_step` weights it (`step.metrics.tracked_weight`: one
+    `maximum`, an op on every step); loss and weight 0 where `keep` is
+    false (a tensor)."""
+    loss = compat.unscale_loss_for_distribution(batch.loss)
+    weight = tracked_weight(batch.num_samples, tf.maximum)
+    if keep is not True:
+        loss, weight = tf.where(keep, loss, 0.0), tf.where(keep, weight, 0.0)
+    compat.loss_tracker(model).update_state(loss, sample_weight=weight)
 
 
 def with_telemetry(state, logs):

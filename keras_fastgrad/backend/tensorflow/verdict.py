@@ -14,87 +14,61 @@ from keras_fastgrad.backend.tensorflow import batchnorm as tf_batchnorm
 from keras_fastgrad.backend.tensorflow import finite
 from keras_fastgrad.backend.tensorflow import noise_scale as tf_noise_scale
 from keras_fastgrad.backend.tensorflow import telemetry as tf_telemetry
-from keras_fastgrad.backend.tensorflow.clipping import fitted, scaled_norm
+from keras_fastgrad.backend.tensorflow.clipping import scaled_norm
 from keras_fastgrad.backend.tensorflow.replicas import (
     distributed,
     num_replicas,
     replica_sum,
 )
+from keras_fastgrad.maths.norms import fitted
 from keras_fastgrad.step import micro_batch
 from keras_fastgrad.step import verdict as rules
 from keras_fastgrad.step.divergence import counts_as_failure
-from keras_fastgrad.step.verdict import COUNT_KEYS, WHERE_KEYS, Verdict
-
-__all__ = ["Verdict", "COUNT_KEYS", "WHERE_KEYS"]  # (the core's, re-exported for the chain)
+from keras_fastgrad.step.verdict import Verdict
 
 
 def finite_check(state, batch):
     """Is the micro-batch finite (on every replica: one small all-reduce,
-    so every replica decides alike)? Returns a `Verdict`."""
-    if _checks_norm(state, batch):
-        return _norm_check(state, batch)
-    scaling = state.scaling
-    total = batch.normaliser
-    if not rules.checks(state.drops_nonfinite(), state.log_keys):
-        # Nothing is dropped and no key reads the count (`nonfinite_*`: as
-        # `keras.Model`, no check at all; `telemetry=True` or NonFiniteGuard
-        # switch the count on).
-        if num_replicas() > 1:
-            (total,) = replica_sum([total])
-        return Verdict(None, True, True, False, None, total, None)
-    marks = finite.marks(batch.grads, batch.loss)
-    if num_replicas() > 1:
-        flags, total = replica_sum([finite.to_flags(marks), total])
-        marks = finite.from_flags(flags)
-    all_finite = finite.is_finite(marks)
-    drops = state.drops_nonfinite()
-    return Verdict(
-        marks=marks,
-        all_finite=all_finite,
-        keep=micro_batch.kept(all_finite, drops),
-        drops_nonfinite=drops,
-        # At the scale the micro-batch was checked at (before the update).
-        counts_towards_streak=_failed(all_finite, scaling),
-        global_normaliser=total,
-        norm=None,
-    )
+    so every replica decides alike)? Returns a `Verdict`.
 
-
-def _checks_norm(state, batch):
-    """Whether the check is the norm the update computes anyway
-    (`verdict.checks_norm`): the update is the micro-batch's own gradient
-    as it is (`single_cond`, not divided by a normaliser)."""
+    The check is the gradient's norm where the update computes it anyway
+    (`verdict.checks_norm`: the update is the micro-batch's own gradient
+    as it is, `single_cond`, not divided by a normaliser): one `L2Loss`
+    per gradient instead of one `Sum`, and no second check in the update.
+    Else each gradient's element sum (`finite.marks`), or nothing at all
+    where nothing is dropped and no key reads the count."""
+    drops, total = state.drops_nonfinite(), batch.normaliser
+    marks = norm = fits = None
     own = not batch.mean_reduction and single_cond(state)
-    return rules.checks_norm(state.options.clip_norm, state.options.clip_adaptive, own)
+    if rules.checks_norm(state.options.clip_norm, state.options.clip_adaptive, own):
+        scaled = scaled_norm(batch.grads)
+        all_finite = rules.norm_finite(scaled, tf.math.is_finite(batch.loss))
+        # A refused clip factor (`fits_clip`) drops the update, and counts; the
+        # update clips by the norm this check computed (`maths.norms.fitted`).
+        fits, norm = fitted(state.options.clip_norm, *scaled)
+    elif not rules.checks(drops, state.log_keys):
+        # Nothing is dropped and no key reads the count (`nonfinite_*`: as
+        # `keras.Model`, no check at all, `keep` the Python `True`;
+        # `telemetry=True` or NonFiniteGuard switch the count on).
+        all_finite, (total,) = True, replica_sum([total])
+    else:
+        marks = finite.marks(batch.grads, batch.loss)
+        if num_replicas() > 1:
+            flags, total = replica_sum([finite.to_flags(marks), total])
+            marks = finite.from_flags(flags)
+        all_finite = finite.is_finite(marks)
+    # The streak counts at the scale the micro-batch was checked at.
+    keep, counts = rules.keep(all_finite, fits, _failed(all_finite, state.scaling))
+    return Verdict(marks, all_finite, micro_batch.kept(keep, drops), drops, counts, total, norm)
 
 
 def _failed(all_finite, scaling):
     """`divergence.counts_as_failure` at the scale the micro-batch was
     checked at (before the update); `None` without loss scaling (every drop
-    counts)."""
+    counts; nothing unchecked is ever under it)."""
     if not scaling.active:
         return None
     return counts_as_failure(all_finite, scaling.current_scale())
-
-
-def _norm_check(state, batch):
-    """The finite check folded into the gradient's norm: one `L2Loss` per
-    gradient instead of one `Sum`, and no second check in the update."""
-    scaled = scaled_norm(batch.grads)
-    all_finite = rules.norm_finite(scaled, tf.math.is_finite(batch.loss))
-    # A refused clip factor (`fits_clip`) drops the update, and counts; the
-    # update clips by the norm this check computed (`maths.norms.fitted`).
-    fits, norm = fitted(state.options.clip_norm, *scaled)
-    keep, counts = rules.keep(all_finite, fits, _failed(all_finite, state.scaling))
-    return Verdict(
-        marks=None,
-        all_finite=all_finite,
-        keep=keep,
-        drops_nonfinite=True,
-        counts_towards_streak=counts,
-        global_normaliser=batch.normaliser,
-        norm=norm,
-    )
 
 
 def record_small_batches(state, batch, verdict):
