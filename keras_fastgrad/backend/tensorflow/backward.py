@@ -148,21 +148,20 @@ def _batch_gradients(model, state, x, y, sample_weight, variables, num_rows):
     (micro-batches are combined), multiplied by the micro-batch's share
     (`weighting.LossShares`; `share` is `None` otherwise)."""
     shares = None if num_rows is None else LossShares(model, num_rows)
-    scaling, merger = state.scaling, state.merger
-    with watching(variables, persistent=merger is not None) as tape:
+    scaling, merger, merged = state.scaling, state.merger, state.merger is not None
+    with watching(variables, persistent=merged) as tape:
         # (in features space the merger captures `Z`; a no-op otherwise)
         features = contextlib.nullcontext() if merger is None else merger.capture(model, tape)
         with features:
             y_pred = call_for_training(model, x)
         with shares or contextlib.nullcontext():
-            loss, losses, terms = _losses(model, x, y, y_pred, sample_weight, merger is not None)
+            loss, losses, terms = _losses(model, x, y, y_pred, sample_weight, merged)
         share = None if shares is None else shares.share()
         if share is not None and state.accumulator is not None:
-            options = state.options.combining()
-            check_extra_terms(model, share, options, terms, merged=merger is not None)
+            check_extra_terms(model, share, state.options.combining(), terms, merged=merged)
         weight = None if share is None else share.loss_weight(num_replicas())
         scaled = [None if l is None else scaling.scale(l, weight) for l in losses]
-    if merger is None:
+    if not merged:
         grads = scaling.unscale(tape.gradient(scaled[0], [v.value for v in variables]), weight)
     else:
         grads, _ = features.merge(
