@@ -73,6 +73,11 @@ class Slots(NamedTuple):
     inner_ov: list
     scale: Any
 
+    def loss_scale(self, ov, default=None):
+        """The loss scale's value in the optimizer values `ov`; `default`
+        without loss scaling."""
+        return default if self.scaler is None else ov[self.scale.scale]
+
 
 def slots(model):
     """The `Slots` of `model` (its `StepState` built), after checking that
@@ -81,7 +86,7 @@ def slots(model):
     state = model.fastgrad_step_state
     check_trainable_unchanged(model)
     ntv = model.non_trainable_variables
-    where = {id(v): i for i, v in enumerate(ntv)}
+    where = positions(ntv)
     own = {id(v) for v in step_variables(model)}
     tel, acc, noise = state.telemetry, state.accumulator, state.noise_scale
     window = None
@@ -90,7 +95,7 @@ def slots(model):
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     scaler = optimizer if inner is not optimizer else None
-    ov = {id(v): i for i, v in enumerate(optimizer.variables)}
+    ov = positions(optimizer.variables)
     scale = None
     if scaler is not None:
         scale = ScaleSlots(*_at(ov, (scaler.dynamic_scale, scaler.step_counter)))
@@ -108,8 +113,13 @@ def slots(model):
     )
 
 
+def positions(variables):
+    """`{id(variable): position}` of the list `variables`."""
+    return {id(v): i for i, v in enumerate(variables)}
+
+
 def _at(where, variables):
-    """The positions (`where`: `{id(variable): position}`) of `variables`."""
+    """The positions (`where`: `positions`') of `variables`."""
     return [where[id(v)] for v in variables]
 
 
