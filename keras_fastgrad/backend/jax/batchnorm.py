@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 from keras import ops
 
-from keras_fastgrad.backend.jax.state import positions
 from keras_fastgrad.maths.batchnorm import combined
 from keras_fastgrad.step import batchnorm as core
 
@@ -56,7 +55,7 @@ def pool(model):
     unit = model.fastgrad_step_state.batchnorm
     if unit is None:
         return None
-    where = positions(model.non_trainable_variables)
+    where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
     return Pool(
         layers=unit.layers,
         sizes=unit.sizes,

@@ -54,7 +54,6 @@ class Slots(NamedTuple):
             values (`grad_norm/<layer>`, ...) in `ntv`.
         noise: `noise_scale.Estimates` of positions in `ntv`, `None`
             unless the noise scale is measured.
-        layer_ntv: List of the positions of the layers' own values.
         inner: The optimizer that applies the update (inside a
             `LossScaleOptimizer`, its `inner_optimizer`).
         scaler: The `LossScaleOptimizer`, or `None`.
@@ -67,7 +66,6 @@ class Slots(NamedTuple):
     window: Any
     measured: tuple
     noise: Any
-    layer_ntv: list
     inner: Any
     scaler: Any
     inner_ov: list
@@ -85,13 +83,11 @@ def slots(model):
     (`step.trainer.check_trainable_unchanged`)."""
     state = model.fastgrad_step_state
     check_trainable_unchanged(model)
-    ntv = model.non_trainable_variables
-    where = positions(ntv)
-    own = {id(v) for v in step_variables(model)}
+    where = positions(model.non_trainable_variables)
     tel, acc, noise = state.telemetry, state.accumulator, state.noise_scale
     window = None
     if acc is not None:
-        window = WindowState(*([where[id(v)] for v in acc.sums], *_at(where, acc.state()[1:])))
+        window = WindowState(_at(where, acc.sums), *_at(where, acc.state()[1:]))
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     scaler = optimizer if inner is not optimizer else None
@@ -105,10 +101,9 @@ def slots(model):
         window=window,
         measured=tuple((key, where[id(v)]) for key, v in tel.optional_variables()),
         noise=None if noise is None else Estimates(*_at(where, noise.state())),
-        layer_ntv=[i for i, v in enumerate(ntv) if id(v) not in own],
         inner=inner,
         scaler=scaler,
-        inner_ov=[ov[id(v)] for v in inner.variables],
+        inner_ov=_at(ov, inner.variables),
         scale=scale,
     )
 
