@@ -20,8 +20,8 @@ if keras.backend.backend() == "tensorflow":
 
     from keras_fastgrad.backend.tensorflow import finite
     from keras_fastgrad.backend.tensorflow.clipping import clip_by_global_norm, global_norm
-else:  # the JAX step's unit (`jax_units.global_norm`: `maths.norms`, dense)
-    from keras_fastgrad.backend.jax.units import global_norm
+else:  # the JAX step's (`maths.norms.global_norm`, dense)
+    from keras_fastgrad.maths.norms import global_norm
 TF_ONLY = pytest.mark.tensorflow_only(
     reason="None entries, tf.IndexedSlices, TF's clip signature and tf.function"
 )

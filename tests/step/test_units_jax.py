@@ -1,7 +1,8 @@
 """The JAX step's units, now the maths written once (`keras_fastgrad.maths`)
 that the TensorFlow step runs: a finite gradient whose squares overflow
 float32 is clipped and applied on JAX as on TensorFlow, checked against
-numpy in float64; the clip and loss-scale units on values."""
+numpy in float64; the clip (`maths.norms.clip`, as the JAX step calls it)
+and the loss-scale unit on values."""
 
 import keras
 import numpy as np
@@ -9,6 +10,8 @@ import pytest
 
 import keras_fastgrad as kf
 from keras_fastgrad.backend.jax import units as units
+from keras_fastgrad.maths import norms
+from keras_fastgrad.maths.finite import all_finite
 
 # A zero-initialised linear model on one row: the MSE gradient of the
 # kernel is -2 * y * x, here [-1.2e20, -1.6e20] (norm 2e20, squares 4e40:
@@ -47,32 +50,32 @@ def test_a_finite_gradient_of_norm_2e20_is_clipped_and_applied(accumulation_step
 
 
 def test_clip_on_values_measures_past_the_overflow():
+    # `maths.norms.clip` as the JAX step calls it: gated, checked with its
+    # `ok` asked; ungated, the NaN guard in the factor.
     grads = [keras.ops.array([-1.2e20]), keras.ops.array([[-1.6e20]])]
     for gated in (True, False):
-        clipped, norm, was_clipped, ok = units.clip(1.0, grads, gated)
-        np.testing.assert_allclose(float(norm), 2e20, rtol=1e-6)
-        assert bool(was_clipped)
-        assert ok is None if not gated else bool(ok)
+        c = norms.clip(1.0, grads, checked=gated, finite_known=False if gated else None)
+        np.testing.assert_allclose(float(c.norm), 2e20, rtol=1e-6)
+        assert bool(c.was_clipped)
+        assert c.ok is None if not gated else bool(c.ok)
         np.testing.assert_allclose(
-            [float(keras.ops.sum(g)) for g in clipped], [-0.6, -0.8], rtol=1e-6
+            [float(keras.ops.sum(g * c.factor)) for g in grads], [-0.6, -0.8], rtol=1e-6
         )
     # A norm beyond `clip_norm / tiny` (a subnormal factor): a gated update
     # is refused (`ok` false), an ungated one gets NaN (Keras' guard).
     huge = [keras.ops.array([3e38, 3e38])]
-    _, _, _, ok = units.clip(1.0, huge, True)
-    assert not bool(ok)
-    clipped, _, _, _ = units.clip(1.0, huge, False)
-    assert np.isnan(keras.ops.convert_to_numpy(clipped[0])).all()
+    assert not bool(norms.clip(1.0, huge, checked=True, finite_known=False).ok)
+    assert np.isnan(float(norms.clip(1.0, huge).factor))
     # Below the clip: untouched.
     small = [keras.ops.array([0.3, 0.4])]
-    clipped, norm, was_clipped, ok = units.clip(1.0, small, True)
-    assert float(norm) == pytest.approx(0.5) and not bool(was_clipped) and bool(ok)
-    np.testing.assert_array_equal(keras.ops.convert_to_numpy(clipped[0]), np.float32([0.3, 0.4]))
+    c = norms.clip(1.0, small, checked=True, finite_known=False)
+    assert float(c.norm) == pytest.approx(0.5) and not bool(c.was_clipped) and bool(c.ok)
+    assert float(c.factor) == 1.0
 
 
 def test_all_finite_and_the_loss_scale_rule_on_values():
-    assert bool(units.all_finite([keras.ops.array([1.0, 2e20])]))
-    assert not bool(units.all_finite([keras.ops.array([1.0]), keras.ops.array([np.nan])]))
+    assert bool(all_finite([keras.ops.array([1.0, 2e20])]))
+    assert not bool(all_finite([keras.ops.array([1.0]), keras.ops.array([np.nan])]))
 
     class Scaler:
         dynamic_growth_steps = 2

@@ -15,7 +15,7 @@ from keras_fastgrad.step import adaptive_clipping as rules
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION
 
 
-def clip(model, tv, grads, counted=None):
+def clip(model, tv, grads, counted):
     """`(grads, ok)`: the gradient clipped by the `clip_adaptive` option, and
     whether the update may be applied (`ok` is `None`: AGC is off).
 
@@ -24,15 +24,14 @@ def clip(model, tv, grads, counted=None):
         tv: The trainable variables' values before the update (the state
             tuple's, in `model.trainable_variables`' order).
         grads: The update's float32 gradients, in the same order.
-        counted: A dict, or `None`: where `agc_clipped_fraction` is
-            requested, its value (the fraction of units clipped) is put
-            there under that key.
+        counted: A dict: where `agc_clipped_fraction` is requested, its
+            value (the fraction of units clipped) is put there under that
+            key.
     """
     options = model.fastgrad_step_state.options
     if options.clip_adaptive is None:
         return grads, None
-    keys = telemetry.measured_keys(model) if counted is not None else ()
-    out = rules.clip(model, grads, tv, options, keys)
+    out = rules.clip(model, grads, tv, options, telemetry.measured_keys(model))
     if out.clipped_units is not None:
         counted[AGC_CLIPPED_FRACTION] = rules.clipped_fraction(out)
     return out.grads, out.all_finite

@@ -1,6 +1,7 @@
 """Keras' stateless forward and loss on the state's values, as the JAX
 step's gradients take them (`jax_micro_batches.gradient`, the multi-task
-`jax_multitask.losses_program`): the forward
+`jax_multitask.losses_program`) and the model's own loss, where a subclass
+overrides it (`keras_loss`): the forward
 (`stateless_call(..., return_losses=True)`), the loss computed in a
 `keras.StatelessScope` that maps the model's variables to the forward's
 values (the metrics' updates read back from it), and the loss scaled for
@@ -42,6 +43,20 @@ def stateless_loss(model, values, x, loss_of):
         result = loss_of(y_pred, losses)
     after = [current(scope, v) for v in (*model.non_trainable_variables, *model.metrics_variables)]
     return result, y_pred, after[: len(ntv)], after[len(ntv) :]
+
+
+def keras_loss(model, values, batch):
+    """The model's `compute_loss_and_updates` (Keras' JAX trainer's, or a
+    subclass's own) on `values`, `(trainable, non_trainable, metrics,
+    optimizer)`, and `batch`, `(x, y, sample_weight)`, in training.
+
+    Returns:
+        `(loss, (unscaled_loss, y_pred, non_trainable, metrics))`.
+    """
+    trainable, ntv, mv, ov = values
+    return model.compute_loss_and_updates(
+        trainable, ntv, mv, *batch, training=True, optimizer_variables=ov
+    )
 
 
 def current(scope, variable):

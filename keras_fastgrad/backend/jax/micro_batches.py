@@ -61,7 +61,7 @@ def gradient(model, slots, state, batch, weighed, batch_rows=None):
             cannot weight exactly (`compile_loss.check_extra_terms`).
     """
     tv, ntv, ov, mv = state
-    scale = ov[slots.scale.scale] if slots.scaler is not None else None
+    scale = slots.loss_scale(ov)
     rows = first_input(batch[0]).shape[0]
     options = model.fastgrad_step_state.options.combining()
     found = {}
@@ -257,15 +257,12 @@ def _stateless_loss(model, values, batch, loss_of):
     its terms unknown: `compile_loss.check_extra_terms` refuses where they
     cannot be weighted). Returns `(loss_of's result, y_pred,
     non_trainable, metrics)`."""
-    trainable, ntv, mv, ov = values
     x, y, sample_weight = batch
     if type(model).compute_loss_and_updates is not keras.Model.compute_loss_and_updates:
         found = {}
 
         def own_terms():
-            _, found["aux"] = model.compute_loss_and_updates(
-                trainable, ntv, mv, *batch, training=True, optimizer_variables=ov
-            )
+            _, found["aux"] = jax_forward.keras_loss(model, values, batch)
             loss = found["aux"][0]
             return [loss], LossTerms(loss, None, None, None, False)
 
@@ -273,7 +270,7 @@ def _stateless_loss(model, values, batch, loss_of):
         return (result, *found["aux"][1:])
     return jax_forward.stateless_loss(
         model,
-        (trainable, ntv, mv),
+        values[:3],
         x,
         lambda y_pred, forward: loss_of(
             lambda: slicing.slice_terms(model, x, y, y_pred, sample_weight, False, forward)

@@ -29,7 +29,7 @@ from keras_fastgrad import _compat as compat
 from keras_fastgrad.backend.jax import batchnorm as jax_batchnorm
 from keras_fastgrad.backend.jax import forward as jax_forward
 from keras_fastgrad.backend.jax import reaching as jax_reaching
-from keras_fastgrad.backend.jax.state import multitask_variables
+from keras_fastgrad.backend.jax.state import multitask_variables, positions
 from keras_fastgrad.maths.finite import all_finite
 from keras_fastgrad.step import multitask as core
 from keras_fastgrad.step.splitting import first_input
@@ -109,7 +109,7 @@ def losses_program(model, slots, state, x, y, sample_weight, accumulating, check
     `scale` the loss scale's value (`None` without loss scaling)."""
     _, ntv, ov, mv = state
     rows = first_input(x).shape[0]
-    scale = ov[slots.scale.scale] if slots.scaler is not None else None
+    scale = slots.loss_scale(ov)
     found = {"mean": True}
 
     def program(trainable):
@@ -211,9 +211,9 @@ def weighing(model, ntv):
     generator's as `weigh` moved it, the state as given:
     `core.TaskMerge.new_state`)."""
     aggregator = model.fastgrad_step_state.merger.aggregator
-    where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+    where = positions(model.non_trainable_variables)
     variables = multitask_variables(model)
-    positions = [where[id(v)] for v in aggregator.state_variables]
+    state_at = [where[id(v)] for v in aggregator.state_variables]
     moved = {}
 
     def weigh(gram):
@@ -224,9 +224,9 @@ def weighing(model, ntv):
         return weights, new_state
 
     def updates(state_after):
-        return {**moved, **dict(zip(positions, state_after))}
+        return {**moved, **dict(zip(state_at, state_after))}
 
-    return weigh, tuple(ntv[i] for i in positions), updates
+    return weigh, tuple(ntv[i] for i in state_at), updates
 
 
 def _logs(model, gram):

@@ -54,7 +54,6 @@ class Slots(NamedTuple):
             values (`grad_norm/<layer>`, ...) in `ntv`.
         noise: `noise_scale.Estimates` of positions in `ntv`, `None`
             unless the noise scale is measured.
-        layer_ntv: List of the positions of the layers' own values.
         inner: The optimizer that applies the update (inside a
             `LossScaleOptimizer`, its `inner_optimizer`).
         scaler: The `LossScaleOptimizer`, or `None`.
@@ -67,11 +66,15 @@ class Slots(NamedTuple):
     window: Any
     measured: tuple
     noise: Any
-    layer_ntv: list
     inner: Any
     scaler: Any
     inner_ov: list
     scale: Any
+
+    def loss_scale(self, ov, default=None):
+        """The loss scale's value in the optimizer values `ov`; `default`
+        without loss scaling."""
+        return default if self.scaler is None else ov[self.scale.scale]
 
 
 def slots(model):
@@ -80,17 +83,15 @@ def slots(model):
     (`step.trainer.check_trainable_unchanged`)."""
     state = model.fastgrad_step_state
     check_trainable_unchanged(model)
-    ntv = model.non_trainable_variables
-    where = {id(v): i for i, v in enumerate(ntv)}
-    own = {id(v) for v in step_variables(model)}
+    where = positions(model.non_trainable_variables)
     tel, acc, noise = state.telemetry, state.accumulator, state.noise_scale
     window = None
     if acc is not None:
-        window = WindowState(*([where[id(v)] for v in acc.sums], *_at(where, acc.state()[1:])))
+        window = WindowState(_at(where, acc.sums), *_at(where, acc.state()[1:]))
     optimizer = model.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     scaler = optimizer if inner is not optimizer else None
-    ov = {id(v): i for i, v in enumerate(optimizer.variables)}
+    ov = positions(optimizer.variables)
     scale = None
     if scaler is not None:
         scale = ScaleSlots(*_at(ov, (scaler.dynamic_scale, scaler.step_counter)))
@@ -100,16 +101,20 @@ def slots(model):
         window=window,
         measured=tuple((key, where[id(v)]) for key, v in tel.optional_variables()),
         noise=None if noise is None else Estimates(*_at(where, noise.state())),
-        layer_ntv=[i for i, v in enumerate(ntv) if id(v) not in own],
         inner=inner,
         scaler=scaler,
-        inner_ov=[ov[id(v)] for v in inner.variables],
+        inner_ov=_at(ov, inner.variables),
         scale=scale,
     )
 
 
+def positions(variables):
+    """`{id(variable): position}` of the list `variables`."""
+    return {id(v): i for i, v in enumerate(variables)}
+
+
 def _at(where, variables):
-    """The positions (`where`: `{id(variable): position}`) of `variables`."""
+    """The positions (`where`: `positions`') of `variables`."""
     return [where[id(v)] for v in variables]
 
 

@@ -40,6 +40,8 @@ from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import window as jax_window
 from keras_fastgrad.backend.jax.state import StepValues
 from keras_fastgrad.backend.jax.state import slots as slots_of
+from keras_fastgrad.maths.finite import all_finite
+from keras_fastgrad.maths.norms import scaled_norm
 from keras_fastgrad.step import divergence, micro_batch, verdict
 from keras_fastgrad.step import update as update_rules
 from keras_fastgrad.step.accumulation import MicroBatch
@@ -61,13 +63,14 @@ def train_step(model, state, data):
         `(logs, state)`, as Keras' `JAXTrainer.train_step`.
     """
     tv, ntv, ov, mv = (list(s) for s in state)
-    if any(isinstance(v, jax.core.Tracer) for v in tv[:1]):  # traced (jit): counted, as on TF
+    traced = any(isinstance(v, jax.core.Tracer) for v in tv[:1])  # (jit)
+    if traced:  # counted, as on TF
         model.fastgrad_step_state.trace_count += 1
     slots = slots_of(model)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     accumulating = model.fastgrad_step_state.accumulator is not None
     with _variables_made_in_the_step_refused(model):
-        telemetry.record_trace_facts(model, state, x, y, sample_weight)  # (trace time)
+        telemetry.record_trace_facts(model, state, (x, y, sample_weight), traced)
         grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
     unscaled_loss, y_pred, new_ntv, new_mv, *task_logs = aux  # (multitask: its telemetry)
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
@@ -77,8 +80,7 @@ def train_step(model, state, data):
     sliced = model.fastgrad_step_state.options.micro_batches > 1  # (divided: as on TF)
     own_gradient = drops and not accumulating and not sliced
     finite, scaled = _finite_check(model, grads, unscaled_loss, own_gradient)
-    scale = ov[slots.scale.scale] if slots.scaler is not None else None
-    failed = divergence.counts_as_failure(finite, scale)
+    failed = divergence.counts_as_failure(finite, slots.loss_scale(ov))
     telemetry.record_input_shape(model, new, x)
     micro_batch.before_update(telemetry.Drops(model, new, grads, failed), finite, accumulating)
     growth = micro_batch.grows_per_micro_batch(accumulating)
@@ -152,9 +154,9 @@ def _finite_check(model, grads, loss, own_gradient):
     options = model.fastgrad_step_state.options
     loss_finite = ops.all(ops.isfinite(loss))
     if verdict.checks_norm(options.clip_norm, options.clip_adaptive, own_gradient):
-        scaled = units.scaled_norm(grads)
+        scaled = scaled_norm(grads)
         return verdict.norm_finite(scaled, loss_finite), scaled
-    return units.all_finite(grads) & loss_finite, None
+    return all_finite(grads) & loss_finite, None
 
 
 def _update_or_drop(model, slots, tv, ov, new, grads, checked, drops):

@@ -28,6 +28,7 @@ import math
 
 from keras import ops
 
+from keras_fastgrad.backend.jax import forward as jax_forward
 from keras_fastgrad.backend.jax import noise_scale as jax_noise_scale
 from keras_fastgrad.maths import finite
 from keras_fastgrad.step import micro_batch
@@ -73,7 +74,7 @@ class Drops:
         record_drop(self.model, self.new, self.grads, where, self.failed, self.gated)
 
 
-def record_trace_facts(model, state, x, y, sample_weight):
+def record_trace_facts(model, state, batch, traced):
     """The traced step's facts (`StepState.facts`, as TensorFlow's tape
     records them): how many variables the gradient is taken for and which
     of them the loss does not reach (read from the program of Keras'
@@ -81,13 +82,19 @@ def record_trace_facts(model, state, x, y, sample_weight):
     `jax_reaching.reaching_inputs`: one more trace of the forward pass).
     Only while `tape_variables` is requested (`TapeVariableCounter`,
     `telemetry=True`); a trace that does not look leaves no facts (`None`).
-    Under `run_eagerly=True` (no trace) the first step looks, once."""
+    Under `run_eagerly=True` (no trace) the first step looks, once.
+
+    Args:
+        model: The `FastGradModel`.
+        state: `(trainable, non_trainable, optimizer, metrics)` values.
+        batch: `(x, y, sample_weight)`.
+        traced: Python bool, whether the step is being traced (`jit`).
+    """
     import jax  # here: this module is imported on TensorFlow too, where JAX may be absent
 
     from keras_fastgrad.backend.jax.reaching import reaching_inputs
 
     tv, ntv, ov, mv = state
-    traced = any(isinstance(v, jax.core.Tracer) for v in tv[:1])
     step_state = model.fastgrad_step_state
     if "tape_variables" not in requested(model):
         if traced:
@@ -97,10 +104,7 @@ def record_trace_facts(model, state, x, y, sample_weight):
         return
 
     def loss_of(trainable):
-        loss, _ = model.compute_loss_and_updates(
-            trainable, ntv, mv, x, y, sample_weight, training=True, optimizer_variables=ov
-        )
-        return loss
+        return jax_forward.keras_loss(model, (trainable, ntv, mv, ov), batch)[0]
 
     reached = reaching_inputs(jax.make_jaxpr(loss_of)(list(tv)), 1)[0]
     grad_is_none = [i not in reached for i in range(len(tv))]
@@ -157,7 +161,7 @@ def logs(model, slots, new, ov, num_trainable, keys=None):
     """The values (float32 scalars, `keras_fastgrad.step.telemetry.logs`)
     of `keys` (default: the requested keys), the noise scale's included."""
     keys = model.fastgrad_step_state.log_keys if keys is None else keys
-    scale = ov[slots.scale.scale] if slots.scaler is not None else 1.0
+    scale = slots.loss_scale(ov, 1.0)
     measured = [(k, new.measured[k]) for k in measured_keys(model)]
     noise = jax_noise_scale.estimates(model, new)
     return core.logs(new.counters, scale, num_trainable, keys, measured, noise=noise)

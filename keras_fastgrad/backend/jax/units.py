@@ -7,10 +7,8 @@ own, written once (`keras_fastgrad.maths`: `finite`, `norms`,
 
 import jax
 
-from keras_fastgrad.maths import norms
-from keras_fastgrad.maths.finite import all_finite  # noqa: F401  (the step's)
+from keras_fastgrad.backend.jax import agc, noise_scale, telemetry
 from keras_fastgrad.maths.loss_scale import next_scale
-from keras_fastgrad.maths.norms import global_norm, scaled_norm  # noqa: F401  (the step's)
 from keras_fastgrad.step import update as update_rules
 
 
@@ -21,18 +19,6 @@ def update_scale(slots, ov, finite, counts_growth):
     i, j = slots.scale
     growth_steps = slots.scaler.dynamic_growth_steps
     ov[i], ov[j] = next_scale(ov[i], ov[j], finite, growth_steps, counts_growth)
-
-
-def clip(clip_norm, grads, gated):
-    """`(grads, norm, was_clipped, ok)`: `grads` clipped to `clip_norm` by
-    `maths.norms.clip`'s factor, `ok` its check (`None` ungated: a NaN
-    factor beyond it, as Keras' clipping); `norm`, `was_clipped` and `ok`
-    `None` without `clip_norm`."""
-    clipping = norms.clip(clip_norm, grads, checked=gated, finite_known=False if gated else None)
-    if clipping is None:
-        return grads, None, None, None
-    factor, norm, was_clipped, ok = clipping
-    return [g * factor for g in grads], norm, was_clipped, ok
 
 
 def apply_if(slots, tv, ov, grads, do_apply, factor=None):
@@ -89,8 +75,6 @@ class Update(update_rules.Masked):
     """
 
     def __init__(self, model, new, params, apply, noise=False, where=True):
-        from keras_fastgrad.backend.jax import telemetry
-
         self.model, self.new, self._apply, self._noise = model, new, apply, noise
         self.tv, self.ov = params
         self.where = self.applied = where
@@ -101,26 +85,18 @@ class Update(update_rules.Masked):
 
     def record_noise(self, grads):
         if self._noise:
-            from keras_fastgrad.backend.jax import noise_scale
-
             self.big_sq = noise_scale.big_squared_norm(self.model, grads)
 
     def adaptive_clip(self, grads, computed):
-        from keras_fastgrad.backend.jax import agc
-
         return agc.clip(self.model, self.tv, grads, self.counted)  # (never before the gate)
 
     def record_gradient(self, grads):
         self.adapted = grads  # measured after the update (`apply`)
 
     def apply(self, grads, factor):
-        from keras_fastgrad.backend.jax import telemetry
-
         before = self.tv
         self.tv, self.ov = self._apply(self.tv, self.ov, grads, self.where, factor)
         self.measures = telemetry.measure(self.model, self.adapted, before, self.tv, self.counted)
 
     def write(self, change, mask):
-        from keras_fastgrad.backend.jax import telemetry
-
         telemetry.record(self.new, change, mask)

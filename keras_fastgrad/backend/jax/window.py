@@ -16,6 +16,7 @@ from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax.state import StepValues
 from keras_fastgrad.backend.jax.state import slots as slots_of
+from keras_fastgrad.maths.finite import all_finite
 from keras_fastgrad.step import accumulation
 from keras_fastgrad.step import telemetry as telemetry_rules
 from keras_fastgrad.step import update as update_rules
@@ -100,7 +101,7 @@ def window_update(model, slots, params, new, window, mean, do_window):
         update_ok if checked[0] else None,
         norm if measures else None,
         was_clipped if clipping else None,
-        lambda: units.all_finite(window.sums),  # (counted at the verdict: not again)
+        lambda: all_finite(window.sums),  # (counted at the verdict: not again)
     )
     applied = shell.applied
     telemetry.record_measures(new, optional, do_window, applied)
