@@ -269,4 +269,3 @@ def _fits(clip_norm, unit, root, norm):
     if _finite_fit(clip_norm):
         return norm <= clip_norm / _TINY
     return root * _TINY <= clip_norm / unit
-
