@@ -190,12 +190,23 @@ def mlp_16(cls=keras.Model, **options):
     return cls(inputs, keras.layers.Dense(3)(h), **options)
 
 
-def masked_gru(cls=keras.Model, **options):
+def masked_gru(cls=keras.Model, sequences=False, **options):
+    """Embedding(mask_zero=True) + GRU; `sequences`: one output a timestep,
+    (7, 3), whose loss is masked (normalised by the valid timesteps)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((7,), dtype="int32")
     h = keras.layers.Embedding(20, 8, mask_zero=True)(inputs)
-    h = keras.layers.GRU(6)(h)
+    h = keras.layers.GRU(6, return_sequences=sequences)(h)
     return cls(inputs, keras.layers.Dense(3)(h), **options)
+
+
+def sequential_16(cls=keras.Model, **options):
+    """`mlp_16` as a `keras.Sequential` (`FastGradSequential` unless `cls`
+    is `keras.Model`); the same initial weights each call."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
+    seq = keras.Sequential if cls is keras.Model else keras_fastgrad.FastGradSequential
+    return seq(layers, **options)
 
 
 def conv(cls=keras.Model, **options):

@@ -2,7 +2,10 @@
 `FastGradModel` as a plain `keras.Model` trains on one device (the
 equivalent big batch, `Adam(global_clipnorm=)`, the data without its NaN
 batch), with the batch sharded over both devices; the noise scale's keys
-are those of the same `FastGradModel` on one device.
+are those of the same `FastGradModel` on one device. Beyond the MLP: a
+masked GRU (a per-timestep masked loss), a Conv2D with a per-pixel loss,
+an Embedding model, a `keras.Sequential` and a subclass with a
+training-only branch, each with accumulation and clipping.
 
 JAX's host device count is fixed when it starts
 (`XLA_FLAGS=--xla_force_host_platform_device_count=2`, before `jax` is
@@ -51,6 +54,134 @@ EXPECTED_COUNTS = {
 }
 
 
+# Beyond the MLP: 40 rows in batches of 8, `accumulation_steps=2`: windows
+# of 16, 16 and the epoch's partial window of 8; every update clipped.
+MODELS = ("masked_gru", "per_pixel_conv", "embedding", "sequential", "training_branch")
+MODEL_ROWS = 40
+MODEL_WINDOWS = [(0, 16), (16, 32), (32, 40)]
+MODEL_OPTIONS = {"accumulation_steps": 2, "clip_norm": CLIP}
+MODEL_EPOCHS = 2
+
+
+def _lengths():
+    """The masked GRU's unmasked timesteps a row: in each window the first
+    micro-batch's rows are short, the second's long, and each device's 4
+    rows of a micro-batch hold a different count from the other's."""
+    short, long = [1, 2, 1, 3, 2, 1, 1, 2], [7, 5, 6, 7, 4, 6, 7, 5]
+    return np.array(short + long + short[::-1] + long[::-1] + [3, 7, 1, 6, 2, 5, 4, 7])
+
+
+def _model_case(name):
+    """`(builder, x, y)`: a builder takes `keras.Model` (the plain model)
+    or `FastGradModel` and its options; the same initial weights each call."""
+    import keras
+
+    from tests import helpers
+
+    rng = np.random.default_rng(5)
+    n = MODEL_ROWS
+    if name == "masked_gru":  # right padding (zeros): the loss is masked
+        x = rng.integers(1, 20, size=(n, 7))
+        x[np.arange(7)[None, :] >= _lengths()[:, None]] = 0
+        y = rng.normal(size=(n, 7, 3)).astype("float32")
+        return (lambda cls, **o: helpers.masked_gru(cls, sequences=True, **o)), x.astype("int32"), y
+    if name == "per_pixel_conv":
+        x = rng.normal(size=(n, 6, 6, 2)).astype("float32")
+        return helpers.conv, x, rng.normal(size=(n, 6, 6, 1)).astype("float32")
+    if name == "embedding":
+        x = rng.integers(0, 30, size=(n, 5)).astype("int32")
+        return helpers.embedding, x, rng.normal(size=(n, 3)).astype("float32")
+    x, y = helpers.uneven_data()
+    if name == "sequential":
+        return helpers.sequential_16, x[:n], y[:n]
+    x, y = x[:n, :4], y[:n, :1]
+
+    def training_branch(cls, **options):
+        keras.utils.set_random_seed(0)
+        model = (helpers.TrainingBranch if cls is keras.Model else helpers.FGTrainingBranch)(
+            **options
+        )
+        # Its training-only branch built too: Keras' JAX trainer cannot
+        # create a layer's weights inside its traced step.
+        model(x[:1], training=True)
+        return model
+
+    return training_branch, x, y
+
+
+def _per_micro_batch_weights(x):
+    """Weights under which the big batch's masked loss is the mean of
+    its two micro-batches' masked means (each over its own valid
+    timesteps): what a per-micro-batch normaliser would train on (Keras'
+    own `gradient_accumulation_steps=2` on the full windows, checked by
+    hand)."""
+    valid = (x != 0).sum(axis=1).astype("float64")
+    weights = np.ones(len(x), "float32")
+    for start, stop in MODEL_WINDOWS[:2]:
+        middle = (start + stop) // 2
+        for lo, hi in ((start, middle), (middle, stop)):
+            weights[lo:hi] = valid[start:stop].sum() / (2 * valid[lo:hi].sum())
+    return np.repeat(weights[:, None], x.shape[1], axis=1)  # one a timestep
+
+
+def _fit_sharded(build, options, x, y, seen, batch_size, epochs):
+    """(In the 2-device process.) `build(FastGradModel, **options)` fit
+    under DataParallel over both devices. Returns `(model, history,
+    where)`; `where` says how the batch (as `seen` collects it at trace
+    time) and the first trainable variable were laid out."""
+    import jax
+    import keras
+
+    import keras_fastgrad as kf
+
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    del seen[:]
+    with distribution.scope():
+        model = build(kf.FastGradModel, **options)
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        fit = dict(batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+        history = model.fit(x, y, **fit).history
+        kernel = model.trainable_variables[0].value
+    where = {
+        "batch_devices": sorted({len(s.device_set) for s in seen}),
+        "batch_specs": sorted({str(tuple(s.spec)) for s in seen}),
+        "kernel_devices": len(kernel.sharding.device_set),
+    }
+    return model, history, where
+
+
+def _run_model_cases(results, seen):
+    """(In the 2-device process.) `MODELS` under DataParallel against a
+    plain `keras.Model` on one device on the windows as big batches."""
+    import keras
+
+    from tests.helpers import max_weight_diff as max_diff
+
+    def plain(build, x, y, sample_weight=None):
+        model = build(keras.Model)
+        model.compile(keras.optimizers.Adam(1e-2, global_clipnorm=CLIP), "mse")
+        for _ in range(MODEL_EPOCHS):
+            for start, stop in MODEL_WINDOWS:
+                weights = None if sample_weight is None else sample_weight[start:stop]
+                model.train_on_batch(x[start:stop], y[start:stop], sample_weight=weights)
+        return model
+
+    for name in MODELS:
+        build, x, y = _model_case(name)
+        reference = plain(build, x, y)
+        model, _, result = _fit_sharded(build, MODEL_OPTIONS, x, y, seen, 8, MODEL_EPOCHS)
+        counters = model.telemetry_counters()
+        result.update(
+            max_diff=max_diff(reference, model),
+            counts=[counters[k] for k in ("updates", "clipped_updates", "nonfinite_count")],
+            sequential=isinstance(model, keras.Sequential),
+        )
+        if name == "masked_gru":  # how far a per-micro-batch normaliser lands
+            wrong = plain(build, x, y, sample_weight=_per_micro_batch_weights(x))
+            result["per_micro_batch_diff"] = max_diff(wrong, model)
+        results[name] = result
+
+
 def _run_cases(out_path):
     """(In the 2-device process.) Each case on DataParallel and its
     reference on one device; writes `{name: result}` as JSON."""
@@ -84,31 +215,22 @@ def _run_cases(out_path):
         for _ in range(epochs):
             for start, stop in batches:
                 plain.train_on_batch(x[start:stop], y[start:stop])
-        distribution = keras.distribution.DataParallel(devices=jax.devices())
-        del seen[:]
-        with distribution.scope():
-            model = mlp(kf.FastGradModel, **options)
-            model.compile(keras.optimizers.Adam(1e-2), "mse")
-            fit = dict(batch_size=16, epochs=epochs, shuffle=False, verbose=0)
-            history = model.fit(xs, y, **fit).history
-            kernel = model.trainable_variables[0].value
-        sharded = list(seen)
+        model, history, where = _fit_sharded(mlp, options, xs, y, seen, 16, epochs)
         counters = model.telemetry_counters()
         gns = {}
         if options.get("telemetry"):  # the same FastGradModel on one device
             alone = mlp(kf.FastGradModel, **options)
             alone.compile(keras.optimizers.Adam(1e-2), "mse")
-            one = alone.fit(xs, y, **fit).history
+            one = alone.fit(xs, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0).history
             gns = {k: (history[k], one[k]) for k in history if k.startswith("gns_")}
         results[name] = {
+            **where,
             "max_diff": max_diff(plain, model),
             "updates": counters["updates"],
             "nonfinite_count": counters["nonfinite_count"],
-            "batch_devices": sorted({len(s.device_set) for s in sharded}),
-            "batch_specs": sorted({str(tuple(s.spec)) for s in sharded}),
-            "kernel_devices": len(kernel.sharding.device_set),
             "gns": gns,
         }
+    _run_model_cases(results, seen)
     with open(out_path, "w") as f:
         json.dump(results, f)
 
@@ -133,6 +255,31 @@ def test_data_parallel_equals_one_device(results, case):
         for key, (sharded, alone) in result["gns"].items():
             assert np.isfinite(alone).all(), key
             np.testing.assert_allclose(sharded, alone, rtol=1e-4, err_msg=key)
+
+
+def test_masked_gru_data_has_uneven_valid_counts():
+    # Each window's micro-batches, and each device's half of one, hold
+    # different numbers of valid timesteps, so a normaliser per
+    # micro-batch (or per device) would weigh them differently.
+    valid = _lengths()
+    for start, stop in MODEL_WINDOWS:
+        halves = [valid[i : i + 4].sum() for i in range(start, stop, 4)]
+        assert len(set(halves)) == len(halves), halves
+    assert (valid < 7).any() and (valid == 7).any()
+
+
+@pytest.mark.parametrize("case", MODELS)
+def test_models_under_data_parallel_equal_one_device(results, case):
+    result = results[case]
+    assert result["batch_devices"] == [2], result
+    assert result["batch_specs"] == ["('batch',)"], result
+    assert result["kernel_devices"] == 2
+    assert result["sequential"] == (case == "sequential")
+    assert result["max_diff"] < TOL, result
+    # 3 windows an epoch, each update clipped
+    assert result["counts"] == [6.0, 6.0, 0.0], result
+    if case == "masked_gru":  # the window's normaliser, not a micro-batch's
+        assert result["per_micro_batch_diff"] > 100 * TOL, result
 
 
 if __name__ == "__main__":
