@@ -86,7 +86,7 @@ def doctest_namespace_setup(doctest_namespace):
 ONE_WORKER_FILES = (
     "tests/end_to_end/test_distributed.py",
     "tests/end_to_end/test_data_parallel_jax.py",  # (its 2-device process, ~20 s)
-    "tests/end_to_end/test_model_parallel_jax.py",  # (its 8-device process, ~15 s)
+    "tests/end_to_end/test_model_parallel_jax.py",  # (its 8-device process, ~18 s)
     "tests/end_to_end/test_multiprocess_jax.py",  # (its 2 processes, ~30 s)
 )
 

@@ -83,6 +83,31 @@ EXPECTED_COUNTS = {
 }
 
 
+# Beyond the transformer: test_data_parallel_jax.py's models, data and
+# windows (40 rows in batches of 8; windows of 16, 16 and the epoch's
+# partial 8; every update clipped; 2 epochs), each with kernels sharded
+# over "model" as below (the layer names as after `clear_session()`).
+MODEL_OPTIONS = {"accumulation_steps": 2, "clip_norm": CLIP}
+MODEL_LAYOUTS = {
+    # (the GRU's recurrent kernel and bias, 18 = 3 x 6 units wide, have no
+    # dimension divisible by 4: replicated)
+    "masked_gru": {"embedding/embeddings": (None, "model"), "gru/gru_cell/kernel": ("model", None)},
+    "per_pixel_conv": {
+        "conv2d/kernel": (None, None, None, "model"),
+        "conv2d/bias": ("model",),
+        "conv2d_1/kernel": (None, None, "model", None),
+    },
+    "embedding": {"embedding/embeddings": (None, "model"), "dense/kernel": ("model", None)},
+    # (a Sequential's paths start with its own name: "dense/kernel" would
+    # match nothing, and leave the kernel replicated without a word)
+    "sequential": {
+        "fast_grad_sequential/dense/kernel": (None, "model"),
+        "fast_grad_sequential/dense/bias": ("model",),
+        "fast_grad_sequential/dense_1/kernel": ("model", None),
+    },
+}
+
+
 def transformer(cls, **options):
     """Embedding -> self-attention (2 heads) -> residual, LayerNorm ->
     feed-forward -> mean over positions -> 4 outputs; the same initial
@@ -222,6 +247,42 @@ def _memory(kf):
     return out
 
 
+def _run_model(kf, name):
+    """(In the 8-device process.) `name`'s model under ModelParallel
+    (`MODEL_LAYOUTS[name]`) against a plain `keras.Model` on one device,
+    `Adam(global_clipnorm=CLIP)`, on the windows as big batches."""
+    import jax
+    import keras
+
+    from tests.end_to_end import test_data_parallel_jax as data_parallel
+    from tests.helpers import max_weight_diff as max_diff
+
+    build, x, y = data_parallel._model_case(name)
+    expected = build(keras.Model)
+    expected.compile(keras.optimizers.Adam(1e-2, global_clipnorm=CLIP), "mse")
+    for _ in range(data_parallel.MODEL_EPOCHS):
+        for start, stop in data_parallel.MODEL_WINDOWS:
+            expected.train_on_batch(x[start:stop], y[start:stop])
+    keras.backend.clear_session()  # (the names; in the scope it would clear the distribution)
+    mesh = keras.distribution.DeviceMesh(MESH, ["batch", "model"], devices=jax.devices())
+    layouts = keras.distribution.LayoutMap(mesh)
+    for path, axes in MODEL_LAYOUTS[name].items():
+        layouts[path] = axes
+    with keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch").scope():
+        model = build(kf.FastGradModel, **MODEL_OPTIONS)
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        fit = dict(batch_size=BATCH, epochs=data_parallel.MODEL_EPOCHS, shuffle=False, verbose=0)
+        model.fit(x, y, **fit)
+    counters = model.telemetry_counters()
+    return {
+        "max_diff": max_diff(expected, model),
+        "counts": [counters[k] for k in ("updates", "clipped_updates", "nonfinite_count")],
+        "specs": {v.path: [str(a) for a in v.value.sharding.spec] for v in model.variables},
+        "devices": sorted({len(v.value.sharding.device_set) for v in model.variables}),
+        "sequential": isinstance(model, keras.Sequential),
+    }
+
+
 def _run_cases(out_path, names):
     """(In the 8-device process.) Each case under ModelParallel and its
     reference on one device; writes `{name: result}` as JSON."""
@@ -237,6 +298,9 @@ def _run_cases(out_path, names):
     for name in names:
         if name == "memory":
             results[name] = _memory(kf)
+            continue
+        if name in MODEL_LAYOUTS:
+            results[name] = _run_model(kf, name)
             continue
         model_name, options, epochs, reference = CASES[name]
         build = builders[model_name]
@@ -295,7 +359,11 @@ def _run_cases(out_path, names):
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("model_parallel") / "results.json"
     return run_on_host_devices(
-        "tests.end_to_end.test_model_parallel_jax", 8, out, [*CASES, "memory"], timeout=600
+        "tests.end_to_end.test_model_parallel_jax",
+        8,
+        out,
+        [*CASES, *MODEL_LAYOUTS, "memory"],
+        timeout=600,
     )
 
 
@@ -312,6 +380,18 @@ def test_model_parallel_equals_one_device(results, case):
     assert all("model" in spec for spec in kernels.values()), kernels
     for key, (sharded, alone) in result.get("logs", {}).items():
         np.testing.assert_allclose(sharded, alone, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_LAYOUTS))
+def test_more_models_under_model_parallel_equal_one_device(results, case):
+    result = results[case]
+    assert result["max_diff"] < TOL, result["max_diff"]
+    assert result["counts"] == [6.0, 6.0, 0.0], result  # 3 windows an epoch, each clipped
+    assert result["devices"] == [8], result["devices"]
+    assert result["sequential"] == (case == "sequential")
+    for path, axes in MODEL_LAYOUTS[case].items():  # the LayoutMap applied
+        spec = result["specs"][path]
+        assert spec + ["None"] * (len(axes) - len(spec)) == [str(a) for a in axes], (path, spec)
 
 
 @pytest.mark.parametrize(
