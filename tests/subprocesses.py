@@ -14,8 +14,14 @@ def run_python(script, env, cwd=ROOT, timeout=300):
     """Runs `script` with `python -c` under the environment `env` (the whole
     environment, not additions) from `cwd`; fails the test with the end of
     its stderr if it fails. Returns its stdout."""
+    return _run(["-c", script], env, cwd, timeout)
+
+
+def _run(args, env, cwd, timeout):
+    """`python *args`; fails the test with the end of its stderr if it
+    fails. Returns its stdout."""
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, *args],
         env=env,
         cwd=cwd,
         capture_output=True,
@@ -41,14 +47,6 @@ def run_on_host_devices(module, devices, out_path, args=(), timeout=300):
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
-    done = subprocess.run(
-        [sys.executable, "-m", module, str(out_path), *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run(["-m", module, str(out_path), *args], env, ROOT, timeout)
     with open(out_path, encoding="utf-8") as f:
         return json.load(f)
