@@ -119,7 +119,7 @@ class Clipping(NamedTuple):
     ok: Any
 
 
-def clip(clip_norm, parts=None, checked=False, finite_known=None, scaled=None):
+def clip(clip_norm, parts=None, checked=False, fit=False, scaled=None):
     """The clip of an update to the global norm `clip_norm`: its factor,
     norm, whether it clips, whether it may be applied.
 
@@ -130,8 +130,7 @@ def clip(clip_norm, parts=None, checked=False, finite_known=None, scaled=None):
         checked: Python bool: the caller applies the factor only where the
             norm is finite and `fits_clip` (`ok`, or the verdict's check):
             no NaN guard in the factor.
-        finite_known: `None` (`ok` is `None`: not asked), or a Python bool
-            for `fits_clip`'s (`ok`).
+        fit: Python bool: `ok` is `fits_clip` (else `None`: not asked).
         scaled: `(unit, root)` from `scaled_norm` (a shell's, with its
             fused sum), or `None` (measured here on `parts`).
 
@@ -140,7 +139,7 @@ def clip(clip_norm, parts=None, checked=False, finite_known=None, scaled=None):
 
     Example:
 
-    >>> c = clip(1.0, [keras.ops.array([3.0, 4.0])], finite_known=False)
+    >>> c = clip(1.0, [keras.ops.array([3.0, 4.0])], fit=True)
     >>> float(c.factor), float(c.norm), bool(c.was_clipped), bool(c.ok)
     (0.2, 5.0, True, True)
     """
@@ -157,15 +156,10 @@ def clip(clip_norm, parts=None, checked=False, finite_known=None, scaled=None):
     else:
         quotient = (clip_norm / unit) / root
     factor = ops.where(was_clipped, quotient, 1.0)
-    fits = ok = None
-    if not checked or finite_known is not None:
-        fits = _fits(clip_norm, unit, root, norm)
-    if finite_known is not None:
-        ok = fits
+    fits = _fits(clip_norm, unit, root, norm) if fit or not checked else None
     if not checked:  # `fits_clip`, on the norm computed here: NaN beyond
-        guard = fits
-        factor = ops.where(guard, factor, float("nan"))
-    return Clipping(factor, norm, was_clipped, ok)
+        factor = ops.where(fits, factor, float("nan"))
+    return Clipping(factor, norm, was_clipped, fits if fit else None)
 
 
 def clip_factor(clip_norm, unit, root, checked=False):
@@ -195,10 +189,9 @@ def clip_factor(clip_norm, unit, root, checked=False):
     return clipping.factor, clipping.was_clipped
 
 
-def fits_clip(clip_norm, unit, root, finite_known=True):
+def fits_clip(clip_norm, unit, root):
     """Boolean scalar: the update clipped by the norm `unit * root` may be
-    applied: the norm finite (unless `finite_known`: the caller checked
-    it) and at most `clip_norm / tiny` (float32's smallest normal), so that
+    applied: the norm finite and at most `clip_norm / tiny` (float32's smallest normal), so that
     the clip factor `clip_norm / norm` is a normal float. Beyond (a norm
     above ~1e38 for `clip_norm=1`) the factor would be subnormal, which
     CPUs flush to 0: a silently zero update, which the steps drop instead
@@ -210,12 +203,10 @@ def fits_clip(clip_norm, unit, root, finite_known=True):
     True
     >>> bool(fits_clip(1.0, 2.0**80, keras.ops.array(1e20)))  # ~1.2e44
     False
-    >>> bool(fits_clip(1.0, 1.0, keras.ops.array(float("nan")), finite_known=False))
+    >>> bool(fits_clip(1.0, 1.0, keras.ops.array(float("nan"))))
     False
     """
-    norm = _product(unit, root)
-    del finite_known  # (a NaN or infinite norm fails `_fits` already)
-    return _fits(clip_norm, unit, root, norm)
+    return _fits(clip_norm, unit, root, _product(unit, root))
 
 
 def fitted(clip_norm, unit, root):

@@ -99,9 +99,9 @@ def prepare(shell, grads, normaliser=None, scaled=None, computed=None, own=False
     else:
         # Gated: applied only where the norm is finite (the verdict's, or
         # this update's check): no NaN guard in the factor.
-        known = False if check == "norm" else (True if fold and gated else None)
+        fit = check == "norm" or (fold and gated)  # (the fit checked here)
         scaled = scaled or shell.scaled_norm(grads)
-        clipping = norms.clip(clip_norm, checked=gated, finite_known=known, scaled=scaled)
+        clipping = norms.clip(clip_norm, checked=gated, fit=fit, scaled=scaled)
         factor, norm, was_clipped, ok = clipping
         if not fold:
             grads, factor = shell.scaled_by(grads, factor), None

@@ -237,7 +237,7 @@ class TestClipRule:
         from keras_fastgrad.maths import norms
 
         # ||[3, 4]|| = 5 > 1: factor 1 / 5 = 0.2, a normal float: applied.
-        c = norms.clip(1.0, [const([3.0, 4.0])], finite_known=False)
+        c = norms.clip(1.0, [const([3.0, 4.0])], fit=True)
         assert (float(c.factor), float(c.norm), bool(c.was_clipped), bool(c.ok)) == (
             pytest.approx(0.2),
             5.0,
@@ -254,17 +254,17 @@ class TestClipRule:
     def test_a_non_finite_norm_is_refused_and_its_factor_nan(self, clip_norm, bad):
         from keras_fastgrad.maths import norms
 
-        c = norms.clip(clip_norm, [const([1.0, bad])], finite_known=False)
+        c = norms.clip(clip_norm, [const([1.0, bad])], fit=True)
         assert not bool(c.ok)
         assert np.isnan(float(c.factor))  # unchecked: NaN, as Keras' clipping
-        assert not bool(norms.fits_clip(clip_norm, 1.0, const(bad), finite_known=False))
+        assert not bool(norms.fits_clip(clip_norm, 1.0, const(bad)))
 
     def test_a_norm_beyond_clip_norm_over_tiny_is_refused(self):
         from keras_fastgrad.maths import norms
 
         # 2**80 * 1e20 ~ 1.2e44 > 1 / 1.18e-38: a subnormal factor.
         assert not bool(norms.fits_clip(1.0, 2.0**80, const(1e20)))
-        c = norms.clip(1.0, checked=True, finite_known=True, scaled=(const(2.0**80), const(1e20)))
+        c = norms.clip(1.0, checked=True, fit=True, scaled=(const(2.0**80), const(1e20)))
         assert not bool(c.ok) and bool(c.was_clipped)
 
     @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ def test_clip_on_values_measures_past_the_overflow():
     # `ok` asked; ungated, the NaN guard in the factor.
     grads = [keras.ops.array([-1.2e20]), keras.ops.array([[-1.6e20]])]
     for gated in (True, False):
-        c = norms.clip(1.0, grads, checked=gated, finite_known=False if gated else None)
+        c = norms.clip(1.0, grads, checked=gated, fit=gated)
         np.testing.assert_allclose(float(c.norm), 2e20, rtol=1e-6)
         assert bool(c.was_clipped)
         assert c.ok is None if not gated else bool(c.ok)
@@ -64,11 +64,11 @@ def test_clip_on_values_measures_past_the_overflow():
     # A norm beyond `clip_norm / tiny` (a subnormal factor): a gated update
     # is refused (`ok` false), an ungated one gets NaN (Keras' guard).
     huge = [keras.ops.array([3e38, 3e38])]
-    assert not bool(norms.clip(1.0, huge, checked=True, finite_known=False).ok)
+    assert not bool(norms.clip(1.0, huge, checked=True, fit=True).ok)
     assert np.isnan(float(norms.clip(1.0, huge).factor))
     # Below the clip: untouched.
     small = [keras.ops.array([0.3, 0.4])]
-    c = norms.clip(1.0, small, checked=True, finite_known=False)
+    c = norms.clip(1.0, small, checked=True, fit=True)
     assert float(c.norm) == pytest.approx(0.5) and not bool(c.was_clipped) and bool(c.ok)
     assert float(c.factor) == 1.0
 
