@@ -115,10 +115,14 @@ def test_the_record_says_multitask_runs_on_jax():
 
 def raised_keys():
     """The keys of every `refusal("...")` in the package's code, and the
-    names the refusal lists hold (`_JAX_REFUSED_OPTIONS`, `_CALLBACKS`)."""
-    from keras_fastgrad import backend
+    rows the generic refusals raise from the record
+    (`step.trainer.check_options`, `check_callback`): a key naming an option
+    of `FastGradModel` or a callback class."""
+    from keras_fastgrad import callbacks
+    from keras_fastgrad.models import model
 
-    keys = set(backend._JAX_REFUSED_OPTIONS) | set(backend._JAX_REFUSED_CALLBACKS)
+    generic = {*model._DEFAULT_OPTIONS, *callbacks.__all__}
+    keys = {r.key for r in support.BACKEND_SUPPORT if r.key in generic}
     package = os.path.join(ROOT, "keras_fastgrad")
     for folder, _, names in os.walk(package):
         for name in names:
@@ -144,3 +148,33 @@ def test_a_refusal_says_what_its_row_says(key):
     assert row.feature[1:] in message and row.note in message and row.fix in message
     assert "not yet supported on Keras' JAX backend" in message
     assert "Received: x=1" in message and "KERAS_BACKEND=tensorflow" in message
+
+
+@pytest.mark.parametrize("backend", ["jax", "tensorflow"])
+def test_an_option_or_callback_the_record_refuses_is_refused_on_its_backend_only(
+    monkeypatch, backend
+):
+    # The generic refusals read the record alone: a row keyed by an option's
+    # (or a callback class's) name, refused on JAX, refuses it there.
+    from keras_fastgrad.step import trainer
+
+    rows = {
+        key: support.Feature(f"`{key}`", jax=support.REFUSED, note="a test's row", key=key)
+        for key in ("clip_norm", "NonFiniteGuard")
+    }
+    monkeypatch.setattr(support, "JAX_REFUSALS", rows)
+    monkeypatch.setattr(trainer, "JAX_REFUSALS", rows)
+
+    class NonFiniteGuard:
+        pass
+
+    defaults = {"clip_norm": None, "accumulation_steps": 1}
+    trainer.check_options({"clip_norm": None, "accumulation_steps": 4}, defaults, backend)
+    if backend == "tensorflow":
+        trainer.check_options({"clip_norm": 1.0, "accumulation_steps": 1}, defaults, backend)
+        trainer.check_callback(NonFiniteGuard(), None, backend)
+        return
+    with pytest.raises(NotImplementedError, match=r"Received: clip_norm=1\.0 with"):
+        trainer.check_options({"clip_norm": 1.0, "accumulation_steps": 1}, defaults, backend)
+    with pytest.raises(NotImplementedError, match=r"Received: NonFiniteGuard\(\.\.\.\) with"):
+        trainer.check_callback(NonFiniteGuard(), None, backend)

@@ -25,40 +25,67 @@ def refuses(key, backend):
     return getattr(JAX_REFUSALS[key], backend) == REFUSED
 
 
+# What each shell's `trainer` module defines (same names, same contracts),
+# picked once by `keras_fastgrad.backend.shell()`:
+SHELL_ENTRY_POINTS = (
+    "NAME",  # "tensorflow" or "jax": the Keras backend it runs on
+    "STEP_UNIT_CLASSES",  # (telemetry, divergence) classes for `StepState`
+    "BUILDS_BEFORE_FIT",  # whether `fit` builds the model before its train function
+    "LOSS_SCALING",  # the loss scaling unit's class (`StepState.scaling`)
+    "STATE_METHODS",  # Keras' trainer methods reading the state between batches
+    "TAPE",  # whether gradients come from a tape watching a subset of variables
+    "RECOMPILES_UNTRACED",  # whether a new input shape recompiles without a retrace
+    "MULTITASK",  # `TaskMerger`'s primitives (the protocol in `multitask.merger`)
+    "loss_tracker",  # (streak) -> the `loss` metric, NaN while micro-batches drop
+    "make_train_function",  # (model, make, force) -> Keras' train function, the step in it
+    "train_step",  # (model, *Keras' train_step arguments) -> the step's result
+    "apply_partial_window",  # (compiled model) -> the pending window applied, its logs
+    "with_divergence_stop",  # (model, args, kwargs) -> `fit`'s arguments, the stop added
+    "arrays_kept_for_a_refusal",  # (model) -> what `fit` gives back if tracing raises
+    "step_variables",  # (model) -> the step's variables Keras must thread
+    "tape_variable_count",  # (model) -> variables differentiated, or None
+    "trace_count",  # (the compiled step function) -> times traced/compiled
+)
+
+
 # ------------------------------------------------------------ options, keys
-def check_options(options, defaults, refused):
-    """Refuses the options named in `refused` set to other than their
-    defaults (`backend._JAX_REFUSED_OPTIONS` on JAX; none on TensorFlow).
+def check_options(options, defaults, backend):
+    """Refuses the options `backend`'s step does not implement: those whose
+    support row (keyed by the option's name) marks them refused there,
+    set to other than their defaults.
 
     Args:
         options: Dict of `FastGradModel`'s options.
         defaults: Dict of their default values.
-        refused: Iterable of option names (each with its support row).
+        backend: The shell's `NAME`.
 
     Raises:
         NotImplementedError: naming the option (`support.refusal`).
+
+    Example:
+
+    >>> check_options({"clip_norm": 1.0}, {"clip_norm": None}, "jax")  # supported
     """
-    for name in refused:
-        if options[name] != defaults[name]:
-            raise refusal(name, f"{name}={options[name]!r}")
+    for name, value in options.items():
+        if name in JAX_REFUSALS and refuses(name, backend) and value != defaults[name]:
+            raise refusal(name, f"{name}={value!r}")
 
 
-def check_callback(callback, model, refused, backend):
-    """Refuses a keras_fastgrad callback the backend's step does not serve:
-    those named in `refused` (class names).
+def check_callback(callback, model, backend):
+    """Refuses a keras_fastgrad callback `backend`'s step does not serve:
+    one whose support row (keyed by its class name) marks it refused there.
 
     Args:
         callback: The callback.
         model: The model it attaches to, or `None` (not known yet).
-        refused: Iterable of callback class names.
         backend: The shell's `NAME`.
 
     Raises:
         NotImplementedError: naming the callback.
     """
-    del model, backend  # (every callback serves every model, on both backends)
+    del model  # (every callback serves every model, on both backends)
     name = type(callback).__name__
-    if name in refused:
+    if name in JAX_REFUSALS and refuses(name, backend):
         raise refusal(name, f"{name}(...)")
 
 

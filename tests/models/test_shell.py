@@ -9,6 +9,7 @@ import keras
 
 import keras_fastgrad
 from keras_fastgrad import backend
+from keras_fastgrad.step import trainer as core
 
 PACKAGE_DIR = pathlib.Path(keras_fastgrad.__file__).parent
 SHELLS = {name: PACKAGE_DIR / "backend" / name / "trainer.py" for name in ("tensorflow", "jax")}
@@ -26,7 +27,7 @@ def _top_level_names(path):
 
 def test_both_shells_define_every_entry_point():
     for name, path in SHELLS.items():
-        missing = set(backend.SHELL_ENTRY_POINTS) - _top_level_names(path)
+        missing = set(core.SHELL_ENTRY_POINTS) - _top_level_names(path)
         assert not missing, f"backend/{name}/trainer.py lacks {sorted(missing)}"
 
 

@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
 
+from keras_fastgrad.backend.jax import forward as jax_forward
+from keras_fastgrad.step.state import TraceFacts
+
 # Primitives whose output carries no gradient of their input.
 _NO_GRADIENT = ("stop_gradient",)
 # Parameters holding the sub-program a call primitive runs on its inputs.
@@ -138,3 +141,40 @@ def _called(eqn):
 def _differentiable(var):
     dtype = getattr(getattr(var, "aval", None), "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def record_trace_facts(model, state, batch, traced):
+    """The traced step's facts (`StepState.facts`, as TensorFlow's tape
+    records them): how many variables the gradient is taken for and which
+    of them the loss does not reach (read from the program of Keras'
+    `compute_loss_and_updates` over the trainable values,
+    `jax_reaching.reaching_inputs`: one more trace of the forward pass).
+    Only while `tape_variables` is requested (`TapeVariableCounter`,
+    `telemetry=True`); a trace that does not look leaves no facts (`None`).
+    Under `run_eagerly=True` (no trace) the first step looks, once.
+
+    Args:
+        model: The `FastGradModel`.
+        state: `(trainable, non_trainable, optimizer, metrics)` values.
+        batch: `(x, y, sample_weight)`.
+        traced: Python bool, whether the step is being traced (`jit`).
+    """
+    tv, ntv, ov, mv = state
+    step_state = model.fastgrad_step_state
+    if "tape_variables" not in model.fastgrad_step_state.log_keys:
+        if traced:
+            step_state.facts = None
+        return
+    if not traced and step_state.facts is not None:
+        return
+
+    def loss_of(trainable):
+        return jax_forward.keras_loss(model, (trainable, ntv, mv, ov), batch)[0]
+
+    reached = reaching_inputs(jax.make_jaxpr(loss_of)(list(tv)), 1)[0]
+    grad_is_none = [i not in reached for i in range(len(tv))]
+    step_state.facts = TraceFacts(
+        tape_variables=len(tv),
+        no_gradient=[v.path for v, none in zip(model.trainable_variables, grad_is_none) if none],
+        grad_is_none=grad_is_none,
+    )

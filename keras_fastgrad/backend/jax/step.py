@@ -35,6 +35,7 @@ from keras_fastgrad.backend.jax import forward as jax_forward
 from keras_fastgrad.backend.jax import micro_batches as jax_micro_batches
 from keras_fastgrad.backend.jax import multitask as jax_multitask
 from keras_fastgrad.backend.jax import noise_scale as noise
+from keras_fastgrad.backend.jax import reaching
 from keras_fastgrad.backend.jax import telemetry as telemetry
 from keras_fastgrad.backend.jax import units as units
 from keras_fastgrad.backend.jax import window as jax_window
@@ -70,7 +71,7 @@ def train_step(model, state, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     accumulating = model.fastgrad_step_state.accumulator is not None
     with _variables_made_in_the_step_refused(model):
-        telemetry.record_trace_facts(model, state, (x, y, sample_weight), traced)
+        reaching.record_trace_facts(model, state, (x, y, sample_weight), traced)
         grads, d, mean, aux = _gradients(model, slots, state, x, y, sample_weight, accumulating)
     unscaled_loss, y_pred, new_ntv, new_mv, *task_logs = aux  # (multitask: its telemetry)
     if accumulating:  # a trace-time fact of the loss (the flush reads it)
@@ -103,7 +104,7 @@ def train_step(model, state, data):
     out_ntv = new.write(slots, list(new_ntv), ntv)
     micro_step = new.window.micro_step if accumulating else None
     out_ntv = jax_batchnorm.end_micro_batch(model, out_ntv, ntv, keep, micro_step)
-    logs.update(telemetry.logs(model, slots, new, ov, len(tv)))
+    logs.update(telemetry.logs(model, slots, new, ov, len(tv), noise=noise.estimates(model, new)))
     logs.update(task_logs[0] if task_logs else {})
     return logs, (tv, out_ntv, ov, mv)
 

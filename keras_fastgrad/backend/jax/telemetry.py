@@ -8,11 +8,9 @@ boolean scalar that decided it.
 What is JAX's own here: where a dropped micro-batch went bad is worked
 out from the gradient arrays (while `nonfinite_first_index` or
 `nonfinite_num_variables` is requested); `input_shape_changes` compares
-the static shapes of the traced micro-batch; `tape_variables` is, with no
-tape, the number of trainable variables the gradient
-(`jax.value_and_grad`) is taken for, and while it is requested the trace
-also finds the variables the loss does not reach (`record_trace_facts`:
-JAX gives them a zero gradient where TensorFlow's tape gives `None`).
+the static shapes of the traced micro-batch. (`tape_variables` and the
+variables the loss does not reach are read from the traced program:
+`jax_reaching.record_trace_facts`.)
 
 The optional keys (`keras_fastgrad.maths.telemetry`): `grad_norm/<layer>`
 and `agc_clipped_fraction` of the update's gradient (after adaptive
@@ -28,13 +26,10 @@ import math
 
 from keras import ops
 
-from keras_fastgrad.backend.jax import forward as jax_forward
-from keras_fastgrad.backend.jax import noise_scale as jax_noise_scale
 from keras_fastgrad.maths import finite
 from keras_fastgrad.step import micro_batch
 from keras_fastgrad.step import telemetry as core
 from keras_fastgrad.step.splitting import first_input
-from keras_fastgrad.step.state import TraceFacts
 from keras_fastgrad.step.telemetry import AGC_CLIPPED_FRACTION, LOG_KEYS
 
 
@@ -72,47 +67,6 @@ class Drops:
 
     def record_drop(self, where):
         record_drop(self.model, self.new, self.grads, where, self.failed, self.gated)
-
-
-def record_trace_facts(model, state, batch, traced):
-    """The traced step's facts (`StepState.facts`, as TensorFlow's tape
-    records them): how many variables the gradient is taken for and which
-    of them the loss does not reach (read from the program of Keras'
-    `compute_loss_and_updates` over the trainable values,
-    `jax_reaching.reaching_inputs`: one more trace of the forward pass).
-    Only while `tape_variables` is requested (`TapeVariableCounter`,
-    `telemetry=True`); a trace that does not look leaves no facts (`None`).
-    Under `run_eagerly=True` (no trace) the first step looks, once.
-
-    Args:
-        model: The `FastGradModel`.
-        state: `(trainable, non_trainable, optimizer, metrics)` values.
-        batch: `(x, y, sample_weight)`.
-        traced: Python bool, whether the step is being traced (`jit`).
-    """
-    import jax  # here: this module is imported on TensorFlow too, where JAX may be absent
-
-    from keras_fastgrad.backend.jax.reaching import reaching_inputs
-
-    tv, ntv, ov, mv = state
-    step_state = model.fastgrad_step_state
-    if "tape_variables" not in requested(model):
-        if traced:
-            step_state.facts = None
-        return
-    if not traced and step_state.facts is not None:
-        return
-
-    def loss_of(trainable):
-        return jax_forward.keras_loss(model, (trainable, ntv, mv, ov), batch)[0]
-
-    reached = reaching_inputs(jax.make_jaxpr(loss_of)(list(tv)), 1)[0]
-    grad_is_none = [i not in reached for i in range(len(tv))]
-    step_state.facts = TraceFacts(
-        tape_variables=len(tv),
-        no_gradient=[v.path for v, none in zip(model.trainable_variables, grad_is_none) if none],
-        grad_is_none=grad_is_none,
-    )
 
 
 def record_input_shape(model, new, x):
@@ -157,11 +111,11 @@ def record_measures(new, measures, entered, applied):
     new.measured.update(core.measures_after(new.measured, measures, entered, applied))
 
 
-def logs(model, slots, new, ov, num_trainable, keys=None):
+def logs(model, slots, new, ov, num_trainable, keys=None, noise=None):
     """The values (float32 scalars, `keras_fastgrad.step.telemetry.logs`)
-    of `keys` (default: the requested keys), the noise scale's included."""
+    of `keys` (default: the requested keys), the noise scale's from `noise`
+    (`jax_noise_scale.estimates`; `None`: not measured)."""
     keys = model.fastgrad_step_state.log_keys if keys is None else keys
     scale = slots.loss_scale(ov, 1.0)
     measured = [(k, new.measured[k]) for k in measured_keys(model)]
-    noise = jax_noise_scale.estimates(model, new)
     return core.logs(new.counters, scale, num_trainable, keys, measured, noise=noise)

@@ -3,7 +3,7 @@
 `keras_fastgrad.backend.shell()`, called by the model's Keras hooks.
 
 Each entry point is also defined by the TensorFlow shell's `trainer.py`,
-with the same contract (`keras_fastgrad.backend.SHELL_ENTRY_POINTS`). Here:
+with the same contract (`keras_fastgrad.step.trainer.SHELL_ENTRY_POINTS`). Here:
 Keras jits a stateless `train_step(state, data)`
 (`keras_fastgrad.backend.jax.step`), the step's variables ride in Keras'
 state tuple. What the JAX step does not implement is refused by name, by

@@ -151,7 +151,7 @@ def _flush(model, keys, tv, ntv, ov):
 
     new.window = accumulation.flushed(window, apply_where, ops.zeros_like)
     tv, ov = params[0]
-    logs = telemetry.logs(model, slots, new, ov, len(tv), keys)
+    logs = telemetry.logs(model, slots, new, ov, len(tv), keys, noise.estimates(model, new))
     ntv = new.write(slots, list(ntv), ntv)
     ntv = jax_batchnorm.apply_window(model, ntv)  # BatchNorm's one step from the window
     return tv, ntv, ov, logs

@@ -3,7 +3,7 @@
 `keras_fastgrad.backend.shell()`, called by the model's Keras hooks.
 
 Each entry point is also defined by the JAX shell's `trainer.py`, with the
-same contract (`keras_fastgrad.backend.SHELL_ENTRY_POINTS`). Here: the step
+same contract (`keras_fastgrad.step.trainer.SHELL_ENTRY_POINTS`). Here: the step
 traced by `tf.function` (its telemetry packed into one output), its state
 in variables. The refusals (of `tf.distribute` strategies among them)
 are the core's (`keras_fastgrad.step.trainer`).
