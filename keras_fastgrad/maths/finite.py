@@ -2,7 +2,8 @@
 
 Written once in `keras.ops` for both backends' steps (TensorFlow's
 `keras_fastgrad.backend.tensorflow.finite`, which passes its own element sums in, JAX's
-`keras_fastgrad.backend.jax.units`). A
+`keras_fastgrad.backend.jax.step` and `window`, and `step.update`'s
+`Shell`). A
 sum is non-finite when any of its terms is (NaN and +-Inf propagate), so
 one sum per gradient, a single pass with no temporary, decides. The one
 false alarm: finite elements whose sum exceeds float32's range (~3.4e38), a

@@ -2,7 +2,7 @@
 
 Written once in `keras.ops` for both backends' steps (TensorFlow's
 `keras_fastgrad.backend.tensorflow.clipping`, which passes its fused sum of squares in,
-JAX's `keras_fastgrad.backend.jax.units`).
+JAX's `keras_fastgrad.backend.jax.step`, through `step.update`'s `Shell`).
 The gradients come in as dense float32 tensors (`None` entries and sparse
 rows are the caller's: `step.gradients.summed_rows` on TensorFlow).
 
