@@ -333,3 +333,14 @@ def test_instance_spread_refuses_bad_arguments(instance_spread):
         instance_spread.main(["--sides", "default"])
     with pytest.raises(ValueError, match="`--instances` must be at least 2"):
         instance_spread.main(["--instances", "1"])
+
+
+def test_executed_nodes_reads_the_lowered_graph_each_side_ran(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import executed_nodes
+
+    counts = executed_nodes.main(["--sides", "clip,keras_clip_gated"])
+    for side in ("clip", "keras_clip_gated"):  # each `cond` lowered: no `If` runs
+        assert counts[side]["Switch"] > 8 and counts[side]["Merge"] >= 1
+        assert not counts[side]["If"] and not counts[side]["StatelessIf"]
+    assert counts["clip"]["L2Loss"] >= 8 and counts["keras_clip_gated"]["Square"] >= 8
