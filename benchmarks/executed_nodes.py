@@ -24,7 +24,8 @@ that region's nodes of the first side, by name. `main()` returns
 
 A node is not a time: a `Switch` or a dead node costs the executor a
 fraction of a microsecond (no kernel), a `MatMul` far more. Read with
-`op_profile.py` (kernel time per op type). Not part of `run_all.py` (not a
+`op_profile.py` (kernel time per op type) and `step_phases.py` (when
+each phase of the step ends: a longer critical path). Not part of `run_all.py` (not a
 `bench_*` script): a diagnosis tool.
 """
 
