@@ -333,3 +333,25 @@ def test_instance_spread_refuses_bad_arguments(instance_spread):
         instance_spread.main(["--sides", "default"])
     with pytest.raises(ValueError, match="`--instances` must be at least 2"):
         instance_spread.main(["--instances", "1"])
+
+
+def test_executed_nodes_reads_the_lowered_graph_each_side_ran(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import executed_nodes
+
+    counts = executed_nodes.main(["--sides", "clip,keras_clip_gated"])
+    for side in ("clip", "keras_clip_gated"):  # each `cond` lowered: no `If` runs
+        assert counts[side]["Switch"] > 8 and counts[side]["Merge"] >= 1
+        assert not counts[side]["If"] and not counts[side]["StatelessIf"]
+    assert counts["clip"]["L2Loss"] >= 8 and counts["keras_clip_gated"]["Square"] >= 8
+
+
+def test_step_phases_times_each_phase_of_both_sides_and_the_tail(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import step_phases
+
+    result = step_phases.main(["--steps", "8", "--rounds", "2"])
+    for side in (0, 1):
+        first, backprop, end = (result[k][side] for k in ("first op", "backprop end", "call end"))
+        assert 0 < first < backprop < end
+        assert result["ops after the last branch op (tail)"][side] >= 1  # (the outputs' op)
