@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests import model_cases
 from tests.subprocesses import run_on_host_devices
 
 TOL = 1e-5
@@ -57,56 +58,7 @@ EXPECTED_COUNTS = {
 # Beyond the MLP: 40 rows in batches of 8, `accumulation_steps=2`: windows
 # of 16, 16 and the epoch's partial window of 8; every update clipped.
 MODELS = ("masked_gru", "per_pixel_conv", "embedding", "sequential", "training_branch")
-MODEL_ROWS = 40
-MODEL_WINDOWS = [(0, 16), (16, 32), (32, 40)]
 MODEL_OPTIONS = {"accumulation_steps": 2, "clip_norm": CLIP}
-MODEL_EPOCHS = 2
-
-
-def _lengths():
-    """The masked GRU's unmasked timesteps a row: in each window the first
-    micro-batch's rows are short, the second's long, and each device's 4
-    rows of a micro-batch hold a different count from the other's."""
-    short, long = [1, 2, 1, 3, 2, 1, 1, 2], [7, 5, 6, 7, 4, 6, 7, 5]
-    return np.array(short + long + short[::-1] + long[::-1] + [3, 7, 1, 6, 2, 5, 4, 7])
-
-
-def _model_case(name):
-    """`(builder, x, y)`: a builder takes `keras.Model` (the plain model)
-    or `FastGradModel` and its options; the same initial weights each call."""
-    import keras
-
-    from tests import helpers
-
-    rng = np.random.default_rng(5)
-    n = MODEL_ROWS
-    if name == "masked_gru":  # right padding (zeros): the loss is masked
-        x = rng.integers(1, 20, size=(n, 7))
-        x[np.arange(7)[None, :] >= _lengths()[:, None]] = 0
-        y = rng.normal(size=(n, 7, 3)).astype("float32")
-        return (lambda cls, **o: helpers.masked_gru(cls, sequences=True, **o)), x.astype("int32"), y
-    if name == "per_pixel_conv":
-        x = rng.normal(size=(n, 6, 6, 2)).astype("float32")
-        return helpers.conv, x, rng.normal(size=(n, 6, 6, 1)).astype("float32")
-    if name == "embedding":
-        x = rng.integers(0, 30, size=(n, 5)).astype("int32")
-        return helpers.embedding, x, rng.normal(size=(n, 3)).astype("float32")
-    x, y = helpers.uneven_data()
-    if name == "sequential":
-        return helpers.sequential_16, x[:n], y[:n]
-    x, y = x[:n, :4], y[:n, :1]
-
-    def training_branch(cls, **options):
-        keras.utils.set_random_seed(0)
-        model = (helpers.TrainingBranch if cls is keras.Model else helpers.FGTrainingBranch)(
-            **options
-        )
-        # Its training-only branch built too: Keras' JAX trainer cannot
-        # create a layer's weights inside its traced step.
-        model(x[:1], training=True)
-        return model
-
-    return training_branch, x, y
 
 
 def _per_micro_batch_weights(x):
@@ -117,7 +69,7 @@ def _per_micro_batch_weights(x):
     hand)."""
     valid = (x != 0).sum(axis=1).astype("float64")
     weights = np.ones(len(x), "float32")
-    for start, stop in MODEL_WINDOWS[:2]:
+    for start, stop in model_cases.WINDOWS[:2]:
         middle = (start + stop) // 2
         for lo, hi in ((start, middle), (middle, stop)):
             weights[lo:hi] = valid[start:stop].sum() / (2 * valid[lo:hi].sum())
@@ -160,16 +112,16 @@ def _run_model_cases(results, seen):
     def plain(build, x, y, sample_weight=None):
         model = build(keras.Model)
         model.compile(keras.optimizers.Adam(1e-2, global_clipnorm=CLIP), "mse")
-        for _ in range(MODEL_EPOCHS):
-            for start, stop in MODEL_WINDOWS:
+        for _ in range(model_cases.EPOCHS):
+            for start, stop in model_cases.WINDOWS:
                 weights = None if sample_weight is None else sample_weight[start:stop]
                 model.train_on_batch(x[start:stop], y[start:stop], sample_weight=weights)
         return model
 
     for name in MODELS:
-        build, x, y = _model_case(name)
+        build, x, y = model_cases.model_case(name)
         reference = plain(build, x, y)
-        model, _, result = _fit_sharded(build, MODEL_OPTIONS, x, y, seen, 8, MODEL_EPOCHS)
+        model, _, result = _fit_sharded(build, MODEL_OPTIONS, x, y, seen, 8, model_cases.EPOCHS)
         counters = model.telemetry_counters()
         result.update(
             max_diff=max_diff(reference, model),
@@ -261,8 +213,8 @@ def test_masked_gru_data_has_uneven_valid_counts():
     # Each window's micro-batches, and each device's half of one, hold
     # different numbers of valid timesteps, so a normaliser per
     # micro-batch (or per device) would weigh them differently.
-    valid = _lengths()
-    for start, stop in MODEL_WINDOWS:
+    valid = model_cases.lengths()
+    for start, stop in model_cases.WINDOWS:
         halves = [valid[i : i + 4].sum() for i in range(start, stop, 4)]
         assert len(set(halves)) == len(halves), halves
     assert (valid < 7).any() and (valid == 7).any()

@@ -83,7 +83,7 @@ EXPECTED_COUNTS = {
 }
 
 
-# Beyond the transformer: test_data_parallel_jax.py's models, data and
+# Beyond the transformer: tests/model_cases.py's models, data and
 # windows (40 rows in batches of 8; windows of 16, 16 and the epoch's
 # partial 8; every update clipped; 2 epochs), each with kernels sharded
 # over "model" as below (the layer names as after `clear_session()`).
@@ -254,14 +254,14 @@ def _run_model(kf, name):
     import jax
     import keras
 
-    from tests.end_to_end import test_data_parallel_jax as data_parallel
+    from tests import model_cases
     from tests.helpers import max_weight_diff as max_diff
 
-    build, x, y = data_parallel._model_case(name)
+    build, x, y = model_cases.model_case(name)
     expected = build(keras.Model)
     expected.compile(keras.optimizers.Adam(1e-2, global_clipnorm=CLIP), "mse")
-    for _ in range(data_parallel.MODEL_EPOCHS):
-        for start, stop in data_parallel.MODEL_WINDOWS:
+    for _ in range(model_cases.EPOCHS):
+        for start, stop in model_cases.WINDOWS:
             expected.train_on_batch(x[start:stop], y[start:stop])
     keras.backend.clear_session()  # (the names; in the scope it would clear the distribution)
     mesh = keras.distribution.DeviceMesh(MESH, ["batch", "model"], devices=jax.devices())
@@ -271,7 +271,7 @@ def _run_model(kf, name):
     with keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch").scope():
         model = build(kf.FastGradModel, **MODEL_OPTIONS)
         model.compile(keras.optimizers.Adam(1e-2), "mse")
-        fit = dict(batch_size=BATCH, epochs=data_parallel.MODEL_EPOCHS, shuffle=False, verbose=0)
+        fit = dict(batch_size=BATCH, epochs=model_cases.EPOCHS, shuffle=False, verbose=0)
         model.fit(x, y, **fit)
     counters = model.telemetry_counters()
     return {
