@@ -95,6 +95,7 @@ Writes benchmarks/out/targets.json (`targets_xla`, `targets_mixed`,
 `targets_xla_mixed` for the GPU modes).
 """
 
+import argparse
 import contextlib
 import os
 import time
@@ -347,9 +348,28 @@ class GraphMode:
     xla = mixed = False
 
 
+def two_side_parser(doc, model, sides):
+    """The parser of a diagnosis tool that compares two sides
+    (`op_profile.py`, `instance_spread.py`, `executed_nodes.py`,
+    `step_phases.py`): `--model` (a key of `MODELS`, default `model`) and
+    `--sides` (default `sides`); read the sides with `parsed_sides`."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=model, choices=list(MODELS))
+    parser.add_argument("--sides", default=sides)
+    return parser
+
+
+def parsed_sides(parser, args):
+    """`args.sides` (parsed by `parser`, a `two_side_parser`) as
+    `two_sides`' list, its default the example of the error."""
+    return two_sides(args.sides, parser.get_default("sides"))
+
+
 def two_sides(text, example):
-    """`--sides` of a diagnosis tool (`op_profile.py`, `instance_spread.py`):
-    two keys of `SIDES`, comma-separated, as a list."""
+    """`--sides` of a diagnosis tool (`two_side_parser`): two keys of
+    `SIDES`, comma-separated, as a list."""
     sides = text.split(",")
     unknown = [s for s in sides if s not in SIDES]
     if len(sides) != 2 or unknown:

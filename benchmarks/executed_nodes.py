@@ -29,7 +29,6 @@ each phase of the step ends: a longer critical path). Not part of `run_all.py` (
 `bench_*` script): a diagnosis tool.
 """
 
-import argparse
 import collections
 import os
 import re
@@ -77,14 +76,10 @@ def by_region(graph):
 def main(argv=None):
     import bench_targets
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="mlp_64x256_b64", choices=list(bench_targets.MODELS))
-    parser.add_argument("--sides", default="clip,keras_clip_gated")
+    parser = bench_targets.two_side_parser(__doc__, "mlp_64x256_b64", "clip,keras_clip_gated")
     parser.add_argument("--list", default=None, help="a region of the first side to list")
     args = parser.parse_args(argv)
-    a, b = bench_targets.two_sides(args.sides, "clip,keras_clip_gated")
+    a, b = bench_targets.parsed_sides(parser, args)
     data = bench_targets.model_data(args.model)
     graphs = {s: executed_graph(s, args.model, data) for s in (a, b)}
     counts = {s: collections.Counter(n.op for n in g.node) for s, g in graphs.items()}

@@ -28,7 +28,6 @@ instances it built.
 Not part of `run_all.py` (not a `bench_*` script): a diagnosis tool.
 """
 
-import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -38,15 +37,11 @@ def main(argv=None):
     import bench_targets
     from harness import interleaved_step_ratios
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="mlp_64x256_b64", choices=list(bench_targets.MODELS))
-    parser.add_argument("--sides", default="default,keras_gated")
+    parser = bench_targets.two_side_parser(__doc__, "mlp_64x256_b64", "default,keras_gated")
     parser.add_argument("--instances", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
-    sides = bench_targets.two_sides(args.sides, "default,keras_gated")
+    sides = bench_targets.parsed_sides(parser, args)
     if args.instances < 2:
         raise ValueError(
             f"`--instances` must be at least 2 (an A/A pair needs two). "

@@ -22,7 +22,6 @@ steadier than the step-time ratio, but quote it with its spread.
 Not part of `run_all.py` (not a `bench_*` script): a diagnosis tool.
 """
 
-import argparse
 import collections
 import glob
 import os
@@ -80,16 +79,12 @@ def profiled(run, steps):
 def main(argv=None):
     import bench_targets
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="mlp_256x1024_b64", choices=list(bench_targets.MODELS))
-    parser.add_argument("--sides", default="acc_unsafe,keras_acc")
+    parser = bench_targets.two_side_parser(__doc__, "mlp_256x1024_b64", "acc_unsafe,keras_acc")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=20, help="op types shown")
     args = parser.parse_args(argv)
-    sides = bench_targets.two_sides(args.sides, "acc_unsafe,keras_acc")
+    sides = bench_targets.parsed_sides(parser, args)
     data = bench_targets.model_data(args.model)
 
     runs = {

@@ -22,7 +22,6 @@ stretches every phase: compare the two sides' phases within one run. Not
 part of `run_all.py` (not a `bench_*` script): a diagnosis tool.
 """
 
-import argparse
 import bisect
 import collections
 import glob
@@ -103,15 +102,11 @@ def phases(calls, ops):
 def main(argv=None):
     import bench_targets
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="mlp_64x256_b64", choices=list(bench_targets.MODELS))
-    parser.add_argument("--sides", default="clip,keras_clip_gated")
+    parser = bench_targets.two_side_parser(__doc__, "mlp_64x256_b64", "clip,keras_clip_gated")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
-    sides = bench_targets.two_sides(args.sides, "clip,keras_clip_gated")
+    sides = bench_targets.parsed_sides(parser, args)
     data = bench_targets.model_data(args.model)
     runs = {
         s: bench_targets.timed_side(s, args.model, bench_targets.GraphMode, args.steps, data)
