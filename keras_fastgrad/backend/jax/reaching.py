@@ -148,7 +148,7 @@ def record_trace_facts(model, state, batch, traced):
     records them): how many variables the gradient is taken for and which
     of them the loss does not reach (read from the program of Keras'
     `compute_loss_and_updates` over the trainable values,
-    `jax_reaching.reaching_inputs`: one more trace of the forward pass).
+    `reaching_inputs`: one more trace of the forward pass).
     Only while `tape_variables` is requested (`TapeVariableCounter`,
     `telemetry=True`); a trace that does not look leaves no facts (`None`).
     Under `run_eagerly=True` (no trace) the first step looks, once.
@@ -161,7 +161,7 @@ def record_trace_facts(model, state, batch, traced):
     """
     tv, ntv, ov, mv = state
     step_state = model.fastgrad_step_state
-    if "tape_variables" not in model.fastgrad_step_state.log_keys:
+    if "tape_variables" not in step_state.log_keys:
         if traced:
             step_state.facts = None
         return
