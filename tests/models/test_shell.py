@@ -6,6 +6,7 @@ import ast
 import pathlib
 
 import keras
+import pytest
 
 import keras_fastgrad
 from keras_fastgrad import backend
@@ -56,3 +57,22 @@ def test_the_models_ask_the_shell_not_the_backend():
                 if path.name != "__init__.py":
                     asking.append(f"{path.relative_to(PACKAGE_DIR)}:{node.lineno}")
     assert not asking, f"these ask which backend instead of calling backend.shell(): {asking}"
+
+
+def test_a_model_option_the_record_refuses_on_the_running_backend_is_refused(monkeypatch):
+    # Through `FastGradModel`: the backend's `check_options` passes the
+    # running shell's name, so a row refused there stops the model, by name.
+    from keras_fastgrad.step import support
+
+    running = keras.backend.backend()
+    row = support.Feature(
+        "`clip_norm`", note="a test's row", key="clip_norm", **{running: support.REFUSED}
+    )
+    monkeypatch.setattr(support, "JAX_REFUSALS", {"clip_norm": row})
+    monkeypatch.setattr(core, "JAX_REFUSALS", {"clip_norm": row})
+
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(1)(inputs)
+    keras_fastgrad.FastGradModel(inputs, outputs)  # at its default: not refused
+    with pytest.raises(NotImplementedError, match=r"Received: clip_norm=1\.0 with"):
+        keras_fastgrad.FastGradModel(inputs, outputs, clip_norm=1.0)
